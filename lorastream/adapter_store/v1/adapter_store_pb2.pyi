@@ -1,0 +1,144 @@
+from lorastream.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PreloadPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRELOAD_PHASE_UNSPECIFIED: _ClassVar[PreloadPhase]
+    PRELOAD_PHASE_RESOLVING: _ClassVar[PreloadPhase]
+    PRELOAD_PHASE_DOWNLOADING: _ClassVar[PreloadPhase]
+    PRELOAD_PHASE_VALIDATING: _ClassVar[PreloadPhase]
+    PRELOAD_PHASE_STAGING: _ClassVar[PreloadPhase]
+    PRELOAD_PHASE_DONE: _ClassVar[PreloadPhase]
+PRELOAD_PHASE_UNSPECIFIED: PreloadPhase
+PRELOAD_PHASE_RESOLVING: PreloadPhase
+PRELOAD_PHASE_DOWNLOADING: PreloadPhase
+PRELOAD_PHASE_VALIDATING: PreloadPhase
+PRELOAD_PHASE_STAGING: PreloadPhase
+PRELOAD_PHASE_DONE: PreloadPhase
+
+class PreloadAdapterRequest(_message.Message):
+    __slots__ = ("source_uri", "name", "pin", "force")
+    SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    source_uri: str
+    name: str
+    pin: bool
+    force: bool
+    def __init__(self, source_uri: _Optional[str] = ..., name: _Optional[str] = ..., pin: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class PreloadAdapterResponse(_message.Message):
+    __slots__ = ("phase", "bytes_done", "bytes_total", "message", "manifest")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    phase: PreloadPhase
+    bytes_done: int
+    bytes_total: int
+    message: str
+    manifest: _common_pb2.AdapterManifest
+    def __init__(self, phase: _Optional[_Union[PreloadPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "cache_bytes_used", "cache_bytes_budget")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterManifest]
+    cache_bytes_used: int
+    cache_bytes_budget: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterManifest, _Mapping]]] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_budget: _Optional[int] = ...) -> None: ...
+
+class DescribeAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DescribeAdapterResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.AdapterManifest
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
+
+class DeleteAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PinAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PinAdapterResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.AdapterManifest
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
+
+class UnpinAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnpinAdapterResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.AdapterManifest
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
+
+class StreamAdapterTensorsRequest(_message.Message):
+    __slots__ = ("name", "adapter_id", "start_tensor", "start_offset", "chunk_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    START_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapter_id: str
+    start_tensor: int
+    start_offset: int
+    chunk_bytes: int
+    def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., start_tensor: _Optional[int] = ..., start_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor_index", "offset", "data", "crc32")
+    TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    tensor_index: int
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class StreamAdapterTensorsResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.AdapterManifest
+    chunk: TensorChunk
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The ``lorastream`` command line."""

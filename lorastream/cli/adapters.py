@@ -1,0 +1,149 @@
+"""``lorastream adapters ...``: operator commands against the adapter store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from lorastream.cli.common import STORE_OPTION, TOKEN_OPTION, out, reported_errors
+from lorastream.manifest import AdapterManifest
+from lorastream.store_client import BytesSink, StoreClient
+
+app = typer.Typer(help="Preload, list, inspect, pin and delete adapters in the store.")
+
+
+def _manifest_dict(m: AdapterManifest) -> dict[str, object]:
+    return {
+        "name": m.name,
+        "adapter_id": m.adapter_id,
+        "source_uri": m.source_uri,
+        "revision": m.revision,
+        "base_model": m.base_model,
+        "rank": m.rank,
+        "alpha": m.alpha,
+        "use_rslora": m.use_rslora,
+        "target_modules": list(m.target_modules),
+        "total_bytes": m.total_bytes,
+        "pinned": m.pinned,
+        "tensors": [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+             "sha256": t.checksum}
+            for t in m.tensors
+        ],
+    }
+
+
+@app.command("preload")
+def preload(
+    uri: str = typer.Argument(
+        ..., help="s3://bucket/prefix, hf://org/repo[@revision], file:///abs/path or a local path."
+    ),
+    name: str = typer.Option(..., "--name", help="Name requests will use for this adapter."),
+    pin: bool = typer.Option(False, "--pin", help="Never evict it from the store's cache."),
+    force: bool = typer.Option(False, "--force", help="Fetch again even if already staged."),
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+) -> None:
+    """Fetch, verify and stage an adapter in the store, with a progress bar."""
+    with reported_errors(), StoreClient(store, token) as client, Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"{name}: resolving", total=None)
+        manifest = None
+        for event in client.preload(uri, name, pin=pin, force=force):
+            bar.update(
+                task,
+                description=f"{name}: {event.phase}",
+                completed=event.bytes_done,
+                total=event.bytes_total or None,
+            )
+            manifest = event.manifest or manifest
+    if manifest is None:
+        raise typer.Exit(1)
+    out.print(
+        f"[green]staged[/] {manifest.name} ({manifest.adapter_id[:12]}, rank {manifest.rank}, "
+        f"{manifest.total_bytes / 1e6:.1f} MB, {', '.join(manifest.target_modules)})"
+        + (" [pinned]" if manifest.pinned else "")
+    )
+
+
+@app.command("ls")
+def ls(
+    store: str = STORE_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the adapters staged in the store."""
+    with reported_errors(), StoreClient(store) as client:
+        adapters, used, budget = client.list()
+    if as_json:
+        out.print_json(json.dumps({
+            "adapters": [_manifest_dict(m) | {"tensors": len(m.tensors)} for m in adapters],
+            "cache_bytes_used": used,
+            "cache_bytes_budget": budget,
+        }))
+        return
+    table = Table(title=f"adapters ({used / 1e6:.1f} MB of {budget / 1e9:.1f} GB)")
+    for col in ("name", "id", "rank", "alpha", "modules", "MB", "pinned", "source"):
+        table.add_column(col)
+    for m in adapters:
+        table.add_row(
+            m.name, m.adapter_id[:12], str(m.rank), f"{m.alpha:g}", ",".join(m.target_modules),
+            f"{m.total_bytes / 1e6:.1f}", "yes" if m.pinned else "", m.source_uri,
+        )
+    out.print(table)
+
+
+@app.command("describe")
+def describe(name: str, store: str = STORE_OPTION) -> None:
+    """Print an adapter's manifest as JSON."""
+    with reported_errors(), StoreClient(store) as client:
+        manifest = client.describe(name)
+    out.print_json(json.dumps(_manifest_dict(manifest)))
+
+
+@app.command("rm")
+def rm(name: str, store: str = STORE_OPTION, token: str | None = TOKEN_OPTION) -> None:
+    """Delete an adapter from the store."""
+    with reported_errors(), StoreClient(store, token) as client:
+        client.delete(name)
+    out.print(f"deleted {name}")
+
+
+@app.command("pin")
+def pin(name: str, store: str = STORE_OPTION, token: str | None = TOKEN_OPTION) -> None:
+    """Protect an adapter from cache eviction."""
+    with reported_errors(), StoreClient(store, token) as client:
+        client.pin(name)
+    out.print(f"pinned {name}")
+
+
+@app.command("unpin")
+def unpin(name: str, store: str = STORE_OPTION, token: str | None = TOKEN_OPTION) -> None:
+    """Let an adapter be evicted again."""
+    with reported_errors(), StoreClient(store, token) as client:
+        client.unpin(name)
+    out.print(f"unpinned {name}")
+
+
+@app.command("pull")
+def pull(
+    name: str,
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write the PEFT adapter into."),
+    store: str = STORE_OPTION,
+) -> None:
+    """Stream an adapter from the store and write it as a PEFT directory."""
+    from lorastream.peft_writer import write_peft_dir
+
+    with reported_errors(), StoreClient(store) as client:
+        sink = BytesSink()
+        manifest = client.stream_tensors(name, sink)
+    write_peft_dir(manifest, sink.buffers, out_dir)
+    out.print(f"wrote {name} ({manifest.total_bytes / 1e6:.1f} MB) to {out_dir}")

@@ -1,0 +1,26 @@
+"""``lorastream bench ...``: benchmarks that print JSON."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from lorastream.cli.common import out, setup_logging
+
+app = typer.Typer(help="Benchmarks; each prints one JSON document with its comparison.")
+
+
+@app.command("transfer")
+def transfer(
+    adapter_mb: int = typer.Option(96, help="Size of the synthetic adapter streamed (MB)."),
+    chunk_bytes: int = typer.Option(1 << 20, help="Stream chunk size in bytes."),
+    repeats: int = typer.Option(5, help="Streams per side; the median rate is reported."),
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Store stream vs a bare gRPC stream of the same bytes on loopback (goal: >= 0.8x)."""
+    from lorastream.bench.transfer import run_transfer_bench
+
+    setup_logging(log_level)
+    result = run_transfer_bench(adapter_mb=adapter_mb, chunk_bytes=chunk_bytes, repeats=repeats)
+    out.print_json(json.dumps(result))

@@ -1,0 +1,43 @@
+"""``lorastream store ...``: run the adapter store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from lorastream.cli.common import setup_logging
+
+app = typer.Typer(help="Run the adapter store (stages adapters, streams their tensors).")
+
+
+@app.command("serve")
+def serve(
+    port: int = typer.Option(50051, help="gRPC port (0 picks a free one)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 for all)."),
+    cache_dir: Path | None = typer.Option(
+        None, help="Staging directory [default: ~/.cache/lorastream/store]."
+    ),
+    cache_bytes: int | None = typer.Option(
+        None, help="Disk budget in bytes for staged adapters [default: 20 GiB]."
+    ),
+    chunk_bytes: int | None = typer.Option(None, help="Default stream chunk size [1 MiB]."),
+    token: str | None = typer.Option(
+        None, envvar="LORASTREAM_TOKEN", help="Require this bearer token on operator calls."
+    ),
+    log_level: str = typer.Option("INFO", help="Logging level."),
+) -> None:
+    """Serve the adapter store over gRPC until Ctrl-C."""
+    from services.adapter_store.config import StoreSettings
+    from services.adapter_store.server import serve as run
+
+    setup_logging(log_level)
+    overrides = {
+        "port": port,
+        "host": host,
+        "cache_dir": cache_dir,
+        "cache_bytes": cache_bytes,
+        "chunk_bytes": chunk_bytes,
+        "token": token,
+    }
+    run(StoreSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -1,0 +1,76 @@
+"""Plain types describing a staged adapter, shared by the store, the worker and the CLI.
+
+An adapter has a human ``name`` and a content ``adapter_id`` (sha256 over its staged files), so two
+names with the same files share one copy and re-registering a name with new weights gets a new id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# safetensors dtype string -> bytes per element. Only floating dtypes are valid LoRA weights.
+DTYPE_SIZES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of an adapter, in the raw little-endian row-major layout of safetensors."""
+
+    name: str  # PEFT key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+    dtype: str  # safetensors dtype: "F32" | "F16" | "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str  # sha256 hex of the tensor's raw bytes
+
+
+@dataclass(frozen=True)
+class AdapterManifest:
+    """Everything a receiver needs to know before the first tensor byte arrives."""
+
+    adapter_id: str  # sha256 hex over the staged files (content address)
+    name: str
+    source_uri: str
+    revision: str  # resolved revision: S3 ETag/version, Hub commit sha, or "" for local files
+    base_model: str  # base_model_name_or_path from adapter_config.json ("" when null)
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]  # short module names present, sorted: ("k_proj", "q_proj", ...)
+    tensors: tuple[TensorInfo, ...]
+    created_at: float = 0.0  # unix seconds when staged
+    pinned: bool = False
+    last_used_at: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def scaling(self) -> float:
+        """alpha / r, or alpha / sqrt(r) with rsLoRA (as PEFT computes it)."""
+        return self.alpha / (self.rank**0.5) if self.use_rslora else self.alpha / self.rank
+
+    def replace(self, **changes: object) -> "AdapterManifest":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass
+class PreloadProgress:
+    """One progress event of a preload."""
+
+    phase: str  # "resolving" | "downloading" | "validating" | "staging" | "done"
+    bytes_done: int = 0
+    bytes_total: int = 0
+    message: str = ""
+    manifest: AdapterManifest | None = field(default=None)
+
+
+@dataclass(frozen=True)
+class TensorChunk:
+    """A slice of one tensor's raw bytes, as streamed by the store."""
+
+    tensor_index: int
+    offset: int  # byte offset inside the tensor
+    data: bytes | memoryview
+    crc32: int  # zlib.crc32 of data

@@ -1,0 +1,68 @@
+"""Adapter store configuration: the one place the store reads its environment.
+
+Every field can be set by a CLI flag (``lorastream store serve --help``) or an environment variable
+``LORASTREAM_STORE_<FIELD>``; the Hub and S3 settings also honour the standard variables those
+ecosystems use (``HF_ENDPOINT``, ``HF_TOKEN``, ``AWS_ENDPOINT_URL``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "lorastream" / "store"
+
+
+class StoreSettings(BaseSettings):
+    """Settings of one adapter store process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LORASTREAM_STORE_", extra="ignore", populate_by_name=True
+    )
+
+    host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 to serve other hosts.")
+    port: int = Field(50051, description="gRPC port; 0 picks a free one.")
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir, description="Where adapters are staged on disk."
+    )
+    cache_bytes: int = Field(
+        20 << 30, gt=0, description="Disk budget for staged adapters; LRU evicts unpinned ones."
+    )
+    chunk_bytes: int = Field(
+        DEFAULT_CHUNK_BYTES,
+        gt=0,
+        le=4 << 20,
+        description="Default StreamAdapterTensors chunk size (1 MiB is fastest on loopback).",
+    )
+    max_header_bytes: int = Field(
+        16 << 20, gt=0, description="Largest safetensors header accepted (guards against bombs)."
+    )
+    max_workers: int = Field(16, gt=0, description="gRPC thread pool size.")
+    token: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_STORE_TOKEN", "LORASTREAM_TOKEN"),
+        description="Bearer token required on operator RPCs (preload, delete, pin, unpin).",
+    )
+    hf_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_STORE_HF_ENDPOINT", "HF_ENDPOINT"),
+        description="Hugging Face Hub endpoint (a mirror, or a test server).",
+    )
+    hf_token: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_STORE_HF_TOKEN", "HF_TOKEN"),
+        description="Token for private Hub repos.",
+    )
+    s3_endpoint_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_STORE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"),
+        description="S3-compatible endpoint (MinIO, R2); None uses AWS.",
+    )
+    s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts of one S3 download.")
+    s3_max_attempts: int = Field(5, gt=0, description="botocore retry attempts per S3 call.")
