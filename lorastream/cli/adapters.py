@@ -71,7 +71,7 @@ def preload(
     out.print(
         f"[green]staged[/] {manifest.name} ({manifest.adapter_id[:12]}, rank {manifest.rank}, "
         f"{manifest.total_bytes / 1e6:.1f} MB, {', '.join(manifest.target_modules)})"
-        + (" [pinned]" if manifest.pinned else "")
+        + (" (pinned)" if manifest.pinned else ""),
     )
 
 

@@ -45,3 +45,7 @@ def up(
         f"  lorastream adapters ls --store localhost:{port}"
     )
     serve(StoreSettings(port=port))
+
+
+if __name__ == "__main__":
+    app()

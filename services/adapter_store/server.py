@@ -1,0 +1,98 @@
+"""Build and run the adapter store's gRPC server."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
+from lorastream.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.servicer import OPERATOR_METHODS, SERVICE_NAME, AdapterStoreServicer
+from services.adapter_store.sources import SourceRegistry
+from services.adapter_store.sources.hub import HubSource
+from services.adapter_store.sources.local import LocalSource
+from services.adapter_store.sources.s3 import S3Source
+from services.adapter_store.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+# Messages carry up to 4 MiB of tensor bytes plus framing.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
+]
+
+
+def build_store(settings: StoreSettings) -> AdapterStore:
+    """The store core with every source wired from the settings."""
+    sources = SourceRegistry(
+        [
+            LocalSource(),
+            S3Source(
+                endpoint_url=settings.s3_endpoint_url,
+                max_concurrency=settings.s3_max_concurrency,
+                max_attempts=settings.s3_max_attempts,
+            ),
+            HubSource(endpoint=settings.hf_endpoint, token=settings.hf_token),
+        ]
+    )
+    return AdapterStore(
+        settings.cache_dir,
+        settings.cache_bytes,
+        sources,
+        max_header_bytes=settings.max_header_bytes,
+    )
+
+
+def create_server(
+    settings: StoreSettings, store: AdapterStore | None = None
+) -> tuple[grpc.Server, int, AdapterStore]:
+    """Create (not start) the store server; returns it with its bound port and its core."""
+    store = store or build_store(settings)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="store"),
+        interceptors=[
+            BearerTokenInterceptor(settings.token, OPERATOR_METHODS),
+            ErrorMappingInterceptor(),
+        ],
+        options=GRPC_OPTIONS,
+    )
+    pb_grpc.add_AdapterStoreServiceServicer_to_server(
+        AdapterStoreServicer(store, settings.chunk_bytes), server
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port} (port in use?)")
+    return server, port, store
+
+
+def serve(settings: StoreSettings) -> None:
+    """Run the store until interrupted (SIGINT/SIGTERM stop it gracefully)."""
+    server, port, store = create_server(settings)
+    server.start()
+    log.info(
+        "adapter store serving on %s:%d (cache %s, budget %.1f GiB, %d adapters)",
+        settings.host,
+        port,
+        settings.cache_dir,
+        settings.cache_bytes / (1 << 30),
+        len(store.list()),
+    )
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        log.info("stopping adapter store")
+    finally:
+        server.stop(grace=5).wait()

@@ -1,0 +1,101 @@
+"""Thin gRPC servicer: convert the request, call :class:`AdapterStore`, convert the reply."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from lorastream import codec
+from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
+from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
+from lorastream.manifest import PreloadProgress
+from services.adapter_store.store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name
+OPERATOR_METHODS = {
+    f"/{SERVICE_NAME}/{m}"
+    for m in ("PreloadAdapter", "DeleteAdapter", "PinAdapter", "UnpinAdapter")
+}
+
+
+class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
+    def __init__(self, store: AdapterStore, default_chunk_bytes: int) -> None:
+        self._store = store
+        self._chunk_bytes = default_chunk_bytes
+
+    def PreloadAdapter(
+        self, request: pb.PreloadAdapterRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PreloadAdapterResponse]:
+        # The preload runs on its own thread so progress events stream while it works.
+        events: queue.Queue[PreloadProgress | BaseException | None] = queue.Queue()
+
+        def run() -> None:
+            try:
+                self._store.preload(
+                    request.source_uri,
+                    request.name,
+                    pin=request.pin,
+                    force=request.force,
+                    progress=events.put,
+                )
+                events.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the RPC thread
+                events.put(exc)
+
+        threading.Thread(target=run, name=f"preload-{request.name}", daemon=True).start()
+        while (event := events.get()) is not None:
+            if isinstance(event, BaseException):
+                raise event
+            yield codec.progress_to_pb(event)
+
+    def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse(
+            adapters=[codec.manifest_to_pb(m) for m in self._store.list()],
+            cache_bytes_used=self._store.bytes_used,
+            cache_bytes_budget=self._store.bytes_budget,
+        )
+
+    def DescribeAdapter(
+        self, request: pb.DescribeAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.DescribeAdapterResponse:
+        return pb.DescribeAdapterResponse(
+            manifest=codec.manifest_to_pb(self._store.describe(request.name))
+        )
+
+    def DeleteAdapter(
+        self, request: pb.DeleteAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteAdapterResponse:
+        self._store.delete(request.name)
+        return pb.DeleteAdapterResponse()
+
+    def PinAdapter(
+        self, request: pb.PinAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.PinAdapterResponse:
+        return pb.PinAdapterResponse(manifest=codec.manifest_to_pb(self._store.pin(request.name)))
+
+    def UnpinAdapter(
+        self, request: pb.UnpinAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.UnpinAdapterResponse:
+        return pb.UnpinAdapterResponse(
+            manifest=codec.manifest_to_pb(self._store.unpin(request.name))
+        )
+
+    def StreamAdapterTensors(
+        self, request: pb.StreamAdapterTensorsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StreamAdapterTensorsResponse]:
+        chunk_bytes = request.chunk_bytes or self._chunk_bytes
+        with self._store.open_stream(request.name, request.adapter_id or None) as lease:
+            yield pb.StreamAdapterTensorsResponse(manifest=codec.manifest_to_pb(lease.manifest))
+            for chunk in lease.chunks(request.start_tensor, request.start_offset, chunk_bytes):
+                if not context.is_active():
+                    log.info("stream of %s cancelled by the client", request.name)
+                    return
+                yield codec.chunk_to_pb(chunk)

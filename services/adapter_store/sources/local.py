@@ -1,0 +1,89 @@
+"""Adapters on the store's own file system: ``file:///abs/path`` and plain absolute paths."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from lorastream.errors import AdapterNotFound, InvalidArgument, SourceUnavailable
+from services.adapter_store.sources.base import (
+    AdapterSource,
+    ProgressCallback,
+    ResolvedSource,
+    select_adapter_files,
+)
+
+log = logging.getLogger(__name__)
+
+_COPY_CHUNK = 1 << 20
+
+
+class LocalSource(AdapterSource):
+    """Copies a PEFT directory from a local path into the stager's directory.
+
+    Paths are taken as the store process sees them, so they must be absolute (a relative path
+    would silently depend on the store's working directory).
+    """
+
+    schemes = ("file", "")
+
+    def directory_of(self, uri: str) -> Path:
+        """The absolute directory ``uri`` names (not checked for existence)."""
+        parts = urlsplit(uri)
+        if parts.scheme == "file":
+            if parts.netloc not in ("", "localhost"):
+                raise InvalidArgument(
+                    f"{uri}: file:// URIs name a path on the store's host; use file:///abs/path"
+                )
+            raw = unquote(parts.path)
+        elif parts.scheme == "":
+            raw = uri
+        else:
+            raise InvalidArgument(f"{uri}: LocalSource handles file:// URIs and plain paths only")
+        path = Path(raw)
+        if not path.is_absolute():
+            raise InvalidArgument(
+                f"{uri}: local adapter paths must be absolute (the store resolves them on its "
+                "own host, not in your working directory)"
+            )
+        return path
+
+    def resolve(self, uri: str) -> ResolvedSource:
+        directory = self.directory_of(uri)
+        if not directory.exists():
+            raise AdapterNotFound(f"{uri}: no such directory on the adapter store's host")
+        if not directory.is_dir():
+            raise InvalidArgument(
+                f"{uri} is a file; point at the PEFT directory that holds it instead"
+            )
+        try:
+            listing = {
+                entry.name: entry.stat().st_size
+                for entry in os.scandir(directory)
+                if entry.is_file()
+            }
+        except OSError as err:
+            raise SourceUnavailable(f"{uri}: cannot list the directory: {err}") from err
+        files = select_adapter_files(listing, uri)
+        return ResolvedSource(uri=uri, revision="", files=files)
+
+    def download(self, resolved: ResolvedSource, dest: Path, progress: ProgressCallback) -> None:
+        directory = self.directory_of(resolved.uri)
+        for remote in resolved.files:
+            source_path = directory / remote.path
+            try:
+                src = source_path.open("rb")
+            except FileNotFoundError as err:
+                raise AdapterNotFound(f"{resolved.uri}: {remote.path} disappeared") from err
+            except OSError as err:
+                raise SourceUnavailable(
+                    f"{resolved.uri}: cannot read {remote.path}: {err}"
+                ) from err
+            with src, (dest / remote.path).open("wb") as out:
+                while chunk := src.read(_COPY_CHUNK):
+                    out.write(chunk)
+                    progress(len(chunk))
+        log.debug("copied %d files from %s", len(resolved.files), directory)
+

@@ -1,0 +1,347 @@
+"""The adapter store's core: names, shared downloads, the disk budget and stream leases.
+
+Plain Python, called by the gRPC servicer from a thread pool; one lock guards all state, and no
+download, validation or tensor read happens while holding it.
+
+Lifecycle of a preload of ``uri`` as ``name``::
+
+    resolve (source) -> reserve estimated bytes (evict LRU if needed) -> download into cache/tmp
+    -> validate + hash (staging.Stager.prepare) -> [lock] fit actual bytes, rename into
+    cache/adapters/<id>, register name, save registry [unlock] -> done
+
+Two preloads of the same URI share one download (a :class:`SharedDownload`): the second waits
+for the first's result and sees its progress events. A :class:`StreamLease` pins a content id's
+files while a stream reads them: deleting or replacing a name drops the name at once, but the
+files go only when the last lease closes, and eviction skips leased ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from lorastream.errors import AdapterNotFound, AlreadyExists, InvalidAdapter, InvalidArgument
+from lorastream.manifest import AdapterManifest, PreloadProgress
+from services.adapter_store.reader import StreamLease
+from services.adapter_store.registry import Registry, RegistryEntry, validate_name
+from services.adapter_store.sources import SourceRegistry
+from services.adapter_store.sources.base import AdapterSource
+from services.adapter_store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
+from services.adapter_store.validation import DEFAULT_MAX_HEADER_BYTES
+
+__all__ = ["AdapterStore", "StreamLease", "validate_name"]
+
+log = logging.getLogger(__name__)
+
+
+class AdapterStore:
+    """Stages adapters from sources into ``cache_dir`` within ``cache_bytes`` and serves them."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        cache_bytes: int,
+        sources: SourceRegistry,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    ) -> None:
+        if cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be positive, got {cache_bytes}")
+        self._budget = cache_bytes
+        self._sources = sources
+        self._lock = threading.RLock()
+        self._stager = Stager(Path(cache_dir), max_header_bytes)
+        self._stager.remove_stale_temp()
+        self._registry = Registry(Path(cache_dir))
+        self._staged: dict[str, StagedAdapter] = {}
+        self._leases: dict[str, int] = {}  # adapter_id -> open leases (streams, preloads)
+        self._flights: dict[str, SharedDownload] = {}  # uri -> download in progress
+        self._reserved = 0  # estimated bytes of downloads in progress
+        self._recover()
+
+    # -- startup ----------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Load staged adapters; drop names without files and files without names."""
+        for adapter_id in self._stager.staged_ids():
+            try:
+                staged = self._stager.load(adapter_id)
+            except InvalidAdapter as err:
+                log.warning("removing unreadable staged adapter: %s", err)
+                self._stager.remove(adapter_id)
+                continue
+            self._staged[adapter_id] = staged
+            self._registry.sizes[adapter_id] = staged.size_bytes
+        entries = self._registry.entries
+        lost = [n for n, e in entries.items() if e.adapter_id not in self._staged]
+        for name in lost:
+            log.warning("adapter %s lost its staged files; preload it again", name)
+            del entries[name]
+        for adapter_id in list(self._staged):
+            if not self._registry.is_referenced(adapter_id):
+                log.warning("removing staged adapter %s that no name refers to", adapter_id[:12])
+                self._drop_files(adapter_id)
+        if lost:
+            self._registry.save()
+        log.info(
+            "adapter store at %s: %d names, %d bytes of %d",
+            self._stager.cache_dir, len(entries), self._registry.bytes_used, self._budget,
+        )
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._registry.bytes_used
+
+    @property
+    def bytes_budget(self) -> int:
+        return self._budget
+
+    def list(self) -> list[AdapterManifest]:
+        with self._lock:
+            entries = self._registry.entries
+            return [self._manifest_of(entries[name]) for name in sorted(entries)]
+
+    def describe(self, name: str) -> AdapterManifest:
+        with self._lock:
+            return self._manifest_of(self._entry(name))
+
+    # -- operator calls ---------------------------------------------------------------------
+    def delete(self, name: str) -> None:
+        """Forget ``name`` now; its files go when no other name and no stream uses them."""
+        with self._lock:
+            entry = self._entry(name)
+            del self._registry.entries[name]
+            try:
+                self._registry.save()
+            except BaseException:
+                self._registry.entries[name] = entry
+                raise
+            self._collect(entry.adapter_id)
+        log.info("deleted adapter %s", name)
+
+    def pin(self, name: str) -> AdapterManifest:
+        return self._set_pinned(name, True)
+
+    def unpin(self, name: str) -> AdapterManifest:
+        return self._set_pinned(name, False)
+
+    def _set_pinned(self, name: str, pinned: bool) -> AdapterManifest:
+        with self._lock:
+            entry = self._entry(name)
+            if entry.pinned != pinned:
+                entry.pinned = pinned
+                self._registry.save()
+            return self._manifest_of(entry)
+
+    def preload(
+        self,
+        uri: str,
+        name: str,
+        *,
+        pin: bool = False,
+        force: bool = False,
+        progress: ProgressFn | None = None,
+    ) -> AdapterManifest:
+        """Stage ``uri`` as ``name``; returns the manifest (also sent as the "done" event).
+
+        The same name and URI again returns the staged adapter unless ``force``; a name already
+        bound to another URI needs ``force`` (AlreadyExists otherwise).
+        """
+        validate_name(name)
+        emit: ProgressFn = progress or (lambda _event: None)
+        source = self._sources.for_uri(uri)
+        with self._lock:
+            existing = self._registry.entries.get(name)
+            if existing is not None and not force:
+                if existing.source_uri != uri:
+                    raise AlreadyExists(
+                        f"adapter {name} is already staged from {existing.source_uri}; delete it "
+                        "first or preload with force to replace it"
+                    )
+                staged_before = self._set_pinned(name, True) if pin else self._manifest_of(existing)
+            else:
+                staged_before = None
+                flight, owner = self._join_or_start(uri, name)
+        if staged_before is not None:
+            total = staged_before.total_bytes
+            emit(PreloadProgress("done", total, total, "already staged", staged_before))
+            return staged_before
+        flight.subscribe(emit)
+        try:
+            if owner:
+                self._fly(flight, source)
+            flight.finished.wait()
+        finally:
+            flight.unsubscribe(emit)
+        if flight.error is not None:
+            raise flight.error
+        assert flight.result is not None
+        staged, revision = flight.result
+        with self._lock:
+            try:
+                manifest = self._register(name, uri, revision, staged, pin=pin, force=force)
+            finally:
+                self._release(staged.adapter_id)
+        log.info("staged %s from %s as %s", name, uri, staged.adapter_id[:12])
+        emit(PreloadProgress("done", manifest.total_bytes, manifest.total_bytes, "", manifest))
+        return manifest
+
+    # -- streaming --------------------------------------------------------------------------
+    def open_stream(self, name: str, adapter_id: str | None = None) -> StreamLease:
+        """Lease ``name``'s files for a stream; ``adapter_id`` asserts which content is expected.
+
+        Raises InvalidArgument when ``name`` now maps to other content than ``adapter_id`` (it
+        was replaced since the stream started); restart the stream without an id.
+        """
+        with self._lock:
+            entry = self._entry(name)
+            if adapter_id and adapter_id != entry.adapter_id:
+                raise InvalidArgument(
+                    f"adapter {name} now has content {entry.adapter_id}, not {adapter_id}: it was "
+                    "replaced since this stream began; restart the stream from the beginning"
+                )
+            staged = self._staged[entry.adapter_id]
+            self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + 1
+            entry.last_used_at = time.time()
+            try:
+                self._registry.save()
+            except Exception:  # noqa: BLE001 - a stale last-use time must not fail a stream
+                log.warning("could not record the last use of %s", name, exc_info=True)
+            manifest = self._manifest_of(entry)
+        return StreamLease(manifest, staged, lambda: self._release_locked(staged.adapter_id))
+
+    # -- internals (callers hold self._lock unless noted) -----------------------------------
+    def _entry(self, name: str) -> RegistryEntry:
+        validate_name(name)
+        entry = self._registry.entries.get(name)
+        if entry is None:
+            raise AdapterNotFound(f"no adapter named {name!r}; preload it first (adapters ls)")
+        return entry
+
+    def _manifest_of(self, entry: RegistryEntry) -> AdapterManifest:
+        return self._staged[entry.adapter_id].manifest(
+            name=entry.name,
+            source_uri=entry.source_uri,
+            revision=entry.revision,
+            created_at=entry.created_at,
+            pinned=entry.pinned,
+            last_used_at=entry.last_used_at,
+        )
+
+    def _join_or_start(self, uri: str, name: str) -> tuple[SharedDownload, bool]:
+        """The download of ``uri`` in progress (joined), or a new one; True when new."""
+        flight = self._flights.get(uri)
+        if flight is None:
+            flight = self._flights[uri] = SharedDownload(uri)
+            return flight, True
+        flight.participants += 1
+        log.info("preload of %s joins the download of %s in progress", name, uri)
+        return flight, False
+
+    def _fly(self, flight: SharedDownload, source: AdapterSource) -> None:
+        """Run ``flight``'s download to the end (unlocked); sets its result or error."""
+        estimate = 0
+        try:
+            flight.on_phase("resolving", 0, 0)
+            resolved = source.resolve(flight.uri)
+            with self._lock:
+                self._make_room(resolved.total_bytes, protect=())
+                estimate = resolved.total_bytes
+                self._reserved += estimate
+            prepared = self._stager.prepare(source, resolved, flight.on_phase)
+            with self._lock:
+                self._reserved -= estimate
+                estimate = 0
+                try:
+                    if prepared.adapter_id not in self._staged:
+                        self._make_room(prepared.size_bytes, protect=(prepared.adapter_id,))
+                    staged, _ = self._stager.commit(prepared)
+                finally:
+                    self._stager.discard(prepared)
+                self._staged[staged.adapter_id] = staged
+                self._registry.sizes[staged.adapter_id] = staged.size_bytes
+                # Each participant registers its name, then releases this lease.
+                self._leases[staged.adapter_id] = (
+                    self._leases.get(staged.adapter_id, 0) + flight.participants
+                )
+                flight.result = (staged, resolved.revision)
+                del self._flights[flight.uri]
+        except BaseException as err:
+            with self._lock:
+                self._reserved -= estimate
+                self._flights.pop(flight.uri, None)
+            flight.error = err
+            log.warning("preload of %s failed: %s", flight.uri, err)
+        finally:
+            flight.finished.set()
+
+    def _make_room(self, need: int, protect: tuple[str, ...]) -> None:
+        """Evict LRU unpinned, unleased content until ``need`` bytes fit beside reservations."""
+        leased = [aid for aid, n in self._leases.items() if n > 0]
+        plan = self._registry.plan_eviction(
+            need, self._budget - self._reserved, protected=[*leased, *protect]
+        )
+        if not plan:
+            return
+        for adapter_id in plan:
+            names = self._registry.names_of(adapter_id)
+            log.info("evicting %s (%s) to make room", adapter_id[:12], ", ".join(names))
+            for name in names:
+                del self._registry.entries[name]
+            self._drop_files(adapter_id)
+        self._registry.save()
+
+    def _register(
+        self, name: str, uri: str, revision: str, staged: StagedAdapter, *, pin: bool, force: bool
+    ) -> AdapterManifest:
+        old = self._registry.entries.get(name)
+        if old is not None and not force and old.source_uri != uri:
+            raise AlreadyExists(
+                f"adapter {name} was staged from {old.source_uri} meanwhile; preload with force "
+                "to replace it"
+            )
+        now = time.time()
+        entry = RegistryEntry(
+            name=name,
+            adapter_id=staged.adapter_id,
+            source_uri=uri,
+            revision=revision,
+            created_at=now,
+            last_used_at=now,
+            pinned=pin or (old.pinned if old is not None else False),
+        )
+        self._registry.entries[name] = entry
+        try:
+            self._registry.save()
+        except BaseException:
+            if old is None:
+                del self._registry.entries[name]
+            else:
+                self._registry.entries[name] = old
+            raise
+        if old is not None and old.adapter_id != staged.adapter_id:
+            self._collect(old.adapter_id)
+        return self._manifest_of(entry)
+
+    def _release_locked(self, adapter_id: str) -> None:
+        with self._lock:
+            self._release(adapter_id)
+
+    def _release(self, adapter_id: str) -> None:
+        self._leases[adapter_id] -= 1
+        if self._leases[adapter_id] == 0:
+            del self._leases[adapter_id]
+        self._collect(adapter_id)
+
+    def _collect(self, adapter_id: str) -> None:
+        """Remove content no name refers to and no lease holds."""
+        if adapter_id in self._staged and not self._leases.get(adapter_id):
+            if not self._registry.is_referenced(adapter_id):
+                self._drop_files(adapter_id)
+
+    def _drop_files(self, adapter_id: str) -> None:
+        self._staged.pop(adapter_id, None)
+        self._registry.sizes.pop(adapter_id, None)
+        self._stager.remove(adapter_id)

@@ -1,0 +1,76 @@
+"""GPU worker configuration: the one place the worker reads its environment.
+
+Every field is a ``lorastream worker serve`` flag and an environment variable
+``LORASTREAM_WORKER_<FIELD>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_model_cache() -> Path:
+    return Path.home() / ".cache" / "lorastream" / "models"
+
+
+class WorkerSettings(BaseSettings):
+    """Settings of one GPU worker process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LORASTREAM_WORKER_", extra="ignore", populate_by_name=True
+    )
+
+    model: str = Field(
+        "default",
+        description="'default' (the embedded SmolLM2-135M-Instruct), an HF checkpoint dir, or a hub id.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name requests use for the base model [default: the --model value]."
+    )
+    model_cache_dir: Path = Field(
+        default_factory=_default_model_cache,
+        description="Where the embedded default model is converted to safetensors once.",
+    )
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(50052, description="gRPC port; 0 picks a free one.")
+    store: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_STORE", "LORASTREAM_STORE"),
+        description="Adapter store HOST:PORT; without it only local adapters can be loaded.",
+    )
+    store_token: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_STORE_TOKEN", "LORASTREAM_TOKEN"),
+        description="Bearer token for the store (reads need none).",
+    )
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="'auto': float32 on CPU, bfloat16 on CUDA."
+    )
+    max_loras: int = Field(8, gt=0, description="Device adapter slots.")
+    max_lora_rank: int = Field(64, gt=0, description="Largest adapter rank a slot holds.")
+    max_batch_size: int = Field(32, gt=0, description="Most sequences in one step.")
+    max_num_tokens: int = Field(
+        512, gt=0, description="Token budget of one step (prefill chunks + decode tokens)."
+    )
+    max_seq_len: int = Field(2048, gt=0, description="Longest prompt + completion.")
+    kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget.")
+    host_cache_bytes: int = Field(
+        4 << 30, gt=0, description="Host-memory budget for adapters (LRU over unused ones)."
+    )
+    default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
+    lora_overlap_loading: bool = Field(
+        True, description="Load adapters on the load stream while decoding (off: load before the step)."
+    )
+    lora_backend: Literal["torch", "triton"] = Field(
+        "torch", description="LoRA delta implementation (triton needs CUDA)."
+    )
+    max_workers: int = Field(32, gt=0, description="gRPC thread pool size.")
+
+    @property
+    def base_model_name(self) -> str:
+        return self.served_model_name or self.model

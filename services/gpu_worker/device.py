@@ -1,0 +1,172 @@
+"""The one module that knows whether we run on CUDA or on the CPU.
+
+Everything above it (slot pool, adapter loader, scheduler) calls only this layer, so the same
+scheduling code runs — and is tested — on CPU-only machines.
+
+On CUDA:
+  * host buffers are pinned (page-locked), so host→device copies can be asynchronous;
+  * a dedicated *load stream* runs adapter copies while the compute stream keeps decoding;
+  * an :class:`Event` is a ``torch.cuda.Event`` recorded on a stream; ``query()`` never blocks.
+
+On the CPU (every machine here):
+  * host buffers are plain tensors (``pin_memory`` raises on the CPU build of torch);
+  * the load stream is ONE dedicated copy thread that runs submitted copies in submission order;
+  * an :class:`Event` is a host-side completion flag with the same ``query``/``wait`` calls.
+
+A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Event:
+    """Completion of work on a stream. ``query`` never blocks; ``wait`` blocks the host."""
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+
+class HostEvent(Event):
+    """A host-side completion flag (the CPU stand-in for ``torch.cuda.Event``)."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._flag = threading.Event()
+        self.error: BaseException | None = None
+        if done:
+            self._flag.set()
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._flag.wait(timeout)
+
+
+class CudaEvent(Event):  # pragma: no cover - needs a GPU
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self.error: BaseException | None = None
+
+    @property
+    def raw(self) -> "torch.cuda.Event":
+        return self._event
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._event.synchronize()
+        return True
+
+
+COMPLETED = HostEvent(done=True)
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], None]
+    after: Event | None
+    done: HostEvent = field(default_factory=HostEvent)
+
+
+class LoadStream:
+    """Runs adapter copies off the compute path, in submission order.
+
+    ``submit(fn, after=ev)`` enqueues ``fn`` (which issues copies) to run once ``ev`` completed,
+    and returns an event that completes when ``fn``'s copies have landed. ``after`` is how rule 2
+    of DESIGN.md is kept: a slot is overwritten only after the last step that read it finished.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_delay_s = 0.0  # test hook: sleep this long before every copy job
+        self._cuda = device.type == "cuda"
+        if self._cuda:  # pragma: no cover - needs a GPU
+            self._stream = torch.cuda.Stream(device=device)
+        else:
+            self._jobs: queue.Queue[_Job | None] = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="load-stream", daemon=True)
+            self._thread.start()
+
+    def submit(self, fn: Callable[[], None], after: Event | None = None) -> Event:
+        if self._cuda:  # pragma: no cover - needs a GPU
+            if self.copy_delay_s:
+                time.sleep(self.copy_delay_s)
+            with torch.cuda.stream(self._stream):
+                if isinstance(after, CudaEvent):
+                    self._stream.wait_event(after.raw)
+                fn()
+                return CudaEvent(self._stream)
+        job = _Job(fn, after)
+        self._jobs.put(job)
+        return job.done
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if job.after is not None:
+                    job.after.wait()
+                if self.copy_delay_s:
+                    time.sleep(self.copy_delay_s)
+                job.fn()
+                job.done.set()
+            except BaseException as exc:  # noqa: BLE001 - reported through the event
+                log.exception("copy on the load stream failed")
+                job.done.set(exc)
+
+    def close(self) -> None:
+        if not self._cuda:
+            self._jobs.put(None)
+            self._thread.join(timeout=5)
+
+
+class Device:
+    """Buffers, streams and events for one device."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.load_stream = LoadStream(self.device)
+
+    def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def record_compute(self) -> Event:
+        """An event that completes when the work enqueued so far on the compute stream is done.
+
+        On the CPU a step has finished when the step call returns, so this is already complete.
+        """
+        if self.is_cuda:  # pragma: no cover - needs a GPU
+            return CudaEvent(torch.cuda.current_stream(self.device))
+        return COMPLETED
+
+    def compute_wait(self, event: Event) -> None:
+        """Make the compute stream wait for ``event`` (never a device-wide synchronize)."""
+        if self.is_cuda and isinstance(event, CudaEvent):  # pragma: no cover - needs a GPU
+            torch.cuda.current_stream(self.device).wait_event(event.raw)
+        elif not event.query():
+            # The scheduler only uses a slot whose event query()'d complete, so this is a bug.
+            raise RuntimeError("a step would read a device slot whose load has not completed")
+
+    def close(self) -> None:
+        self.load_stream.close()

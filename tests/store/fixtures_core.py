@@ -1,0 +1,141 @@
+"""Fixtures and helpers for the store core tests (real PEFT adapters, real local files).
+
+Imported by test_validation.py and test_store_core.py; kept out of conftest.py so it does not
+collide with fixtures other store tests define.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.manifest import AdapterManifest
+from services.adapter_store.sources import SourceRegistry
+from services.adapter_store.sources.base import ProgressCallback, ResolvedSource
+from services.adapter_store.sources.local import LocalSource
+from services.adapter_store.store import AdapterStore
+from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_llama
+
+StoreFactory = Callable[..., AdapterStore]
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real PEFT adapters on a tiny random Llama: attention r4, all-linear r8, MLP r16 rsLoRA."""
+    root = tmp_path_factory.mktemp("core-adapters")
+    base = make_tiny_llama(root / "base")
+    return {
+        "attn-r4": make_peft_adapter(base, root / "attn-r4", rank=4, targets=ATTENTION),
+        "all-r8": make_peft_adapter(base, root / "all-r8", rank=8, targets=ALL_LINEAR, seed=2),
+        "mlp-r16": make_peft_adapter(
+            base, root / "mlp-r16", rank=16, targets=MLP, use_rslora=True, seed=3
+        ),
+    }
+
+
+@pytest.fixture
+def store_factory(tmp_path: Path) -> StoreFactory:
+    """Build AdapterStores on ``tmp_path/cache`` (the same dir each call, to test restarts)."""
+
+    def make(
+        cache_bytes: int = 1 << 30,
+        *,
+        source: LocalSource | None = None,
+        cache_dir: Path | None = None,
+        max_header_bytes: int = 16 << 20,
+    ) -> AdapterStore:
+        return AdapterStore(
+            cache_dir or tmp_path / "cache",
+            cache_bytes,
+            SourceRegistry([source or LocalSource()]),
+            max_header_bytes=max_header_bytes,
+        )
+
+    return make
+
+
+class CountingLocalSource(LocalSource):
+    """A real LocalSource that counts its downloads and can hold them at a gate."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.downloads = 0
+        self.resolves = 0
+        self.gate = gate
+        self.started = threading.Event()
+        self._count_lock = threading.Lock()
+
+    def resolve(self, uri: str) -> ResolvedSource:
+        with self._count_lock:
+            self.resolves += 1
+        return super().resolve(uri)
+
+    def download(self, resolved: ResolvedSource, dest: Path, progress: ProgressCallback) -> None:
+        with self._count_lock:
+            self.downloads += 1
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(timeout=30), "test never opened the download gate"
+        super().download(resolved, dest, progress)
+
+
+def copy_adapter(src: Path, dst: Path, **config_changes: object) -> Path:
+    """Copy a PEFT dir (config + weights only), optionally changing adapter_config fields."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        shutil.copyfile(src / name, dst / name)
+    if config_changes:
+        config = json.loads((dst / CONFIG_FILE).read_text())
+        config.update(config_changes)
+        (dst / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], bytes]:
+    """(safetensors header dict, data bytes) of a weights file."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def write_header(path: Path, header: dict[str, dict], data: bytes) -> None:
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def stream_all(
+    store: AdapterStore, name: str, chunk_bytes: int = 1 << 20
+) -> tuple[AdapterManifest, list[bytes]]:
+    """Stream every tensor of ``name`` and reassemble each tensor's bytes."""
+    with store.open_stream(name) as lease:
+        buffers = [bytearray(t.nbytes) for t in lease.manifest.tensors]
+        for chunk in lease.chunks(chunk_bytes=chunk_bytes):
+            buffers[chunk.tensor_index][chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+        return lease.manifest, [bytes(b) for b in buffers]
+
+
+def assert_streams_intact(store: AdapterStore, name: str) -> AdapterManifest:
+    """``name`` streams completely and every tensor matches its manifest checksum."""
+    manifest, buffers = stream_all(store, name, chunk_bytes=4096)
+    for info, data in zip(manifest.tensors, buffers, strict=True):
+        assert hashlib.sha256(data).hexdigest() == info.checksum, info.name
+    return manifest
+
+
+def assert_cache_clean(store: AdapterStore, cache_dir: Path) -> None:
+    """No temp dirs; exactly the listed adapters' content dirs exist; bytes_used matches disk."""
+    assert os.listdir(cache_dir / "tmp") == []
+    on_disk = set(os.listdir(cache_dir / "adapters"))
+    assert on_disk == {m.adapter_id for m in store.list()}
+    disk_bytes = sum(
+        f.stat().st_size for d in on_disk for f in (cache_dir / "adapters" / d).iterdir()
+    )
+    assert store.bytes_used == disk_bytes

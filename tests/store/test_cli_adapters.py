@@ -1,0 +1,89 @@
+"""`lorastream adapters ...` against a real store server on loopback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from lorastream.cli.main import app
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.server import create_server
+from tests.support.models import MLP, make_peft_adapter, make_tiny_llama
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    base = make_tiny_llama(root / "base")
+    return make_peft_adapter(base, root / "mlp-r8", rank=8, targets=MLP, use_rslora=True)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    server, port, _ = create_server(StoreSettings(port=0, cache_dir=tmp_path / "cache", token="t"))
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None).wait()
+
+
+def _run(*args: str) -> str:
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_preload_ls_describe_pull_rm_round_trip(store: str, adapter: Path, tmp_path: Path) -> None:
+    out = _run("adapters", "preload", str(adapter), "--name", "mlp", "--pin", "--store", store,
+               "--token", "t")
+    assert "staged mlp" in out and "pinned" in out
+    listed = json.loads(_run("adapters", "ls", "--json", "--store", store))
+    assert [a["name"] for a in listed["adapters"]] == ["mlp"]
+    described = json.loads(_run("adapters", "describe", "mlp", "--store", store))
+    assert described["rank"] == 8 and described["use_rslora"] is True
+    _run("adapters", "pull", "mlp", "--out", str(tmp_path / "pulled"), "--store", store)
+    pulled = load_file(str(tmp_path / "pulled" / "adapter_model.safetensors"))
+    original = load_file(str(adapter / "adapter_model.safetensors"))
+    assert pulled.keys() == original.keys()
+    for key, tensor in original.items():
+        assert pulled[key].dtype == tensor.dtype and pulled[key].equal(tensor)
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(str(tmp_path / "pulled"))
+    assert config.r == 8 and config.use_rslora
+    _run("adapters", "unpin", "mlp", "--store", store, "--token", "t")
+    _run("adapters", "rm", "mlp", "--store", store, "--token", "t")
+    assert json.loads(_run("adapters", "ls", "--json", "--store", store))["adapters"] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["adapters", "describe", "ghost"], "AdapterNotFound"),
+        (["adapters", "preload", "/nowhere", "--name", "x", "--token", "t"], "AdapterNotFound"),
+        (["adapters", "preload", "/tmp", "--name", "x"], "Unauthenticated"),
+        (["adapters", "rm", "ghost", "--token", "t"], "AdapterNotFound"),
+    ],
+)
+def test_errors_print_one_clear_line_and_exit_1(store: str, args: list[str], message: str) -> None:
+    result = runner.invoke(app, [*args, "--store", store])
+    assert result.exit_code == 1
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unreachable_store_is_a_clear_error() -> None:
+    result = runner.invoke(app, ["adapters", "ls", "--store", "127.0.0.1:1"])
+    assert result.exit_code == 1
+    assert "SourceUnavailable" in result.output
+
+
+def test_help_explains_every_adapters_command() -> None:
+    out = _run("adapters", "--help")
+    for command in ("preload", "ls", "describe", "rm", "pin", "unpin", "pull"):
+        assert command in out

@@ -1,0 +1,289 @@
+"""Adapter validation: good PEFT adapters pass with exact offsets and checksums; every kind of bad
+input is refused with a message that says what is wrong, leaves nothing behind in the cache, and
+the store keeps serving."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lorastream import errors
+from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from services.adapter_store.validation import validate_adapter_dir
+from tests.store.fixtures_core import (  # noqa: F401 - fixtures
+    StoreFactory,
+    assert_cache_clean,
+    assert_streams_intact,
+    copy_adapter,
+    read_header,
+    store_factory,
+    tiny_adapters,
+    write_header,
+)
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+K_A = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+@pytest.mark.parametrize(
+    ("adapter", "rank", "alpha", "rslora", "targets"),
+    [
+        ("attn-r4", 4, 16.0, False, ("k_proj", "o_proj", "q_proj", "v_proj")),
+        ("all-r8", 8, 16.0, False, tuple(sorted(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))),
+        ("mlp-r16", 16, 16.0, True, ("down_proj", "gate_proj", "up_proj")),
+    ],
+)
+def test_valid_peft_adapter_yields_config_fields_offsets_and_checksums(
+    tiny_adapters: dict[str, Path], adapter: str, rank: int, alpha: float, rslora: bool,
+    targets: tuple[str, ...],
+) -> None:
+    directory = tiny_adapters[adapter]
+    result = validate_adapter_dir(directory)
+    assert (result.rank, result.alpha, result.use_rslora) == (rank, alpha, rslora)
+    assert result.target_modules == targets
+    assert result.base_model.endswith("base")
+    original = load_file(str(directory / WEIGHTS_FILE))
+    assert {t.info.name for t in result.tensors} == set(original)
+    raw = (directory / WEIGHTS_FILE).read_bytes()
+    offsets = [t.file_offset for t in result.tensors]
+    assert offsets == sorted(offsets)  # file order: streams read sequentially
+    for t in result.tensors:
+        expected = original[t.info.name].numpy().tobytes()
+        assert raw[t.file_offset : t.file_offset + t.info.nbytes] == expected
+        assert t.info.checksum == hashlib.sha256(expected).hexdigest()
+        assert t.info.shape == tuple(original[t.info.name].shape)
+
+
+# -- corruptions of a copy of the attention r4 adapter -------------------------------------------
+def _truncate(cut: int) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        raw = (d / WEIGHTS_FILE).read_bytes()
+        (d / WEIGHTS_FILE).write_bytes(raw[:cut])
+
+    return mutate
+
+
+def _corrupt_header_json(d: Path) -> None:
+    raw = bytearray((d / WEIGHTS_FILE).read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    raw[8 : 8 + n] = b"{" + b"\xff" * (n - 1)
+    (d / WEIGHTS_FILE).write_bytes(bytes(raw))
+
+
+def _declare_header_length(length: int) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        raw = (d / WEIGHTS_FILE).read_bytes()
+        (d / WEIGHTS_FILE).write_bytes(struct.pack("<Q", length) + raw[8:])
+
+    return mutate
+
+
+def _edit_header(edit: Callable[[dict[str, dict]], None]) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        header, data = read_header(d / WEIGHTS_FILE)
+        edit(header)
+        write_header(d / WEIGHTS_FILE, header, data)
+
+    return mutate
+
+
+def _last_tensor_past_the_end(header: dict[str, dict]) -> None:
+    key = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    begin, end = header[key]["data_offsets"]
+    header[key]["data_offsets"] = [begin + 4096, end + 4096]
+
+
+def _pad_metadata(nbytes: int) -> Callable[[dict[str, dict]], None]:
+    def edit(header: dict[str, dict]) -> None:
+        header["__metadata__"] = {"format": "pt", "padding": "x" * nbytes}
+
+    return edit
+
+
+def _overlap_two_tensors(header: dict[str, dict]) -> None:
+    header[Q_A]["data_offsets"] = list(header[K_A]["data_offsets"])  # both [4, 64] F32
+
+
+def _set(key: str, field: str, value: object) -> Callable[[dict[str, dict]], None]:
+    def edit(header: dict[str, dict]) -> None:
+        header[key][field] = value
+
+    return edit
+
+
+def _edit_tensors(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        tensors = load_file(str(d / WEIGHTS_FILE))
+        edit(tensors)
+        save_file(tensors, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    return mutate
+
+
+def _b_of_rank_3(t: dict[str, torch.Tensor]) -> None:
+    t[Q_B] = torch.randn(t[Q_B].shape[0], 3)  # A is [4, 64]: [out, 3] disagrees
+
+
+def _drop_q_b(t: dict[str, torch.Tensor]) -> None:
+    del t[Q_B]
+
+
+def _add_lm_head(t: dict[str, torch.Tensor]) -> None:
+    t["base_model.model.lm_head.lora_A.weight"] = torch.randn(4, 64)
+    t["base_model.model.lm_head.lora_B.weight"] = torch.randn(256, 4)
+
+
+def _add_embedding(t: dict[str, torch.Tensor]) -> None:
+    t["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.randn(4, 256)
+
+
+def _only_non_lora(t: dict[str, torch.Tensor]) -> None:
+    t.clear()
+
+
+def _config(**changes: object) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        config = json.loads((d / CONFIG_FILE).read_text())
+        config.update(changes)
+        (d / CONFIG_FILE).write_text(json.dumps(config))
+
+    return mutate
+
+
+def _config_not_json(d: Path) -> None:
+    (d / CONFIG_FILE).write_text('{"r": 4, ')
+
+
+def _no_config(d: Path) -> None:
+    (d / CONFIG_FILE).unlink()
+
+
+def _pickle_only(d: Path) -> None:
+    (d / WEIGHTS_FILE).unlink()
+    (d / "adapter_model.bin").write_bytes(b"\x80\x04 a pickle that must never be loaded")
+
+
+BAD_ADAPTERS = [
+    ("truncated-data", _truncate(-100), {}, "truncated"),
+    ("truncated-in-header", _truncate(8 + 10), {}, "truncated"),
+    ("shorter-than-prefix", _truncate(5), {}, "truncated"),
+    ("corrupt-header-json", _corrupt_header_json, {}, "header is not valid JSON"),
+    ("declared-header-1tib", _declare_header_length(1 << 40), {}, "above the"),
+    ("header-above-cap", _edit_header(_pad_metadata(100_000)), {"max_header_bytes": 65536},
+     "10[0-9]{4}-byte header, above the 65536-byte cap"),
+    ("offsets-past-end", _edit_header(_last_tensor_past_the_end), {}, "past the"),
+    ("offsets-overlap", _edit_header(_overlap_two_tensors), {}, "overlaps"),
+    ("offsets-span-wrong", _edit_header(_set(Q_A, "shape", [4, 65])), {}, "needs"),
+    ("dtype-int64", _edit_header(_set(Q_A, "dtype", "I64")), {}, "dtype 'I64'"),
+    ("rank-mismatch-a-b", _edit_tensors(_b_of_rank_3), {}, "rank mismatch"),
+    ("rank-not-config-r", _config(r=8), {}, "says r=8"),
+    ("missing-b", _edit_tensors(_drop_q_b), {}, "no lora_B"),
+    ("lm-head-tensor", _edit_tensors(_add_lm_head), {}, "'lm_head'"),
+    ("embedding-tensor", _edit_tensors(_add_embedding), {}, "'embed_tokens'"),
+    ("no-lora-tensors", _edit_tensors(_only_non_lora), {}, "no LoRA tensors"),
+    ("lm-head-in-config", _config(target_modules=["q_proj", "lm_head"]), {}, "lm_head"),
+    ("use-dora", _config(use_dora=True), {}, "DoRA"),
+    ("rank-pattern", _config(rank_pattern={"q_proj": 8}), {}, "rank_pattern"),
+    ("alpha-pattern", _config(alpha_pattern={"q_proj": 8}), {}, "alpha_pattern"),
+    ("bias-all", _config(bias="all"), {}, "bias"),
+    ("modules-to-save", _config(modules_to_save=["lm_head"]), {}, "modules_to_save"),
+    ("not-lora", _config(peft_type="IA3"), {}, "peft_type"),
+    ("config-not-json", _config_not_json, {}, "not valid JSON"),
+    ("missing-config", _no_config, {}, CONFIG_FILE),
+    ("pickle-only", _pickle_only, {}, "pickle"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "store_kwargs", "message"),
+    [pytest.param(m, kw, msg, id=case) for case, m, kw, msg in BAD_ADAPTERS],
+)
+def test_bad_adapter_is_refused_clearly_leaving_no_trace_and_the_store_serving(
+    tiny_adapters: dict[str, Path],
+    store_factory: StoreFactory,
+    tmp_path: Path,
+    mutate: Callable[[Path], None],
+    store_kwargs: dict[str, int],
+    message: str,
+) -> None:
+    store = store_factory(**store_kwargs)
+    store.preload(str(tiny_adapters["mlp-r16"]), "keep")
+    bad = copy_adapter(tiny_adapters["attn-r4"], tmp_path / "bad")
+    mutate(bad)
+    with pytest.raises(errors.InvalidAdapter, match=message) as info:
+        store.preload(str(bad), "bad")
+    assert str(bad) in str(info.value)  # says which adapter
+    assert [m.name for m in store.list()] == ["keep"]
+    assert_cache_clean(store, tmp_path / "cache")
+    assert_streams_intact(store, "keep")
+    good = store.preload(str(tiny_adapters["attn-r4"]), "bad")  # the name is still free
+    assert good.rank == 4
+    assert_cache_clean(store, tmp_path / "cache")
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected", "message"),
+    [
+        ("ftp://host/adapter", errors.InvalidArgument, "supported"),
+        ("relative/dir", errors.InvalidArgument, "absolute"),
+        ("file://otherhost/x", errors.InvalidArgument, "file:///abs/path"),
+        ("/does/not/exist", errors.AdapterNotFound, "no such directory"),
+        ("file:///does/not/exist", errors.AdapterNotFound, "no such directory"),
+        ("", errors.InvalidArgument, "empty"),
+    ],
+)
+def test_bad_source_uri_is_refused_clearly_and_the_store_keeps_serving(
+    tiny_adapters: dict[str, Path], store_factory: StoreFactory, tmp_path: Path,
+    uri: str, expected: type[Exception], message: str,
+) -> None:
+    store = store_factory()
+    with pytest.raises(expected, match=message):
+        store.preload(uri, "x")
+    assert_cache_clean(store, tmp_path / "cache")
+    assert store.preload(f"file://{tiny_adapters['attn-r4']}", "x").rank == 4
+
+
+def test_a_weights_file_instead_of_its_directory_is_refused(
+    tiny_adapters: dict[str, Path], store_factory: StoreFactory
+) -> None:
+    with pytest.raises(errors.InvalidArgument, match="directory"):
+        store_factory().preload(str(tiny_adapters["attn-r4"] / WEIGHTS_FILE), "x")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../x", "/abs", "a/../../b", "a/./b", "..", "a//b", "a/", "", "sp ace", "x" * 129, "a\\b",
+     "é"],
+)
+def test_malformed_or_traversing_names_are_refused_everywhere(
+    tiny_adapters: dict[str, Path], store_factory: StoreFactory, tmp_path: Path, name: str
+) -> None:
+    store = store_factory()
+    for call in (
+        lambda: store.preload(str(tiny_adapters["attn-r4"]), name),
+        lambda: store.describe(name),
+        lambda: store.delete(name),
+        lambda: store.pin(name),
+        lambda: store.open_stream(name),
+    ):
+        with pytest.raises(errors.InvalidArgument, match="name"):
+            call()
+    assert_cache_clean(store, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("name", ["a", "org/model-v1.2_final", "A.b-c_d/e/f", "x" * 128])
+def test_well_formed_names_are_accepted(
+    tiny_adapters: dict[str, Path], store_factory: StoreFactory, name: str
+) -> None:
+    store = store_factory()
+    assert store.preload(str(tiny_adapters["attn-r4"]), name).name == name
+    assert store.describe(name).name == name
