@@ -73,4 +73,4 @@ class TensorChunk:
     tensor_index: int
     offset: int  # byte offset inside the tensor
     data: bytes | memoryview
-    crc32: int  # zlib.crc32 of data
+    crc32c: int  # CRC-32C (Castagnoli) of data

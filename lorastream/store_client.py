@@ -1,7 +1,7 @@
 """Client of the adapter store, shared by the CLI, the worker and the gateway.
 
 The tensor stream lands in a :class:`TensorSink` chunk by chunk at each chunk's offset (no
-concatenation of bytes objects); every chunk's crc32 and every tensor's sha256 are verified, and a
+concatenation of bytes objects); every chunk's CRC-32C and every tensor's sha256 are verified, and a
 stream cut by a dead store resumes from the last verified (tensor, offset).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-import zlib
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -19,13 +18,18 @@ import grpc
 from lorastream import codec
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
+from lorastream.checksum import crc32c
 from lorastream.errors import InvalidAdapter, SourceUnavailable
 from lorastream.grpc_status import raise_from_rpc_error
 from lorastream.manifest import AdapterManifest, PreloadProgress, TensorChunk
+from lorastream.stream_layout import StreamLayout
 
 log = logging.getLogger(__name__)
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+_STREAM_METHOD = (
+    "/" + pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name + "/StreamAdapterTensors"
+)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -35,7 +39,7 @@ class TensorSink(Protocol):
     def begin(self, manifest: AdapterManifest) -> None:
         """Called once per stream attempt with the manifest, before any chunk (allocate here)."""
 
-    def write(self, tensor_index: int, offset: int, data: bytes) -> None:
+    def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into tensor ``tensor_index`` at byte ``offset``."""
 
     def view(self, tensor_index: int) -> memoryview:
@@ -54,7 +58,7 @@ class BytesSink:
             self.manifest = manifest
             self.buffers = [bytearray(t.nbytes) for t in manifest.tensors]
 
-    def write(self, tensor_index: int, offset: int, data: bytes) -> None:
+    def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
         self.buffers[tensor_index][offset : offset + len(data)] = data
 
     def view(self, tensor_index: int) -> memoryview:
@@ -68,6 +72,12 @@ class StoreClient:
         self.target = target
         self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
         self._stub = pb_grpc.AdapterStoreServiceStub(self._channel)
+        # The tensor stream is decoded by the codec: chunk payloads stay zero-copy views.
+        self._stream_tensors = self._channel.unary_stream(
+            _STREAM_METHOD,
+            request_serializer=pb.StreamAdapterTensorsRequest.SerializeToString,
+            response_deserializer=codec.decode_stream_response,
+        )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout
 
@@ -120,14 +130,17 @@ class StoreClient:
 
     # -- tensor stream ----------------------------------------------------------------------
     def iter_chunks(self, name: str, *, chunk_bytes: int = 0) -> Iterator[TensorChunk]:
-        """The raw chunk stream of ``name`` (crc32 checked, no landing, no resume)."""
+        """The raw chunk stream of ``name`` (CRC-32C checked, no landing, no resume)."""
         request = pb.StreamAdapterTensorsRequest(name=name, chunk_bytes=chunk_bytes)
         try:
-            for msg in self._stub.StreamAdapterTensors(request, metadata=self._metadata):
-                if msg.HasField("chunk"):
-                    chunk = codec.chunk_from_pb(msg.chunk)
-                    if zlib.crc32(chunk.data) != chunk.crc32:
-                        raise InvalidAdapter(f"crc32 mismatch in {name} at {chunk.offset}")
+            for item in self._stream_tensors(request, metadata=self._metadata):
+                if isinstance(item, TensorChunk):
+                    chunk = item
+                    if crc32c(chunk.data) != chunk.crc32c:
+                        raise InvalidAdapter(
+                            f"CRC-32C mismatch in {name} tensor {chunk.tensor_index} at offset "
+                            f"{chunk.offset}: the stream was corrupted in transit"
+                        )
                     yield chunk
         except grpc.RpcError as err:
             raise_from_rpc_error(err)
@@ -148,6 +161,7 @@ class StoreClient:
         """
         position = (0, 0)  # next (tensor_index, offset) expected
         manifest: AdapterManifest | None = None
+        layout: StreamLayout | None = None
         attempt = 0
         while True:
             request = pb.StreamAdapterTensorsRequest(
@@ -158,16 +172,16 @@ class StoreClient:
                 chunk_bytes=chunk_bytes,
             )
             try:
-                for msg in self._stub.StreamAdapterTensors(request, metadata=self._metadata):
-                    if msg.HasField("manifest"):
-                        manifest = codec.manifest_from_pb(msg.manifest)
+                for item in self._stream_tensors(request, metadata=self._metadata):
+                    if isinstance(item, AdapterManifest):
+                        manifest = item
+                        layout = StreamLayout(manifest)
                         sink.begin(manifest)
-                        if position == (0, 0):
-                            position = _skip_empty(manifest, position)
+                        position = layout.position(layout.flat(*position))
                         continue
-                    if manifest is None:
+                    if manifest is None or layout is None:
                         raise InvalidAdapter(f"store sent a chunk of {name} before its manifest")
-                    position = self._land_chunk(manifest, sink, msg.chunk, position)
+                    position = self._land_chunk(manifest, layout, sink, item, position)
                 if manifest is None or position[0] < len(manifest.tensors):
                     raise InvalidAdapter(
                         f"store ended the stream of {name} early at tensor {position[0]}"
@@ -193,39 +207,37 @@ class StoreClient:
     @staticmethod
     def _land_chunk(
         manifest: AdapterManifest,
+        layout: StreamLayout,
         sink: TensorSink,
-        chunk: pb.TensorChunk,
+        chunk: TensorChunk,
         position: tuple[int, int],
     ) -> tuple[int, int]:
-        index, offset = chunk.tensor_index, chunk.offset
-        if (index, offset) != position:
-            raise InvalidAdapter(
-                f"store sent {manifest.name} tensor {index} offset {offset}, expected {position}"
-            )
-        data = chunk.data
-        info = manifest.tensors[index]
-        if offset + len(data) > info.nbytes:
-            raise InvalidAdapter(f"chunk overruns tensor {info.name} of {manifest.name}")
-        if zlib.crc32(data) != chunk.crc32:
-            raise InvalidAdapter(
-                f"crc32 mismatch in {manifest.name} tensor {info.name} at offset {offset}"
-            )
-        sink.write(index, offset, data)
-        offset += len(data)
-        if offset < info.nbytes:
-            return index, offset
-        digest = hashlib.sha256(sink.view(index)).hexdigest()
-        if digest != info.checksum:
-            raise InvalidAdapter(
-                f"sha256 mismatch for {manifest.name} tensor {info.name}: the staged adapter is "
-                "corrupt; delete and preload it again"
-            )
-        return _skip_empty(manifest, (index + 1, 0))
+        """Verify ``chunk``, write its pieces into ``sink``; return the next expected position.
 
-
-def _skip_empty(manifest: AdapterManifest, position: tuple[int, int]) -> tuple[int, int]:
-    """Advance past zero-byte tensors, which the store sends no chunk for."""
-    index, offset = position
-    while index < len(manifest.tensors) and manifest.tensors[index].nbytes == 0:
-        index += 1
-    return index, offset
+        A tensor's sha256 is checked as soon as its last byte landed.
+        """
+        if (chunk.tensor_index, chunk.offset) != position:
+            raise InvalidAdapter(
+                f"store sent {manifest.name} tensor {chunk.tensor_index} offset {chunk.offset}, "
+                f"expected {position}"
+            )
+        if crc32c(chunk.data) != chunk.crc32c:
+            raise InvalidAdapter(
+                f"CRC-32C mismatch in {manifest.name} at tensor {chunk.tensor_index} offset "
+                f"{chunk.offset}: the stream was corrupted in transit"
+            )
+        try:
+            pieces = list(layout.split(chunk.tensor_index, chunk.offset, chunk.data))
+        except ValueError as err:
+            raise InvalidAdapter(f"store sent a bad chunk of {manifest.name}: {err}") from err
+        for index, offset, data in pieces:
+            sink.write(index, offset, data)
+            info = manifest.tensors[index]
+            if offset + len(data) == info.nbytes:
+                digest = hashlib.sha256(sink.view(index)).hexdigest()
+                if digest != info.checksum:
+                    raise InvalidAdapter(
+                        f"sha256 mismatch for {manifest.name} tensor {info.name}: the staged "
+                        "adapter is corrupt; delete and preload it again"
+                    )
+        return layout.position(layout.flat(chunk.tensor_index, chunk.offset) + len(chunk.data))

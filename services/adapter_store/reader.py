@@ -1,10 +1,12 @@
 """Chunked reads of a staged weights file, so a stream's memory stays flat.
 
-Each chunk is one ``os.pread`` of at most ``chunk_bytes`` at the tensor's absolute file offset;
-chunks never cross a tensor boundary and zero-byte tensors produce no chunk. Example with
-``chunk_bytes=4``, tensor 0 of 10 bytes and tensor 1 of 4 bytes, resuming at (0, 6)::
+A validated weights file holds its tensors contiguously in manifest order (validation checks the
+tiling), which is exactly the stream's layout (``lorastream.stream_layout``): each chunk is one
+``os.pread`` of ``chunk_bytes`` (less at the end) that may run across tensor boundaries. Example
+with ``chunk_bytes=4``, tensor 0 of 10 bytes and tensor 1 of 4 bytes, resuming at (0, 6)::
 
-    (0, 6, 4 bytes) (1, 0, 4 bytes)
+    (0, 6, 4 bytes) (1, 0, 4 bytes)          # t0[6:10], then t1[0:4]
+    from (0, 0):  (0, 0, 4) (0, 4, 4) (0, 8, 4 bytes = t0[8:10] + t1[0:2]) (1, 2, 2)
 
 Reads go through ``pread`` rather than mmap because mapped pages count toward the process's
 resident memory while a stream touches them.
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from lorastream.checksum import crc32c
 from lorastream.errors import InvalidAdapter, InvalidArgument
 from lorastream.manifest import AdapterManifest, TensorChunk
+from lorastream.stream_layout import StreamLayout
 from services.adapter_store.staging import StagedAdapter
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -77,22 +80,27 @@ def _read(
     start_offset: int,
     chunk_bytes: int,
 ) -> Iterator[TensorChunk]:
+    layout = StreamLayout(manifest)
+    base = file_offsets[0] if file_offsets else 0
+    if any(off != base + start for off, start in zip(file_offsets, layout.starts, strict=True)):
+        raise InvalidAdapter(
+            f"staged file of {manifest.name} ({path}) does not hold its tensors contiguously in "
+            "manifest order; delete the adapter and preload it again"
+        )
     fd = os.open(path, os.O_RDONLY)
     try:
-        offset = start_offset
-        for index in range(start_tensor, len(manifest.tensors)):
-            nbytes = manifest.tensors[index].nbytes
-            while offset < nbytes:
-                want = min(chunk_bytes, nbytes - offset)
-                data = os.pread(fd, want, file_offsets[index] + offset)
-                if len(data) != want:
-                    raise InvalidAdapter(
-                        f"staged file of {manifest.name} ({path}) is shorter than its manifest; "
-                        "delete the adapter and preload it again"
-                    )
-                yield TensorChunk(index, offset, data, zlib.crc32(data))
-                offset += want
-            offset = 0
+        flat = layout.flat(start_tensor, start_offset)
+        while flat < layout.total:
+            want = min(chunk_bytes, layout.total - flat)
+            data = os.pread(fd, want, base + flat)
+            if len(data) != want:
+                raise InvalidAdapter(
+                    f"staged file of {manifest.name} ({path}) is shorter than its manifest; "
+                    "delete the adapter and preload it again"
+                )
+            index, offset = layout.position(flat)
+            yield TensorChunk(index, offset, data, crc32c(data))
+            flat += want
     finally:
         os.close(fd)
 

@@ -9,10 +9,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
+from lorastream.grpc_service import add_servicer
 from lorastream.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
 from services.adapter_store.config import StoreSettings
-from services.adapter_store.servicer import OPERATOR_METHODS, SERVICE_NAME, AdapterStoreServicer
+from services.adapter_store.servicer import (
+    OPERATOR_METHODS,
+    SERVICE,
+    SERVICE_NAME,
+    AdapterStoreServicer,
+)
 from services.adapter_store.sources import SourceRegistry
 from services.adapter_store.sources.hub import HubSource
 from services.adapter_store.sources.local import LocalSource
@@ -62,9 +67,7 @@ def create_server(
         ],
         options=GRPC_OPTIONS,
     )
-    pb_grpc.add_AdapterStoreServiceServicer_to_server(
-        AdapterStoreServicer(store, settings.chunk_bytes), server
-    )
+    add_servicer(server, AdapterStoreServicer(store, settings.chunk_bytes), SERVICE)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

@@ -19,6 +19,7 @@ import pytest
 
 from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lorastream.manifest import AdapterManifest
+from lorastream.stream_layout import StreamLayout
 from services.adapter_store.sources import SourceRegistry
 from services.adapter_store.sources.base import ProgressCallback, ResolvedSource
 from services.adapter_store.sources.local import LocalSource
@@ -116,9 +117,11 @@ def stream_all(
 ) -> tuple[AdapterManifest, list[bytes]]:
     """Stream every tensor of ``name`` and reassemble each tensor's bytes."""
     with store.open_stream(name) as lease:
+        layout = StreamLayout(lease.manifest)
         buffers = [bytearray(t.nbytes) for t in lease.manifest.tensors]
         for chunk in lease.chunks(chunk_bytes=chunk_bytes):
-            buffers[chunk.tensor_index][chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+            for index, offset, piece in layout.split(chunk.tensor_index, chunk.offset, chunk.data):
+                buffers[index][offset : offset + len(piece)] = piece
         return lease.manifest, [bytes(b) for b in buffers]
 
 

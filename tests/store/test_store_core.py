@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lorastream import errors
+from lorastream.checksum import crc32c
 from lorastream.adapter_format import WEIGHTS_FILE
 from lorastream.bench.synthetic import (
     ALL_LINEAR,
@@ -30,6 +30,7 @@ from lorastream.bench.synthetic import (
     make_synthetic_adapter,
 )
 from lorastream.manifest import PreloadProgress
+from lorastream.stream_layout import StreamLayout
 from tests.store.fixtures_core import (  # noqa: F401 - fixtures
     CountingLocalSource,
     StoreFactory,
@@ -65,16 +66,22 @@ def test_streamed_chunks_reassemble_into_the_original_tensors(
     position = (0, 0)
     with store.open_stream("all") as lease:
         manifest = lease.manifest
+        layout = StreamLayout(manifest)
         buffers = [bytearray(t.nbytes) for t in manifest.tensors]
-        for chunk in lease.chunks(chunk_bytes=chunk_bytes):
+        chunks = list(lease.chunks(chunk_bytes=chunk_bytes))
+        for chunk in chunks:
             assert (chunk.tensor_index, chunk.offset) == position  # in order, no gaps
             assert 0 < len(chunk.data) <= chunk_bytes
-            assert zlib.crc32(chunk.data) == chunk.crc32
-            buffers[chunk.tensor_index][chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-            end = chunk.offset + len(chunk.data)
-            nbytes = manifest.tensors[chunk.tensor_index].nbytes
-            position = (chunk.tensor_index + 1, 0) if end == nbytes else (chunk.tensor_index, end)
+            assert crc32c(chunk.data) == chunk.crc32c
+            for index, offset, piece in layout.split(chunk.tensor_index, chunk.offset, chunk.data):
+                buffers[index][offset : offset + len(piece)] = piece
+            position = layout.position(
+                layout.flat(chunk.tensor_index, chunk.offset) + len(chunk.data)
+            )
     assert position == (len(manifest.tensors), 0)
+    # Every chunk but the last is full: chunks run across tensor boundaries.
+    assert all(len(c.data) == chunk_bytes for c in chunks[:-1])
+    assert len(chunks) == -(-layout.total // chunk_bytes)
     assert {t.name for t in manifest.tensors} == set(original)
     for info, data in zip(manifest.tensors, buffers, strict=True):
         assert bytes(data) == original[info.name].numpy().tobytes()
@@ -93,9 +100,11 @@ def test_stream_resumes_from_a_tensor_and_offset(
     with store.open_stream("all", manifest.adapter_id) as lease:
         chunks = list(lease.chunks(tensor, offset, chunk_bytes=1000))
     assert (chunks[0].tensor_index, chunks[0].offset) == (tensor, offset)
+    layout = StreamLayout(manifest)
     resumed: dict[int, bytearray] = {}
     for chunk in chunks:
-        resumed.setdefault(chunk.tensor_index, bytearray()).extend(chunk.data)
+        for index, _offset, piece in layout.split(chunk.tensor_index, chunk.offset, chunk.data):
+            resumed.setdefault(index, bytearray()).extend(piece)
     assert bytes(resumed.pop(tensor)) == full[tensor][offset:]
     assert sorted(resumed) == list(range(tensor + 1, len(full)))
     for index, data in resumed.items():

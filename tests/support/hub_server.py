@@ -211,19 +211,13 @@ def _handler_for(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             raw_path, _, query = self.path.partition("?")
             auth = self.headers.get("Authorization")
-            status = 500
             try:
-                status = self._route(raw_path, parse_qs(query), auth)
+                self._route(raw_path, parse_qs(query), auth)
             except _HubError as err:
-                status = err.status
                 headers = {"X-Error-Message": err.message}
                 if err.code:
                     headers["X-Error-Code"] = err.code
-                self._send(status, json.dumps({"error": err.message}).encode(), headers)
-            finally:
-                hub._record(
-                    HubRequest(self.command, raw_path, auth, self.headers.get("Range"), status)
-                )
+                self._send(err.status, json.dumps({"error": err.message}).encode(), headers)
 
         def _route(self, raw_path: str, query: dict[str, list[str]], auth: str | None) -> int:
             parts = raw_path.strip("/").split("/")
@@ -278,6 +272,17 @@ def _handler_for(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             return 206
 
         def _send(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+            # Recorded before the response leaves, so a client that got it sees it recorded.
+            raw_path = self.path.partition("?")[0]
+            hub._record(
+                HubRequest(
+                    self.command,
+                    raw_path,
+                    self.headers.get("Authorization"),
+                    self.headers.get("Range"),
+                    status,
+                )
+            )
             self.send_response(status)
             for name, value in headers.items():
                 self.send_header(name, value)

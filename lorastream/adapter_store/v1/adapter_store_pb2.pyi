@@ -124,16 +124,16 @@ class StreamAdapterTensorsRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., start_tensor: _Optional[int] = ..., start_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("tensor_index", "offset", "data", "crc32")
+    __slots__ = ("tensor_index", "offset", "data", "crc32c")
     TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     tensor_index: int
     offset: int
     data: bytes
-    crc32: int
-    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, tensor_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StreamAdapterTensorsResponse(_message.Message):
     __slots__ = ("manifest", "chunk")

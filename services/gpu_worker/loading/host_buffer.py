@@ -53,7 +53,7 @@ class HostAdapterBuffer:
         self.buffer = self._device.host_empty(total, torch.uint8)
         self._np = self.buffer.numpy()
 
-    def write(self, tensor_index: int, offset: int, data: bytes) -> None:
+    def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
         assert self._np is not None
         start = self.offsets[tensor_index] + offset
         self._np[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
