@@ -5,10 +5,20 @@ Servicers and clients call these functions; nothing else in the code base touche
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from lorastream.adapter_store.v1 import adapter_store_pb2 as store_pb2
 from lorastream.common.v1 import common_pb2
+from lorastream.generation import (
+    AdapterStatus,
+    FinishReason,
+    GenerationEvent,
+    PromptInput,
+    SamplingParams,
+    WorkerStats,
+)
+from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
 from lorastream.manifest import AdapterManifest, PreloadProgress, TensorChunk, TensorInfo
 
 _DTYPE_TO_PB = {
@@ -235,3 +245,139 @@ def serialize_response(message: object) -> bytes:
     if isinstance(message, bytes):
         return message
     return message.SerializeToString()  # type: ignore[attr-defined]
+
+
+# -- the GPU worker's API -------------------------------------------------------------------
+_FINISH_TO_PB = {
+    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: worker_pb2.FINISH_REASON_CANCELLED,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_RESIDENCY_TO_PB = {
+    "remote": worker_pb2.RESIDENCY_REMOTE,
+    "loading": worker_pb2.RESIDENCY_LOADING,
+    "host": worker_pb2.RESIDENCY_HOST,
+    "device": worker_pb2.RESIDENCY_DEVICE,
+}
+_RESIDENCY_FROM_PB = {v: k for k, v in _RESIDENCY_TO_PB.items()}
+
+
+def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
+    msg = worker_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        max_tokens=p.max_tokens,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def sampling_from_pb(msg: worker_pb2.SamplingParams) -> SamplingParams:
+    """Proto defaults mean "unset": max_tokens 0 -> 0 (the server's default), top_p 0 -> 1."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        max_tokens=msg.max_tokens,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def generate_request_to_pb(
+    model: str, prompt: PromptInput, params: SamplingParams, request_id: str = ""
+) -> worker_pb2.GenerateRequest:
+    msg = worker_pb2.GenerateRequest(
+        request_id=request_id, model=model, sampling=sampling_to_pb(params)
+    )
+    if prompt.token_ids is not None:
+        msg.prompt_token_ids.ids.extend(prompt.token_ids)
+    elif prompt.messages is not None:
+        msg.messages.messages.extend(
+            worker_pb2.ChatMessage(role=role, content=content) for role, content in prompt.messages
+        )
+    else:
+        msg.prompt = prompt.text or ""
+    return msg
+
+
+def generate_request_from_pb(
+    msg: worker_pb2.GenerateRequest,
+) -> tuple[str, str, PromptInput, SamplingParams]:
+    """(request_id, model, prompt, sampling) of a Generate call."""
+    kind = msg.WhichOneof("input")
+    if kind == "prompt_token_ids":
+        prompt = PromptInput(token_ids=tuple(msg.prompt_token_ids.ids))
+    elif kind == "messages":
+        prompt = PromptInput(
+            messages=tuple((m.role, m.content) for m in msg.messages.messages)
+        )
+    else:
+        prompt = PromptInput(text=msg.prompt)
+    return msg.request_id, msg.model, prompt, sampling_from_pb(msg.sampling)
+
+
+def event_to_pb(e: GenerationEvent) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        token_ids=list(e.token_ids),
+        text=e.text,
+        finish_reason=(
+            _FINISH_TO_PB[e.finish_reason]
+            if e.finish_reason is not None
+            else worker_pb2.FINISH_REASON_UNSPECIFIED
+        ),
+        prompt_tokens=e.prompt_tokens,
+        completion_tokens=e.completion_tokens,
+    )
+
+
+def event_from_pb(msg: worker_pb2.GenerateResponse) -> GenerationEvent:
+    return GenerationEvent(
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+    )
+
+
+def adapter_status_to_pb(s: AdapterStatus) -> worker_pb2.AdapterStatus:
+    return worker_pb2.AdapterStatus(
+        name=s.name,
+        adapter_id=s.adapter_id,
+        residency=_RESIDENCY_TO_PB.get(s.residency, worker_pb2.RESIDENCY_UNSPECIFIED),
+        rank=s.rank,
+        nbytes=s.nbytes,
+        pinned=s.pinned,
+        references=s.references,
+        slot=s.slot,
+    )
+
+
+def adapter_status_from_pb(msg: worker_pb2.AdapterStatus) -> AdapterStatus:
+    return AdapterStatus(
+        name=msg.name,
+        adapter_id=msg.adapter_id,
+        residency=_RESIDENCY_FROM_PB.get(msg.residency, "unspecified"),
+        rank=msg.rank,
+        nbytes=msg.nbytes,
+        pinned=msg.pinned,
+        references=msg.references,
+        slot=msg.slot,
+    )
+
+
+def stats_to_pb(s: WorkerStats) -> worker_pb2.GetStatsResponse:
+    return worker_pb2.GetStatsResponse(**dataclasses.asdict(s))
+
+
+def stats_from_pb(msg: worker_pb2.GetStatsResponse) -> WorkerStats:
+    return WorkerStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)})

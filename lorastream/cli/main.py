@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from lorastream import __version__
-from lorastream.cli import adapters, bench, store
+from lorastream.cli import adapters, bench, complete, store, worker
 
 app = typer.Typer(
     name="lorastream",
@@ -19,7 +19,9 @@ app = typer.Typer(
 )
 app.add_typer(store.app, name="store")
 app.add_typer(adapters.app, name="adapters")
+app.add_typer(worker.app, name="worker")
 app.add_typer(bench.app, name="bench")
+app.command("complete")(complete.complete)
 
 
 @app.command("version")

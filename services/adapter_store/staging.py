@@ -14,7 +14,6 @@ dir: a corrupt file, a full disk or a crash leaves nothing half-written there.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -26,18 +25,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.adapter_format import WEIGHTS_FILE
 from lorastream.errors import CapacityExhausted, InvalidAdapter
 from lorastream.manifest import AdapterManifest, PreloadProgress, TensorInfo
 from services.adapter_store.sources.base import AdapterSource, ResolvedSource
-from services.adapter_store.validation import StagedTensor, ValidatedAdapter, validate_adapter_dir
+from lorastream.adapter_validation import (
+    STAGED_FILES,
+    StagedTensor,
+    ValidatedAdapter,
+    content_id,
+    validate_adapter_dir,
+)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
-STAGED_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # the order the content id hashes them in
 _MANIFEST_FORMAT = 1
-_HASH_CHUNK = 1 << 20
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _PROGRESS_STEP = 1 << 20  # emit a downloading event at least every MiB (or 1 % of the total)
 
@@ -104,18 +107,6 @@ class PreparedAdapter:
     @property
     def size_bytes(self) -> int:
         return _dir_bytes(self.temp_dir)
-
-
-def content_id(directory: Path) -> str:
-    """sha256 over STAGED_FILES in order: for each, ``name \\0 size \\0`` then its bytes."""
-    digest = hashlib.sha256()
-    for name in STAGED_FILES:
-        path = directory / name
-        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
-        with path.open("rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_path(path: Path) -> None:

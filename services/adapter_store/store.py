@@ -29,7 +29,7 @@ from services.adapter_store.registry import Registry, RegistryEntry, validate_na
 from services.adapter_store.sources import SourceRegistry
 from services.adapter_store.sources.base import AdapterSource
 from services.adapter_store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
-from services.adapter_store.validation import DEFAULT_MAX_HEADER_BYTES
+from lorastream.adapter_validation import DEFAULT_MAX_HEADER_BYTES
 
 __all__ = ["AdapterStore", "StreamLease", "validate_name"]
 

@@ -47,6 +47,16 @@ class WorkerSettings(BaseSettings):
         validation_alias=AliasChoices("LORASTREAM_WORKER_STORE_TOKEN", "LORASTREAM_TOKEN"),
         description="Bearer token for the store (reads need none).",
     )
+    hf_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_HF_ENDPOINT", "HF_ENDPOINT"),
+        description="Hugging Face Hub endpoint for --model HUB_ID (a mirror, or a test server).",
+    )
+    hf_token: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_HF_TOKEN", "HF_TOKEN"),
+        description="Token for private Hub models.",
+    )
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on CUDA."
@@ -63,6 +73,9 @@ class WorkerSettings(BaseSettings):
         4 << 30, gt=0, description="Host-memory budget for adapters (LRU over unused ones)."
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
+    prefetch_depth: int = Field(
+        8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
+    )
     lora_overlap_loading: bool = Field(
         True, description="Load adapters on the load stream while decoding (off: load before the step)."
     )

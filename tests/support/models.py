@@ -68,3 +68,38 @@ def make_peft_adapter(
                 param.normal_(0.0, b_std)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_LLAMA["vocab_size"]) -> Path:
+    """A character-level tokenizer of ``vocab_size`` ids for the tiny model, with a chat template.
+
+    Ids 0-2 are <unk>, <s>, </s> (the Llama defaults, so eos is 2); then printable ASCII; the
+    rest are filler tokens, so every id the model can emit decodes to something.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for code in range(32, 127):
+        vocab[chr(code)] = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"<x{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_checkpoint(out_dir: Path, seed: int = 0, **overrides: object) -> Path:
+    """A complete tiny HF checkpoint: weights, config.json and a tokenizer."""
+    make_tiny_llama(out_dir, seed=seed, **overrides)
+    vocab = int(overrides.get("vocab_size", TINY_LLAMA["vocab_size"]))  # type: ignore[arg-type]
+    return save_tiny_tokenizer(out_dir, vocab)

@@ -284,6 +284,22 @@ def _sha256_range(fd: int, start: int, length: int, label: str) -> str:
     return digest.hexdigest()
 
 
+STAGED_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # the order the content id hashes them in
+
+
+def content_id(directory: Path) -> str:
+    """The content address of a PEFT directory: sha256 over STAGED_FILES in order, each as
+    ``name \\0 size \\0`` then its bytes. The store and the worker compute it alike."""
+    digest = hashlib.sha256()
+    for name in STAGED_FILES:
+        path = directory / name
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def validate_adapter_dir(
     directory: Path, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, label: str = ""
 ) -> ValidatedAdapter:

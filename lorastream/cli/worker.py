@@ -1,0 +1,68 @@
+"""``lorastream worker ...``: run a GPU worker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from lorastream.cli.common import reported_errors, setup_logging
+
+app = typer.Typer(help="Run a GPU worker (Llama engine, continuous batching, batched multi-LoRA).")
+
+
+@app.command("serve")
+def serve(
+    model: str = typer.Option(
+        "default",
+        help="'default' (the embedded SmolLM2-135M-Instruct), an HF checkpoint directory, or a "
+        "Hub model id (org/name[@revision]).",
+    ),
+    port: int = typer.Option(50052, help="gRPC port (0 picks a free one)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 for all)."),
+    store: str | None = typer.Option(
+        None, envvar="LORASTREAM_STORE", help="Adapter store HOST:PORT to fetch adapters from."
+    ),
+    max_loras: int | None = typer.Option(None, help="Device adapter slots [8]."),
+    max_lora_rank: int | None = typer.Option(None, help="Largest adapter rank a slot holds [64]."),
+    served_model_name: str | None = typer.Option(
+        None, help="Name requests use for the base model [default: the --model value]."
+    ),
+    max_batch_size: int | None = typer.Option(None, help="Most sequences in one step [32]."),
+    max_num_tokens: int | None = typer.Option(None, help="Token budget of one step [512]."),
+    max_seq_len: int | None = typer.Option(None, help="Longest prompt + completion [2048]."),
+    kv_cache_bytes: int | None = typer.Option(None, help="KV cache budget in bytes [1 GiB]."),
+    host_cache_bytes: int | None = typer.Option(
+        None, help="Host memory budget for adapters in bytes [4 GiB]."
+    ),
+    lora_overlap_loading: bool | None = typer.Option(
+        None,
+        "--lora-overlap-loading/--no-lora-overlap-loading",
+        help="Load adapters while decoding (on), or synchronously before the step (off) [on].",
+    ),
+    lora_backend: str | None = typer.Option(None, help="LoRA backend: torch or triton [torch]."),
+    device: str | None = typer.Option(None, help="auto, cpu or cuda[:N] [auto]."),
+    dtype: str | None = typer.Option(
+        None, help="auto (fp32 on CPU, bf16 on CUDA), float32, float16 or bfloat16 [auto]."
+    ),
+    model_cache_dir: Path | None = typer.Option(
+        None, help="Where the default model is converted once [~/.cache/lorastream/models]."
+    ),
+    log_level: str = typer.Option("INFO", help="Logging level."),
+) -> None:
+    """Serve generation over gRPC until Ctrl-C. Settings also come from LORASTREAM_WORKER_* vars."""
+    from services.gpu_worker.config import WorkerSettings
+    from services.gpu_worker.server import serve as run
+
+    setup_logging(log_level)
+    overrides = {
+        "model": model, "port": port, "host": host, "store": store, "max_loras": max_loras,
+        "max_lora_rank": max_lora_rank, "served_model_name": served_model_name,
+        "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens,
+        "max_seq_len": max_seq_len, "kv_cache_bytes": kv_cache_bytes,
+        "host_cache_bytes": host_cache_bytes, "lora_overlap_loading": lora_overlap_loading,
+        "lora_backend": lora_backend, "device": device, "dtype": dtype,
+        "model_cache_dir": model_cache_dir,
+    }
+    with reported_errors():
+        run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -1,0 +1,104 @@
+"""Build a ready :class:`Engine` from :class:`WorkerSettings` (the one place that does)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from lorastream.errors import InvalidArgument
+from services.gpu_worker.config import WorkerSettings
+from services.gpu_worker.device import Device
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.loading.fetcher import AdapterFetcher
+from services.gpu_worker.loading.manager import AdapterManager
+from services.gpu_worker.lora.backend import LoraBackend, TorchLoraBackend
+from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.model.checkpoint import resolve_checkpoint
+from services.gpu_worker.model.config import LlamaConfig
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"--device {spec}: CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[spec]
+
+
+def make_backend(name: str, dtype: torch.dtype, device: torch.device) -> LoraBackend:
+    if name == "torch":
+        return TorchLoraBackend(dtype, device)
+    if name == "triton":
+        from services.gpu_worker.lora.triton_backend import TritonLoraBackend
+
+        return TritonLoraBackend(dtype, device)
+    raise InvalidArgument(f"unknown --lora-backend {name!r}; use torch or triton")
+
+
+def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> Engine:
+    """Load the base model and allocate every budget; the engine is not started."""
+    started = time.perf_counter()
+    torch_device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, torch_device)
+    checkpoint = checkpoint or resolve_checkpoint(
+        settings.model,
+        cache_dir=settings.model_cache_dir,
+        hf_endpoint=settings.hf_endpoint,
+        hf_token=settings.hf_token,
+    )
+    config = LlamaConfig.from_dir(checkpoint, name=settings.base_model_name)
+    model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    device = Device(torch_device)
+    kv = KVCache(
+        config.num_layers, config.num_kv_heads, config.head_dim,
+        settings.kv_cache_bytes, dtype, torch_device,
+    )
+    slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device)
+    fetcher = AdapterFetcher(device, settings.store, settings.store_token)
+    adapters = AdapterManager(
+        config, slots, device, fetcher, settings.host_cache_bytes,
+        overlap=settings.lora_overlap_loading,
+    )
+    engine = Engine(
+        model,
+        tokenizer,
+        kv,
+        slots,
+        adapters,
+        make_backend(settings.lora_backend, dtype, torch_device),
+        device,
+        base_model_name=settings.base_model_name,
+        max_batch_size=settings.max_batch_size,
+        max_num_tokens=settings.max_num_tokens,
+        max_seq_len=settings.max_seq_len,
+        default_max_tokens=settings.default_max_tokens,
+        prefetch_depth=settings.prefetch_depth,
+    )
+    log.info(
+        "engine ready in %.1fs: %s on %s (%s), %d layers; KV cache %d tokens (%.0f MB); "
+        "%d LoRA slots of rank <= %d (%.0f MB); backend %s; overlap loading %s",
+        time.perf_counter() - started, settings.base_model_name, torch_device,
+        str(dtype).removeprefix("torch."), config.num_layers, kv.capacity_tokens, kv.nbytes / 1e6,
+        settings.max_loras, settings.max_lora_rank, slots.nbytes / 1e6, settings.lora_backend,
+        "on" if settings.lora_overlap_loading else "off",
+    )
+    return engine

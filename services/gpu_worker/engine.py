@@ -1,0 +1,308 @@
+"""The engine wires model, KV cache, LoRA slots, adapter manager, scheduler and sampler together.
+
+Request threads call :meth:`Engine.submit` (validation, tokenization and the adapter lookup
+happen there, off the step loop) and read events from the returned :class:`RequestStream`.
+One engine thread runs the loop: take new requests and cancellations, schedule, run one forward
+step for the whole mixed batch, sample, stream tokens, retire finished sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from lorastream.errors import CapacityExhausted, InvalidArgument, LorastreamError
+from lorastream.generation import FinishReason, GenerationEvent, PromptInput
+from services.gpu_worker.detokenizer import IncrementalDetokenizer
+from services.gpu_worker.device import Device, Event
+from services.gpu_worker.kv_cache import BlockAllocator, KVCache
+from services.gpu_worker.loading.manager import AdapterManager
+from services.gpu_worker.lora.backend import LoraBackend, LoraStep
+from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from services.gpu_worker.scheduler import Scheduler, StepPlan
+from services.gpu_worker.sequence import RequestStream, Sequence
+from services.gpu_worker.step_inputs import build_step_inputs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    peak_running: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: object,
+        kv: KVCache,
+        slots: LoraSlots,
+        adapters: AdapterManager,
+        backend: LoraBackend,
+        device: Device,
+        *,
+        base_model_name: str,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int,
+        default_max_tokens: int,
+        prefetch_depth: int = 8,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.slots = slots
+        self.adapters = adapters
+        self.backend = backend
+        self.device = device
+        self.base_model_name = base_model_name
+        self.max_seq_len = min(max_seq_len, model.config.max_position_embeddings)
+        self.default_max_tokens = default_max_tokens
+        self.scheduler = Scheduler(
+            kv.allocator,
+            adapters,
+            max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens,
+            prefetch_depth=prefetch_depth if adapters.overlap else 0,
+        )
+        self.sampler = Sampler()
+        eos = set(model.config.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            eos.add(int(tok_eos))
+        self.eos_ids = frozenset(eos)
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.adapters.close()
+        self.device.close()
+
+    def healthy_after_stop(self) -> bool:
+        """No leaked KV blocks or adapter references once no request is left (a test check)."""
+        if self.scheduler.has_work or not self._inbox.empty():
+            return True  # stopped with requests in flight: nothing to conclude
+        refs = sum(entry.refs for entry in self.adapters.entries())
+        return refs == 0 and self.kv.allocator.used_blocks == 0
+
+    def is_base_model(self, name: str) -> bool:
+        return name in ("", self.base_model_name)
+
+    # -- intake (request threads) -------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        tok = self.tokenizer
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            vocab = self.model.config.vocab_size
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        elif prompt.messages is not None:
+            if getattr(tok, "chat_template", None) is None:
+                raise InvalidArgument("this model has no chat template; send a plain prompt")
+            messages = [{"role": r, "content": c} for r, c in prompt.messages]
+            ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))  # type: ignore[attr-defined]
+        else:
+            ids = list(tok(prompt.text or "").input_ids)  # type: ignore[operator]
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        return ids
+
+    def submit(
+        self,
+        model: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; raises domain errors for bad input (nothing queued)."""
+        if params.max_tokens == 0:  # unset on the wire: this worker's default
+            params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
+        params.validate(self.model.config.vocab_size)
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_seq_len:
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens; this worker's context is {self.max_seq_len} "
+                "tokens (prompt + completion): shorten the prompt"
+            )
+        max_len = min(len(ids) + params.max_tokens, self.max_seq_len)
+        need = BlockAllocator.blocks_for(max_len)
+        if need > self.kv.num_blocks:
+            raise CapacityExhausted(
+                f"the request needs {need} KV cache blocks but the whole cache has "
+                f"{self.kv.num_blocks}; lower max_tokens or raise --kv-cache-bytes"
+            )
+        adapter = None if self.is_base_model(model) else self.adapters.resolve(model)
+        stream = RequestStream(request_id or uuid.uuid4().hex)
+        seq = Sequence(
+            request_id=stream.request_id,
+            prompt_ids=ids,
+            params=params,
+            adapter=adapter,
+            stream=stream,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop),
+            generator=make_generator(params.seed),
+            max_len=max_len,
+            eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+        )
+        if adapter is not None:
+            self.adapters.acquire(adapter)
+        self._inbox.put(seq)
+        self._wake.set()
+        return stream
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._intake()
+                self._drop_cancelled()
+                plan = self.scheduler.schedule()
+                for seq, err in plan.failed:
+                    self._fail(seq, err)
+                if plan.empty:
+                    # Idle, or waiting on loads: poll loads every millisecond, else sleep.
+                    timeout = 0.001 if self.scheduler.has_work else None
+                    self._wake.wait(timeout)
+                    self._wake.clear()
+                    continue
+                self._step(plan)
+            except Exception:  # noqa: BLE001 - a bug must not kill the loop silently
+                log.exception("engine step failed; failing the running requests")
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, LorastreamError("internal error in the engine step"))
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.cancelled:
+                self._retire(seq, FinishReason.CANCELLED, (), "")
+
+    def _step(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
+        load_events: dict[int, Event] = {}
+        for seq in plan.sequences:
+            entry = seq.adapter
+            if entry is None:
+                seq.slot = -1
+                continue
+            if entry.slot is None:  # referenced adapters are never evicted: this is a bug
+                raise RuntimeError(f"{seq.request_id} was scheduled but {entry.name} has no slot")
+            seq.slot = entry.slot
+            if entry.slot_event is not None:
+                load_events[entry.slot] = entry.slot_event
+        for event in load_events.values():  # rule 1: compute waits for the slot's copy
+            self.device.compute_wait(event)
+        inputs = build_step_inputs(plan)
+        batch = inputs.batch.to(self.model.device)
+        meta = self.backend.prepare(inputs.token_slots, self.slots)
+        lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
+        used_slots = set(load_events)
+        logits = self.model.forward(batch, self.kv, lora)  # [n, V]
+        self.adapters.mark_read(used_slots, self.device.record_compute())  # rule 2
+        tokens = self.sampler.sample(
+            logits, [SamplingRow(s.params, s.generator) for s in inputs.samplers]
+        ).tolist()  # the one device -> host transfer of the step
+        for seq, count in inputs.fed:
+            seq.num_computed += count
+        for seq, token in zip(inputs.samplers, tokens, strict=True):
+            self._emit(seq, int(token))
+        self.stats.steps += 1
+        self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
+        self.stats.step_seconds += time.perf_counter() - started
+        self.stats.decode_tokens += len(plan.decode)
+        self.stats.prefill_tokens += sum(chunk for _, chunk in plan.prefill)
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        self.stats.generated_tokens += 1
+        reason: FinishReason | None = None
+        if token in seq.eos_ids or token in seq.params.stop_token_ids:
+            # The stop token is reported in token_ids but never rendered as text.
+            reason, text = FinishReason.STOP, seq.detokenizer.flush()
+        else:
+            step = seq.detokenizer.push(token)
+            text = step.delta
+            if step.stopped:
+                reason = FinishReason.STOP
+            elif seq.length >= seq.max_len:
+                reason, text = FinishReason.LENGTH, text + seq.detokenizer.flush()
+        if reason is None:
+            seq.stream.put(
+                GenerationEvent((token,), text, len(seq.prompt_ids), len(seq.output_ids))
+            )
+        else:
+            self._retire(seq, reason, (token,), text)
+
+    def _retire(
+        self, seq: Sequence, reason: FinishReason, tokens: tuple[int, ...], text: str
+    ) -> None:
+        self.scheduler.finish(seq)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+        self.stats.finished_requests += 1
+        seq.stream.put(
+            GenerationEvent(tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason)
+        )
+        seq.stream.put(None)
+
+    def _fail(self, seq: Sequence, err: LorastreamError) -> None:
+        self.scheduler.finish(seq)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+        seq.stream.put(err)
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on the CPU, bf16 on CUDA."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -1,0 +1,84 @@
+"""Check an adapter against this worker's base model before it can reach a slot (DESIGN rule 6).
+
+The store already checked the adapter on its own (PEFT format, A/B pairs, ranks); here we check
+it fits *this* base model and *this* worker: every tensor names a layer the model has and a
+projection it adapts, with ``A [r, in]`` and ``B [out, r]`` of the model's sizes, and a rank
+within ``--max-lora-rank``. Checksums were verified while the bytes landed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lorastream.adapter_format import parse_lora_key
+from lorastream.errors import InvalidAdapter
+from lorastream.manifest import AdapterManifest
+from services.gpu_worker.model.config import LlamaConfig
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """An adapter's tensors in host memory, mapped to (layer, module, A|B), ready for a slot."""
+
+    adapter_id: str
+    name: str
+    rank: int
+    scaling: float
+    tensors: tuple[tuple[int, str, str, torch.Tensor], ...]  # (layer, module, "A"|"B", view)
+    nbytes: int
+
+
+def check_fits(manifest: AdapterManifest, config: LlamaConfig, max_rank: int) -> None:
+    """InvalidAdapter unless ``manifest`` fits the base model and the slot capacity."""
+    label = f"adapter {manifest.name}"
+    if manifest.rank > max_rank:
+        raise InvalidAdapter(
+            f"{label} has rank {manifest.rank}, above this worker's --max-lora-rank {max_rank}; "
+            "start the worker with a larger --max-lora-rank"
+        )
+    shapes = config.module_shapes()
+    for info in manifest.tensors:
+        key = parse_lora_key(info.name)
+        if key is None or key.module not in shapes:
+            raise InvalidAdapter(
+                f"{label}: tensor {info.name} targets a module this model does not have; "
+                f"adaptable: {', '.join(shapes)}"
+            )
+        if key.layer >= config.num_layers:
+            raise InvalidAdapter(
+                f"{label} was trained for a different base model: it adapts layer {key.layer}, "
+                f"but {config.name or 'the base model'} has {config.num_layers} layers"
+            )
+        fan_in, fan_out = shapes[key.module]
+        expected = (manifest.rank, fan_in) if key.ab == "A" else (fan_out, manifest.rank)
+        if tuple(info.shape) != expected:
+            raise InvalidAdapter(
+                f"{label} was trained for a different base model: layer {key.layer} "
+                f"{key.module} lora_{key.ab} is {list(info.shape)}, but this model needs "
+                f"{list(expected)} ({key.module} maps {fan_in} -> {fan_out} features)"
+            )
+
+
+def adapter_weights(
+    manifest: AdapterManifest,
+    views: dict[str, torch.Tensor],
+    config: LlamaConfig,
+    max_rank: int,
+) -> AdapterWeights:
+    """Check ``manifest`` and map its host ``views`` (by PEFT name) for :meth:`LoraSlots.write`."""
+    check_fits(manifest, config, max_rank)
+    tensors = []
+    for info in manifest.tensors:
+        key = parse_lora_key(info.name)
+        assert key is not None  # check_fits refused the rest
+        tensors.append((key.layer, key.module, key.ab, views[info.name]))
+    return AdapterWeights(
+        adapter_id=manifest.adapter_id,
+        name=manifest.name,
+        rank=manifest.rank,
+        scaling=manifest.scaling,
+        tensors=tuple(tensors),
+        nbytes=manifest.total_bytes,
+    )

@@ -1,0 +1,353 @@
+"""The worker's adapters across tiers: store -> host buffer -> device slot.
+
+Adapters are keyed by content id (DESIGN "Identity"); names map to ids. Each adapter counts the
+queued and running requests that need it (``refs``); only unpinned adapters at zero references
+are evicted, from the host tier (LRU within ``host_budget``) or from a slot (LRU).
+
+Thread model: gRPC threads resolve names and take references, fetch threads land host buffers,
+the engine loop places adapters into slots and releases references. One lock guards the state;
+no fetch, copy or store call runs under it.
+
+The rules of DESIGN.md kept here:
+1. a slot is usable only once its load event completed (:meth:`ready`, a non-blocking query);
+2. a slot is overwritten only after the last step that read it: the copy is submitted to the load
+   stream ``after`` that step's compute event (:meth:`mark_read` records it);
+4. references, not guesses, decide eviction;
+5. an adapter that cannot be loaded fails its requests with its error (:attr:`AdapterEntry.error`);
+6. an adapter is checked against the base model on the host (``adapter_weights``) before a slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from lorastream.errors import (
+    AdapterNotFound,
+    CapacityExhausted,
+    InvalidArgument,
+    LorastreamError,
+    SourceUnavailable,
+)
+from lorastream.manifest import AdapterManifest
+from services.gpu_worker.device import COMPLETED, Device, Event
+from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
+from services.gpu_worker.loading.fetcher import AdapterFetcher
+from services.gpu_worker.loading.host_buffer import HostAdapterBuffer, host_nbytes
+from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.model.config import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+
+class Residency(Enum):
+    REMOTE = "remote"  # known, tensors only in the store
+    LOADING = "loading"  # being fetched to host or copied to a slot
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass
+class AdapterEntry:
+    adapter_id: str
+    name: str
+    manifest: AdapterManifest
+    local_path: Path | None = None
+    weights: AdapterWeights | None = None  # host tier
+    host_bytes: int = 0
+    fetching: bool = False
+    error: LorastreamError | None = None
+    slot: int | None = None
+    slot_event: Event | None = None  # completion of the copy into ``slot``
+    refs: int = 0
+    pinned: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    fetch_started: float = 0.0
+
+    @property
+    def residency(self) -> Residency:
+        if self.slot is not None:
+            event = self.slot_event
+            return Residency.DEVICE if event is None or event.query() else Residency.LOADING
+        if self.fetching:
+            return Residency.LOADING
+        return Residency.HOST if self.weights is not None else Residency.REMOTE
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        slots: LoraSlots,
+        device: Device,
+        fetcher: AdapterFetcher,
+        host_budget: int,
+        *,
+        overlap: bool = True,
+        fetch_threads: int = 2,
+    ) -> None:
+        self.config = config
+        self.slots = slots
+        self.device = device
+        self.fetcher = fetcher
+        self.host_budget = host_budget
+        self.overlap = overlap
+        self._lock = threading.RLock()
+        self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
+        self._names: dict[str, str] = {}  # name -> adapter_id
+        self._slot_read: list[Event] = [COMPLETED] * slots.num_slots  # rule 2
+        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="adapter-fetch")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- names ------------------------------------------------------------------------------
+    def resolve(self, name: str) -> AdapterEntry:
+        """The entry for ``name``: its current content per the store, or a local registration.
+
+        Called from request threads. The store is asked every time, so a name re-registered
+        with new weights maps to its new content id; when the store cannot be reached, an
+        adapter this worker already holds keeps serving (logged).
+        """
+        with self._lock:
+            known = self._entries.get(self._names.get(name, ""))
+            if known is not None and (known.local_path is not None or known.pinned):
+                return known
+        if not self.fetcher.has_store:
+            if known is not None:
+                return known
+            raise AdapterNotFound(
+                f"unknown model {name!r}: not the base model and not an adapter loaded on this "
+                "worker (the worker has no --store to look it up)"
+            )
+        try:
+            manifest = self.fetcher.describe(name)
+        except SourceUnavailable:
+            if known is None:
+                raise
+            log.warning("store unreachable; serving %s from this worker's copy", name)
+            return known
+        check_fits(manifest, self.config, self.slots.max_rank)
+        with self._lock:
+            entry = self._entries.get(manifest.adapter_id)
+            if entry is None:
+                entry = AdapterEntry(manifest.adapter_id, name, manifest)
+                self._entries[manifest.adapter_id] = entry
+            self._names[name] = manifest.adapter_id
+            return entry
+
+    def register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:
+        """Read, check and keep a local PEFT directory under ``name`` (blocking)."""
+        buffer = self.fetcher.read_local(name, path)
+        assert buffer.manifest is not None
+        weights = adapter_weights(
+            buffer.manifest, buffer.tensors(), self.config, self.slots.max_rank
+        )
+        with self._lock:
+            entry = self._entries.get(weights.adapter_id)
+            if entry is None:
+                entry = AdapterEntry(weights.adapter_id, name, buffer.manifest, local_path=path)
+                self._entries[weights.adapter_id] = entry
+            entry.local_path = path
+            entry.pinned = entry.pinned or pin
+            if entry.weights is None:
+                self._admit_host(entry, weights, host_nbytes(buffer.manifest))
+            self._names[name] = weights.adapter_id
+            return entry
+
+    # -- references ---------------------------------------------------------------------------
+    def acquire(self, entry: AdapterEntry) -> None:
+        with self._lock:
+            if entry.refs == 0 and entry.error is not None:
+                entry.error = None  # a new request retries a failed load
+            entry.refs += 1
+            entry.last_used = time.monotonic()
+
+    def release(self, entry: AdapterEntry) -> None:
+        with self._lock:
+            entry.refs -= 1
+            assert entry.refs >= 0, f"reference count of {entry.name} went negative"
+            entry.last_used = time.monotonic()
+
+    # -- tiers --------------------------------------------------------------------------------
+    def ensure_host(self, entry: AdapterEntry) -> None:
+        """Start fetching ``entry`` into host memory unless it is there or on its way.
+
+        Without overlap the fetch runs here, in the caller's thread.
+        """
+        with self._lock:
+            if entry.weights is not None or entry.fetching or entry.error is not None:
+                return
+            if entry.local_path is not None:
+                entry.error = AdapterNotFound(
+                    f"adapter {entry.name} was evicted from this worker; load it again"
+                )
+                return
+            entry.fetching = True
+            entry.fetch_started = time.perf_counter()
+        if self.overlap:
+            self._pool.submit(self._fetch, entry)
+        else:
+            self._fetch(entry)
+
+    def _fetch(self, entry: AdapterEntry) -> None:
+        try:
+            buffer = self.fetcher.fetch(entry.name, entry.adapter_id)
+            assert buffer.manifest is not None
+            weights = adapter_weights(
+                buffer.manifest, buffer.tensors(), self.config, self.slots.max_rank
+            )
+            with self._lock:
+                self._admit_host(entry, weights, host_nbytes(buffer.manifest))
+        except LorastreamError as err:
+            self._fail(entry, err)
+        except Exception as err:  # noqa: BLE001 - any failure fails the adapter, never the worker
+            log.exception("fetching %s failed", entry.name)
+            self._fail(entry, SourceUnavailable(f"fetching adapter {entry.name} failed: {err!r}"))
+        finally:
+            with self._lock:
+                entry.fetching = False
+
+    def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
+        log.warning("adapter %s cannot be loaded: %s", entry.name, err)
+        with self._lock:
+            entry.error = err
+
+    def _admit_host(self, entry: AdapterEntry, weights: AdapterWeights, nbytes: int) -> None:
+        """Keep ``weights`` in the host tier, evicting LRU idle adapters to fit (lock held)."""
+        if nbytes > self.host_budget:
+            raise CapacityExhausted(
+                f"adapter {entry.name} needs {nbytes} bytes of host memory, more than the whole "
+                f"host budget ({self.host_budget}); raise --host-cache-bytes"
+            )
+        used = sum(e.host_bytes for e in self._entries.values())
+        idle = sorted(
+            (e for e in self._entries.values()
+             if e.weights is not None and e.refs == 0 and not e.pinned and e is not entry),
+            key=lambda e: e.last_used,
+        )
+        for victim in idle:
+            if used + nbytes <= self.host_budget:
+                break
+            log.info("evicting %s from host memory", victim.name)
+            used -= victim.host_bytes
+            victim.weights, victim.host_bytes = None, 0
+        if used + nbytes > self.host_budget:
+            raise CapacityExhausted(
+                f"host memory for adapters is full ({used} of {self.host_budget} bytes held by "
+                f"adapters in use or pinned); adapter {entry.name} must wait or the budget grow"
+            )
+        entry.weights, entry.host_bytes = weights, nbytes
+
+    def ready(self, entry: AdapterEntry) -> bool:
+        """True when ``entry`` sits in a slot whose copy completed (never blocks)."""
+        with self._lock:
+            return entry.slot is not None and (entry.slot_event is None or entry.slot_event.query())
+
+    def place(self, entry: AdapterEntry) -> bool:
+        """Make progress towards ``entry`` being in a slot; True once it is ready.
+
+        Starts the host fetch if needed, then takes a free slot or the least recently used idle
+        one and submits the copy on the load stream after the last step that read that slot.
+        Without overlap it waits for the fetch and the copy.
+        """
+        if self.ready(entry):
+            return True
+        self.ensure_host(entry)
+        with self._lock:
+            if entry.error is not None or entry.weights is None or entry.slot is not None:
+                event = entry.slot_event
+            else:
+                slot = self._free_slot()
+                if slot is None:
+                    return False
+                weights = entry.weights
+                entry.slot = slot
+                self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
+                event = self.device.load_stream.submit(
+                    lambda: self.slots.write(
+                        slot, weights.adapter_id, weights.rank, weights.scaling,
+                        list(weights.tensors),
+                    ),
+                    after=self._slot_read[slot],
+                )
+                entry.slot_event = event
+        if event is not None and not self.overlap:
+            event.wait()
+        if event is not None and event.query() and getattr(event, "error", None) is not None:
+            self._fail(entry, SourceUnavailable(f"copying {entry.name} to the device failed"))
+            with self._lock:
+                self._evict_slot(entry)
+        return self.ready(entry) and entry.error is None
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, or the LRU slot of an idle unpinned adapter (evicted) (lock held)."""
+        occupants = {e.slot: e for e in self._entries.values() if e.slot is not None}
+        for slot in range(self.slots.num_slots):
+            if slot not in occupants:
+                return slot
+        idle = [e for e in occupants.values() if e.refs == 0 and not e.pinned]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda e: e.last_used)
+        slot = victim.slot
+        log.debug("evicting %s from slot %s", victim.name, slot)
+        self._evict_slot(victim)
+        return slot
+
+    def _evict_slot(self, entry: AdapterEntry) -> None:
+        if entry.slot is not None:
+            self.slots.clear(entry.slot)
+        entry.slot, entry.slot_event = None, None
+
+    def mark_read(self, slot_ids: set[int], event: Event) -> None:
+        """Record that the step behind ``event`` read ``slot_ids`` (DESIGN rule 2)."""
+        with self._lock:
+            for slot in slot_ids:
+                self._slot_read[slot] = event
+
+    # -- operator calls -------------------------------------------------------------------------
+    def unload(self, name: str) -> None:
+        with self._lock:
+            adapter_id = self._names.pop(name, None)
+            entry = self._entries.get(adapter_id or "")
+            if entry is None:
+                raise AdapterNotFound(f"adapter {name!r} is not loaded on this worker")
+            if entry.refs:
+                self._names[name] = entry.adapter_id
+                raise InvalidArgument(
+                    f"adapter {name} is used by {entry.refs} queued or running requests; retry "
+                    "once they finish"
+                )
+            self._evict_slot(entry)
+            entry.weights, entry.host_bytes, entry.pinned = None, 0, False
+            if entry.adapter_id not in self._names.values():
+                del self._entries[entry.adapter_id]
+
+    def entries(self) -> list[AdapterEntry]:
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e.name)
+
+    def names_of(self, entry: AdapterEntry) -> list[str]:
+        with self._lock:
+            return sorted(n for n, aid in self._names.items() if aid == entry.adapter_id)
+
+    @property
+    def host_bytes_used(self) -> int:
+        with self._lock:
+            return sum(e.host_bytes for e in self._entries.values())
+
+    @property
+    def slots_used(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.slot is not None)
+
+    @property
+    def loading(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.residency is Residency.LOADING)

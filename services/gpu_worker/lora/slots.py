@@ -1,0 +1,92 @@
+"""Device storage for the adapters of a running batch: ``num_slots`` slots of rank up to R.
+
+Per adapted module ``m`` (q, k, v, o, gate, up, down)::
+
+    a[m]: [num_layers, S, R, in_m]     lora_A of slot s in rows :rank_s, zeros beyond
+    b[m]: [num_layers, S, out_m, R]    lora_B of slot s in columns :rank_s, zeros beyond
+
+(the ``A[S, R, K]`` / ``B[S, N, R]`` layout the SGMV kernels take, one layer at a time).
+The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
+may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lorastream.adapter_format import SUPPORTED_MODULES
+from services.gpu_worker.model.config import LlamaConfig
+
+RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
+
+
+@dataclass
+class SlotInfo:
+    adapter_id: str | None = None
+    rank: int = 0
+    scaling: float = 0.0
+    modules: frozenset[str] = field(default_factory=frozenset)
+
+
+class LoraSlots:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        storage_rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for module, (fan_in, fan_out) in config.module_shapes().items():
+            self.a[module] = torch.zeros(
+                (config.num_layers, num_slots, storage_rank, fan_in), dtype=dtype, device=device
+            )
+            self.b[module] = torch.zeros(
+                (config.num_layers, num_slots, fan_out, storage_rank), dtype=dtype, device=device
+            )
+        self.table: list[SlotInfo] = [SlotInfo() for _ in range(num_slots)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        for index, info in enumerate(self.table):
+            if info.adapter_id == adapter_id:
+                return index
+        return None
+
+    def write(
+        self,
+        slot: int,
+        adapter_id: str,
+        rank: int,
+        scaling: float,
+        tensors: list[tuple[int, str, str, torch.Tensor]],
+    ) -> None:
+        """Zero ``slot`` and copy ``(layer, module, "A"|"B", host tensor)`` into it.
+
+        Runs on the load stream. Copies are non-blocking (pinned host memory on CUDA).
+        """
+        for module in SUPPORTED_MODULES:
+            self.a[module][:, slot].zero_()
+            self.b[module][:, slot].zero_()
+        for layer, module, ab, tensor in tensors:
+            if ab == "A":  # [r, in]
+                self.a[module][layer, slot, :rank].copy_(tensor, non_blocking=True)
+            else:  # [out, r]
+                self.b[module][layer, slot, :, :rank].copy_(tensor, non_blocking=True)
+        self.table[slot] = SlotInfo(
+            adapter_id, rank, scaling, frozenset(module for _, module, _, _ in tensors)
+        )
+
+    def clear(self, slot: int) -> None:
+        """Forget the slot's adapter (its weights stay until the next write)."""
+        self.table[slot] = SlotInfo()

@@ -1,0 +1,67 @@
+"""Build and run the GPU worker's gRPC server."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lorastream.grpc_service import add_servicer
+from lorastream.grpc_status import ErrorMappingInterceptor
+from services.gpu_worker.bootstrap import build_engine
+from services.gpu_worker.config import WorkerSettings
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.servicer import SERVICE, SERVICE_NAME, GpuWorkerServicer
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
+]
+
+
+def create_server(
+    settings: WorkerSettings, engine: Engine | None = None
+) -> tuple[grpc.Server, int, Engine]:
+    """Create the server (not started) around a started engine; returns it, its port, the engine."""
+    engine = engine or build_engine(settings)
+    if not engine.started:
+        engine.start()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="worker"),
+        interceptors=[ErrorMappingInterceptor()],
+        options=GRPC_OPTIONS,
+    )
+    add_servicer(server, GpuWorkerServicer(engine), SERVICE)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port} (port in use?)")
+    return server, port, engine
+
+
+def serve(settings: WorkerSettings) -> None:
+    """Run the worker until interrupted; in-flight streams get a grace period."""
+    server, port, engine = create_server(settings)
+    server.start()
+    log.info(
+        "gpu worker serving %s on %s:%d (store %s)",
+        settings.base_model_name, settings.host, port, settings.store or "none",
+    )
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        log.info("stopping gpu worker")
+    finally:
+        server.stop(grace=5).wait()
+        engine.stop()

@@ -1,0 +1,117 @@
+"""Fixtures for the worker tests: a tiny random Llama, PEFT adapters made on it, and the
+HF transformers + PEFT reference that the engine must match token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.gpu_worker.bootstrap import build_engine
+from services.gpu_worker.config import WorkerSettings
+from services.gpu_worker.engine import Engine
+from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_checkpoint
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank: int
+    targets: list[str] | str
+    use_rslora: bool = False
+    seed: int = 1
+
+
+# Ranks 4-64; attention only, MLP only, all linear; one rsLoRA (issue 3's matrix).
+ADAPTERS: dict[str, AdapterSpec] = {
+    "attn-r4": AdapterSpec(4, ATTENTION, seed=11),
+    "mlp-r8": AdapterSpec(8, MLP, seed=12),
+    "all-r16-rslora": AdapterSpec(16, ALL_LINEAR, use_rslora=True, seed=13),
+    "all-r64": AdapterSpec(64, "all-linear", seed=14),
+}
+PROMPTS: list[list[int]] = [
+    [5, 9, 33, 41, 7, 100, 3],
+    [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82],
+    [200, 17],
+]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    return {
+        name: make_peft_adapter(
+            tiny_model, root / name, rank=s.rank, targets=s.targets, use_rslora=s.use_rslora,
+            seed=s.seed, b_std=0.2,
+        )
+        for name, s in ADAPTERS.items()
+    }
+
+
+def peft_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    return base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF greedy generation of up to ``new_tokens`` (stops at eos), generated ids only."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def reference(
+    tiny_model: Path, tiny_adapters: dict[str, Path]
+) -> dict[tuple[str, int], list[int]]:
+    """(adapter name or "base", prompt index) -> HF + PEFT greedy tokens."""
+    refs: dict[tuple[str, int], list[int]] = {}
+    for name in ["base", *ADAPTERS]:
+        model = peft_model(tiny_model, None if name == "base" else tiny_adapters[name])
+        for i, prompt in enumerate(PROMPTS):
+            refs[(name, i)] = reference_greedy(model, prompt, NEW_TOKENS)
+    return refs
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def engine_factory(tiny_model: Path, tmp_path: Path) -> Iterator[EngineFactory]:
+    """Started engines on the tiny model; stopped at teardown."""
+    engines: list[Engine] = []
+
+    def make(start: bool = True, **overrides: object) -> Engine:
+        settings = WorkerSettings(
+            model=str(tiny_model),
+            served_model_name="tiny",
+            model_cache_dir=tmp_path / "models",
+            max_loras=overrides.pop("max_loras", 6),
+            max_lora_rank=overrides.pop("max_lora_rank", 64),
+            kv_cache_bytes=overrides.pop("kv_cache_bytes", 8 << 20),
+            **overrides,
+        )
+        engine = build_engine(settings, checkpoint=tiny_model)
+        if start:
+            engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.stop()
+        assert engine.healthy_after_stop(), "slots, references or KV blocks leaked"

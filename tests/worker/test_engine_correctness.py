@@ -1,0 +1,123 @@
+"""The engine against HF transformers + PEFT: one mixed batch, every adapter, same greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorastream.generation import FinishReason, PromptInput
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.loading.adapter_weights import adapter_weights
+from services.gpu_worker.loading.fetcher import AdapterFetcher
+from services.gpu_worker.lora.backend import LoraStep, TorchLoraBackend
+from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.model.config import LlamaConfig
+from services.gpu_worker.model.forward_batch import ForwardBatch, PrefillSpan
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.weights import load_weights
+from services.gpu_worker.device import Device
+from services.gpu_worker.operations import WorkerOperations
+from services.gpu_worker.sampling import SamplingParams
+from tests.worker.conftest import ADAPTERS, NEW_TOKENS, PROMPTS, EngineFactory, peft_model
+
+
+def _collect(stream) -> tuple[list[int], str, FinishReason | None]:  # type: ignore[no-untyped-def]
+    tokens, text, reason = [], "", None
+    for event in stream:
+        tokens.extend(event.token_ids)
+        text += event.text
+        reason = event.finish_reason
+    return tokens, text, reason
+
+
+def test_one_mixed_batch_of_every_adapter_and_the_base_gives_peft_greedy_tokens(
+    engine_factory: EngineFactory,
+    tiny_adapters: dict[str, Path],
+    reference: dict[tuple[str, int], list[int]],
+) -> None:
+    engine = engine_factory(start=False)  # requests queue up and land in the same first step
+    ops = WorkerOperations(engine)
+    for name, path in tiny_adapters.items():
+        ops.load_adapter(name, str(path))
+    streams = {}
+    for name in ["tiny", *ADAPTERS]:
+        for i, prompt in enumerate(PROMPTS):
+            streams[(name, i)] = engine.submit(
+                name, PromptInput(token_ids=tuple(prompt)), SamplingParams(max_tokens=NEW_TOKENS)
+            )
+    engine.start()
+    for (name, i), stream in streams.items():
+        tokens, _, reason = _collect(stream)
+        expected = reference[("base" if name == "tiny" else name, i)]
+        assert tokens == expected, f"{name} prompt {i}"
+        assert reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert engine.stats.peak_running == len(streams)  # all of them in one running batch
+    for name in ADAPTERS:  # the adapters do change the output: the comparison proves something
+        assert any(reference[(name, i)] != reference[("base", i)] for i in range(len(PROMPTS)))
+
+
+@pytest.fixture(scope="module")
+def model_and_slots(
+    tiny_model: Path, tiny_adapters: dict[str, Path]
+) -> tuple[LlamaModel, LoraSlots, dict[str, int]]:
+    config = LlamaConfig.from_dir(tiny_model)
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, load_weights(tiny_model, config, torch.float32, cpu), cpu)
+    slots = LoraSlots(config, len(ADAPTERS) + 1, 64, torch.float32, cpu)
+    fetcher = AdapterFetcher(Device("cpu"), None)
+    slot_of = {}
+    for slot, (name, path) in enumerate(tiny_adapters.items(), start=1):
+        buffer = fetcher.read_local(name, path)
+        assert buffer.manifest is not None
+        w = adapter_weights(buffer.manifest, buffer.tensors(), config, 64)
+        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.tensors))
+        slot_of[name] = slot
+    return model, slots, slot_of
+
+
+@pytest.mark.parametrize("chunk", [None, 3], ids=["whole-prompt", "chunked-prefill"])
+def test_mixed_batch_logits_agree_with_peft_within_fp32_tolerance(
+    model_and_slots: tuple[LlamaModel, LoraSlots, dict[str, int]],
+    tiny_model: Path,
+    tiny_adapters: dict[str, Path],
+    chunk: int | None,
+) -> None:
+    model, slots, slot_of = model_and_slots
+    config = model.config
+    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8 << 20,
+                 torch.float32, model.device)
+    backend = TorchLoraBackend(torch.float32, model.device)
+    names = ["base", *ADAPTERS]
+    prompt = PROMPTS[1]
+    tables = {name: kv.allocator.allocate(len(prompt)) for name in names}
+    done, logits = 0, {}
+    steps = [len(prompt)] if chunk is None else [chunk] * (len(prompt) // chunk) + [len(prompt) % chunk]
+    for length in [s for s in steps if s]:  # every adapter prefills the same chunk each step
+        ids, positions, cache, token_slots, spans, rows = [], [], [], [], [], []
+        for name in names:
+            table = tables[name]
+            start = len(ids)
+            ids += prompt[done : done + length]
+            positions += range(done, done + length)
+            cache += [table[j // 16] * 16 + j % 16 for j in range(done, done + length)]
+            token_slots += [slot_of.get(name, -1)] * length
+            spans.append(PrefillSpan(start, length, done + length, torch.tensor(table)))
+            rows.append(len(ids) - 1)
+        batch = ForwardBatch(
+            torch.tensor(ids), torch.tensor(positions), torch.tensor(positions) + 1,
+            torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long), tuple(spans), torch.tensor(rows),
+        )
+        meta = backend.prepare(token_slots, slots)
+        out = model.forward(batch, kv, LoraStep(slots, backend, meta))
+        done += length
+        logits = dict(zip(names, out, strict=True))
+    for name in names:
+        ref_model = peft_model(tiny_model, None if name == "base" else tiny_adapters[name])
+        with torch.no_grad():
+            expected = ref_model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[name], expected, rtol=1e-4, atol=1e-4)
+        if name != "base":
+            assert not torch.allclose(logits[name], logits["base"], atol=1e-3), name
