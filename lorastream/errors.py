@@ -39,5 +39,9 @@ class AlreadyExists(LorastreamError):
     """A name is already registered with different content and the request did not ask to replace it."""
 
 
+class Conflict(LorastreamError):
+    """What the request assumed changed meanwhile (e.g. a name was replaced mid-stream)."""
+
+
 class Cancelled(LorastreamError):
     """The operation was cancelled by its caller."""

@@ -6,11 +6,17 @@ yield pre-encoded response bytes (see ``codec.encode_chunk_response``) as well a
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
 from lorastream.codec import serialize_response
+
+log = logging.getLogger(__name__)
 
 
 def add_servicer(server: grpc.Server, servicer: object, service: ServiceDescriptor) -> None:
@@ -32,3 +38,18 @@ def add_servicer(server: grpc.Server, servicer: object, service: ServiceDescript
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
+
+
+def serve_until_signalled(server: grpc.Server, what: str, grace: float = 5.0) -> None:
+    """Block until SIGINT or SIGTERM (call from the main thread), then stop ``server`` gracefully:
+    new calls are refused and calls in flight get ``grace`` seconds to finish."""
+    stopping = threading.Event()
+
+    def handle(signum: int, frame: object) -> None:
+        log.info("%s: %s received, stopping", what, signal.Signals(signum).name)
+        stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+    stopping.wait()
+    server.stop(grace).wait()

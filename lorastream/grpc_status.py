@@ -24,6 +24,7 @@ _CODES: dict[type[errors.LorastreamError], grpc.StatusCode] = {
     errors.CapacityExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.Conflict: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Cancelled: grpc.StatusCode.CANCELLED,
 }
 _EXCEPTIONS: dict[grpc.StatusCode, type[errors.LorastreamError]] = {
@@ -34,7 +35,7 @@ _EXCEPTIONS: dict[grpc.StatusCode, type[errors.LorastreamError]] = {
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
     grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
     grpc.StatusCode.CANCELLED: errors.Cancelled,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.Conflict,
 }
 
 

@@ -13,7 +13,11 @@ from lorastream.cli.common import STORE_OPTION, TOKEN_OPTION, out, reported_erro
 from lorastream.manifest import AdapterManifest
 from lorastream.store_client import BytesSink, StoreClient
 
-app = typer.Typer(help="Preload, list, inspect, pin and delete adapters in the store.")
+app = typer.Typer(
+    help="Preload, list, inspect, pin and delete adapters in the store.",
+    rich_markup_mode=None,
+    no_args_is_help=True,
+)
 
 
 def _manifest_dict(m: AdapterManifest) -> dict[str, object]:

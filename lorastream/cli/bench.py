@@ -8,7 +8,11 @@ import typer
 
 from lorastream.cli.common import out, setup_logging
 
-app = typer.Typer(help="Benchmarks; each prints one JSON document with its comparison.")
+app = typer.Typer(
+    help="Benchmarks; each prints one JSON document with its comparison.",
+    rich_markup_mode=None,
+    no_args_is_help=True,
+)
 
 
 @app.command("transfer")

@@ -15,6 +15,7 @@ app = typer.Typer(
         "`lorastream store serve`, then `lorastream adapters preload URI --name NAME`."
     ),
     no_args_is_help=True,
+    rich_markup_mode=None,  # help texts show [defaults] and hf://org/repo[@revision] literally
     pretty_exceptions_show_locals=False,
 )
 app.add_typer(store.app, name="store")

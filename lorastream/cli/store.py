@@ -8,13 +8,19 @@ import typer
 
 from lorastream.cli.common import setup_logging
 
-app = typer.Typer(help="Run the adapter store (stages adapters, streams their tensors).")
+app = typer.Typer(
+    help="Run the adapter store (stages adapters, streams their tensors).",
+    rich_markup_mode=None,
+    no_args_is_help=True,
+)
 
 
 @app.command("serve")
 def serve(
-    port: int = typer.Option(50051, help="gRPC port (0 picks a free one)."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 for all)."),
+    port: int | None = typer.Option(None, help="gRPC port (0 picks a free one) [default: 50051]."),
+    host: str | None = typer.Option(
+        None, help="Address to bind (0.0.0.0 for all) [default: 127.0.0.1]."
+    ),
     cache_dir: Path | None = typer.Option(
         None, help="Staging directory [default: ~/.cache/lorastream/store]."
     ),

@@ -8,18 +8,24 @@ import typer
 
 from lorastream.cli.common import reported_errors, setup_logging
 
-app = typer.Typer(help="Run a GPU worker (Llama engine, continuous batching, batched multi-LoRA).")
+app = typer.Typer(
+    help="Run a GPU worker (Llama engine, continuous batching, batched multi-LoRA).",
+    rich_markup_mode=None,
+    no_args_is_help=True,
+)
 
 
 @app.command("serve")
 def serve(
-    model: str = typer.Option(
-        "default",
+    model: str | None = typer.Option(
+        None,
         help="'default' (the embedded SmolLM2-135M-Instruct), an HF checkpoint directory, or a "
-        "Hub model id (org/name[@revision]).",
+        "Hub model id (org/name[@revision]) [default: default].",
     ),
-    port: int = typer.Option(50052, help="gRPC port (0 picks a free one)."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 for all)."),
+    port: int | None = typer.Option(None, help="gRPC port (0 picks a free one) [default: 50052]."),
+    host: str | None = typer.Option(
+        None, help="Address to bind (0.0.0.0 for all) [default: 127.0.0.1]."
+    ),
     store: str | None = typer.Option(
         None, envvar="LORASTREAM_STORE", help="Adapter store HOST:PORT to fetch adapters from."
     ),

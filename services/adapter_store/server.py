@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lorastream.grpc_service import add_servicer
+from lorastream.grpc_service import add_servicer, serve_until_signalled
 from lorastream.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
 from services.adapter_store.config import StoreSettings
 from services.adapter_store.servicer import (
@@ -82,7 +82,7 @@ def create_server(
 
 
 def serve(settings: StoreSettings) -> None:
-    """Run the store until interrupted (SIGINT/SIGTERM stop it gracefully)."""
+    """Run the store until SIGINT or SIGTERM, then stop it gracefully."""
     server, port, store = create_server(settings)
     server.start()
     log.info(
@@ -93,9 +93,4 @@ def serve(settings: StoreSettings) -> None:
         settings.cache_bytes / (1 << 30),
         len(store.list()),
     )
-    try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        log.info("stopping adapter store")
-    finally:
-        server.stop(grace=5).wait()
+    serve_until_signalled(server, "adapter store")

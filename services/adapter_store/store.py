@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from lorastream.errors import AdapterNotFound, AlreadyExists, InvalidAdapter, InvalidArgument
+from lorastream.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
 from lorastream.manifest import AdapterManifest, PreloadProgress
 from services.adapter_store.reader import StreamLease
 from services.adapter_store.registry import Registry, RegistryEntry, validate_name
@@ -192,13 +192,13 @@ class AdapterStore:
     def open_stream(self, name: str, adapter_id: str | None = None) -> StreamLease:
         """Lease ``name``'s files for a stream; ``adapter_id`` asserts which content is expected.
 
-        Raises InvalidArgument when ``name`` now maps to other content than ``adapter_id`` (it
-        was replaced since the stream started); restart the stream without an id.
+        Raises Conflict when ``name`` now maps to other content than ``adapter_id`` (it was
+        replaced since the stream started); restart the stream without an id.
         """
         with self._lock:
             entry = self._entry(name)
             if adapter_id and adapter_id != entry.adapter_id:
-                raise InvalidArgument(
+                raise Conflict(
                     f"adapter {name} now has content {entry.adapter_id}, not {adapter_id}: it was "
                     "replaced since this stream began; restart the stream from the beginning"
                 )

@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lorastream.grpc_service import add_servicer
+from lorastream.grpc_service import add_servicer, serve_until_signalled
 from lorastream.grpc_status import ErrorMappingInterceptor
 from services.gpu_worker.bootstrap import build_engine
 from services.gpu_worker.config import WorkerSettings
@@ -51,7 +51,7 @@ def create_server(
 
 
 def serve(settings: WorkerSettings) -> None:
-    """Run the worker until interrupted; in-flight streams get a grace period."""
+    """Run the worker until SIGINT or SIGTERM; in-flight streams get a grace period."""
     server, port, engine = create_server(settings)
     server.start()
     log.info(
@@ -59,9 +59,6 @@ def serve(settings: WorkerSettings) -> None:
         settings.base_model_name, settings.host, port, settings.store or "none",
     )
     try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        log.info("stopping gpu worker")
+        serve_until_signalled(server, "gpu worker")
     finally:
-        server.stop(grace=5).wait()
         engine.stop()

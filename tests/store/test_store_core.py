@@ -212,7 +212,7 @@ def test_stream_with_a_stale_adapter_id_is_refused_after_the_name_was_replaced(
     old = store.preload(str(tiny_adapters["attn-r4"]), "x")
     lease = store.open_stream("x", old.adapter_id)
     new = store.preload(str(tiny_adapters["all-r8"]), "x", force=True)
-    with pytest.raises(errors.InvalidArgument, match="replaced"):
+    with pytest.raises(errors.Conflict, match="replaced"):
         store.open_stream("x", old.adapter_id)
     with store.open_stream("x", new.adapter_id) as current:
         assert current.manifest.rank == 8

@@ -1,0 +1,1 @@
+"""The Llama model the GPU worker runs: rotary embeddings, checkpoints, weights, forward pass."""

@@ -1,0 +1,423 @@
+"""docker-compose.yml and docker/Dockerfile, checked without a Docker engine.
+
+The compose file is validated against the Compose Specification's JSON schema, vendored as
+``docker/compose-spec.json`` (compose-spec/compose-spec ``schema/compose-spec.json``, as shipped in
+check-jsonschema 0.39.0; Apache-2.0, license beside it). On top of the schema, the tests check what
+the schema cannot: health checks, ``depends_on`` conditions, shared credentials, named volumes, and
+that the commands the containers run are real ``lorastream`` commands that yield the intended
+settings. ``${VAR:-default}`` interpolation is applied as compose applies it.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from typer.testing import CliRunner
+
+from lorastream.cli.main import app
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.server import create_server
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+HEALTHCHECK_SCRIPT = ROOT / "docker" / "healthcheck.py"
+SCHEMA_FILE = ROOT / "docker" / "compose-spec.json"
+SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
+
+# ${NAME}, ${NAME:-default}, ${NAME-default}, $NAME and the $$ escape: the forms the file may use.
+_VARIABLE = re.compile(
+    r"\$(?:(?P<escaped>\$)"
+    r"|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}"
+    r"|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """``value`` with compose's variable substitution applied to every string in it."""
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match["escaped"]:
+            return "$"
+        name = match["braced"] or match["bare"]
+        if match["op"] == ":-":
+            return env.get(name) or match["default"]
+        if match["op"] == "-":
+            return env.get(name, match["default"])
+        return env.get(name, "")
+
+    result = _VARIABLE.sub(substitute, value)
+    leftover = _VARIABLE.sub("", value)
+    if "${" in leftover:
+        raise ValueError(f"unsupported interpolation form in {value!r}")
+    return result
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """docker-compose.yml as compose sees it: anchors and merge keys resolved, then interpolated."""
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env or {})
+
+
+def schema_errors(document: Any) -> list[str]:
+    validator = Draft202012Validator(json.loads(SCHEMA_FILE.read_text()))
+    return [
+        f"{'.'.join(map(str, error.absolute_path)) or '<root>'}: {error.message}"
+        for error in validator.iter_errors(document)
+    ]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, with continuation lines joined and comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        keyword, _, arguments = (pending + stripped).partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+        pending = ""
+    return instructions
+
+
+def dockerfile_json(keyword: str) -> list[str]:
+    """The exec-form (JSON array) arguments of the last ``keyword`` instruction."""
+    values = [args for kw, args in dockerfile_instructions() if kw == keyword]
+    assert values, f"the Dockerfile has no {keyword}"
+    return json.loads(values[-1])
+
+
+def run_cli_capturing_settings(
+    args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> StoreSettings:
+    """Run ``lorastream *args`` with ``env``, stopping where the store would start serving."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    captured: list[StoreSettings] = []
+    monkeypatch.setattr("services.adapter_store.server.serve", captured.append)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert len(captured) == 1, f"`lorastream {' '.join(args)}` did not start the store"
+    return captured[0]
+
+
+def service_env(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment", {})
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {key: str(value) for key, value in environment.items()}
+
+
+# -- the compose file against the Compose Specification -------------------------------------------
+def test_vendored_schema_is_the_pinned_compose_spec() -> None:
+    assert hashlib.sha256(SCHEMA_FILE.read_bytes()).hexdigest() == SCHEMA_SHA256, (
+        "docker/compose-spec.json changed: vendor a new schema on purpose and update SCHEMA_SHA256"
+    )
+    schema = json.loads(SCHEMA_FILE.read_text())
+    Draft202012Validator.check_schema(schema)
+    assert schema["title"] == "Compose Specification"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"LORASTREAM_S3_ACCESS_KEY": "operator", "LORASTREAM_STORE_PORT": "6000"}],
+    ids=["defaults", "overridden"],
+)
+def test_compose_file_validates_against_the_compose_spec(env: dict[str, str]) -> None:
+    assert schema_errors(load_compose(env)) == []
+
+
+def _rename_key(doc: dict[str, Any]) -> None:
+    store = doc["services"]["adapter-store"]
+    store["healthckeck"] = store.pop("healthcheck")
+
+
+def _unknown_condition(doc: dict[str, Any]) -> None:
+    doc["services"]["adapter-store"]["depends_on"]["minio-init"]["condition"] = "service_done"
+
+
+def _ports_as_mapping(doc: dict[str, Any]) -> None:
+    doc["services"]["minio"]["ports"] = {"9000": 9000}
+
+
+def _services_as_list(doc: dict[str, Any]) -> None:
+    doc["services"] = list(doc["services"].values())
+
+
+def _healthcheck_with_bad_field(doc: dict[str, Any]) -> None:
+    doc["services"]["minio"]["healthcheck"]["retry"] = 3
+
+
+def _bad_service_name(doc: dict[str, Any]) -> None:
+    doc["services"]["adapter store"] = doc["services"].pop("adapter-store")
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        _rename_key,
+        _unknown_condition,
+        _ports_as_mapping,
+        _services_as_list,
+        _healthcheck_with_bad_field,
+        _bad_service_name,
+    ],
+)
+def test_broken_compose_documents_fail_validation(breakage: Any) -> None:
+    document = copy.deepcopy(load_compose())
+    breakage(document)
+    assert schema_errors(document), f"{breakage.__name__} was not caught by the schema"
+
+
+# -- what the schema cannot see ------------------------------------------------------------------
+def _one_shot(service: dict[str, Any]) -> bool:
+    return service.get("restart") == "no"
+
+
+def test_every_long_running_service_has_a_healthcheck() -> None:
+    services = load_compose()["services"]
+    for name, service in services.items():
+        if _one_shot(service):
+            continue
+        check = service.get("healthcheck")
+        assert check, f"{name} has no healthcheck"
+        assert not check.get("disable"), f"{name} disables its healthcheck"
+        assert check["test"][0] in ("CMD", "CMD-SHELL") and len(check["test"]) > 1, name
+
+
+def test_one_shot_services_are_awaited_until_they_complete() -> None:
+    services = load_compose()["services"]
+    one_shots = {name for name, service in services.items() if _one_shot(service)}
+    assert one_shots == {"minio-init"}
+    for name, service in services.items():
+        for dependency, spec in service.get("depends_on", {}).items():
+            if dependency in one_shots:
+                assert spec["condition"] == "service_completed_successfully", (name, dependency)
+
+
+@pytest.mark.parametrize(
+    ("service", "dependency", "condition"),
+    [
+        ("minio-init", "minio", "service_healthy"),
+        ("adapter-store", "minio", "service_healthy"),
+        ("adapter-store", "minio-init", "service_completed_successfully"),
+    ],
+)
+def test_depends_on_conditions(service: str, dependency: str, condition: str) -> None:
+    services = load_compose()["services"]
+    assert services[service]["depends_on"][dependency]["condition"] == condition
+    if condition == "service_healthy":
+        assert "healthcheck" in services[dependency], f"{dependency} cannot become healthy"
+
+
+def test_depends_on_names_existing_services_without_cycles() -> None:
+    services = load_compose()["services"]
+    graph = {name: set(service.get("depends_on", {})) for name, service in services.items()}
+    for name, dependencies in graph.items():
+        unknown = dependencies - graph.keys()
+        assert not unknown, f"{name} depends on unknown services {sorted(unknown)}"
+    order: list[str] = []
+    while graph:
+        ready = sorted(name for name, deps in graph.items() if deps <= set(order))
+        assert ready, f"depends_on cycle among {sorted(graph)}"
+        order.extend(ready)
+        for name in ready:
+            del graph[name]
+    assert order == ["minio", "minio-init", "adapter-store"]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"LORASTREAM_S3_ACCESS_KEY": "ops-user", "LORASTREAM_S3_SECRET_KEY": "a-long-secret-1"}],
+    ids=["defaults", "overridden"],
+)
+def test_store_reads_the_credentials_minio_was_started_with(env: dict[str, str]) -> None:
+    services = load_compose(env)["services"]
+    minio, init, store = (
+        service_env(services[name]) for name in ("minio", "minio-init", "adapter-store")
+    )
+    for aws, minio_name in (
+        ("AWS_ACCESS_KEY_ID", "MINIO_ROOT_USER"), ("AWS_SECRET_ACCESS_KEY", "MINIO_ROOT_PASSWORD")
+    ):
+        assert store[aws] == minio[minio_name] == init[minio_name], aws
+    assert len(minio["MINIO_ROOT_PASSWORD"]) >= 8, "MinIO refuses root passwords under 8 characters"
+    for name, value in env.items():
+        assert value in (store["AWS_ACCESS_KEY_ID"], store["AWS_SECRET_ACCESS_KEY"]), name
+    assert store["AWS_ENDPOINT_URL"] == "http://minio:9000"
+    script = " ".join(services["minio-init"]["command"])
+    assert '"$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"' in script  # $$ escapes compose's expansion
+    assert "mc mb --ignore-existing local/adapters" in script
+
+
+def test_named_volumes_are_declared_and_hold_the_store_cache() -> None:
+    compose = load_compose()
+    declared = set(compose.get("volumes", {}))
+    mounts: dict[str, str] = {}
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if not source.startswith((".", "/")):
+                assert source in declared, f"{name} mounts undeclared volume {source}"
+                mounts[source] = target
+    assert mounts == {"minio-data": "/data", "adapter-store-cache": "/var/lib/lorastream/store"}
+    command = compose["services"]["adapter-store"]["command"]
+    assert command[command.index("--cache-dir") + 1] == mounts["adapter-store-cache"]
+
+
+# -- the commands the containers run -------------------------------------------------------------
+def test_dockerfile_entrypoint_is_the_lorastream_cli() -> None:
+    assert dockerfile_json("ENTRYPOINT") == ["lorastream"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["lorastream"] == "lorastream.cli.main:app"
+
+
+@pytest.mark.parametrize(
+    ("env", "cache_bytes"),
+    [({}, 20 << 30), ({"LORASTREAM_STORE_CACHE_BYTES": str(3 << 30)}, 3 << 30)],
+    ids=["default-budget", "budget-from-env"],
+)
+def test_compose_command_starts_the_store_with_the_compose_settings(
+    env: dict[str, str], cache_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = load_compose(env)["services"]["adapter-store"]
+    assert "entrypoint" not in store, "the image's ENTRYPOINT (lorastream) must stay in effect"
+    settings = run_cli_capturing_settings(
+        [str(arg) for arg in store["command"]],
+        service_env(store) | {"LORASTREAM_TOKEN": "op-token"},
+        monkeypatch,
+    )
+    assert (settings.host, settings.port) == ("0.0.0.0", 50051)
+    assert settings.cache_dir == Path("/var/lib/lorastream/store")
+    assert settings.cache_bytes == cache_bytes
+    assert settings.s3_endpoint_url == "http://minio:9000"
+    assert settings.hf_endpoint == "https://huggingface.co"
+    assert settings.token == "op-token"
+
+
+def test_dockerfile_default_command_starts_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = run_cli_capturing_settings(dockerfile_json("CMD"), {}, monkeypatch)
+    assert (settings.host, settings.port) == ("0.0.0.0", 50051)
+    assert settings.cache_dir == Path("/var/lib/lorastream/store")
+
+
+def test_store_serve_help_lists_the_flags_compose_passes() -> None:
+    result = CliRunner().invoke(app, ["store", "serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    offered = set(re.findall(r"--[a-z][a-z-]*", result.output))
+    command = load_compose()["services"]["adapter-store"]["command"]
+    for flag in (arg for arg in command if str(arg).startswith("--")):
+        assert flag in offered, f"`lorastream store serve` has no {flag}"
+
+
+# -- the image -------------------------------------------------------------------------------------
+def test_dockerfile_runs_as_a_non_root_user_from_python_311_slim() -> None:
+    instructions = dockerfile_instructions()
+    args = dict(
+        arg.split("=", 1) for kw, arg in instructions if kw == "ARG" and "=" in arg
+    )
+    bases = [arg.split()[0].replace("${PYTHON_IMAGE}", args["PYTHON_IMAGE"])
+             for kw, arg in instructions if kw == "FROM"]
+    assert bases and all(base == "python:3.11-slim" for base in bases)
+    users = [arg for kw, arg in instructions if kw == "USER"]
+    assert users and users[-1] not in ("root", "0")
+
+
+def test_dockerfile_installs_the_locked_versions_and_cpu_torch() -> None:
+    runs = " ".join(arg for kw, arg in dockerfile_instructions() if kw == "RUN")
+    assert "--constraint requirements.lock" in runs
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in runs
+    assert "pip install --no-deps ." in runs
+
+
+def test_store_healthcheck_runs_the_script_the_image_ships() -> None:
+    test = load_compose()["services"]["adapter-store"]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "/opt/venv/bin/python"]
+    copies = [arg.split() for kw, arg in dockerfile_instructions() if kw == "COPY"]
+    assert ["docker/healthcheck.py", test[2]] in copies
+    runs = [arg for kw, arg in dockerfile_instructions() if kw == "RUN"]
+    assert any("python -m venv /opt/venv" in run for run in runs)
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore excludes ``path`` (its patterns, in order; ``!`` re-includes)."""
+    excluded = False
+    parts = path.split("/")
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            if fnmatch.fnmatch(prefix, pattern) or (
+                pattern.startswith("**/") and fnmatch.fnmatch(parts[depth - 1], pattern[3:])
+            ):
+                excluded = not negate
+                break
+    return excluded
+
+
+def test_build_context_keeps_what_the_dockerfile_copies_and_drops_the_venv() -> None:
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for keyword, arguments in dockerfile_instructions():
+        if keyword != "COPY" or arguments.startswith("--from"):
+            continue
+        for source in arguments.split()[:-1]:
+            assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
+            assert not _ignored(source, patterns), f"COPY {source}: excluded by .dockerignore"
+    for path in (".venv/bin/python", ".git/HEAD", "lorastream/__pycache__/x.pyc", "tests/x.py"):
+        assert _ignored(path, patterns), f"{path} would be sent to the Docker daemon"
+
+
+# -- the health check script -----------------------------------------------------------------------
+def _healthcheck(target: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK_SCRIPT), target, "--timeout", "2"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+
+
+def test_healthcheck_script_passes_on_a_serving_store(tmp_path: Path) -> None:
+    server, port, _ = create_server(StoreSettings(port=0, cache_dir=tmp_path / "cache"))
+    server.start()
+    try:
+        result = _healthcheck(f"127.0.0.1:{port}")
+    finally:
+        server.stop(None).wait()
+    assert result.returncode == 0, result.stderr
+    assert "SERVING" in result.stderr
+
+
+def test_healthcheck_script_fails_when_nothing_listens() -> None:
+    with socket.socket() as probe:  # a port that was just free: nothing listens there now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = _healthcheck(f"127.0.0.1:{port}")
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
