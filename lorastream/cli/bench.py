@@ -30,3 +30,25 @@ def transfer(
     setup_logging(log_level)
     result = run_transfer_bench(adapter_mb=adapter_mb, chunk_bytes=chunk_bytes, repeats=repeats)
     out.print_json(json.dumps(result))
+
+
+@app.command("engine")
+def engine(
+    model: str = typer.Option("default", help="Base model: default, a checkpoint dir or Hub id."),
+    adapters: int = typer.Option(32, help="Distinct adapters in the batch."),
+    rank: int = typer.Option(16, help="Rank of every adapter (all linear projections)."),
+    prompts: int = typer.Option(32, help="Concurrent prompts (the batch)."),
+    new_tokens: int = typer.Option(32, help="Tokens generated per prompt."),
+    repeats: int = typer.Option(3, help="Runs per side; the best is reported."),
+    peft: bool = typer.Option(True, "--peft/--no-peft", help="Also run HF transformers + PEFT."),
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
+    from lorastream.bench.engine import run_engine_bench
+
+    setup_logging(log_level)
+    result = run_engine_bench(
+        model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
+        repeats=repeats, include_peft=peft,
+    )
+    out.print_json(json.dumps(result))

@@ -1,0 +1,176 @@
+"""Decode throughput: the engine with many adapters, the engine with the base model only, and
+HF transformers + PEFT with mixed-adapter batches, on the same prompts in one process.
+
+Decode tokens/s is measured the same way for all three, so prefill cost cancels out: every
+prompt generates exactly ``new_tokens`` tokens (EOS ignored), the whole batch is timed once for
+1 token and once for ``new_tokens`` tokens, and
+
+    decode tok/s = prompts * (new_tokens - 1) / (t(new_tokens) - t(1))
+
+Each figure is the best of ``repeats`` runs (the usual choice for throughput on a shared machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, BaseShape, make_synthetic_adapter
+from lorastream.generation import PromptInput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Explain photosynthesis in one sentence.",
+    "Give me three tips for writing clean Python code.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23?",
+    "Name a famous painting by Vincent van Gogh.",
+    "How do vaccines work?",
+)
+
+
+def _decode_rate(run: Callable[[int], None], prompts: int, new_tokens: int, repeats: int) -> float:
+    run(2)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(1)
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        run(new_tokens)
+        full = time.perf_counter() - start
+        best = max(best, prompts * (new_tokens - 1) / max(full - one, 1e-9))
+    return best
+
+
+def _shape_of(checkpoint: Path) -> BaseShape:
+    from services.gpu_worker.model.config import LlamaConfig
+
+    c = LlamaConfig.from_dir(checkpoint)
+    return BaseShape(
+        c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+    )
+
+
+def run_engine_bench(
+    model: str = "default",
+    adapters: int = 32,
+    rank: int = 16,
+    prompts: int = 32,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    include_peft: bool = True,
+) -> dict[str, object]:
+    from services.gpu_worker.bootstrap import build_engine
+    from services.gpu_worker.config import WorkerSettings
+    from services.gpu_worker.model.checkpoint import resolve_checkpoint
+    from services.gpu_worker.operations import WorkerOperations
+
+    settings = WorkerSettings(
+        model=model,
+        served_model_name="base",
+        max_loras=adapters,
+        max_lora_rank=rank,
+        max_batch_size=prompts,
+        max_num_tokens=max(512, prompts * 64),
+        kv_cache_bytes=1 << 30,
+    )
+    checkpoint = resolve_checkpoint(model, cache_dir=settings.model_cache_dir)
+    shape = _shape_of(checkpoint)
+    if shape != SMOLLM2_135M:
+        log.info("base model shape %s", shape)
+    with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:
+        dirs = [
+            make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=rank, seed=i)
+            for i in range(adapters)
+        ]
+        engine = build_engine(settings, checkpoint=checkpoint).start()
+        try:
+            ops = WorkerOperations(engine)
+            for i, path in enumerate(dirs):
+                ops.load_adapter(f"a{i}", str(path))
+            ids = [
+                tuple(engine.tokenize(PromptInput(messages=(("user", QUESTIONS[i % len(QUESTIONS)]),))))
+                for i in range(prompts)
+            ]
+
+            def engine_run(models: list[str]) -> Callable[[int], None]:
+                def run(n: int) -> None:
+                    params = SamplingParams(max_tokens=n, ignore_eos=True)
+                    streams = [
+                        engine.submit(m, PromptInput(token_ids=p), params)
+                        for m, p in zip(models, ids, strict=True)
+                    ]
+                    for stream in streams:
+                        for _ in stream:
+                            pass
+
+                return run
+
+            multi_models = [f"a{i % adapters}" for i in range(prompts)]
+            multi = _decode_rate(engine_run(multi_models), prompts, new_tokens, repeats)
+            base = _decode_rate(engine_run(["base"] * prompts), prompts, new_tokens, repeats)
+        finally:
+            engine.stop()
+        peft = (
+            _peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
+            if include_peft
+            else None
+        )
+    result: dict[str, object] = {
+        "benchmark": "engine",
+        "model": model,
+        "adapters": adapters,
+        "rank": rank,
+        "targets": "all-linear",
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "threads": torch.get_num_threads(),
+        "engine_multi_adapter_decode_tok_s": round(multi, 1),
+        "engine_base_only_decode_tok_s": round(base, 1),
+        "multi_vs_base": round(multi / base, 3),
+        "goal_multi_vs_base": ">= 0.85",
+    }
+    if peft is not None:
+        result |= {
+            "peft_mixed_batch_decode_tok_s": round(peft, 1),
+            "multi_vs_peft": round(multi / peft, 2),
+            "goal_multi_vs_peft": ">= 2.5",
+        }
+    return result
+
+
+def _peft_rate(
+    checkpoint: Path, dirs: list[Path], prompts: list[list[int]], new_tokens: int, repeats: int
+) -> float:
+    """HF transformers + PEFT, every adapter loaded, one mixed-adapter batch (adapter_names=)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, dirs[0], adapter_name="a0")
+    for i, path in enumerate(dirs[1:], start=1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    model.eval()
+    width = max(len(p) for p in prompts)
+    pad = base.config.eos_token_id if isinstance(base.config.eos_token_id, int) else 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    names = [f"a{i % len(dirs)}" for i in range(len(prompts))]
+
+    def run(n: int) -> None:
+        with torch.no_grad():
+            model.generate(
+                input_ids=input_ids, attention_mask=mask, adapter_names=names,
+                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad,
+            )
+
+    return _decode_rate(run, len(prompts), new_tokens, repeats)
