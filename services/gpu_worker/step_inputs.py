@@ -39,10 +39,12 @@ def build_step_inputs(plan: StepPlan) -> StepInputs:
     samplers: list[Sequence] = []
     fed: list[tuple[Sequence, int]] = []
 
-    # Decode rows first: one token each, at position num_computed.
+    # Decode rows first: one token each, at position num_computed, ordered by LoRA slot with
+    # base-model rows last, so that the LoRA layout usually is the batch itself (no gathers).
     tables: list[list[int]] = []
     contexts: list[int] = []
-    for seq in plan.decode:
+    decode = sorted(plan.decode, key=lambda s: (s.slot < 0, s.slot))
+    for seq in decode:
         pos = seq.num_computed
         ids.append(seq.token_at(pos))
         positions.append(pos)
@@ -60,7 +62,7 @@ def build_step_inputs(plan: StepPlan) -> StepInputs:
     ).view(len(tables), width)
 
     spans: list[PrefillSpan] = []
-    for seq, chunk in plan.prefill:
+    for seq, chunk in sorted(plan.prefill, key=lambda p: (p[0].slot < 0, p[0].slot)):
         start, begin = len(ids), seq.num_computed
         ids.extend(seq.prompt_ids[begin : begin + chunk])
         positions.extend(range(begin, begin + chunk))
@@ -80,7 +82,7 @@ def build_step_inputs(plan: StepPlan) -> StepInputs:
         positions=torch.tensor(positions, dtype=torch.long),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         slot_mapping=torch.tensor(cache_slots, dtype=torch.long),
-        num_decode=len(plan.decode),
+        num_decode=len(decode),
         decode_block_tables=decode_tables,
         decode_context=torch.tensor(contexts, dtype=torch.long),
         prefills=tuple(spans),

@@ -2,16 +2,26 @@
 
 A backend turns the step's per-token slot indices into metadata once (:meth:`prepare`, on the
 host, reused by every layer and module), then adds ``scaling * (x @ Aᵀ) @ Bᵀ`` into each
-projection's output (:meth:`add`). Example, 5 tokens, slots [2, -1, 0, 2, 0]::
+projection's output (:meth:`add`).
 
-    order   = [2, 4, 0, 3]        rows with an adapter, sorted by slot (stable)
-    offs    = [2, 2, 4]           end of each slot's group in ``order`` (slot 1 is empty)
-    x[order] -> grouped_mm with A[s] per group -> grouped_mm with B[s] -> index_add into out
+The torch backend has two layouts and picks one per step (host-side, from the token counts):
 
-The torch backend uses ``torch.nn.functional.grouped_mm`` (segmented GEMM, the SGMV of Punica),
-which reads each active adapter once and copies no weights; shapes whose strides grouped_mm
-cannot take (not 16-byte multiples) fall back to gather + bmm. Cost follows the largest rank in
-the batch (ranks are sliced to it), not the slot capacity.
+* **slot-major bmm** (decode-like steps): tokens are laid out ``[S_range, m, K]`` -- each slot
+  of the active range ``0 .. S_range-1`` gets ``m`` rows (its tokens, then padding) -- and two
+  ``bmm`` calls read every adapter's weights once, straight from slot storage (no weight copy;
+  slots are handed out lowest-first, so the active ones form a short range). Example, slots of
+  5 tokens [2, -1, 0, 2, 0] -> S_range 3, m 2::
+
+      slot 0: rows [2, 4]   slot 1: [pad, pad]   slot 2: [0, 3]      (row 1 has no adapter)
+      layout_rows = [2, 4, 0, 0, 0, 3]    output_rows = [4, 0, 0, 5, 1]    row_scale[1] = 0
+
+* **grouped GEMM** (prefill-heavy steps, where one slot may own hundreds of tokens and padding
+  would waste most of the work): rows sorted by slot and ``grouped_mm`` with per-slot group
+  ends (Punica's SGMV semantics).
+
+Slot-major is chosen when its padded rows are at most twice the real ones. On this CPU it runs
+at memory bandwidth, 2-5x faster than ``grouped_mm`` for one token per adapter. Cost follows the
+largest rank in the batch (ranks are sliced to it), not the slot capacity.
 """
 
 from __future__ import annotations
@@ -24,17 +34,34 @@ import torch.nn.functional as F
 
 from services.gpu_worker.lora.slots import LoraSlots
 
+PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
+
 
 @dataclass(frozen=True)
 class LoraStepMeta:
-    """Per-step metadata, built on the host and moved to the device once."""
+    """Per-step metadata, built on the host and moved to the device once.
 
-    order: torch.Tensor  # [Tl] int64, rows with an adapter sorted by slot
-    sorted_slots: torch.Tensor  # [Tl] int64, the slot of each of those rows
-    offs: torch.Tensor  # [S] int32, cumulative group ends (grouped_mm)
-    row_scale: torch.Tensor  # [Tl, 1], scaling of each sorted row (model dtype)
+    The delta is computed in a *layout* (slot-major ``[S_range, m]`` or rows sorted by slot),
+    then gathered back to batch rows as one contiguous ``[T, N]`` block and added with a
+    per-row scale that is 0 for base-model rows. When the batch rows already are the layout
+    (rows ordered by slot, as the step builder orders decode rows), both gathers are skipped.
+    """
+
     max_rank: int
     modules: frozenset[str]  # modules some active adapter adapts
+    row_scale: torch.Tensor  # [T, 1] scaling of each batch row, 0 for base-model rows
+    layout_rows: torch.Tensor | None  # [P] x row feeding each layout row (padding: row 0)
+    output_rows: torch.Tensor | None  # [T] layout row of each batch row (base rows: 0)
+    # slot-major layout
+    slot_range: int = 0
+    per_slot: int = 0
+    # grouped layout
+    offs: torch.Tensor | None = None  # [S] int32, cumulative group ends
+    sorted_slots: torch.Tensor | None = None  # [P] int64 (fallback gather path)
+
+    @property
+    def slot_major(self) -> bool:
+        return self.offs is None
 
 
 class LoraBackend(Protocol):
@@ -58,31 +85,57 @@ class LoraBackend(Protocol):
 def build_meta(
     token_slots: list[int], slots: LoraSlots, dtype: torch.dtype, device: torch.device
 ) -> LoraStepMeta | None:
-    """Sort rows by slot on the host; None when no row has an adapter."""
-    rows = sorted((s, i) for i, s in enumerate(token_slots) if s >= 0)
-    if not rows:
+    """Group rows by slot on the host and choose the layout; None when no row has an adapter."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    if not by_slot:
         return None
-    counts = [0] * slots.num_slots
-    for s, _ in rows:
-        counts[s] += 1
-    ends, total = [], 0
-    for c in counts:
-        total += c
-        ends.append(total)
-    active = {s for s, _ in rows}
     table = slots.table
-    order = torch.tensor([i for _, i in rows], dtype=torch.long)
-    sorted_slots = torch.tensor([s for s, _ in rows], dtype=torch.long)
-    scale = torch.tensor([[table[s].scaling] for s, _ in rows], dtype=dtype)
-    modules = frozenset().union(*(table[s].modules for s in active))
+    active = sorted(by_slot)
+    num_rows = sum(len(v) for v in by_slot.values())
+    slot_range = active[-1] + 1
+    per_slot = max(len(v) for v in by_slot.values())
+    slot_major = slot_range * per_slot <= PADDING_LIMIT * num_rows
+    output_rows = [0] * len(token_slots)
+    if slot_major:  # layout row of (slot, j) is slot * per_slot + j; padding reads row 0
+        size = slot_range * per_slot
+        layout_rows = [0] * size
+        for slot in active:
+            for j, row in enumerate(by_slot[slot]):
+                layout_rows[slot * per_slot + j] = row
+                output_rows[row] = slot * per_slot + j
+    else:  # rows sorted by slot
+        size = num_rows
+        layout_rows = [row for slot in active for row in by_slot[slot]]
+        for i, row in enumerate(layout_rows):
+            output_rows[row] = i
+    # Identity: the batch rows *are* the layout (rows 0..size-1 in layout order, nothing padded).
+    identity = size == len(token_slots) and layout_rows == list(range(size))
     non_blocking = device.type == "cuda"
-    return LoraStepMeta(
-        order=order.to(device, non_blocking=non_blocking),
-        sorted_slots=sorted_slots.to(device, non_blocking=non_blocking),
-        offs=torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=non_blocking),
-        row_scale=scale.to(device, non_blocking=non_blocking),
+
+    def dev(values: list[int] | list[list[float]], dt: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dt).to(device, non_blocking=non_blocking)
+
+    scale = [[table[s].scaling if s >= 0 else 0.0] for s in token_slots]
+    common = dict(
         max_rank=max(table[s].rank for s in active),
-        modules=modules,
+        modules=frozenset().union(*(table[s].modules for s in active)),
+        row_scale=dev(scale, dtype),
+        layout_rows=None if identity else dev(layout_rows, torch.long),
+        output_rows=None if identity else dev(output_rows, torch.long),
+    )
+    if slot_major:
+        return LoraStepMeta(**common, slot_range=slot_range, per_slot=per_slot)  # type: ignore[arg-type]
+    ends, total = [], 0
+    for slot in range(slots.num_slots):
+        total += len(by_slot.get(slot, ()))
+        ends.append(total)
+    return LoraStepMeta(
+        **common,  # type: ignore[arg-type]
+        offs=dev(ends, torch.int32),
+        sorted_slots=dev([s for s in active for _ in by_slot[s]], torch.long),
     )
 
 
@@ -93,7 +146,7 @@ def _grouped_ok(t: torch.Tensor) -> bool:
 
 
 class TorchLoraBackend:
-    """Segmented GEMM with ``grouped_mm`` (gather + bmm for unaligned shapes)."""
+    """Slot-major bmm or grouped GEMM, chosen per step (see the module docstring)."""
 
     name = "torch"
 
@@ -113,18 +166,24 @@ class TorchLoraBackend:
         col: int,
         meta: LoraStepMeta,
     ) -> None:
-        r = meta.max_rank
-        n = b.shape[1]
-        xs = x.index_select(0, meta.order)  # [Tl, K]
-        a_t = a[:, :r].transpose(1, 2)  # [S, K, r]
-        b_t = b[:, :, :r].transpose(1, 2)  # [S, r, N]
-        if _grouped_ok(xs) and _grouped_ok(a_t) and _grouped_ok(b_t):
-            h = F.grouped_mm(xs, a_t, offs=meta.offs)  # [Tl, r]
-            y = F.grouped_mm(h, b_t, offs=meta.offs)  # [Tl, N]
+        r, n = meta.max_rank, b.shape[1]
+        xs = x if meta.layout_rows is None else x.index_select(0, meta.layout_rows)  # [P, K]
+        if meta.slot_major:
+            s, m = meta.slot_range, meta.per_slot
+            h = torch.bmm(xs.view(s, m, -1), a[:s, :r].transpose(1, 2))  # [S_range, m, r]
+            y = torch.bmm(h, b[:s, :, :r].transpose(1, 2)).view(s * m, n)  # [P, N]
         else:
-            h = torch.bmm(xs.unsqueeze(1), a_t[meta.sorted_slots])  # [Tl, 1, r]
-            y = torch.bmm(h, b_t[meta.sorted_slots]).squeeze(1)  # [Tl, N]
-        out[:, col : col + n].index_add_(0, meta.order, y * meta.row_scale)
+            assert meta.offs is not None and meta.sorted_slots is not None
+            a_t = a[:, :r].transpose(1, 2)  # [S, K, r]
+            b_t = b[:, :, :r].transpose(1, 2)  # [S, r, N]
+            if _grouped_ok(xs) and _grouped_ok(a_t) and _grouped_ok(b_t):
+                h = F.grouped_mm(xs, a_t, offs=meta.offs)  # [P, r]
+                y = F.grouped_mm(h, b_t, offs=meta.offs)  # [P, N]
+            else:  # strides grouped_mm cannot take: gather the weights per row
+                h = torch.bmm(xs.unsqueeze(1), a_t[meta.sorted_slots])  # [P, 1, r]
+                y = torch.bmm(h, b_t[meta.sorted_slots]).squeeze(1)  # [P, N]
+        delta = y if meta.output_rows is None else y.index_select(0, meta.output_rows)  # [T, N]
+        out[:, col : col + n].addcmul_(delta, meta.row_scale)
 
 
 class LoraStep:

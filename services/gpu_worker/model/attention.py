@@ -28,7 +28,7 @@ def write_kv(
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[blocks, bs, kvh, d] gathered by [B, nb] -> [B, kvh, nb*bs, d]."""
     b, nb = block_tables.shape
-    gathered = cache[block_tables]  # [B, nb, bs, kvh, d]
+    gathered = cache.index_select(0, block_tables.reshape(-1))  # [B * nb, bs, kvh, d]
     return gathered.view(b, nb * BLOCK_SIZE, *cache.shape[2:]).transpose(1, 2)
 
 
