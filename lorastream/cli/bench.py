@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from lorastream.cli.common import out, setup_logging
+from lorastream.cli.common import console, out, setup_logging
 
 app = typer.Typer(
     help="Benchmarks; each prints one JSON document with its comparison.",
@@ -50,5 +50,25 @@ def engine(
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
         repeats=repeats, include_peft=peft,
+    )
+    out.print_json(json.dumps(result))
+
+
+@app.command("kernels")
+def kernels(
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float16."),
+    repeat: int = typer.Option(50, help="Timed launches per point."),
+) -> None:
+    """Triton SGMV shrink+expand vs the base layer's torch.mm on Llama-3-8B shapes (needs CUDA;
+    unmeasured on the CPU-only development machines)."""
+    import torch
+
+    from kernels.bench import run_kernel_bench
+
+    if not torch.cuda.is_available():
+        console.print("[red]error[/]: this benchmark needs a CUDA GPU; none is available here")
+        raise typer.Exit(2)
+    result = run_kernel_bench(
+        dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float16, repeat=repeat
     )
     out.print_json(json.dumps(result))

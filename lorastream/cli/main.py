@@ -33,21 +33,34 @@ def version() -> None:
 
 @app.command("up")
 def up(
-    port: int = typer.Option(50051, help="Adapter store port."),
-    log_level: str = typer.Option("INFO", help="Logging level."),
+    model: str = typer.Option(
+        "default", help="Base model: default (embedded SmolLM2-135M-Instruct), a dir or Hub id."
+    ),
+    adapter: list[str] = typer.Option(
+        [], "--adapter", help="NAME=URI to register in the store at start (repeatable)."
+    ),
+    workers: int = typer.Option(1, min=1, help="GPU workers to start."),
+    store_port: int = typer.Option(50051, help="Adapter store port."),
+    worker_port: int = typer.Option(50052, help="First worker port (workers count up from it)."),
+    log_level: str = typer.Option("INFO", help="Logging level of every part."),
 ) -> None:
-    """Start the stack on this machine (for now: the adapter store) until Ctrl-C."""
-    from lorastream.cli.common import setup_logging
-    from services.adapter_store.config import StoreSettings
-    from services.adapter_store.server import serve
+    """Start the stack on this machine (the store and the workers) until Ctrl-C."""
+    from lorastream.cli.common import reported_errors, setup_logging
+    from lorastream.stack import Stack, StackConfig, examples, parse_adapter_specs
 
     setup_logging(log_level)
-    typer.echo(
-        f"adapter store on localhost:{port}; try:\n"
-        f"  lorastream adapters preload ./my-peft-adapter --name my-adapter --store localhost:{port}\n"
-        f"  lorastream adapters ls --store localhost:{port}"
-    )
-    serve(StoreSettings(port=port))
+    with reported_errors():
+        config = StackConfig(
+            model=model, workers=workers, store_port=store_port, worker_port=worker_port,
+            adapters=parse_adapter_specs(adapter), log_level=log_level,
+        )
+        stack = Stack(config)
+        try:
+            stack.start()
+            typer.echo(examples(stack, "default" if model == "default" else model))
+            stack.wait()
+        finally:
+            stack.stop()
 
 
 if __name__ == "__main__":

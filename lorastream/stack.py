@@ -1,0 +1,149 @@
+"""Run the whole stack on this machine: the store and N workers as child processes.
+
+Each part is the same ``lorastream ... serve`` command an operator would run; the supervisor
+waits for each to report SERVING on gRPC health, registers the requested adapters, and on
+SIGINT/SIGTERM stops the workers, then the store, each with a graceful SIGINT first.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lorastream.errors import InvalidArgument, SourceUnavailable
+from lorastream.store_client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StackConfig:
+    model: str = "default"
+    workers: int = 1
+    store_port: int = 50051
+    worker_port: int = 50052  # workers take consecutive ports from here
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> source URI
+    log_level: str = "INFO"
+    ready_timeout_s: float = 600.0  # the first start converts the default model (~35 s)
+
+
+def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
+    """``NAME=URI`` pairs; InvalidArgument on anything else."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, uri = spec.partition("=")
+        if not sep or not name or not uri:
+            raise InvalidArgument(f"--adapter {spec!r}: expected NAME=URI, e.g. support=s3://b/a")
+        adapters[name] = uri
+    return adapters
+
+
+def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Block until ``target`` answers SERVING on gRPC health (or the process dies)."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SourceUnavailable(
+                    f"{target}: the process exited with status {process.returncode} before "
+                    "serving; see its log above"
+                )
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    raise SourceUnavailable(f"{target} did not become healthy within {timeout_s:.0f} s")
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._stopping = threading.Event()
+
+    @property
+    def store(self) -> str:
+        return f"localhost:{self.config.store_port}"
+
+    @property
+    def workers(self) -> list[str]:
+        return [f"localhost:{self.config.worker_port + i}" for i in range(self.config.workers)]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "lorastream.cli.main", *args,
+                   "--log-level", self.config.log_level]
+        log.info("starting %s: %s", name, " ".join(command[2:]))
+        process = subprocess.Popen(command)
+        self.processes.append((name, process))
+        return process
+
+    def start(self) -> None:
+        c = self.config
+        store = self._spawn("adapter store", ["store", "serve", "--port", str(c.store_port)])
+        wait_serving(self.store, store, 60)
+        for i, target in enumerate(self.workers):
+            worker = self._spawn(
+                f"worker {i}",
+                ["worker", "serve", "--model", c.model, "--port", str(c.worker_port + i),
+                 "--store", self.store],
+            )
+            wait_serving(target, worker, c.ready_timeout_s)
+        with StoreClient(self.store) as client:
+            for name, uri in c.adapters.items():
+                for _event in client.preload(uri, name):
+                    pass
+                log.info("registered adapter %s from %s", name, uri)
+
+    def wait(self) -> None:
+        """Block until a signal, or until a child dies (then stop the rest)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stopping.set())
+        while not self._stopping.wait(0.5):
+            for name, process in self.processes:
+                if process.poll() is not None:
+                    log.error("%s exited with status %s; stopping the stack", name,
+                              process.returncode)
+                    self._stopping.set()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for name, process in reversed(self.processes):  # workers first, the store last
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %.0f s; killing it", name, grace_s)
+                    process.kill()
+                    process.wait()
+
+
+def examples(stack: Stack, model: str) -> str:
+    worker = stack.workers[0]
+    lines = [
+        f"lorastream is up: store {stack.store}, workers {', '.join(stack.workers)}.",
+        "Try:",
+        f"  lorastream complete --worker {worker} --model {model} --chat "
+        "--prompt 'What is the capital of France?'",
+    ]
+    for name in stack.config.adapters:
+        lines.append(
+            f"  lorastream complete --worker {worker} --model {name} --chat --prompt 'Hello!'"
+        )
+    lines += [
+        f"  lorastream adapters preload ./my-peft-adapter --name my-adapter --store {stack.store}",
+        f"  lorastream adapters ls --store {stack.store}",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)

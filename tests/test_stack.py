@@ -1,0 +1,76 @@
+"""`lorastream up` end to end: store and worker as real processes, an adapter registered at
+start, a completion through the CLI client, then a clean stop on SIGINT."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lorastream.cli.main import app
+from lorastream.errors import InvalidArgument
+from lorastream.stack import parse_adapter_specs
+from tests.support.models import make_peft_adapter, make_tiny_checkpoint
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_up_starts_store_and_worker_serves_a_registered_adapter_and_stops_cleanly(
+    tmp_path: Path,
+) -> None:
+    model = make_tiny_checkpoint(tmp_path / "model")
+    adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
+    store_port, worker_port = _free_ports(2)
+    env_home = {"HOME": str(tmp_path / "home")}  # caches under tmp_path, not the user's
+    import os
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lorastream.cli.main", "up", "--model", str(model),
+         "--adapter", f"demo={adapter}", "--store-port", str(store_port),
+         "--worker-port", str(worker_port), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env_home},
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline().decode()
+            if not line and proc.poll() is not None:
+                pytest.fail("lorastream up exited early:\n" + "".join(lines))
+            lines.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                break
+        assert any("--model demo" in line for line in lines), "".join(lines)
+        result = CliRunner().invoke(app, [
+            "complete", "--worker", f"localhost:{worker_port}", "--model", "demo",
+            "--prompt", "Hello", "--max-tokens", "5", "--json",
+        ])
+        assert result.exit_code == 0, result.output
+        assert len(json.loads(result.output.strip().splitlines()[-1])["token_ids"]) >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    result = CliRunner().invoke(app, ["adapters", "ls", "--store", f"localhost:{store_port}"])
+    assert result.exit_code == 1  # the store is gone too
+
+
+@pytest.mark.parametrize("spec", ["noequals", "=s3://b/a", "name="])
+def test_malformed_adapter_specs_are_refused(spec: str) -> None:
+    with pytest.raises(InvalidArgument, match="NAME=URI"):
+        parse_adapter_specs([spec])
