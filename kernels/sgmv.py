@@ -219,6 +219,14 @@ def sgmv_expand_slices(
     return out
 
 
+def check_available(device: torch.device | str) -> None:
+    """Raise RuntimeError (saying what to install or set) unless the kernels can run on `device`.
+
+    Defines the kernels now, so a server can refuse a misconfiguration at startup.
+    """
+    _load_kernels(torch.device(device))
+
+
 def _load_kernels(device: torch.device) -> ModuleType:
     try:
         module = importlib.import_module("kernels._sgmv_triton")

@@ -87,5 +87,7 @@ def build_step_inputs(plan: StepPlan) -> StepInputs:
         decode_context=torch.tensor(contexts, dtype=torch.long),
         prefills=tuple(spans),
         logit_rows=torch.tensor(logit_rows, dtype=torch.long),
+        max_position=max(positions, default=0),
+        longest=max(seq_lens, default=0),
     )
     return StepInputs(batch, token_slots, samplers, fed)

@@ -38,13 +38,15 @@ def _still_serves(engine, adapter: str = "tiny") -> None:  # type: ignore[no-unt
 
 @pytest.fixture(scope="module")
 def foreign_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_adapters: dict[str, Path]) -> dict[str, Path]:
-    """Adapters that must be refused: another base model's, and one adapting a missing layer."""
+    """Adapters that must be refused: another base model's, one adapting a missing layer, one
+    adapting a module the worker does not adapt (lm_head)."""
     root = tmp_path_factory.mktemp("foreign")
     other_base = make_tiny_llama(root / "other-base", hidden_size=96, intermediate_size=192)
     deeper_base = make_tiny_llama(root / "deeper-base", num_hidden_layers=4)
     return {
         "other-base": make_peft_adapter(other_base, root / "other", rank=4),
         "extra-layers": make_peft_adapter(deeper_base, root / "deeper", rank=4),
+        "lm-head": make_peft_adapter(other_base, root / "lm-head", rank=4, targets=["lm_head"]),
     }
 
 
@@ -53,6 +55,7 @@ def foreign_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_adapters: di
     [
         ("other-base", {}, "different base model"),
         ("extra-layers", {}, "different base model: it adapts layer 2"),
+        ("lm-head", {}, "lm_head"),
         ("all-r64", {"max_lora_rank": 16}, "above this worker's --max-lora-rank 16"),
     ],
 )

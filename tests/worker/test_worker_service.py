@@ -146,10 +146,17 @@ def test_a_client_going_away_cancels_its_request(stack: Stack) -> None:
     assert all(e.refs == 0 for e in engine.adapters.entries())
 
 
-def test_health_is_served(stack: Stack) -> None:
+def test_health_and_reflection_are_served(stack: Stack) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
     with grpc.insecure_channel(stack.worker) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answer = next(stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    services = {s.name for s in answer.list_services_response.service}
+    assert "lorastream.gpu_worker.v1.GpuWorkerService" in services
 
 
 def test_complete_cli_prints_json_with_the_generated_tokens(stack: Stack) -> None:

@@ -40,6 +40,8 @@ class ForwardBatch:
     prefills: tuple[PrefillSpan, ...] = ()
     logit_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     # [n] rows whose next-token logits are needed (the last row of each sequence that samples)
+    max_position: int | None = None  # host copies of max(positions), max(seq_lens): the
+    longest: int | None = None  # forward never has to read them back from the device
 
     @property
     def num_tokens(self) -> int:

@@ -80,7 +80,10 @@ class LlamaModel:
         q_size, kv_size, inter = c.q_size, c.kv_size, c.intermediate_size
         t = batch.num_tokens
         x = w.embed[batch.input_ids]  # [T, H]
-        cos, sin = self.rope.cos_sin(batch.positions, batch.seq_lens)  # [T, d]
+        cos, sin = self.rope.cos_sin(
+            batch.positions, batch.seq_lens, max_position=batch.max_position,
+            longest=batch.longest,
+        )  # [T, d]
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)

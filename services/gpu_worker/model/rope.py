@@ -276,45 +276,68 @@ class RotaryEmbedding:
         log.debug("rope %s table grown to %d positions", name, length)
         return self._tables[name]
 
-    def _lookup(self, name: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._table(name, int(positions.max()) + 1)
+    def _lookup(
+        self, name: str, positions: torch.Tensor, max_position: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if max_position is None:
+            max_position = int(positions.max())  # a device read: callers in a step pass it
+        cos, sin = self._table(name, max_position + 1)
         return cos.index_select(0, positions), sin.index_select(0, positions)  # [T, d]
 
     def cos_sin(
-        self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
+        self,
+        positions: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        *,
+        max_position: int | None = None,
+        longest: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> cos, sin [T, d] in ``dtype``, attention scaling included.
 
         ``seq_lens`` [T]: for each token, the length its sequence has after this forward (its
         largest position here + 1). Only 'dynamic' and 'longrope' read it; without it the whole
         batch counts as one sequence of length ``max(positions) + 1``, as in transformers.
+        ``max_position`` (the largest position) and ``longest`` (the largest seq_len) are host
+        integers the step builder knows; given, nothing here reads a device tensor.
         """
         if positions.numel() == 0:
             empty = torch.empty(0, self.rotary_dim, dtype=self.dtype, device=self.device)
             return empty, empty.clone()
         positions = positions.to(device=self.device, dtype=torch.int64)
         if self.rope_type not in ("dynamic", "longrope"):
-            return self._lookup("short", positions)
+            return self._lookup("short", positions, max_position)
         if seq_lens is None:
             seq_lens = (positions.max() + 1).expand(positions.shape[0])  # [T]
         seq_lens = seq_lens.to(device=self.device, dtype=torch.int64)
         if self.rope_type == "longrope":
             is_long = (seq_lens > self.original_max_position_embeddings)[:, None]  # [T, 1]
-            short_cos, short_sin = self._lookup("short", positions)
-            if not bool(is_long.any()):
+            short_cos, short_sin = self._lookup("short", positions, max_position)
+            any_long = (
+                longest > self.original_max_position_embeddings
+                if longest is not None
+                else bool(is_long.any())
+            )
+            if not any_long:
                 return short_cos, short_sin
-            long_cos, long_sin = self._lookup("long", positions)
+            long_cos, long_sin = self._lookup("long", positions, max_position)
             cos = torch.where(is_long, long_cos, short_cos)  # [T, d]
             return cos, torch.where(is_long, long_sin, short_sin)
-        return self._dynamic_cos_sin(positions, seq_lens)
+        return self._dynamic_cos_sin(positions, seq_lens, max_position, longest)
 
     def _dynamic_cos_sin(
-        self, positions: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_position: int | None,
+        longest: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """'dynamic': tokens of sequences past max_position_embeddings get their own base."""
-        cos, sin = self._lookup("short", positions)  # [T, d]
+        cos, sin = self._lookup("short", positions, max_position)  # [T, d]
         is_long = seq_lens > self.max_position_embeddings  # [T]
-        if not bool(is_long.any()):
+        any_long = (
+            longest > self.max_position_embeddings if longest is not None else bool(is_long.any())
+        )
+        if not any_long:
             return cos, sin
         lengths, which = torch.unique(seq_lens[is_long], return_inverse=True)  # [U], [T']
         inv_freq = self._dynamic_inv_freq(lengths)[which]  # [T', d / 2]

@@ -1,0 +1,67 @@
+"""The LoRA delta with the Triton SGMV kernels of ``kernels/`` (CUDA; the CPU runs them only in
+Triton's interpreter, for tests). Same contract as the torch backend: metadata built on the host
+once per step (``SgmvMetadata``), reused by every layer's shrink and expand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import SgmvMetadata
+from kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
+from lorastream.errors import InvalidArgument
+from services.gpu_worker.lora.slots import LoraSlots
+
+
+@dataclass(frozen=True)
+class TritonStepMeta:
+    sgmv: SgmvMetadata
+    token_slots: torch.Tensor  # [T] int32 on the device, -1 = base model
+    ranks: torch.Tensor  # [S] int32
+    scalings: torch.Tensor  # [S] float32
+    modules: frozenset[str]
+
+
+class TritonLoraBackend:
+    name = "triton"
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        try:
+            check_available(device)
+        except RuntimeError as err:
+            raise InvalidArgument(f"--lora-backend triton cannot run here: {err}") from err
+        self._dtype = dtype
+        self._device = device
+
+    def prepare(self, token_slots: list[int], slots: LoraSlots) -> TritonStepMeta | None:
+        active = {s for s in token_slots if s >= 0}
+        if not active:
+            return None
+        table = slots.table
+        slots_cpu = torch.tensor(token_slots, dtype=torch.int32)  # [T]
+        ranks_cpu = torch.tensor([info.rank for info in table], dtype=torch.int32)  # [S]
+        scalings_cpu = torch.tensor([info.scaling for info in table], dtype=torch.float32)
+        non_blocking = self._device.type == "cuda"
+        return TritonStepMeta(
+            sgmv=SgmvMetadata.from_slots(slots_cpu, ranks_cpu, self._device),
+            token_slots=slots_cpu.to(self._device, non_blocking=non_blocking),
+            ranks=ranks_cpu.to(self._device, non_blocking=non_blocking),
+            scalings=scalings_cpu.to(self._device, non_blocking=non_blocking),
+            modules=frozenset().union(*(table[s].modules for s in active)),
+        )
+
+    def add(
+        self,
+        x: torch.Tensor,  # [T, K]
+        a: torch.Tensor,  # [S, R, K]
+        b: torch.Tensor,  # [S, N, R]
+        out: torch.Tensor,  # [T, N_total]
+        col: int,
+        meta: TritonStepMeta,  # type: ignore[override]
+    ) -> None:
+        h = sgmv_shrink(x, a, meta.token_slots, meta.ranks, meta=meta.sgmv)  # [T, R] fp32
+        sgmv_expand(
+            h, b, meta.token_slots, meta.ranks, meta.scalings, out, slice_offset=col,
+            meta=meta.sgmv,
+        )

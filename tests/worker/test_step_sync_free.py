@@ -1,0 +1,103 @@
+"""DESIGN rule 3: nothing on the step path reads a device tensor back to the host.
+
+On CUDA such a read (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``int(t)``) forces a
+host-device sync and stalls the step. These machines have no GPU, so the test forbids every such
+read while the LoRA metadata is prepared and the forward runs: any call raises."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.lora.backend import LoraStep, TorchLoraBackend
+from services.gpu_worker.lora.slots import LoraSlots, SlotInfo
+from services.gpu_worker.model.config import LlamaConfig
+from services.gpu_worker.model.llama import LlamaModel
+from services.gpu_worker.model.weights import load_weights
+from services.gpu_worker.scheduler import StepPlan
+from services.gpu_worker.step_inputs import build_step_inputs
+from tests.support.models import make_tiny_checkpoint
+
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_device_reads() -> Iterator[None]:
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def forbid(name: str):  # type: ignore[no-untyped-def]
+        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+            raise AssertionError(f"Tensor.{name}() on the step path forces a device sync")
+        return read
+
+    for name in _READS:
+        setattr(torch.Tensor, name, forbid(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+class _Seq:
+    """The fields of a Sequence that step inputs read."""
+
+    def __init__(self, prompt: list[int], computed: int, blocks: list[int], slot: int) -> None:
+        self.prompt_ids, self.output_ids = prompt, [7]
+        self.num_computed, self.blocks, self.slot = computed, blocks, slot
+
+    def token_at(self, index: int) -> int:
+        return (self.prompt_ids + self.output_ids)[index]
+
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.prompt_ids) - self.num_computed
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [None, {"rope_type": "dynamic", "factor": 2.0},
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}],
+    ids=["default", "dynamic", "llama3"],
+)
+def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
+    tmp_path: Path, rope_scaling: dict[str, object] | None
+) -> None:
+    checkpoint = make_tiny_checkpoint(tmp_path / "m", rope_scaling=rope_scaling,
+                                      max_position_embeddings=128)
+    config = LlamaConfig.from_dir(checkpoint)
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu)
+    model.rope.cos_sin(torch.arange(200))  # grow the tables beyond the step (as a long run would)
+    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20, torch.float32, cpu)
+    slots = LoraSlots(config, 2, 8, torch.float32, cpu)
+    for s in range(2):
+        for m in slots.a:
+            slots.a[m][:, s, :4].normal_(0, 0.1)
+            slots.b[m][:, s, :, :4].normal_(0, 0.1)
+        slots.table[s] = SlotInfo(f"id{s}", 4, 2.0, frozenset(slots.a))
+    decode = [_Seq([5, 6, 7, 8], 4, kv.allocator.allocate(8), 0),
+              _Seq([9] * 20, 20, kv.allocator.allocate(24), -1)]
+    prefill = [(_Seq([3, 4, 5, 6, 7], 0, kv.allocator.allocate(8), 1), 5)]
+    plan = StepPlan(decode=decode, prefill=prefill)  # type: ignore[arg-type]
+    backend = TorchLoraBackend(torch.float32, cpu)
+    inputs = build_step_inputs(plan)  # host lists -> host tensors (no device involved)
+    with no_device_reads():
+        meta = backend.prepare(inputs.token_slots, slots)
+        assert meta is not None
+        logits = model.forward(inputs.batch.to(cpu), kv, LoraStep(slots, backend, meta))
+    assert logits.shape == (3, config.vocab_size)
+
+
+def test_the_guard_catches_a_read_back() -> None:
+    from services.gpu_worker.model.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 10000.0, 64, None)
+    with no_device_reads(), pytest.raises(AssertionError, match="forces a device sync"):
+        rope.cos_sin(torch.arange(5))  # without max_position it must look at the positions
