@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from enum import Enum
+
 import typer
 
 from lorastream.cli.common import reported_errors, setup_logging
+
+class OnOff(str, Enum):
+    ON = "on"
+    OFF = "off"
+
 
 app = typer.Typer(
     help="Run a GPU worker (Llama engine, continuous batching, batched multi-LoRA).",
@@ -41,10 +48,11 @@ def serve(
     host_cache_bytes: int | None = typer.Option(
         None, help="Host memory budget for adapters in bytes [4 GiB]."
     ),
-    lora_overlap_loading: bool | None = typer.Option(
+    lora_overlap_loading: OnOff | None = typer.Option(
         None,
-        "--lora-overlap-loading/--no-lora-overlap-loading",
-        help="Load adapters while decoding (on), or synchronously before the step (off) [on].",
+        "--lora-overlap-loading",
+        help="on: load adapters while the batch keeps decoding; off: load synchronously before "
+        "the step (for comparison) [default: on].",
     ),
     lora_backend: str | None = typer.Option(None, help="LoRA backend: torch or triton [torch]."),
     device: str | None = typer.Option(None, help="auto, cpu or cuda[:N] [auto]."),
@@ -53,6 +61,9 @@ def serve(
     ),
     model_cache_dir: Path | None = typer.Option(
         None, help="Where the default model is converted once [~/.cache/lorastream/models]."
+    ),
+    metrics_port: int | None = typer.Option(
+        None, help="Serve Prometheus metrics on http://HOST:PORT/metrics (off by default)."
     ),
     log_level: str = typer.Option("INFO", help="Logging level."),
 ) -> None:
@@ -66,9 +77,12 @@ def serve(
         "max_lora_rank": max_lora_rank, "served_model_name": served_model_name,
         "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens,
         "max_seq_len": max_seq_len, "kv_cache_bytes": kv_cache_bytes,
-        "host_cache_bytes": host_cache_bytes, "lora_overlap_loading": lora_overlap_loading,
+        "host_cache_bytes": host_cache_bytes,
+        "lora_overlap_loading": (
+            None if lora_overlap_loading is None else lora_overlap_loading is OnOff.ON
+        ),
         "lora_backend": lora_backend, "device": device, "dtype": dtype,
-        "model_cache_dir": model_cache_dir,
+        "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -44,6 +44,9 @@ class StoreSettings(BaseSettings):
         16 << 20, gt=0, description="Largest safetensors header accepted (guards against bombs)."
     )
     max_workers: int = Field(16, gt=0, description="gRPC thread pool size.")
+    stream_chunk_delay_s: float = Field(
+        0.0, ge=0, description="Test hook: sleep this long before sending each stream chunk."
+    )
     token: str | None = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_STORE_TOKEN", "LORASTREAM_TOKEN"),

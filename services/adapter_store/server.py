@@ -67,7 +67,8 @@ def create_server(
         ],
         options=GRPC_OPTIONS,
     )
-    add_servicer(server, AdapterStoreServicer(store, settings.chunk_bytes), SERVICE)
+    servicer = AdapterStoreServicer(store, settings.chunk_bytes, settings.stream_chunk_delay_s)
+    add_servicer(server, servicer, SERVICE)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -26,9 +27,12 @@ OPERATOR_METHODS = {
 
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
-    def __init__(self, store: AdapterStore, default_chunk_bytes: int) -> None:
+    def __init__(
+        self, store: AdapterStore, default_chunk_bytes: int, chunk_delay_s: float = 0.0
+    ) -> None:
         self._store = store
         self._chunk_bytes = default_chunk_bytes
+        self._chunk_delay_s = chunk_delay_s  # test hook (StoreSettings.stream_chunk_delay_s)
 
     def PreloadAdapter(
         self, request: pb.PreloadAdapterRequest, context: grpc.ServicerContext
@@ -97,6 +101,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
         with self._store.open_stream(request.name, request.adapter_id or None) as lease:
             yield pb.StreamAdapterTensorsResponse(manifest=codec.manifest_to_pb(lease.manifest))
             for chunk in lease.chunks(request.start_tensor, request.start_offset, chunk_bytes):
+                if self._chunk_delay_s:
+                    time.sleep(self._chunk_delay_s)
                 if not context.is_active():
                     log.info("stream of %s cancelled by the client", request.name)
                     return

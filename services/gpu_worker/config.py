@@ -83,6 +83,9 @@ class WorkerSettings(BaseSettings):
         "torch", description="LoRA delta implementation (triton needs CUDA)."
     )
     max_workers: int = Field(32, gt=0, description="gRPC thread pool size.")
+    metrics_port: int | None = Field(
+        None, ge=0, description="Serve Prometheus metrics over HTTP on this port (0: any free)."
+    )
 
     @property
     def base_model_name(self) -> str:

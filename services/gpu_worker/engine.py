@@ -22,15 +22,17 @@ from lorastream.errors import CapacityExhausted, InvalidArgument, LorastreamErro
 from lorastream.generation import FinishReason, GenerationEvent, PromptInput
 from services.gpu_worker.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.device import Device, Event
-from services.gpu_worker.kv_cache import BlockAllocator, KVCache
+from services.gpu_worker.kv_cache import BLOCK_SIZE, BlockAllocator, KVCache
 from services.gpu_worker.loading.manager import AdapterManager
-from services.gpu_worker.lora.backend import LoraBackend, LoraStep
+from services.gpu_worker.lora.backend import LoraBackend, LoraStep, staged_size
 from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.metrics import TierState
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from services.gpu_worker.scheduler import Scheduler, StepPlan
 from services.gpu_worker.sequence import RequestStream, Sequence
 from services.gpu_worker.step_inputs import build_step_inputs
+from services.gpu_worker.step_staging import StepStaging
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +85,14 @@ class Engine:
             prefetch_depth=prefetch_depth if adapters.overlap else 0,
         )
         self.sampler = Sampler()
+        self.staging = StepStaging(device, capacity=16 * max_num_tokens + 4096)
         eos = set(model.config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None:
             eos.add(int(tok_eos))
         self.eos_ids = frozenset(eos)
         self.stats = EngineStats()
+        adapters.metrics.watch(self.metrics_state)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -232,9 +236,14 @@ class Engine:
                 load_events[entry.slot] = entry.slot_event
         for event in load_events.values():  # rule 1: compute waits for the slot's copy
             self.device.compute_wait(event)
-        inputs = build_step_inputs(plan)
-        batch = inputs.batch.to(self.model.device)
-        meta = self.backend.prepare(inputs.token_slots, self.slots)
+        rows = sum(1 for _ in plan.decode) + sum(chunk for _, chunk in plan.prefill)
+        inputs = build_step_inputs(
+            plan, self.staging, extra=staged_size(rows, self.slots.num_slots)
+        )
+        batch = inputs.batch
+        meta = self.backend.prepare(inputs.token_slots, self.slots, inputs.arena)
+        assert inputs.arena is not None
+        inputs.arena.flush()  # rule 3: one non-blocking copy of the step's metadata
         lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
         used_slots = set(load_events)
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]
@@ -294,6 +303,18 @@ class Engine:
         seq.stream.put(err)
 
     # -- introspection ------------------------------------------------------------------------
+    def metrics_state(self) -> TierState:
+        """What the Prometheus collector reports at scrape time."""
+        resident, resident_bytes = self.adapters.resident()
+        return TierState(
+            resident=resident,
+            resident_bytes=resident_bytes,
+            waiting_on_load=self.scheduler.waiting_on_loads(),
+            waiting=self.waiting,
+            running=self.running,
+            kv_tokens_used=self.kv.allocator.used_blocks * BLOCK_SIZE,
+        )
+
     @property
     def waiting(self) -> int:
         return len(self.scheduler.waiting) + self._inbox.qsize()

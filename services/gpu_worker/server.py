@@ -58,6 +58,9 @@ def serve(settings: WorkerSettings) -> None:
         "gpu worker serving %s on %s:%d (store %s)",
         settings.base_model_name, settings.host, port, settings.store or "none",
     )
+    if settings.metrics_port is not None:
+        metrics_port = engine.adapters.metrics.serve(settings.metrics_port, settings.host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, metrics_port)
     try:
         serve_until_signalled(server, "gpu worker")
     finally:

@@ -71,8 +71,8 @@ def model_and_slots(
     for slot, (name, path) in enumerate(tiny_adapters.items(), start=1):
         buffer = fetcher.read_local(name, path)
         assert buffer.manifest is not None
-        w = adapter_weights(buffer.manifest, buffer.tensors(), config, 64)
-        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.tensors))
+        w = adapter_weights(buffer, config, 64)
+        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks))
         slot_of[name] = slot
     return model, slots, slot_of
 

@@ -106,3 +106,21 @@ def test_rows_already_in_slot_order_skip_the_gathers_and_match_the_reference(
         ranks, scalings, torch.zeros_like(out),
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_reaches_its_slot_in_one_copy_per_module_and_matrix(
+    tiny_adapters: dict[str, "Path"],
+) -> None:
+    from services.gpu_worker.device import Device
+    from services.gpu_worker.loading.fetcher import AdapterFetcher
+
+    buffer = AdapterFetcher(Device("cpu"), None).read_local("all", tiny_adapters["all-r64"])
+    groups = buffer.groups()
+    assert len(groups) == 14  # 7 modules x (A, B), each spanning both layers
+    views = buffer.tensors()
+    for module, ab, first, block in groups:
+        assert first == 0 and block.shape[0] == 2
+        for layer in range(2):
+            group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{group}.{module}.lora_{ab}.weight"
+            assert torch.equal(block[layer], views[name])

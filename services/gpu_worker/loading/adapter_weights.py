@@ -15,6 +15,7 @@ import torch
 from lorastream.adapter_format import parse_lora_key
 from lorastream.errors import InvalidAdapter
 from lorastream.manifest import AdapterManifest
+from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
 from services.gpu_worker.model.config import LlamaConfig
 
 
@@ -26,7 +27,8 @@ class AdapterWeights:
     name: str
     rank: int
     scaling: float
-    tensors: tuple[tuple[int, str, str, torch.Tensor], ...]  # (layer, module, "A"|"B", view)
+    # (first layer, module, "A"|"B", block [n_layers, *shape]): zero-copy views of the host buffer
+    blocks: tuple[tuple[int, str, str, torch.Tensor], ...]
     nbytes: int
 
 
@@ -62,23 +64,19 @@ def check_fits(manifest: AdapterManifest, config: LlamaConfig, max_rank: int) ->
 
 
 def adapter_weights(
-    manifest: AdapterManifest,
-    views: dict[str, torch.Tensor],
-    config: LlamaConfig,
-    max_rank: int,
+    buffer: HostAdapterBuffer, config: LlamaConfig, max_rank: int
 ) -> AdapterWeights:
-    """Check ``manifest`` and map its host ``views`` (by PEFT name) for :meth:`LoraSlots.write`."""
+    """Check the adapter in ``buffer`` and map it, in as few blocks as its layout allows, for
+    :meth:`LoraSlots.write`."""
+    manifest = buffer.manifest
+    assert manifest is not None, "the buffer holds no adapter"
     check_fits(manifest, config, max_rank)
-    tensors = []
-    for info in manifest.tensors:
-        key = parse_lora_key(info.name)
-        assert key is not None  # check_fits refused the rest
-        tensors.append((key.layer, key.module, key.ab, views[info.name]))
+    blocks = tuple((layer, module, ab, block) for module, ab, layer, block in buffer.groups())
     return AdapterWeights(
         adapter_id=manifest.adapter_id,
         name=manifest.name,
         rank=manifest.rank,
         scaling=manifest.scaling,
-        tensors=tuple(tensors),
+        blocks=blocks,
         nbytes=manifest.total_bytes,
     )

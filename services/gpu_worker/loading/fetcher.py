@@ -50,6 +50,7 @@ class AdapterFetcher:
         self._device = device
         self._store_target = store
         self._client = StoreClient(store, store_token) if store else None
+        self.chunk_bytes = 0  # stream chunk size asked of the store; 0: the store's default
         self.chunk_delay_s = 0.0  # test hook
 
     @property
@@ -77,7 +78,7 @@ class AdapterFetcher:
         buffer = HostAdapterBuffer(self._device)
         sink = _SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
         started = time.perf_counter()
-        manifest = self._store(name).stream_tensors(name, sink)
+        manifest = self._store(name).stream_tensors(name, sink, chunk_bytes=self.chunk_bytes)
         if manifest.adapter_id != expected_id:
             raise SourceUnavailable(
                 f"adapter {name} changed in the store while it was being fetched (now "

@@ -40,6 +40,7 @@ from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_
 from services.gpu_worker.loading.fetcher import AdapterFetcher
 from services.gpu_worker.loading.host_buffer import HostAdapterBuffer, host_nbytes
 from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.model.config import LlamaConfig
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class AdapterManager:
         *,
         overlap: bool = True,
         fetch_threads: int = 2,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.config = config
         self.slots = slots
@@ -97,6 +99,7 @@ class AdapterManager:
         self.fetcher = fetcher
         self.host_budget = host_budget
         self.overlap = overlap
+        self.metrics = metrics or WorkerMetrics()
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
         self._names: dict[str, str] = {}  # name -> adapter_id
@@ -145,9 +148,7 @@ class AdapterManager:
         """Read, check and keep a local PEFT directory under ``name`` (blocking)."""
         buffer = self.fetcher.read_local(name, path)
         assert buffer.manifest is not None
-        weights = adapter_weights(
-            buffer.manifest, buffer.tensors(), self.config, self.slots.max_rank
-        )
+        weights = adapter_weights(buffer, self.config, self.slots.max_rank)
         with self._lock:
             entry = self._entries.get(weights.adapter_id)
             if entry is None:
@@ -167,6 +168,12 @@ class AdapterManager:
                 entry.error = None  # a new request retries a failed load
             entry.refs += 1
             entry.last_used = time.monotonic()
+            m = self.metrics
+            if entry.residency is Residency.DEVICE:
+                m.hits.labels("device").inc()
+            else:
+                m.misses.labels("device").inc()
+                (m.hits if entry.weights is not None else m.misses).labels("host").inc()
 
     def release(self, entry: AdapterEntry) -> None:
         with self._lock:
@@ -197,11 +204,12 @@ class AdapterManager:
 
     def _fetch(self, entry: AdapterEntry) -> None:
         try:
+            started = time.perf_counter()
             buffer = self.fetcher.fetch(entry.name, entry.adapter_id)
+            self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+            self.metrics.host_landing_seconds.observe(buffer.landing_seconds)
             assert buffer.manifest is not None
-            weights = adapter_weights(
-                buffer.manifest, buffer.tensors(), self.config, self.slots.max_rank
-            )
+            weights = adapter_weights(buffer, self.config, self.slots.max_rank)
             with self._lock:
                 self._admit_host(entry, weights, host_nbytes(buffer.manifest))
         except LorastreamError as err:
@@ -215,6 +223,7 @@ class AdapterManager:
 
     def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
         log.warning("adapter %s cannot be loaded: %s", entry.name, err)
+        self.metrics.load_failures.inc()
         with self._lock:
             entry.error = err
 
@@ -235,6 +244,7 @@ class AdapterManager:
             if used + nbytes <= self.host_budget:
                 break
             log.info("evicting %s from host memory", victim.name)
+            self.metrics.evictions.labels("host").inc()
             used -= victim.host_bytes
             victim.weights, victim.host_bytes = None, 0
         if used + nbytes > self.host_budget:
@@ -270,11 +280,7 @@ class AdapterManager:
                 entry.slot = slot
                 self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
                 event = self.device.load_stream.submit(
-                    lambda: self.slots.write(
-                        slot, weights.adapter_id, weights.rank, weights.scaling,
-                        list(weights.tensors),
-                    ),
-                    after=self._slot_read[slot],
+                    lambda: self._copy_to_slot(slot, weights), after=self._slot_read[slot]
                 )
                 entry.slot_event = event
         if event is not None and not self.overlap:
@@ -284,6 +290,14 @@ class AdapterManager:
             with self._lock:
                 self._evict_slot(entry)
         return self.ready(entry) and entry.error is None
+
+    def _copy_to_slot(self, slot: int, weights: AdapterWeights) -> None:
+        """The load-stream job: zero ``slot`` and copy the adapter in (timed)."""
+        started = time.perf_counter()
+        self.slots.write(
+            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
+        )
+        self.metrics.device_copy_seconds.observe(time.perf_counter() - started)
 
     def _free_slot(self) -> int | None:
         """An empty slot, or the LRU slot of an idle unpinned adapter (evicted) (lock held)."""
@@ -297,6 +311,7 @@ class AdapterManager:
         victim = min(idle, key=lambda e: e.last_used)
         slot = victim.slot
         log.debug("evicting %s from slot %s", victim.name, slot)
+        self.metrics.evictions.labels("device").inc()
         self._evict_slot(victim)
         return slot
 
@@ -346,6 +361,18 @@ class AdapterManager:
     def slots_used(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries.values() if e.slot is not None)
+
+    def resident(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(tier -> adapters, tier -> bytes) for the host and device tiers."""
+        with self._lock:
+            entries = list(self._entries.values())
+        on_host = [e for e in entries if e.weights is not None]
+        on_device = [e for e in entries if e.residency is Residency.DEVICE]
+        return (
+            {"host": len(on_host), "device": len(on_device)},
+            {"host": sum(e.host_bytes for e in on_host),
+             "device": sum(e.manifest.total_bytes for e in on_device)},
+        )
 
     @property
     def loading(self) -> int:

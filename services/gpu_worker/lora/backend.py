@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.step_staging import Arena
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
 
@@ -67,8 +68,11 @@ class LoraStepMeta:
 class LoraBackend(Protocol):
     name: str
 
-    def prepare(self, token_slots: list[int], slots: LoraSlots) -> LoraStepMeta | None:
-        """Metadata for rows whose slot is ``token_slots[row]`` (-1: base model)."""
+    def prepare(
+        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
+    ) -> LoraStepMeta | None:
+        """Metadata for rows whose slot is ``token_slots[row]`` (-1: base model), staged in
+        ``arena`` when given (the engine flushes it), else as plain tensors."""
 
     def add(
         self,
@@ -82,8 +86,17 @@ class LoraBackend(Protocol):
         """out[:, col:col+N] += scaling[s] * (x @ a[s, :r]ᵀ) @ b[s, :, :r]ᵀ per row."""
 
 
+def staged_size(num_rows: int, num_slots: int) -> int:
+    """The most arena entries :func:`build_meta` stages for ``num_rows`` rows."""
+    return int(PADDING_LIMIT * num_rows) + 3 * num_rows + num_slots + 8
+
+
 def build_meta(
-    token_slots: list[int], slots: LoraSlots, dtype: torch.dtype, device: torch.device
+    token_slots: list[int],
+    slots: LoraSlots,
+    dtype: torch.dtype,
+    device: torch.device,
+    arena: Arena | None = None,
 ) -> LoraStepMeta | None:
     """Group rows by slot on the host and choose the layout; None when no row has an adapter."""
     by_slot: dict[int, list[int]] = {}
@@ -113,18 +126,21 @@ def build_meta(
             output_rows[row] = i
     # Identity: the batch rows *are* the layout (rows 0..size-1 in layout order, nothing padded).
     identity = size == len(token_slots) and layout_rows == list(range(size))
-    non_blocking = device.type == "cuda"
+    def longs(values: list[int]) -> torch.Tensor:
+        if arena is not None:
+            return arena.longs(values)
+        return torch.tensor(values, dtype=torch.long).to(device)
 
-    def dev(values: list[int] | list[list[float]], dt: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dt).to(device, non_blocking=non_blocking)
-
-    scale = [[table[s].scaling if s >= 0 else 0.0] for s in token_slots]
+    scale = [table[s].scaling if s >= 0 else 0.0 for s in token_slots]
+    row_scale = (
+        arena.floats(scale) if arena is not None else torch.tensor(scale).to(device)
+    ).to(dtype).unsqueeze(1)  # [T, 1]; the cast runs on the device after the flush
     common = dict(
         max_rank=max(table[s].rank for s in active),
         modules=frozenset().union(*(table[s].modules for s in active)),
-        row_scale=dev(scale, dtype),
-        layout_rows=None if identity else dev(layout_rows, torch.long),
-        output_rows=None if identity else dev(output_rows, torch.long),
+        row_scale=row_scale,
+        layout_rows=None if identity else longs(layout_rows),
+        output_rows=None if identity else longs(output_rows),
     )
     if slot_major:
         return LoraStepMeta(**common, slot_range=slot_range, per_slot=per_slot)  # type: ignore[arg-type]
@@ -134,8 +150,8 @@ def build_meta(
         ends.append(total)
     return LoraStepMeta(
         **common,  # type: ignore[arg-type]
-        offs=dev(ends, torch.int32),
-        sorted_slots=dev([s for s in active for _ in by_slot[s]], torch.long),
+        offs=longs(ends).to(torch.int32),
+        sorted_slots=longs([s for s in active for _ in by_slot[s]]),
     )
 
 
@@ -154,8 +170,10 @@ class TorchLoraBackend:
         self._dtype = dtype
         self._device = device
 
-    def prepare(self, token_slots: list[int], slots: LoraSlots) -> LoraStepMeta | None:
-        return build_meta(token_slots, slots, self._dtype, self._device)
+    def prepare(
+        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
+    ) -> LoraStepMeta | None:
+        return build_meta(token_slots, slots, self._dtype, self._device, arena)
 
     def add(
         self,

@@ -69,22 +69,24 @@ class LoraSlots:
         adapter_id: str,
         rank: int,
         scaling: float,
-        tensors: list[tuple[int, str, str, torch.Tensor]],
+        blocks: list[tuple[int, str, str, torch.Tensor]],
     ) -> None:
-        """Zero ``slot`` and copy ``(layer, module, "A"|"B", host tensor)`` into it.
+        """Zero ``slot`` and copy ``(first layer, module, "A"|"B", block)`` into it, one copy per
+        block of ``n`` consecutive layers (``[n, r, in]`` for A, ``[n, out, r]`` for B).
 
         Runs on the load stream. Copies are non-blocking (pinned host memory on CUDA).
         """
         for module in SUPPORTED_MODULES:
             self.a[module][:, slot].zero_()
             self.b[module][:, slot].zero_()
-        for layer, module, ab, tensor in tensors:
-            if ab == "A":  # [r, in]
-                self.a[module][layer, slot, :rank].copy_(tensor, non_blocking=True)
-            else:  # [out, r]
-                self.b[module][layer, slot, :, :rank].copy_(tensor, non_blocking=True)
+        for layer, module, ab, block in blocks:
+            n = block.shape[0]
+            if ab == "A":
+                self.a[module][layer : layer + n, slot, :rank].copy_(block, non_blocking=True)
+            else:
+                self.b[module][layer : layer + n, slot, :, :rank].copy_(block, non_blocking=True)
         self.table[slot] = SlotInfo(
-            adapter_id, rank, scaling, frozenset(module for _, module, _, _ in tensors)
+            adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks)
         )
 
     def clear(self, slot: int) -> None:

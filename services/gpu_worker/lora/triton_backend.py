@@ -12,6 +12,7 @@ from kernels.metadata import SgmvMetadata
 from kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
 from lorastream.errors import InvalidArgument
 from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.step_staging import Arena
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class TritonLoraBackend:
         self._dtype = dtype
         self._device = device
 
-    def prepare(self, token_slots: list[int], slots: LoraSlots) -> TritonStepMeta | None:
+    def prepare(
+        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
+    ) -> TritonStepMeta | None:
+        """The SGMV metadata travels in its own transfer (``SgmvMetadata.from_slots``)."""
         active = {s for s in token_slots if s >= 0}
         if not active:
             return None

@@ -1,0 +1,119 @@
+"""The worker's Prometheus metrics (its own registry, served on ``--metrics-port``).
+
+Per tier (``host``, ``device``): resident adapters and bytes (read from the adapter manager at
+scrape time), hits, misses and evictions. Histograms: fetch (store -> host buffer, the whole
+stream), host landing (time spent writing chunks into host buffers), device copy (a load-stream
+job). Requests waiting on a load, and queue gauges, also at scrape time.
+
+A *hit* at a tier means a request found its adapter already there when it arrived: ``device``
+hit, else ``host`` hit (a device miss), else a miss at both tiers (a fetch from the store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TIERS = ("host", "device")
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class TierState:
+    """What the manager reports at scrape time."""
+
+    resident: dict[str, int]  # tier -> adapters
+    resident_bytes: dict[str, int]  # tier -> bytes
+    waiting_on_load: int
+    waiting: int
+    running: int
+    kv_tokens_used: int
+
+
+class _StateCollector(Collector):
+    def __init__(self, read: Callable[[], TierState]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self._read()
+        resident = GaugeMetricFamily(
+            "lorastream_worker_adapters_resident", "Adapters resident per tier.", labels=["tier"]
+        )
+        nbytes = GaugeMetricFamily(
+            "lorastream_worker_adapter_bytes_resident", "Adapter bytes per tier.", labels=["tier"]
+        )
+        for tier in TIERS:
+            resident.add_metric([tier], state.resident.get(tier, 0))
+            nbytes.add_metric([tier], state.resident_bytes.get(tier, 0))
+        yield resident
+        yield nbytes
+        yield GaugeMetricFamily(
+            "lorastream_worker_requests_waiting_on_load",
+            "Queued requests whose adapter is still loading.",
+            value=state.waiting_on_load,
+        )
+        yield GaugeMetricFamily(
+            "lorastream_worker_requests_waiting", "Requests in the waiting queue.",
+            value=state.waiting,
+        )
+        yield GaugeMetricFamily(
+            "lorastream_worker_requests_running", "Requests in the running batch.",
+            value=state.running,
+        )
+        yield GaugeMetricFamily(
+            "lorastream_worker_kv_tokens_used", "KV cache tokens reserved.",
+            value=state.kv_tokens_used,
+        )
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.hits = Counter(
+            "lorastream_worker_adapter_hits", "Requests whose adapter was at this tier.",
+            ["tier"], registry=r,
+        )
+        self.misses = Counter(
+            "lorastream_worker_adapter_misses", "Requests whose adapter was not at this tier.",
+            ["tier"], registry=r,
+        )
+        self.evictions = Counter(
+            "lorastream_worker_adapter_evictions", "Adapters evicted from this tier.",
+            ["tier"], registry=r,
+        )
+        self.fetch_seconds = Histogram(
+            "lorastream_worker_adapter_fetch_seconds", "Store -> host buffer, whole stream.",
+            buckets=_SECONDS, registry=r,
+        )
+        self.host_landing_seconds = Histogram(
+            "lorastream_worker_adapter_host_landing_seconds",
+            "Time spent writing one adapter's chunks into its host buffer.",
+            buckets=_SECONDS, registry=r,
+        )
+        self.device_copy_seconds = Histogram(
+            "lorastream_worker_adapter_device_copy_seconds",
+            "One adapter's host -> slot copy job on the load stream.",
+            buckets=_SECONDS, registry=r,
+        )
+        self.load_failures = Counter(
+            "lorastream_worker_adapter_load_failures", "Adapters that could not be loaded.",
+            registry=r,
+        )
+        for tier in TIERS:  # export zeros from the start
+            self.hits.labels(tier)
+            self.misses.labels(tier)
+            self.evictions.labels(tier)
+
+    def watch(self, read: Callable[[], TierState]) -> None:
+        """Report ``read()`` at every scrape."""
+        self.registry.register(_StateCollector(read))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics over HTTP; returns the bound port (``port`` 0 picks one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_address[1])

@@ -1,0 +1,233 @@
+"""Overlapped adapter loading (issue 4), made observable with the fault hooks: a per-chunk delay
+on the store stream (``fetcher.chunk_delay_s``) and a per-copy delay on the load stream
+(``device.load_stream.copy_delay_s``)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lorastream import errors
+from lorastream.generation import PromptInput, SamplingParams
+from lorastream.store_client import StoreClient
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.server import create_server as create_store
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
+from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory
+
+
+@dataclass
+class StoreStack:
+    target: str
+    port: int
+    cache: Path
+    server: grpc.Server
+
+    def restart(self, chunk_delay_s: float = 0.0) -> None:
+        """Stop the store and start it again on the same port and cache (the same content)."""
+        self.server.stop(None).wait()
+        settings = StoreSettings(
+            port=self.port, cache_dir=self.cache, stream_chunk_delay_s=chunk_delay_s
+        )
+        server, _, _ = create_store(settings)
+        server.start()
+        self.server = server
+
+
+@pytest.fixture
+def store(tiny_adapters: dict[str, Path], tmp_path: Path) -> Iterator[StoreStack]:
+    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
+    server.start()
+    stack = StoreStack(f"127.0.0.1:{port}", port, tmp_path / "store", server)
+    with StoreClient(stack.target) as client:
+        for name, path in tiny_adapters.items():
+            for _ in client.preload(str(path), name):
+                pass
+    yield stack
+    stack.server.stop(None).wait()
+
+
+def _tokens(engine: Engine, model: str, prompt: int, **params: object) -> list[int]:
+    sampling = SamplingParams(**{"max_tokens": 12, **params})  # type: ignore[arg-type]
+    stream = engine.submit(model, PromptInput(token_ids=tuple(PROMPTS[prompt])), sampling)
+    return [t for event in stream for t in event.token_ids]
+
+
+def test_running_streams_keep_decoding_while_a_slow_load_is_in_progress(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    engine = engine_factory(store=store.target)
+    engine.adapters.fetcher.chunk_delay_s = 1.0  # the adapter takes >= 1 s to arrive
+    engine.device.load_stream.copy_delay_s = 0.3  # and its copy to the slot 0.3 s more
+    running = engine.submit("tiny", PromptInput(token_ids=tuple(PROMPTS[0])),
+                            SamplingParams(max_tokens=400, ignore_eos=True))
+    next(running)
+    stamps: list[float] = []
+
+    def drain() -> None:
+        for event in running:
+            stamps.extend([time.perf_counter()] * len(event.token_ids))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    started = time.perf_counter()
+    adapter_tokens = _tokens(engine, "attn-r4", 0)
+    loaded_after = time.perf_counter() - started
+    reader.join(timeout=60)
+    assert loaded_after >= 1.3
+    during = [t for t in stamps if started < t < started + 1.3]
+    assert len(during) >= 20, f"the running stream produced {len(during)} tokens during the load"
+    assert adapter_tokens == reference[("attn-r4", 0)]
+
+
+def test_no_step_reads_a_slot_before_its_copy_completed(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    engine = engine_factory(store=store.target, max_loras=2)
+    engine.device.load_stream.copy_delay_s = 0.2
+    reads: list[tuple[int, bool]] = []
+    original = engine.device.compute_wait
+
+    def checked_wait(event) -> None:  # type: ignore[no-untyped-def]
+        reads.append((id(event), event.query()))
+        original(event)
+
+    engine.device.compute_wait = checked_wait  # type: ignore[method-assign]
+    names = list(ADAPTERS)
+    results: dict[str, list[int]] = {}
+
+    def client(name: str) -> None:
+        results[name] = _tokens(engine, name, 1)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert reads and all(done for _, done in reads)
+    for name in names:
+        assert results[name] == reference[(name, 1)], name
+
+
+def test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_leaks_nothing(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    engine = engine_factory(store=store.target, max_loras=2, host_cache_bytes=600_000)
+    engine.device.load_stream.copy_delay_s = 0.01
+    rng = random.Random(7)
+    models = ["tiny", *ADAPTERS]
+    failures: list[str] = []
+
+    def client(i: int) -> None:
+        name, prompt = models[rng.randrange(len(models))], rng.randrange(len(PROMPTS))
+        stream = engine.submit(name, PromptInput(token_ids=tuple(PROMPTS[prompt])),
+                               SamplingParams(max_tokens=12))
+        if i % 5 == 4:  # cancel some mid-way
+            for event in stream:
+                if event.token_ids:
+                    stream.cancel()
+            return
+        tokens = [t for event in stream for t in event.token_ids]
+        expected = reference[("base" if name == "tiny" else name, prompt)]
+        if tokens != expected:
+            failures.append(f"{name} prompt {prompt}: {tokens} != {expected}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(timeout=180)
+    assert not failures, failures
+    deadline = time.monotonic() + 10
+    while (engine.running or engine.waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(entry.refs == 0 for entry in engine.adapters.entries())
+    assert engine.kv.allocator.used_blocks == 0
+    assert engine.adapters.slots_used <= 2
+    assert engine.adapters.host_bytes_used <= 600_000
+
+
+def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store.restart(chunk_delay_s=0.01)  # a slow store: all-r64 is 128 chunks of 4 KiB
+    engine = engine_factory(store=store.target)
+    engine.adapters.fetcher.chunk_bytes = 4096
+    writes: list[tuple[int, int]] = []
+    original_write = HostAdapterBuffer.write
+
+    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+        writes.append((tensor_index, offset))
+        original_write(self, tensor_index, offset, data)
+
+    monkeypatch.setattr(HostAdapterBuffer, "write", recording_write)
+    result: dict[str, list[int]] = {}
+    thread = threading.Thread(target=lambda: result.update(t=_tokens(engine, "all-r64", 2)))
+    thread.start()
+    while len(writes) < 10:
+        time.sleep(0.01)
+    store.server.stop(None).wait()  # the store dies mid-stream ...
+    stopped_at = len(writes)
+    assert _tokens(engine, "tiny", 0) == reference[("base", 0)]  # ... base requests still serve
+    store.restart()  # ... and comes back: the stream resumes where it stopped
+    thread.join(timeout=60)
+    assert result["t"] == reference[("all-r64", 2)]
+    assert 10 <= stopped_at < len(writes) - 10  # it was really cut in the middle
+    assert len(writes) == len(set(writes)), "some bytes were fetched twice"
+
+
+def test_a_store_that_stays_dead_fails_that_adapters_requests_clearly(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+) -> None:
+    engine = engine_factory(store=store.target)
+    assert _tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # resident before
+    store.restart(chunk_delay_s=0.02)
+    engine.adapters.fetcher.chunk_bytes = 4096
+    stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])),
+                           SamplingParams(max_tokens=4))
+    time.sleep(0.3)
+    store.server.stop(None).wait()
+    with pytest.raises(errors.SourceUnavailable, match="unreachable while streaming all-r64"):
+        list(stream)
+    assert _tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # others keep serving
+    assert _tokens(engine, "tiny", 1) == reference[("base", 1)]
+    entry = next(e for e in engine.adapters.entries() if e.name == "all-r64")
+    assert entry.refs == 0 and entry.slot is None
+
+
+
+def test_prometheus_metrics_report_tiers_hits_misses_and_load_times(
+    engine_factory: EngineFactory, store: StoreStack
+) -> None:
+    import urllib.request
+
+    engine = engine_factory(store=store.target, max_loras=1)
+    port = engine.adapters.metrics.serve(0)
+    _tokens(engine, "attn-r4", 0)  # miss at both tiers: fetched, copied
+    _tokens(engine, "attn-r4", 1)  # device hit
+    _tokens(engine, "mlp-r8", 0)  # miss; evicts attn-r4 from the only slot
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines() if line and not line.startswith("#")
+    }
+    assert values['lorastream_worker_adapter_hits_total{tier="device"}'] == 1
+    assert values['lorastream_worker_adapter_misses_total{tier="device"}'] == 2
+    assert values['lorastream_worker_adapter_misses_total{tier="host"}'] == 2
+    assert values['lorastream_worker_adapter_evictions_total{tier="device"}'] == 1
+    assert values['lorastream_worker_adapters_resident{tier="host"}'] == 2
+    assert values['lorastream_worker_adapters_resident{tier="device"}'] == 1
+    assert values["lorastream_worker_adapter_fetch_seconds_count"] == 2
+    assert values["lorastream_worker_adapter_host_landing_seconds_count"] == 2
+    assert values["lorastream_worker_adapter_device_copy_seconds_count"] == 2
+    assert values["lorastream_worker_requests_waiting_on_load"] == 0
