@@ -255,6 +255,7 @@ class Engine:
             seq.num_computed += count
         for seq, token in zip(inputs.samplers, tokens, strict=True):
             self._emit(seq, int(token))
+        self.adapters.cost_model.observe_step(rows, time.perf_counter() - started)
         self.stats.steps += 1
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
         self.stats.step_seconds += time.perf_counter() - started

@@ -8,7 +8,9 @@ Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequenc
    loading keeps its place and is skipped for now, so it never blocks the ones behind it
    (no head-of-line blocking); when its load lands it is first in line again (no starvation).
    A request that does not fit the KV cache stops admission, so big requests are not starved
-   by small ones behind them.
+   by small ones behind them. When a load the next waiting requests need will land sooner than
+   the extra prefill step it would otherwise cost, new prefills are held for it (briefly; see
+   ``cost_model.py``), so they are prefilled together.
 
 Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
 adapters fetched and placed in free (or idle) slots while the batch keeps decoding.
@@ -90,7 +92,19 @@ class Scheduler:
         self._prefetch()
         return plan
 
+    def _hold_for_loads(self) -> bool:
+        """Ask the cost model whether to hold new prefills for loads about to land."""
+        loading = []
+        for seq in list(self.waiting)[: self.prefetch_depth]:
+            entry = seq.adapter
+            if entry is not None and entry.error is None and not self.adapters.ready(entry):
+                loading.append(self.adapters.eta(entry))
+        return self.adapters.cost_model.should_hold(loading)
+
     def _admit(self, plan: StepPlan, budget: int) -> None:
+        if self.waiting and self._hold_for_loads():
+            return
+        self.adapters.cost_model.released()
         admitted: list[Sequence] = []
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_batch_size:

@@ -35,6 +35,7 @@ from lorastream.errors import (
     SourceUnavailable,
 )
 from lorastream.manifest import AdapterManifest
+from services.gpu_worker.cost_model import AdmissionCostModel
 from services.gpu_worker.device import COMPLETED, Device, Event
 from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
 from services.gpu_worker.loading.fetcher import AdapterFetcher
@@ -68,7 +69,8 @@ class AdapterEntry:
     refs: int = 0
     pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)
-    fetch_started: float = 0.0
+    fetch_started: float = 0.0  # perf_counter when the store fetch began
+    copy_started: float = 0.0  # perf_counter when the copy into ``slot`` was submitted
 
     @property
     def residency(self) -> Residency:
@@ -100,6 +102,7 @@ class AdapterManager:
         self.host_budget = host_budget
         self.overlap = overlap
         self.metrics = metrics or WorkerMetrics()
+        self.cost_model = AdmissionCostModel()
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
         self._names: dict[str, str] = {}  # name -> adapter_id
@@ -206,7 +209,9 @@ class AdapterManager:
         try:
             started = time.perf_counter()
             buffer = self.fetcher.fetch(entry.name, entry.adapter_id)
-            self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self.metrics.fetch_seconds.observe(elapsed)
+            self.cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
             self.metrics.host_landing_seconds.observe(buffer.landing_seconds)
             assert buffer.manifest is not None
             weights = adapter_weights(buffer, self.config, self.slots.max_rank)
@@ -278,6 +283,7 @@ class AdapterManager:
                     return False
                 weights = entry.weights
                 entry.slot = slot
+                entry.copy_started = time.perf_counter()
                 self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
                 event = self.device.load_stream.submit(
                     lambda: self._copy_to_slot(slot, weights), after=self._slot_read[slot]
@@ -297,7 +303,9 @@ class AdapterManager:
         self.slots.write(
             slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
         )
-        self.metrics.device_copy_seconds.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.device_copy_seconds.observe(elapsed)
+        self.cost_model.observe_copy(weights.nbytes, elapsed)
 
     def _free_slot(self) -> int | None:
         """An empty slot, or the LRU slot of an idle unpinned adapter (evicted) (lock held)."""
@@ -319,6 +327,18 @@ class AdapterManager:
         if entry.slot is not None:
             self.slots.clear(entry.slot)
         entry.slot, entry.slot_event = None, None
+
+    def eta(self, entry: AdapterEntry) -> float | None:
+        """Expected seconds until ``entry`` is usable in a slot; None when no load is under way."""
+        now, nbytes = time.perf_counter(), entry.manifest.total_bytes
+        with self._lock:
+            if entry.fetching:
+                return self.cost_model.eta(nbytes, entry.fetch_started, True, now)
+            if entry.slot is not None and entry.slot_event is not None:
+                if entry.slot_event.query():
+                    return 0.0
+                return self.cost_model.eta(nbytes, entry.copy_started, False, now)
+        return None
 
     def mark_read(self, slot_ids: set[int], event: Event) -> None:
         """Record that the step behind ``event`` read ``slot_ids`` (DESIGN rule 2)."""
