@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, BaseShape, make_synthetic_adapter
+from lorastream.bench.synthetic import SMOLLM2_135M, checkpoint_shape, make_synthetic_adapter
 from lorastream.generation import PromptInput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,15 +51,6 @@ def _decode_rate(run: Callable[[int], None], prompts: int, new_tokens: int, repe
     return best
 
 
-def _shape_of(checkpoint: Path) -> BaseShape:
-    from services.gpu_worker.model.config import LlamaConfig
-
-    c = LlamaConfig.from_dir(checkpoint)
-    return BaseShape(
-        c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
-    )
-
-
 def run_engine_bench(
     model: str = "default",
     adapters: int = 32,
@@ -84,7 +75,7 @@ def run_engine_bench(
         kv_cache_bytes=1 << 30,
     )
     checkpoint = resolve_checkpoint(model, cache_dir=settings.model_cache_dir)
-    shape = _shape_of(checkpoint)
+    shape = checkpoint_shape(model)
     if shape != SMOLLM2_135M:
         log.info("base model shape %s", shape)
     with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:

@@ -90,3 +90,20 @@ def make_synthetic_adapter(
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def checkpoint_shape(model: str) -> BaseShape:
+    """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
+    from services.gpu_worker.config import WorkerSettings
+    from services.gpu_worker.model.checkpoint import resolve_checkpoint
+    from services.gpu_worker.model.config import LlamaConfig
+
+    settings = WorkerSettings(model=model)
+    checkpoint = resolve_checkpoint(
+        model, cache_dir=settings.model_cache_dir, hf_endpoint=settings.hf_endpoint,
+        hf_token=settings.hf_token,
+    )
+    c = LlamaConfig.from_dir(checkpoint)
+    return BaseShape(
+        c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+    )

@@ -72,3 +72,29 @@ def kernels(
         dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float16, repeat=repeat
     )
     out.print_json(json.dumps(result))
+
+
+@app.command("serve")
+def serve(
+    model: str = typer.Option("default", help="Base model of the worker."),
+    adapters: int = typer.Option(24, help="Distinct adapters in the store (more than slots)."),
+    slots: int = typer.Option(8, help="Worker device slots (--max-loras)."),
+    rank: int = typer.Option(64, help="Rank of every adapter (all linear projections)."),
+    rate: float = typer.Option(2.0, help="Poisson arrival rate, requests per second."),
+    requests: int = typer.Option(48, help="Requests in the trace."),
+    popularity: str = typer.Option("zipf:1.2", help="distinct, uniform or zipf:ALPHA."),
+    max_tokens: int = typer.Option(32, help="Tokens generated per request."),
+    background: int = typer.Option(4, help="Long base-model streams in the interference part."),
+    seed: int = typer.Option(0, help="Seed of the request trace."),
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Poisson trace over cold adapters with overlapped loading on, then off (goals: TTFT p50
+    on <= 0.5x off; running streams' ITL p99 during loads <= 1.2x without loads)."""
+    from lorastream.bench.serve import ServeConfig, run_serve_bench
+
+    setup_logging(log_level)
+    config = ServeConfig(
+        model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
+        popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
+    )
+    out.print_json(json.dumps(run_serve_bench(config)))
