@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway over the GPU workers (see docs/gateway.md)."""

@@ -1,8 +1,9 @@
-"""Run the whole stack on this machine: the store and N workers as child processes.
+"""Run the whole stack on this machine: the store, N workers and the gateway as child processes.
 
 Each part is the same ``lorastream ... serve`` command an operator would run; the supervisor
-waits for each to report SERVING on gRPC health, registers the requested adapters, and on
-SIGINT/SIGTERM stops the workers, then the store, each with a graceful SIGINT first.
+waits for each to be ready (gRPC health SERVING for the store and the workers, ``GET /health`` 200
+for the gateway), registers the requested adapters, and on SIGINT/SIGTERM stops the gateway, the
+workers, then the store, each with a graceful SIGINT first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorastream.errors import InvalidArgument, SourceUnavailable
@@ -30,9 +32,11 @@ class StackConfig:
     workers: int = 1
     store_port: int = 50051
     worker_port: int = 50052  # workers take consecutive ports from here
+    gateway_port: int = 8000
     adapters: dict[str, str] = field(default_factory=dict)  # name -> source URI
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0  # the first start converts the default model (~35 s)
+    token: str | None = None  # operator bearer token of the store and the gateway
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
@@ -67,6 +71,24 @@ def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float
     raise SourceUnavailable(f"{target} did not become healthy within {timeout_s:.0f} s")
 
 
+def wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Block until ``GET url`` answers 200 (or the process dies)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SourceUnavailable(
+                f"{url}: the process exited with status {process.returncode} before serving; "
+                "see its log above"
+            )
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise SourceUnavailable(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -81,6 +103,11 @@ class Stack:
     def workers(self) -> list[str]:
         return [f"localhost:{self.config.worker_port + i}" for i in range(self.config.workers)]
 
+    @property
+    def gateway(self) -> str:
+        """The gateway's base URL (the OpenAI API is under ``/v1``)."""
+        return f"http://localhost:{self.config.gateway_port}"
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "lorastream.cli.main", *args,
                    "--log-level", self.config.log_level]
@@ -91,7 +118,10 @@ class Stack:
 
     def start(self) -> None:
         c = self.config
-        store = self._spawn("adapter store", ["store", "serve", "--port", str(c.store_port)])
+        token_args = ["--token", c.token] if c.token else []
+        store = self._spawn(
+            "adapter store", ["store", "serve", "--port", str(c.store_port), *token_args]
+        )
         wait_serving(self.store, store, 60)
         for i, target in enumerate(self.workers):
             worker = self._spawn(
@@ -100,7 +130,14 @@ class Stack:
                  "--store", self.store],
             )
             wait_serving(target, worker, c.ready_timeout_s)
-        with StoreClient(self.store) as client:
+        worker_args = [arg for target in self.workers for arg in ("--worker", target)]
+        gateway = self._spawn(
+            "gateway",
+            ["gateway", "serve", "--port", str(c.gateway_port), "--store", self.store,
+             *worker_args, *token_args],
+        )
+        wait_http_ok(f"{self.gateway}/health", gateway, 60)
+        with StoreClient(self.store, c.token) as client:
             for name, uri in c.adapters.items():
                 for _event in client.preload(uri, name):
                     pass
@@ -118,7 +155,7 @@ class Stack:
                     self._stopping.set()
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for name, process in reversed(self.processes):  # workers first, the store last
+        for name, process in reversed(self.processes):  # gateway, workers, the store last
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)
                 try:
@@ -131,9 +168,28 @@ class Stack:
 
 def examples(stack: Stack, model: str) -> str:
     worker = stack.workers[0]
+    adapter = next(iter(stack.config.adapters), model)
+    api = f"{stack.gateway}/v1"
     lines = [
-        f"lorastream is up: store {stack.store}, workers {', '.join(stack.workers)}.",
-        "Try:",
+        f"lorastream is up: gateway {stack.gateway}, store {stack.store}, "
+        f"workers {', '.join(stack.workers)}.",
+        "Try the OpenAI API (model = an adapter name, or the base model):",
+        f"  curl {api}/models",
+        f"  curl {api}/chat/completions -H 'Content-Type: application/json' -d "
+        f"'{{\"model\": \"{adapter}\", \"messages\": [{{\"role\": \"user\", "
+        f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+        f"  curl -N {api}/completions -H 'Content-Type: application/json' -d "
+        f"'{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", "
+        f"\"max_tokens\": 16, \"stream\": true}}'",
+        "The official openai client (paste into a shell):",
+        f"{sys.executable} - <<'EOF'",
+        "from openai import OpenAI",
+        f"client = OpenAI(base_url=\"{api}\", api_key=\"unused\")",
+        f"reply = client.chat.completions.create(model=\"{adapter}\", max_tokens=32,",
+        "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])",
+        "print(reply.choices[0].message.content)",
+        "EOF",
+        "Or a worker directly:",
         f"  lorastream complete --worker {worker} --model {model} --chat "
         "--prompt 'What is the capital of France?'",
     ]
@@ -142,6 +198,10 @@ def examples(stack: Stack, model: str) -> str:
             f"  lorastream complete --worker {worker} --model {name} --chat --prompt 'Hello!'"
         )
     lines += [
+        "Operators (add -H 'Authorization: Bearer <token>' when LORASTREAM_TOKEN is set):",
+        f"  curl {api}/adapters -H 'Content-Type: application/json' "
+        "-d '{\"name\": \"my-adapter\", \"source\": \"/abs/path/to/peft-adapter\"}'",
+        f"  curl {api}/adapters",
         f"  lorastream adapters preload ./my-peft-adapter --name my-adapter --store {stack.store}",
         f"  lorastream adapters ls --store {stack.store}",
         "Ctrl-C stops everything.",

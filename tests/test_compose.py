@@ -87,11 +87,11 @@ def schema_errors(document: Any) -> list[str]:
     ]
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
+def dockerfile_instructions(dockerfile: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) in order, with continuation lines joined and comments dropped."""
     instructions: list[tuple[str, str]] = []
     pending = ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in dockerfile.read_text().splitlines():
         stripped = line.strip()
         if not pending and (not stripped or stripped.startswith("#")):
             continue
@@ -104,9 +104,9 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return instructions
 
 
-def dockerfile_json(keyword: str) -> list[str]:
+def dockerfile_json(keyword: str, dockerfile: Path = DOCKERFILE) -> list[str]:
     """The exec-form (JSON array) arguments of the last ``keyword`` instruction."""
-    values = [args for kw, args in dockerfile_instructions() if kw == keyword]
+    values = [args for kw, args in dockerfile_instructions(dockerfile) if kw == keyword]
     assert values, f"the Dockerfile has no {keyword}"
     return json.loads(values[-1])
 
@@ -247,7 +247,9 @@ def test_depends_on_names_existing_services_without_cycles() -> None:
         order.extend(ready)
         for name in ready:
             del graph[name]
-    assert order == ["minio", "minio-init", "adapter-store"]
+    assert order == [
+        "minio", "minio-init", "adapter-store", "gpu-worker", "gpu-worker-cpu", "gateway"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -283,7 +285,11 @@ def test_named_volumes_are_declared_and_hold_the_store_cache() -> None:
             if not source.startswith((".", "/")):
                 assert source in declared, f"{name} mounts undeclared volume {source}"
                 mounts[source] = target
-    assert mounts == {"minio-data": "/data", "adapter-store-cache": "/var/lib/lorastream/store"}
+    assert mounts == {
+        "minio-data": "/data",
+        "adapter-store-cache": "/var/lib/lorastream/store",
+        "worker-models": "/var/lib/lorastream/models",
+    }
     command = compose["services"]["adapter-store"]["command"]
     assert command[command.index("--cache-dir") + 1] == mounts["adapter-store-cache"]
 

@@ -1,5 +1,6 @@
-"""`lorastream up` end to end: store and worker as real processes, an adapter registered at
-start, a completion through the CLI client, then a clean stop on SIGINT."""
+"""`lorastream up` end to end: store, worker and gateway as real processes, an adapter registered
+at start, completions through the CLI client and through the gateway with the official openai
+client, then a clean stop on SIGINT."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from typer.testing import CliRunner
 
@@ -30,19 +33,20 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def test_up_starts_store_and_worker_serves_a_registered_adapter_and_stops_cleanly(
+def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stops_cleanly(
     tmp_path: Path,
 ) -> None:
     model = make_tiny_checkpoint(tmp_path / "model")
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
-    store_port, worker_port = _free_ports(2)
+    store_port, worker_port, gateway_port = _free_ports(3)
     env_home = {"HOME": str(tmp_path / "home")}  # caches under tmp_path, not the user's
     import os
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "lorastream.cli.main", "up", "--model", str(model),
          "--adapter", f"demo={adapter}", "--store-port", str(store_port),
-         "--worker-port", str(worker_port), "--log-level", "WARNING"],
+         "--worker-port", str(worker_port), "--port", str(gateway_port),
+         "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env_home},
     )
     try:
@@ -63,11 +67,24 @@ def test_up_starts_store_and_worker_serves_a_registered_adapter_and_stops_cleanl
         ])
         assert result.exit_code == 0, result.output
         assert len(json.loads(result.output.strip().splitlines()[-1])["token_ids"]) >= 1
+
+        gateway = f"http://localhost:{gateway_port}"
+        assert any(f"curl {gateway}/v1/chat/completions" in line for line in lines)
+        assert httpx.get(f"{gateway}/health").status_code == 200
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+        assert {m.id for m in client.models.list()} == {str(model), "demo"}
+        reply = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
+        )
+        assert 1 <= reply.usage.completion_tokens <= 5
+        client.close()
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     result = CliRunner().invoke(app, ["adapters", "ls", "--store", f"localhost:{store_port}"])
     assert result.exit_code == 1  # the store is gone too
+    with pytest.raises(httpx.ConnectError):  # and the gateway
+        httpx.get(f"http://localhost:{gateway_port}/health")
 
 
 @pytest.mark.parametrize("spec", ["noequals", "=s3://b/a", "name="])

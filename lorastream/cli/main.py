@@ -6,6 +6,7 @@ import typer
 
 from lorastream import __version__
 from lorastream.cli import adapters, bench, complete, store, worker
+from lorastream.cli import gateway
 
 app = typer.Typer(
     name="lorastream",
@@ -21,6 +22,7 @@ app = typer.Typer(
 app.add_typer(store.app, name="store")
 app.add_typer(adapters.app, name="adapters")
 app.add_typer(worker.app, name="worker")
+app.add_typer(gateway.app, name="gateway")
 app.add_typer(bench.app, name="bench")
 app.command("complete")(complete.complete)
 
@@ -42,9 +44,14 @@ def up(
     workers: int = typer.Option(1, min=1, help="GPU workers to start."),
     store_port: int = typer.Option(50051, help="Adapter store port."),
     worker_port: int = typer.Option(50052, help="First worker port (workers count up from it)."),
+    port: int = typer.Option(8000, help="HTTP gateway port (the OpenAI API)."),
+    token: str | None = typer.Option(
+        None, envvar="LORASTREAM_TOKEN",
+        help="Operator bearer token of the store and the gateway (none: open).",
+    ),
     log_level: str = typer.Option("INFO", help="Logging level of every part."),
 ) -> None:
-    """Start the stack on this machine (the store and the workers) until Ctrl-C."""
+    """Start the stack on this machine (the store, the workers, the gateway) until Ctrl-C."""
     from lorastream.cli.common import reported_errors, setup_logging
     from lorastream.stack import Stack, StackConfig, examples, parse_adapter_specs
 
@@ -52,7 +59,8 @@ def up(
     with reported_errors():
         config = StackConfig(
             model=model, workers=workers, store_port=store_port, worker_port=worker_port,
-            adapters=parse_adapter_specs(adapter), log_level=log_level,
+            gateway_port=port, adapters=parse_adapter_specs(adapter), log_level=log_level,
+            token=token,
         )
         stack = Stack(config)
         try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorastream.errors import CapacityExhausted, InvalidArgument, LorastreamError
+from lorastream.errors import InvalidArgument, LorastreamError
 from lorastream.generation import FinishReason, GenerationEvent, PromptInput
 from services.gpu_worker.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.device import Device, Event
@@ -164,10 +164,11 @@ class Engine:
             )
         max_len = min(len(ids) + params.max_tokens, self.max_seq_len)
         need = BlockAllocator.blocks_for(max_len)
-        if need > self.kv.num_blocks:
-            raise CapacityExhausted(
-                f"the request needs {need} KV cache blocks but the whole cache has "
-                f"{self.kv.num_blocks}; lower max_tokens or raise --kv-cache-bytes"
+        if need > self.kv.num_blocks:  # no retry can help: a client error, not a busy server
+            raise InvalidArgument(
+                f"the request needs {need} KV cache blocks (prompt + max_tokens) but the whole "
+                f"cache has {self.kv.num_blocks}; lower max_tokens, or start the worker with a "
+                "larger --kv-cache-bytes"
             )
         adapter = None if self.is_base_model(model) else self.adapters.resolve(model)
         stream = RequestStream(request_id or uuid.uuid4().hex)

@@ -108,7 +108,7 @@ def test_bad_requests_get_a_clear_error_and_the_worker_keeps_serving(
 
 def test_a_request_that_can_never_fit_the_kv_cache_is_refused(engine_factory: EngineFactory) -> None:
     engine = engine_factory(kv_cache_bytes=64 << 10)  # a few blocks only
-    with pytest.raises(errors.CapacityExhausted, match="KV cache blocks"):
+    with pytest.raises(errors.InvalidArgument, match="KV cache blocks"):
         engine.submit("tiny", _prompt(), SamplingParams(max_tokens=200))
     _still_serves(engine)
 

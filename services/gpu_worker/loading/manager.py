@@ -152,15 +152,22 @@ class AdapterManager:
         buffer = self.fetcher.read_local(name, path)
         assert buffer.manifest is not None
         weights = adapter_weights(buffer, self.config, self.slots.max_rank)
+        need = host_nbytes(buffer.manifest)
         with self._lock:
             entry = self._entries.get(weights.adapter_id)
             if entry is None:
                 entry = AdapterEntry(weights.adapter_id, name, buffer.manifest, local_path=path)
-                self._entries[weights.adapter_id] = entry
+            if entry.weights is None:
+                if need > self.host_budget or not self._make_host_room(need):
+                    raise CapacityExhausted(
+                        f"adapter {name} needs {need} bytes of host memory; the host budget "
+                        f"({self.host_budget}) is held by adapters in use or pinned: retry later "
+                        "or raise --host-cache-bytes"
+                    )
+                entry.weights, entry.host_bytes = weights, need
+            self._entries[weights.adapter_id] = entry
             entry.local_path = path
             entry.pinned = entry.pinned or pin
-            if entry.weights is None:
-                self._admit_host(entry, weights, host_nbytes(buffer.manifest))
             self._names[name] = weights.adapter_id
             return entry
 
@@ -198,7 +205,17 @@ class AdapterManager:
                     f"adapter {entry.name} was evicted from this worker; load it again"
                 )
                 return
+            need = host_nbytes(entry.manifest)
+            if need > self.host_budget:
+                entry.error = CapacityExhausted(
+                    f"adapter {entry.name} needs {need} bytes of host memory, more than the "
+                    f"whole host budget ({self.host_budget}); raise --host-cache-bytes"
+                )
+                return
+            if not self._make_host_room(need):
+                return  # every byte is held by adapters in use: wait, retried at the next step
             entry.fetching = True
+            entry.host_bytes = need  # reserved now, so concurrent fetches never overshoot
             entry.fetch_started = time.perf_counter()
         if self.overlap:
             self._pool.submit(self._fetch, entry)
@@ -216,7 +233,7 @@ class AdapterManager:
             assert buffer.manifest is not None
             weights = adapter_weights(buffer, self.config, self.slots.max_rank)
             with self._lock:
-                self._admit_host(entry, weights, host_nbytes(buffer.manifest))
+                entry.weights = weights  # its bytes were reserved when the fetch began
         except LorastreamError as err:
             self._fail(entry, err)
         except Exception as err:  # noqa: BLE001 - any failure fails the adapter, never the worker
@@ -225,6 +242,8 @@ class AdapterManager:
         finally:
             with self._lock:
                 entry.fetching = False
+                if entry.weights is None:
+                    entry.host_bytes = 0  # release the reservation
 
     def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
         log.warning("adapter %s cannot be loaded: %s", entry.name, err)
@@ -232,32 +251,30 @@ class AdapterManager:
         with self._lock:
             entry.error = err
 
-    def _admit_host(self, entry: AdapterEntry, weights: AdapterWeights, nbytes: int) -> None:
-        """Keep ``weights`` in the host tier, evicting LRU idle adapters to fit (lock held)."""
-        if nbytes > self.host_budget:
-            raise CapacityExhausted(
-                f"adapter {entry.name} needs {nbytes} bytes of host memory, more than the whole "
-                f"host budget ({self.host_budget}); raise --host-cache-bytes"
-            )
+    def _make_host_room(self, need: int) -> bool:
+        """Evict LRU idle host copies until ``need`` more bytes fit the budget (lock held).
+
+        Idle: unpinned, no queued or running request, not being fetched. False when the adapters
+        in use (or pinned, or in flight) leave no room: the caller waits for references to drop.
+        """
         used = sum(e.host_bytes for e in self._entries.values())
+        if used + need <= self.host_budget:
+            return True
         idle = sorted(
             (e for e in self._entries.values()
-             if e.weights is not None and e.refs == 0 and not e.pinned and e is not entry),
+             if e.weights is not None and e.refs == 0 and not e.pinned),
             key=lambda e: e.last_used,
         )
+        if used - sum(e.host_bytes for e in idle) + need > self.host_budget:
+            return False  # evicting every idle adapter would not be enough: evict nothing
         for victim in idle:
-            if used + nbytes <= self.host_budget:
+            if used + need <= self.host_budget:
                 break
             log.info("evicting %s from host memory", victim.name)
             self.metrics.evictions.labels("host").inc()
             used -= victim.host_bytes
             victim.weights, victim.host_bytes = None, 0
-        if used + nbytes > self.host_budget:
-            raise CapacityExhausted(
-                f"host memory for adapters is full ({used} of {self.host_budget} bytes held by "
-                f"adapters in use or pinned); adapter {entry.name} must wait or the budget grow"
-            )
-        entry.weights, entry.host_bytes = weights, nbytes
+        return True
 
     def ready(self, entry: AdapterEntry) -> bool:
         """True when ``entry`` sits in a slot whose copy completed (never blocks)."""

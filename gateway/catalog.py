@@ -1,0 +1,89 @@
+"""JSON views of the adapter catalogue: store manifests, OpenAI model objects, worker residency."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.worker_pool import WorkerState
+from lorastream.generation import AdapterStatus
+from lorastream.manifest import AdapterManifest
+
+OWNER = "lorastream"
+
+
+def manifest_json(m: AdapterManifest) -> dict[str, Any]:
+    """An adapter as the store staged it."""
+    return {
+        "name": m.name,
+        "adapter_id": m.adapter_id,
+        "source": m.source_uri,
+        "revision": m.revision,
+        "base_model": m.base_model,
+        "rank": m.rank,
+        "alpha": m.alpha,
+        "use_rslora": m.use_rslora,
+        "target_modules": list(m.target_modules),
+        "bytes": m.total_bytes,
+        "tensors": len(m.tensors),
+        "pinned": m.pinned,
+        "created": int(m.created_at),
+        "last_used": int(m.last_used_at),
+    }
+
+
+def base_model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": OWNER,
+            "root": name, "parent": None}
+
+
+def adapter_model_object(m: AdapterManifest, base_model: str | None) -> dict[str, Any]:
+    """An adapter as an OpenAI model object; its metadata under ``metadata``."""
+    return {
+        "id": m.name,
+        "object": "model",
+        "created": int(m.created_at),
+        "owned_by": OWNER,
+        "root": m.name,
+        "parent": base_model,
+        "metadata": {
+            "rank": m.rank,
+            "alpha": m.alpha,
+            "use_rslora": m.use_rslora,
+            "target_modules": list(m.target_modules),
+            "source": m.source_uri,
+            "revision": m.revision,
+            "pinned": m.pinned,
+            "adapter_id": m.adapter_id,
+            "bytes": m.total_bytes,
+        },
+    }
+
+
+def status_json(status: AdapterStatus) -> dict[str, Any]:
+    """One adapter's state on one worker."""
+    return {
+        "residency": status.residency,
+        "slot": status.slot if status.slot >= 0 else None,
+        "references": status.references,
+        "pinned": status.pinned,
+        "bytes": status.nbytes,
+    }
+
+
+def residency_row(worker: WorkerState, name: str, adapters: list[AdapterStatus]) -> dict[str, Any]:
+    """Where ``name`` is on ``worker`` ("absent" when the worker does not hold it)."""
+    status = next((a for a in adapters if a.name == name), None)
+    row: dict[str, Any] = {"worker": worker.target, "healthy": worker.healthy}
+    if status is None:
+        return {**row, "residency": "absent", "slot": None, "references": 0, "pinned": False,
+                "bytes": 0}
+    return {**row, **status_json(status)}
+
+
+def residency_summary(workers: list[WorkerState]) -> dict[str, dict[str, str]]:
+    """adapter name -> {worker: residency}, from the last poll of each worker."""
+    summary: dict[str, dict[str, str]] = {}
+    for worker in workers:
+        for status in worker.adapters:
+            summary.setdefault(status.name, {})[worker.target] = status.residency
+    return summary

@@ -1,0 +1,231 @@
+"""Operator endpoints: preload, list, describe, delete adapters, and push them into workers.
+
+All need ``Authorization: Bearer <token>`` when the gateway has a token. Names may contain
+``/`` (``support/en-v3``), hence the ``:path`` parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.catalog import manifest_json, residency_row, residency_summary, status_json
+from gateway.errors import UpstreamTimeout
+from gateway.http_errors import ApiError, api_error
+from gateway.openai_responses import SSE_DONE, sse
+from gateway.state import GatewayState, gateway_state
+from lorastream.errors import AdapterNotFound, LorastreamError
+from lorastream.generation import AdapterStatus
+from lorastream.manifest import AdapterManifest, PreloadProgress
+
+log = logging.getLogger(__name__)
+
+
+def require_operator(request: Request) -> None:
+    """401 unless the request carries the gateway's bearer token (when one is configured)."""
+    token = gateway_state(request).settings.token
+    if not token:
+        return
+    header = request.headers.get("authorization")
+    if header is None:
+        raise ApiError(401, "this operator endpoint needs 'Authorization: Bearer <token>' with "
+                       "the gateway's --token", "authentication_error", code="missing_api_key")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                             token.encode()):
+        raise ApiError(401, "the bearer token is wrong: use the gateway's --token",
+                       "authentication_error", code="invalid_api_key")
+
+
+router = APIRouter(prefix="/v1/adapters", dependencies=[Depends(require_operator)])
+
+
+class PreloadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="The name requests will use as `model`.")
+    source: str = Field(min_length=1, description="s3://..., hf://org/repo[@rev], or /abs/path.")
+    pin: bool = False
+    force: bool = Field(False, description="Replace a name already staged from another source.")
+    stream: bool = Field(False, description="Stream progress as server-sent events.")
+
+
+class LoadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    workers: list[str] | Literal["all"] | None = Field(
+        None, description="Targets, 'all', or none for the adapter's routing choice."
+    )
+    pin: bool = False
+
+
+@router.post("", status_code=201, response_model=None)
+async def preload(body: PreloadBody, request: Request) -> Response | dict[str, Any]:
+    """Fetch, verify and stage an adapter in the store."""
+    state = gateway_state(request)
+    if body.stream:
+        return StreamingResponse(_preload_events(state, body), media_type="text/event-stream")
+    try:
+        manifest = await asyncio.wait_for(
+            state.in_thread(_run_preload, state, body, None), state.settings.preload_timeout_s
+        )
+    except TimeoutError as exc:
+        raise UpstreamTimeout(
+            f"the store did not finish preloading {body.name} within "
+            f"{state.settings.preload_timeout_s:.0f} s; it may still complete: check "
+            "GET /v1/adapters later"
+        ) from exc
+    return {"adapter": manifest_json(manifest)}
+
+
+@router.get("")
+async def list_adapters(request: Request) -> dict[str, Any]:
+    """Every staged adapter, where it resides on the workers (last poll), and the cache usage."""
+    state = gateway_state(request)
+    manifests, used, budget = await state.in_thread(state.store.list)
+    residency = residency_summary(list(state.pool.workers.values()))
+    data = [{**manifest_json(m), "workers": residency.get(m.name, {})}
+            for m in sorted(manifests, key=lambda m: m.name)]
+    return {"object": "list", "data": data, "cache_bytes_used": used,
+            "cache_bytes_budget": budget}
+
+
+@router.post("/{name:path}/load")
+async def load(name: str, request: Request, body: LoadBody | None = None) -> JSONResponse:
+    """Push an adapter into workers: named ones, all healthy ones, or its routing choice."""
+    state = gateway_state(request)
+    body = body or LoadBody(workers=None)
+    targets = _load_targets(state, name, body)
+
+    async def one(target: str) -> AdapterStatus | LorastreamError:
+        client = state.pool.get(target).client
+        try:
+            return await client.load_adapter(name, body.pin, state.settings.load_timeout_s)
+        except LorastreamError as exc:
+            return exc
+
+    results = await asyncio.gather(*(one(t) for t in targets))
+    failures = [r for r in results if isinstance(r, LorastreamError)]
+    if len(failures) == len(results):
+        raise api_error(failures[0], "name")
+    rows = [
+        {"worker": t, "error": api_error(r).body()["error"]} if isinstance(r, LorastreamError)
+        else {"worker": t, **status_json(r)}
+        for t, r in zip(targets, results, strict=True)
+    ]
+    return JSONResponse({"adapter": name, "workers": rows})
+
+
+@router.get("/{name:path}")
+async def describe(name: str, request: Request) -> dict[str, Any]:
+    """The adapter's manifest and its residency on every worker (asked live)."""
+    state = gateway_state(request)
+    manifest = await state.in_thread(state.store.describe, name)
+    workers = list(state.pool.workers.values())
+
+    async def adapters_of(target: str) -> list[AdapterStatus]:
+        worker = state.pool.get(target)
+        if not worker.healthy:
+            return worker.adapters
+        try:
+            return (await worker.client.list_adapters())[0]
+        except LorastreamError:
+            return worker.adapters
+
+    lists = await asyncio.gather(*(adapters_of(w.target) for w in workers))
+    rows = [residency_row(w, name, adapters) for w, adapters in zip(workers, lists, strict=True)]
+    return {"adapter": manifest_json(manifest), "workers": rows}
+
+
+@router.delete("/{name:path}")
+async def delete(name: str, request: Request) -> dict[str, Any]:
+    """Forget the adapter in the store, then unload it from every worker that holds it."""
+    state = gateway_state(request)
+    await state.in_thread(state.store.delete, name)
+    healthy = [w.target for w in state.pool.workers.values() if w.healthy]
+
+    async def unload(target: str) -> str | None:
+        """None when unloaded; "" when the worker did not hold it; else the error."""
+        try:
+            await state.pool.get(target).client.unload_adapter(name)
+        except AdapterNotFound:
+            return ""
+        except LorastreamError as exc:
+            return str(exc)
+        return None
+
+    outcome = dict(zip(healthy, await asyncio.gather(*(unload(t) for t in healthy)), strict=True))
+    return {
+        "deleted": name,
+        "unloaded": [target for target, error in outcome.items() if error is None],
+        "unload_errors": {target: error for target, error in outcome.items() if error},
+    }
+
+
+def _load_targets(state: GatewayState, name: str, body: LoadBody) -> list[str]:
+    pool = state.pool
+    if body.workers == "all":
+        targets = [w.target for w in pool.workers.values() if w.healthy]
+        if not targets:
+            raise ApiError(503, "no worker is healthy", "service_unavailable",
+                           code="no_healthy_worker")
+        return targets
+    if body.workers:
+        unknown = [t for t in body.workers if t not in pool.workers]
+        if unknown:
+            raise ApiError(400, f"unknown workers {unknown}; the gateway knows "
+                           f"{sorted(pool.workers)}", param="workers", code="invalid_value")
+        return list(dict.fromkeys(body.workers))
+    try:
+        return [state.router.choose(name, pool.views()).target]
+    except LorastreamError as exc:
+        raise api_error(exc) from exc
+
+
+def _run_preload(
+    state: GatewayState,
+    body: PreloadBody,
+    on_event: Callable[[PreloadProgress], None] | None,
+) -> AdapterManifest:
+    """Blocking: drive the store's preload stream; return the manifest of the staged adapter."""
+    manifest: AdapterManifest | None = None
+    for event in state.store.preload(body.source, body.name, pin=body.pin, force=body.force):
+        if on_event is not None:
+            on_event(event)
+        manifest = event.manifest or manifest
+    if manifest is None:
+        raise LorastreamError(f"the store ended the preload of {body.name} without a manifest")
+    log.info("preloaded %s from %s (%d bytes)", body.name, body.source, manifest.total_bytes)
+    return manifest
+
+
+async def _preload_events(state: GatewayState, body: PreloadBody) -> AsyncIterator[bytes]:
+    """SSE progress of one preload: phase events, then the adapter, then ``[DONE]``."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[PreloadProgress] = asyncio.Queue()
+
+    def push(event: PreloadProgress) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    task = asyncio.ensure_future(state.in_thread(_run_preload, state, body, push))
+    try:
+        while not task.done() or not events.empty():
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                e = getter.result()
+                yield sse({"phase": e.phase, "bytes_done": e.bytes_done,
+                           "bytes_total": e.bytes_total, "message": e.message})
+            else:
+                getter.cancel()
+        yield sse({"phase": "done", "adapter": manifest_json(task.result())})
+    except LorastreamError as exc:
+        yield sse(api_error(exc).body())
+    yield SSE_DONE

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible endpoints: completions, chat completions, models."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.catalog import adapter_model_object, base_model_object
+from gateway.client_watch import on_disconnect, unless_disconnected
+from gateway.dispatch import Generation
+from gateway.errors import ClientGone
+from gateway.http_errors import ApiError, api_error
+from gateway.openai_responses import (
+    SSE_DONE,
+    Completed,
+    ResponseBuilder,
+    sse,
+)
+from gateway.openai_schemas import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from gateway.state import gateway_state
+from lorastream.errors import AdapterNotFound, LorastreamError
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+# Sampling parameters are range-checked here before any worker sees them; the vocabulary is the
+# worker's business (stop_token_ids beyond it are refused there).
+_ANY_VOCAB = 2**31 - 1
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """Text completion of ``prompt`` with the adapter (or base model) named by ``model``."""
+    return await _generate(request, body, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """Chat completion: the worker renders ``messages`` with the model's chat template."""
+    return await _generate(request, body, chat=True)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The base model and every adapter in the store, with the adapter's metadata."""
+    state = gateway_state(request)
+    manifests, _, _ = await state.in_thread(state.store.list)
+    base = state.pool.base_model
+    data = [base_model_object(base, state.started_at)] if base else []
+    data += [adapter_model_object(m, base) for m in sorted(manifests, key=lambda m: m.name)]
+    return {"object": "list", "data": data}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+    state = gateway_state(request)
+    base = state.pool.base_model
+    if model == base:
+        return base_model_object(base, state.started_at)
+    try:
+        manifest = await state.in_thread(state.store.describe, model)
+    except AdapterNotFound as exc:
+        raise ApiError(404, f"the model {model!r} does not exist: {exc}", param="model",
+                       code="model_not_found") from exc
+    return adapter_model_object(manifest, base)
+
+
+async def _generate(
+    request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
+) -> Response:
+    state = gateway_state(request)
+    arrived_at = time.perf_counter()
+    prompt_param = "messages" if chat else "prompt"
+    builder = ResponseBuilder(body.model, chat)
+    headers = {"x-request-id": builder.id}
+    try:
+        params = body.sampling(0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+        # max_tokens 0 means "the worker's default" on the wire: check the rest.
+        dataclasses.replace(params, max_tokens=params.max_tokens or 1).validate(_ANY_VOCAB)
+        start = state.dispatcher.start(
+            body.model, body.prompt_input(), params, builder.id, arrived_at
+        )
+        if not body.stream:
+            done = await unless_disconnected(request, _collect(start))
+            return JSONResponse(builder.response(done), headers=headers)
+        generation = await unless_disconnected(request, start)
+    except LorastreamError as exc:
+        error = api_error(exc, prompt_param)
+        if error.status == 404:
+            error.param = "model"
+        raise error from exc
+    return StreamingResponse(
+        _stream(request, generation, builder, body.include_usage),
+        media_type="text/event-stream",
+        headers={**_SSE_HEADERS, **headers},
+    )
+
+
+async def _collect(start: Awaitable[Generation]) -> Completed:
+    generation = await start
+    done = Completed()
+    async for event in generation.events():
+        done.add(event)
+    return done
+
+
+async def _stream(
+    request: Request, generation: Generation, builder: ResponseBuilder, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE body: chunks as tokens arrive, then usage (if asked) and ``[DONE]``.
+
+    An error after the first token can no longer change the status code: it is sent as an
+    ``{"error": ...}`` event, which OpenAI's clients raise as an APIError.
+    """
+    done = Completed()
+    try:
+        async with on_disconnect(request, generation.cancel):
+            if builder.chat:
+                yield sse(builder.role_chunk())
+            async for event in generation.events():
+                done.add(event)
+                chunk = builder.delta_chunk(event)
+                if chunk is not None:
+                    yield sse(chunk)
+        if include_usage:
+            yield sse(builder.usage_chunk(done.prompt_tokens, done.completion_tokens))
+        yield SSE_DONE
+    except ClientGone:
+        log.info("request %s: client went away; cancelled on %s", builder.id, generation.target)
+    except LorastreamError as exc:
+        log.warning("request %s failed mid-stream on %s: %s", builder.id, generation.target, exc)
+        yield sse(api_error(exc).body())
+    finally:
+        await generation.aclose()

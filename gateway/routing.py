@@ -1,0 +1,135 @@
+"""Which worker serves a request: residency first, then rendezvous hashing with bounded load.
+
+Plain Python over plain views of the workers; the worker pool builds the views from its polls.
+
+Semantics (for a request for adapter ``m``, over the healthy workers with room)::
+
+    least = min(load of every candidate)
+    for tier in (DEVICE, HOST):                     # HOST includes "loading"
+        holders = candidates holding m at that tier
+        best = min(holders, key=(load, -hrw(m, w)))
+        if best.load <= least + spill_threshold: return best, reason=tier
+    top = argmax over candidates of hrw(m, w)       # consistent: m keeps landing on top
+    if top.load <= least + spill_threshold: return top, reason=HASH
+    return min(candidates, key=(load, -hrw(m, w))), reason=LEAST_LOADED
+
+The base model needs no residency: it goes to the least loaded worker (ties broken by hash).
+
+Example: workers A (m on device, load 3), B (m in host memory, load 0), C (load 0),
+spill_threshold 8: A wins with reason DEVICE (3 <= 0 + 8). With A at load 12 it would spill:
+B, holding m in host memory at load 0, wins with reason HOST.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+from gateway.errors import NoHealthyWorker
+from lorastream.errors import CapacityExhausted
+
+
+class Tier(IntEnum):
+    """How close an adapter is to serving on one worker; higher is closer."""
+
+    ABSENT = 0  # not on the worker, or only known by name ("remote")
+    HOST = 1  # in host memory, or being fetched into it ("loading")
+    DEVICE = 2  # in a device slot
+
+
+TIER_OF_RESIDENCY: dict[str, Tier] = {
+    "remote": Tier.ABSENT,
+    "loading": Tier.HOST,
+    "host": Tier.HOST,
+    "device": Tier.DEVICE,
+}
+
+
+class RouteReason(StrEnum):
+    """Why a worker was chosen (the label of the routing-decision counter)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    HASH = "hash"
+    LEAST_LOADED = "least-loaded"
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the router knows about one worker."""
+
+    target: str
+    healthy: bool
+    load: int  # queue depth: waiting + running requests
+    residency: Mapping[str, Tier] = field(default_factory=dict)  # adapter name -> tier
+
+    def tier(self, model: str) -> Tier:
+        return self.residency.get(model, Tier.ABSENT)
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    target: str
+    reason: RouteReason
+
+
+def hrw_score(model: str, target: str) -> int:
+    """Rendezvous (highest random weight) score of ``target`` for ``model``; stable across runs."""
+    digest = hashlib.blake2b(f"{model}\0{target}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class Router:
+    """Chooses a worker for each request; stateless apart from its two knobs."""
+
+    def __init__(self, spill_threshold: int = 8, max_load: int | None = None) -> None:
+        self.spill_threshold = spill_threshold
+        self.max_load = max_load
+
+    def choose(
+        self,
+        model: str,
+        workers: Sequence[WorkerView],
+        *,
+        base_model: bool = False,
+        exclude: Collection[str] = (),
+    ) -> RouteDecision:
+        """The worker for one request for ``model``.
+
+        Raises NoHealthyWorker when no healthy worker is left after ``exclude``, and
+        CapacityExhausted when every healthy one is at ``max_load``.
+        """
+        healthy = [w for w in workers if w.healthy and w.target not in exclude]
+        if not healthy:
+            raise NoHealthyWorker(
+                f"no healthy worker can serve {model!r} "
+                f"({len(workers)} configured, {len(exclude)} just failed); retry shortly"
+            )
+        candidates = [w for w in healthy if self.max_load is None or w.load < self.max_load]
+        if not candidates:
+            raise CapacityExhausted(
+                f"all {len(healthy)} healthy workers have {self.max_load} or more requests "
+                "queued; retry later"
+            )
+        # Highest hash first: the order every tie is broken by.
+        ordered = sorted(candidates, key=lambda w: hrw_score(model, w.target), reverse=True)
+        least = min(w.load for w in ordered)
+        bound = least + self.spill_threshold
+        if base_model:
+            return RouteDecision(_least_loaded(ordered).target, RouteReason.LEAST_LOADED)
+        for tier, reason in ((Tier.DEVICE, RouteReason.DEVICE), (Tier.HOST, RouteReason.HOST)):
+            holders = [w for w in ordered if w.tier(model) == tier]
+            if holders:
+                best = _least_loaded(holders)
+                if best.load <= bound:
+                    return RouteDecision(best.target, reason)
+        if ordered[0].load <= bound:
+            return RouteDecision(ordered[0].target, RouteReason.HASH)
+        return RouteDecision(_least_loaded(ordered).target, RouteReason.LEAST_LOADED)
+
+
+def _least_loaded(ordered: Sequence[WorkerView]) -> WorkerView:
+    """The least loaded of ``ordered``; on equal load, the earliest (the highest hash)."""
+    return min(ordered, key=lambda w: w.load)  # min keeps the first of equal keys

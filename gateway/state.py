@@ -1,0 +1,40 @@
+"""What the request handlers share: settings, metrics, the worker pool, the router, the store."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
+
+from starlette.requests import Request
+
+from gateway.config import GatewaySettings
+from gateway.dispatch import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Router
+from gateway.worker_pool import WorkerPool
+from lorastream.store_client import StoreClient
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    pool: WorkerPool
+    router: Router
+    dispatcher: Dispatcher
+    store: StoreClient  # blocking: call through :meth:`in_thread`
+    started_at: int  # unix seconds
+
+    async def in_thread(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a blocking call (the store client) off the event loop."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def gateway_state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state

@@ -1,0 +1,141 @@
+"""Asyncio client of one GPU worker (``grpc.aio``); raises domain errors, speaks plain types.
+
+The gateway's counterpart of ``lorastream.worker_client.WorkerClient``: the same calls, but
+awaitable, so a generation holds no thread and cancelling it (client gone, deadline) cancels the
+RPC at once. Protobuf messages are built and read only here and in ``lorastream.codec``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.errors import UpstreamTimeout, WorkerFailed
+from lorastream import codec
+from lorastream.errors import LorastreamError
+from lorastream.generation import (
+    AdapterStatus,
+    GenerationEvent,
+    PromptInput,
+    SamplingParams,
+    WorkerStats,
+)
+from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
+from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from lorastream.grpc_status import raise_from_rpc_error
+
+# A restarted worker is found within ~1 s: gRPC's default reconnect backoff grows to 120 s.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def raise_domain_error(err: grpc.RpcError, target: str) -> NoReturn:
+    """Re-raise a worker's RpcError as a domain error (or WorkerFailed / UpstreamTimeout)."""
+    code = err.code() if hasattr(err, "code") else None
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        raise UpstreamTimeout(f"worker {target} did not answer in time: {err.details()}") from err
+    try:
+        raise_from_rpc_error(err)
+    except LorastreamError:
+        raise
+    except grpc.RpcError:
+        pass
+    name = code.name if code is not None else "UNKNOWN"
+    details = err.details() if hasattr(err, "details") else str(err)
+    raise WorkerFailed(f"worker {target} failed ({name}): {details}") from err
+
+
+class GenerationCall:
+    """One running Generate RPC: iterate for events; ``cancel()`` cancels it on the worker."""
+
+    def __init__(self, call: Any, target: str) -> None:
+        self._call = call
+        self._target = target
+        self.cancelled_locally = False
+
+    def cancel(self) -> None:
+        self.cancelled_locally = True
+        self._call.cancel()
+
+    async def events(self) -> AsyncGenerator[GenerationEvent, None]:
+        """The worker's events; ends quietly when cancelled through :meth:`cancel`."""
+        try:
+            async for msg in self._call:
+                yield codec.event_from_pb(msg)
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError on a call cancelled locally: that ends the stream;
+            # a cancellation of the task itself goes on.
+            task = asyncio.current_task()
+            if self.cancelled_locally and not (task is not None and task.cancelling()):
+                return
+            raise
+        except grpc.RpcError as err:
+            if self.cancelled_locally:
+                return
+            raise_domain_error(err, self._target)
+        finally:
+            self._call.cancel()  # no-op once finished; cancels the worker request otherwise
+
+
+class AsyncWorkerClient:
+    """Asyncio client of ``GpuWorkerService`` and of the worker's gRPC health service."""
+
+    def __init__(self, target: str, rpc_timeout_s: float = 10.0) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GpuWorkerServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._timeout = rpc_timeout_s
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def generate(
+        self,
+        model: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> GenerationCall:
+        request = codec.generate_request_to_pb(model, prompt, params, request_id)
+        return GenerationCall(self._stub.Generate(request, timeout=timeout), self.target)
+
+    async def healthy(self, timeout: float) -> bool:
+        """True when the worker answers SERVING on gRPC health within ``timeout``."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def list_adapters(self) -> tuple[list[AdapterStatus], str]:
+        """Adapters on the worker, and its base model's served name."""
+        reply = await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
+        return [codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
+
+    async def stats(self) -> WorkerStats:
+        return codec.stats_from_pb(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    async def load_adapter(self, name: str, pin: bool, timeout: float) -> AdapterStatus:
+        request = pb.LoadAdapterRequest(name=name, pin=pin)
+        reply = await self._call(self._stub.LoadAdapter, request, timeout)
+        return codec.adapter_status_from_pb(reply.adapter)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return await method(request, timeout=timeout or self._timeout)
+        except grpc.RpcError as err:
+            raise_domain_error(err, self.target)

@@ -1,0 +1,213 @@
+"""The gateway's picture of its workers: health, resident adapters, load; refreshed by polling.
+
+Every ``poll_interval_s`` each worker gets a gRPC health check and, when healthy, a
+``ListAdapters`` and a ``GetStats``. Between polls the pool adds what it did itself: requests in
+flight per worker, and "recently routed here" hints (an adapter just sent to a worker is treated
+as loading there until a poll shows where it really is, or the hint expires).
+
+With a resolver (``gateway.discovery``) the set of workers follows DNS: every
+``resolve_interval_s`` the configured names are resolved again; new addresses join, vanished ones
+retire (they take no new requests and are closed once their requests in flight have finished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from gateway.discovery import TargetResolver
+from gateway.metrics import GatewayMetrics
+from gateway.routing import TIER_OF_RESIDENCY, Tier, WorkerView
+from gateway.worker_channel import AsyncWorkerClient
+from lorastream.generation import AdapterStatus, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    """One worker as last seen."""
+
+    client: AsyncWorkerClient
+    healthy: bool = False
+    base_model: str | None = None
+    adapters: list[AdapterStatus] = field(default_factory=list)
+    stats: WorkerStats | None = None
+    polled_load: int = 0  # waiting + running at the last poll
+    inflight: int = 0  # requests this gateway has open on the worker now
+    hints: dict[str, float] = field(default_factory=dict)  # adapter -> monotonic routing time
+    last_poll: float = 0.0  # monotonic time of the last successful poll
+
+    @property
+    def target(self) -> str:
+        return self.client.target
+
+    @property
+    def load(self) -> int:
+        """Queue depth as routing sees it: the poll's, or more if this gateway sent more since."""
+        return max(self.polled_load, self.inflight)
+
+    def view(self, now: float, hint_ttl_s: float) -> WorkerView:
+        residency = {a.name: TIER_OF_RESIDENCY.get(a.residency, Tier.ABSENT) for a in self.adapters}
+        for name, routed_at in list(self.hints.items()):
+            if now - routed_at > hint_ttl_s:
+                del self.hints[name]
+            elif residency.get(name, Tier.ABSENT) < Tier.HOST:
+                residency[name] = Tier.HOST
+        return WorkerView(self.target, self.healthy, self.load, residency)
+
+
+class WorkerPool:
+    """The workers: ``targets`` as given, or (with ``resolver``) what it resolves them to, from
+    the first :meth:`refresh_targets` on."""
+
+    def __init__(
+        self,
+        targets: list[str],
+        metrics: GatewayMetrics,
+        *,
+        rpc_timeout_s: float = 10.0,
+        health_timeout_s: float = 1.0,
+        hint_ttl_s: float = 3.0,
+        resolver: TargetResolver | None = None,
+        resolve_interval_s: float = 5.0,
+    ) -> None:
+        self.workers: dict[str, WorkerState] = {}
+        self._retiring: dict[str, WorkerState] = {}
+        self._metrics = metrics
+        self._rpc_timeout_s = rpc_timeout_s
+        self._health_timeout_s = health_timeout_s
+        self._hint_ttl_s = hint_ttl_s
+        self._resolver = resolver
+        self._resolve_interval_s = resolve_interval_s
+        self._resolved_at = float("-inf")
+        if resolver is None:
+            self.sync(targets)
+
+    # -- what the router and the API read ---------------------------------------------------
+    def views(self) -> list[WorkerView]:
+        now = time.monotonic()
+        return [w.view(now, self._hint_ttl_s) for w in self.workers.values()]
+
+    def get(self, target: str) -> WorkerState:
+        return self.workers.get(target) or self._retiring[target]
+
+    @property
+    def healthy_count(self) -> int:
+        return sum(w.healthy for w in self.workers.values())
+
+    @property
+    def base_model(self) -> str | None:
+        """The base model's served name (from the healthy workers, else the last ones seen)."""
+        ordered = sorted(self.workers.values(), key=lambda w: not w.healthy)
+        return next((w.base_model for w in ordered if w.base_model), None)
+
+    # -- what the dispatcher reports -------------------------------------------------------
+    def acquire(self, target: str, adapter: str | None) -> None:
+        """A request (for ``adapter``, None for the base model) was routed to ``target``."""
+        worker = self.workers[target]
+        worker.inflight += 1
+        if adapter is not None:
+            worker.hints[adapter] = time.monotonic()
+        self._metrics.worker_queue.labels(target).set(worker.load)
+
+    def release(self, target: str) -> None:
+        worker = self.get(target)
+        worker.inflight = max(0, worker.inflight - 1)
+        if target in self.workers:
+            self._metrics.worker_queue.labels(target).set(worker.load)
+
+    async def confirm_down(self, target: str) -> bool:
+        """Health-check ``target`` now; mark it unhealthy and return True when it fails."""
+        worker = self.get(target)
+        if await worker.client.healthy(self._health_timeout_s):
+            return False
+        self._set_health(worker, False)
+        return True
+
+    # -- membership -------------------------------------------------------------------------
+    def sync(self, targets: list[str]) -> None:
+        """Make ``targets`` the workers: add new ones, retire the others."""
+        for target in targets:
+            if target in self.workers:
+                continue
+            worker = self._retiring.pop(target, None)
+            if worker is None:
+                worker = WorkerState(AsyncWorkerClient(target, self._rpc_timeout_s))
+                self._metrics.worker_healthy.labels(target).set(0)
+            log.info("worker %s joined", target)
+            self.workers[target] = worker
+        for target in [t for t in self.workers if t not in targets]:
+            log.info("worker %s left; retiring it once its requests finish", target)
+            self._retiring[target] = self.workers.pop(target)
+            for gauge in (self._metrics.worker_healthy, self._metrics.worker_queue):
+                with contextlib.suppress(KeyError):  # a worker never polled has no sample
+                    gauge.remove(target)
+
+    async def refresh_targets(self) -> None:
+        """Resolve the configured names again (with a resolver) and sync the workers."""
+        if self._resolver is not None:
+            self._resolved_at = time.monotonic()
+            self.sync(await self._resolver.resolve())
+
+    async def _close_retired(self) -> None:
+        for target, worker in list(self._retiring.items()):
+            if worker.inflight == 0:
+                del self._retiring[target]
+                await worker.client.close()
+
+    # -- polling ----------------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
+        bases = {w.base_model for w in self.workers.values() if w.healthy and w.base_model}
+        if len(bases) > 1:
+            log.warning("workers serve different base models %s; route by adapter only", bases)
+
+    async def run(self, interval_s: float) -> None:
+        """Poll forever (until cancelled)."""
+        while True:
+            started = time.monotonic()
+            try:
+                if started - self._resolved_at >= self._resolve_interval_s:
+                    await self.refresh_targets()
+                await self.poll_once()
+                await self._close_retired()
+            except Exception:  # noqa: BLE001 - a poll bug must not stop health checking
+                log.exception("worker poll failed")
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    async def close(self) -> None:
+        workers = [*self.workers.values(), *self._retiring.values()]
+        await asyncio.gather(*(w.client.close() for w in workers))
+
+    async def _poll(self, worker: WorkerState) -> None:
+        client = worker.client
+        if not await client.healthy(self._health_timeout_s):
+            self._set_health(worker, False)
+            return
+        try:
+            (adapters, base_model), stats = await asyncio.gather(
+                client.list_adapters(), client.stats()
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure means "not serving right now"
+            log.warning("worker %s passed its health check but failed a poll: %s",
+                        worker.target, exc)
+            self._set_health(worker, False)
+            return
+        worker.adapters, worker.base_model, worker.stats = adapters, base_model, stats
+        worker.polled_load = stats.waiting_requests + stats.running_requests
+        worker.last_poll = time.monotonic()
+        self._set_health(worker, True)
+        self._metrics.worker_queue.labels(worker.target).set(worker.load)
+
+    def _set_health(self, worker: WorkerState, healthy: bool) -> None:
+        if worker.healthy != healthy:
+            if healthy:
+                log.info("worker %s is healthy", worker.target)
+            else:
+                log.warning("worker %s is unhealthy; routing around it", worker.target)
+        worker.healthy = healthy
+        self._metrics.worker_healthy.labels(worker.target).set(1 if healthy else 0)
