@@ -54,6 +54,9 @@ def serve(
         help="on: load adapters while the batch keeps decoding; off: load synchronously before "
         "the step (for comparison) [default: on].",
     ),
+    loader_nice: int | None = typer.Option(
+        None, help="Nice increment of adapter loader threads; decoding keeps priority [10]."
+    ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."
     ),
@@ -86,7 +89,7 @@ def serve(
         ),
         "lora_backend": lora_backend, "device": device, "dtype": dtype,
         "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
-        "prefetch_depth": prefetch_depth,
+        "prefetch_depth": prefetch_depth, "loader_nice": loader_nice,
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

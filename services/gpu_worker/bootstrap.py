@@ -67,7 +67,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     config = LlamaConfig.from_dir(checkpoint, name=settings.base_model_name)
     model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    device = Device(torch_device)
+    device = Device(torch_device, loader_nice=settings.loader_nice)
     kv = KVCache(
         config.num_layers, config.num_kv_heads, config.head_dim,
         settings.kv_cache_bytes, dtype, torch_device,

@@ -73,6 +73,13 @@ class WorkerSettings(BaseSettings):
         4 << 30, gt=0, description="Host-memory budget for adapters (LRU over unused ones)."
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
+    loader_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Nice increment of the adapter loader threads (store fetch, CPU copies): "
+        "on a CPU they share cores with decoding, which keeps priority; 0 disables.",
+    )
     prefetch_depth: int = Field(
         8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
     )

@@ -14,11 +14,16 @@ On the CPU (every machine here):
   * an :class:`Event` is a host-side completion flag with the same ``query``/``wait`` calls.
 
 A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.
+
+On the CPU the loader threads compete with the step's matmul threads for the same cores (on a GPU
+they would not: copies are DMA). :func:`lower_thread_priority` gives them a higher ``nice``, the
+CPU counterpart of a low-priority CUDA stream: decoding keeps the cores, loads use the gaps.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +33,17 @@ from dataclasses import dataclass, field
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: per thread); no-op elsewhere."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except OSError:  # not permitted here: run at normal priority
+        log.debug("could not lower the priority of %s", threading.current_thread().name)
 
 
 class Event:
@@ -96,8 +112,9 @@ class LoadStream:
     of DESIGN.md is kept: a slot is overwritten only after the last step that read it finished.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, loader_nice: int = 0) -> None:
         self.device = device
+        self.loader_nice = loader_nice
         self.copy_delay_s = 0.0  # test hook: sleep this long before every copy job
         self._cuda = device.type == "cuda"
         if self._cuda:  # pragma: no cover - needs a GPU
@@ -121,6 +138,7 @@ class LoadStream:
         return job.done
 
     def _run(self) -> None:
+        lower_thread_priority(self.loader_nice)
         while (job := self._jobs.get()) is not None:
             try:
                 if job.after is not None:
@@ -142,10 +160,11 @@ class LoadStream:
 class Device:
     """Buffers, streams and events for one device."""
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", loader_nice: int = 0) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
-        self.load_stream = LoadStream(self.device)
+        self.loader_nice = loader_nice  # nice increment of loader threads (fetch, CPU copies)
+        self.load_stream = LoadStream(self.device, loader_nice)
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""

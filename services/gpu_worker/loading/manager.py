@@ -36,7 +36,7 @@ from lorastream.errors import (
 )
 from lorastream.manifest import AdapterManifest
 from services.gpu_worker.cost_model import AdmissionCostModel
-from services.gpu_worker.device import COMPLETED, Device, Event
+from services.gpu_worker.device import COMPLETED, Device, Event, lower_thread_priority
 from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
 from services.gpu_worker.loading.fetcher import AdapterFetcher
 from services.gpu_worker.loading.host_buffer import HostAdapterBuffer, host_nbytes
@@ -107,7 +107,12 @@ class AdapterManager:
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
         self._names: dict[str, str] = {}  # name -> adapter_id
         self._slot_read: list[Event] = [COMPLETED] * slots.num_slots  # rule 2
-        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="adapter-fetch")
+        self._pool = ThreadPoolExecutor(
+            fetch_threads,
+            thread_name_prefix="adapter-fetch",
+            initializer=lower_thread_priority,
+            initargs=(device.loader_nice,),
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
