@@ -1,13 +1,14 @@
 # lorastream — one Makefile for a fresh machine with only Python 3.11.
 #   make up     create the venv, install pinned dependencies, start the stack
 #   make test   run the test suite (what CI runs)
+#   make bench  run every benchmark and regenerate docs/BENCHMARKS.md
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-slow protos bench clean
+.PHONY: install up test test-slow protos bench bench-report clean
 
 install: $(STAMP)
 
@@ -34,8 +35,21 @@ test-slow: install
 protos: install
 	$(PY) scripts/gen_protos.py
 
+# Every benchmark into docs/benchmarks/results/, then the page docs/BENCHMARKS.md from them
+# (< 15 min on 2 cores). bench-report only regenerates the page and plots from those results.
+BENCH_RESULTS ?= docs/benchmarks/results
+LORASTREAM := $(VENV)/bin/lorastream
+
 bench: install
-	$(VENV)/bin/lorastream bench transfer
+	mkdir -p $(BENCH_RESULTS)
+	$(LORASTREAM) bench transfer --chunk-sizes 64K,256K,1M,4M --output $(BENCH_RESULTS)/transfer.json
+	$(LORASTREAM) bench engine --repeats 2 --output $(BENCH_RESULTS)/engine.json
+	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
+	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
+	$(MAKE) bench-report
+
+bench-report: install
+	$(LORASTREAM) bench report --results $(BENCH_RESULTS) --out docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

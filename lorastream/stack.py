@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import httpx
@@ -37,6 +38,33 @@ class StackConfig:
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0  # the first start converts the default model (~35 s)
     token: str | None = None  # operator bearer token of the store and the gateway
+
+
+# Trained on the default model by scripts/train_sample_adapters.py (see samples/README.md).
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples" / "adapters"
+SAMPLE_ADAPTERS = {
+    "shout": "answers in UPPER CASE",
+    "french": "answers in French",
+}
+SAMPLE_QUESTION = "What is the capital of Italy?"  # held out from both training sets
+
+
+def sample_adapters() -> dict[str, str]:
+    """name -> local path of the sample adapters shipped with lorastream."""
+    return {name: str(SAMPLES_DIR / name) for name in SAMPLE_ADAPTERS}
+
+
+def stack_adapters(model: str, specs: list[str], samples: bool) -> dict[str, str]:
+    """The adapters `lorastream up` registers: the ``--adapter`` specs; with none, on the
+    default model, the sample adapters (they were trained for it and fit no other base)."""
+    if specs:
+        return parse_adapter_specs(specs)
+    if samples and model == "default":
+        return sample_adapters()
+    if samples:
+        log.info("no sample adapters for --model %s (they are trained for the default model)",
+                 model)
+    return {}
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
@@ -169,15 +197,29 @@ class Stack:
 def examples(stack: Stack, model: str) -> str:
     worker = stack.workers[0]
     adapter = next(iter(stack.config.adapters), model)
+    samples = [name for name in stack.config.adapters if name in SAMPLE_ADAPTERS
+               and stack.config.adapters[name] == sample_adapters()[name]]
+    question = SAMPLE_QUESTION if samples else "Hello!"
     api = f"{stack.gateway}/v1"
     lines = [
         f"lorastream is up: gateway {stack.gateway}, store {stack.store}, "
         f"workers {', '.join(stack.workers)}.",
+    ]
+    if samples:
+        lines.append("Sample adapters registered: " + "; ".join(
+            f"{name} ({SAMPLE_ADAPTERS[name]})" for name in samples
+        ) + f". Ask the same question with model = {', '.join(samples)} or {model}:")
+    lines += [
         "Try the OpenAI API (model = an adapter name, or the base model):",
         f"  curl {api}/models",
-        f"  curl {api}/chat/completions -H 'Content-Type: application/json' -d "
-        f"'{{\"model\": \"{adapter}\", \"messages\": [{{\"role\": \"user\", "
-        f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+    ]
+    for name in samples or [adapter]:
+        lines.append(
+            f"  curl {api}/chat/completions -H 'Content-Type: application/json' -d "
+            f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+            f"\"content\": \"{question}\"}}], \"max_tokens\": 32}}'"
+        )
+    lines += [
         f"  curl -N {api}/completions -H 'Content-Type: application/json' -d "
         f"'{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", "
         f"\"max_tokens\": 16, \"stream\": true}}'",
@@ -186,16 +228,15 @@ def examples(stack: Stack, model: str) -> str:
         "from openai import OpenAI",
         f"client = OpenAI(base_url=\"{api}\", api_key=\"unused\")",
         f"reply = client.chat.completions.create(model=\"{adapter}\", max_tokens=32,",
-        "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])",
+        f"    messages=[{{\"role\": \"user\", \"content\": \"{question}\"}}])",
         "print(reply.choices[0].message.content)",
         "EOF",
         "Or a worker directly:",
-        f"  lorastream complete --worker {worker} --model {model} --chat "
-        "--prompt 'What is the capital of France?'",
+        f"  lorastream complete --worker {worker} --model {model} --chat --prompt '{question}'",
     ]
     for name in stack.config.adapters:
         lines.append(
-            f"  lorastream complete --worker {worker} --model {name} --chat --prompt 'Hello!'"
+            f"  lorastream complete --worker {worker} --model {name} --chat --prompt '{question}'"
         )
     lines += [
         "Operators (add -H 'Authorization: Bearer <token>' when LORASTREAM_TOKEN is set):",

@@ -19,7 +19,10 @@ from typer.testing import CliRunner
 
 from lorastream.cli.main import app
 from lorastream.errors import InvalidArgument
-from lorastream.stack import parse_adapter_specs
+import lorastream
+from lorastream.stack import (
+    SAMPLE_QUESTION, Stack, StackConfig, examples, parse_adapter_specs, stack_adapters,
+)
 from tests.support.models import make_peft_adapter, make_tiny_checkpoint
 
 
@@ -91,3 +94,26 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
 def test_malformed_adapter_specs_are_refused(spec: str) -> None:
     with pytest.raises(InvalidArgument, match="NAME=URI"):
         parse_adapter_specs([spec])
+
+
+def test_with_no_adapters_the_default_model_gets_the_sample_adapters_and_no_other_model() -> None:
+    samples = stack_adapters("default", [], samples=True)
+    assert set(samples) == {"shout", "french"}
+    for path in samples.values():  # shipped inside the package, so `pip install` has them
+        assert (Path(path) / "adapter_model.safetensors").is_file()
+        assert Path(path).is_relative_to(Path(lorastream.__file__).parent)
+    assert stack_adapters("default", [], samples=False) == {}
+    assert stack_adapters("/models/other-llama", [], samples=True) == {}
+    assert stack_adapters("default", ["demo=s3://b/demo"], samples=True) == {
+        "demo": "s3://b/demo"
+    }
+
+
+def test_the_examples_show_each_sample_adapter_on_the_same_question() -> None:
+    stack = Stack(StackConfig(adapters=stack_adapters("default", [], samples=True)))
+    text = examples(stack, "default")
+    assert "shout (answers in UPPER CASE)" in text and "french (answers in French)" in text
+    for name in ("shout", "french", "default"):
+        assert f"--model {name} --chat --prompt '{SAMPLE_QUESTION}'" in text
+    assert text.count(f'"model": "shout", "messages": [{{"role": "user", "content": '
+                      f'"{SAMPLE_QUESTION}"') == 1

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from lorastream.bench.synthetic import SMOLLM2_135M, checkpoint_shape, make_synthetic_adapter
+from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, adapter_nbytes, checkpoint_shape
+from lorastream.bench.synthetic import make_synthetic_adapter
 from lorastream.generation import PromptInput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -116,8 +118,13 @@ def run_engine_bench(
             if include_peft
             else None
         )
+    machine = machine_info()  # after the runs: its bandwidth probe must not disturb them
+    # Every decode step reads the weights of each distinct adapter in the batch once.
+    distinct = min(adapters, prompts)
+    step_bytes = distinct * adapter_nbytes(shape, rank, ALL_LINEAR)
     result: dict[str, object] = {
         "benchmark": "engine",
+        "command": command_line(),
         "model": model,
         "adapters": adapters,
         "rank": rank,
@@ -129,6 +136,9 @@ def run_engine_bench(
         "engine_base_only_decode_tok_s": round(base, 1),
         "multi_vs_base": round(multi / base, 3),
         "goal_multi_vs_base": ">= 0.85",
+        "distinct_adapters_per_step": distinct,
+        "adapter_bytes_per_step_mb": round(step_bytes / 1e6, 1),
+        "memory_bandwidth_gbs": machine.get("memory_bandwidth_gbs"),
     }
     if peft is not None:
         result |= {
@@ -136,6 +146,7 @@ def run_engine_bench(
             "multi_vs_peft": round(multi / peft, 2),
             "goal_multi_vs_peft": ">= 2.5",
         }
+    result["machine"] = machine
     return result
 
 

@@ -39,7 +39,8 @@ class BaseShape:
 
 # SmolLM2-135M-Instruct, the embedded default model.
 SMOLLM2_135M = BaseShape(576, 1536, 30, 9, 3, 64)
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 
 
 def adapter_nbytes(shape: BaseShape, rank: int, targets: tuple[str, ...], itemsize: int = 4) -> int:
@@ -92,18 +93,23 @@ def make_synthetic_adapter(
     return out_dir
 
 
-def checkpoint_shape(model: str) -> BaseShape:
-    """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
+def resolve_model_checkpoint(model: str) -> Path:
+    """The local checkpoint directory of a worker ``--model`` (resolved as the worker does)."""
     from services.gpu_worker.config import WorkerSettings
     from services.gpu_worker.model.checkpoint import resolve_checkpoint
-    from services.gpu_worker.model.config import LlamaConfig
 
     settings = WorkerSettings(model=model)
-    checkpoint = resolve_checkpoint(
+    return resolve_checkpoint(
         model, cache_dir=settings.model_cache_dir, hf_endpoint=settings.hf_endpoint,
         hf_token=settings.hf_token,
     )
-    c = LlamaConfig.from_dir(checkpoint)
+
+
+def checkpoint_shape(model: str) -> BaseShape:
+    """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
+    from services.gpu_worker.model.config import LlamaConfig
+
+    c = LlamaConfig.from_dir(resolve_model_checkpoint(model))
     return BaseShape(
         c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
     )

@@ -1,9 +1,11 @@
-"""Store streaming rate against a bare gRPC stream of the same bytes, on loopback.
+"""Store streaming rate against a bare gRPC stream of the same bytes, on loopback, for one or
+more chunk sizes.
 
 Both servers run in their own processes (as in deployment), and so does each measured client: a
 client's heap would otherwise carry one run's allocations into the next (a 96 MB landing buffer
 freed and trimmed makes the following run page-fault on every message). The parent drives the
-clients round by round (bare, store, verified, bare, ...) so that drift hits all alike.
+clients round by round (bare, store, verified, bare, ...) so that drift hits all alike. Every
+chunk size gets one unmeasured warm-up round, then ``repeats`` measured rounds.
 
 - bare: a server streaming pre-cut raw ``bytes`` chunks from memory with identity serializers,
   to a client that only counts them: the fastest gRPC can move these bytes.
@@ -15,32 +17,71 @@ clients round by round (bare, store, verified, bare, ...) so that drift hits all
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
+import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import grpc
 
-from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, adapter_nbytes
-from lorastream.bench.synthetic import make_synthetic_adapter
+from lorastream.bench.machine import command_line, machine_info
 from lorastream.store_client import GRPC_OPTIONS, BytesSink, StoreClient
 
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 CLIENTS = ("bare", "store", "verified")
+HEADLINE_CHUNK_BYTES = 1 << 20  # the point whose figures are also reported at top level
+MAX_CHUNK_BYTES = 8 << 20  # the store's limit per message
+_SIZE = re.compile(r"(\d+)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def _run_bare_server(payload_bytes: int, chunk_bytes: int, ports: "mp.Queue[int]") -> None:
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536, ``"1M"`` -> 1048576, ``"1048576"`` -> 1048576 (binary units)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None or int(match.group(1)) == 0:
+        raise ValueError(
+            f"invalid size {text!r}: use a positive number of bytes, optionally with K, M or G "
+            "(binary units), e.g. 64K, 1M, 1048576"
+        )
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of sizes, e.g. ``"64K,256K,1M,4M"``."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"invalid size list {text!r}: give sizes separated by commas, e.g. 64K,1M")
+    return [parse_size(p) for p in parts]
+
+
+def checked_chunk_sizes(sizes: Sequence[int]) -> list[int]:
+    """``sizes`` sorted without duplicates; ValueError if one is beyond what the store sends."""
+    for size in sizes:
+        if not 0 < size <= MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"chunk size {size} is out of range: the store sends chunks of 1 byte to "
+                f"{MAX_CHUNK_BYTES >> 20} MiB"
+            )
+    return sorted(set(sizes))
+
+
+def _run_bare_server(payload_bytes: int, ports: "mp.Queue[int]") -> None:
     from concurrent import futures
 
     payload = bytes(payload_bytes)
-    chunks = [payload[i : i + chunk_bytes] for i in range(0, payload_bytes, chunk_bytes)]
+    cut: dict[int, list[bytes]] = {}  # chunk size -> chunks; only the size in use is kept
 
     def stream(request: bytes, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
-        yield from chunks
+        size = int(request)
+        if size not in cut:
+            cut.clear()
+            cut[size] = [payload[i : i + size] for i in range(0, payload_bytes, size)]
+        yield from cut[size]
 
     handler = grpc.method_handlers_generic_handler(
         "lorastream.bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
@@ -51,37 +92,37 @@ def _run_bare_server(payload_bytes: int, chunk_bytes: int, ports: "mp.Queue[int]
     server.wait_for_termination()
 
 
-def _run_store_server(cache_dir: str, chunk_bytes: int, ports: "mp.Queue[int]") -> None:
+def _run_store_server(cache_dir: str, ports: "mp.Queue[int]") -> None:
     from services.adapter_store.config import StoreSettings
     from services.adapter_store.server import create_server
 
-    settings = StoreSettings(port=0, cache_dir=Path(cache_dir), chunk_bytes=chunk_bytes)
+    settings = StoreSettings(port=0, cache_dir=Path(cache_dir))
     server, port, _ = create_server(settings)
     server.start()
     ports.put(port)
     server.wait_for_termination()
 
 
-def _run_client(kind: str, target: str, chunk_bytes: int, conn: Connection) -> None:
-    """A measuring client: on each message from ``conn``, stream once and send back bytes/s."""
+def _run_client(kind: str, target: str, conn: Connection) -> None:
+    """A measuring client: on each chunk size from ``conn``, stream once and send back bytes/s;
+    a size of 0 ends it."""
     if kind == "bare":
         channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
         call = channel.unary_stream(_BARE_METHOD)
 
-        def run() -> int:
-            return sum(len(chunk) for chunk in call(b""))
+        def run(chunk_bytes: int) -> int:
+            return sum(len(chunk) for chunk in call(str(chunk_bytes).encode()))
     else:
         client = StoreClient(target)
 
-        def run() -> int:
+        def run(chunk_bytes: int) -> int:
             if kind == "store":
                 return sum(len(c.data) for c in client.iter_chunks("bench", chunk_bytes=chunk_bytes))
             return client.stream_tensors("bench", BytesSink(), chunk_bytes=chunk_bytes).total_bytes
 
-    run()  # warm-up: connection, first allocations
-    while conn.recv():
+    while chunk_bytes := conn.recv():
         start = time.perf_counter()
-        nbytes = run()
+        nbytes = run(chunk_bytes)
         conn.send(nbytes / (time.perf_counter() - start))
 
 
@@ -93,61 +134,99 @@ def _start(target: Callable[..., None], *args: object) -> tuple[mp.process.BaseP
     return proc, ports.get(timeout=60)
 
 
-def run_transfer_bench(
-    adapter_mb: int = 96, chunk_bytes: int = 1 << 20, repeats: int = 15
-) -> dict[str, object]:
-    """Stage a synthetic adapter of about ``adapter_mb`` MB and compare the streams."""
+def _measure(
+    adapter_mb: float, chunk_sizes: Sequence[int], repeats: int
+) -> tuple[int, int, dict[int, dict[str, list[float]]]]:
+    """(adapter bytes, rank, chunk size -> client -> bytes/s of each measured round)."""
+    # Imported here: synthetic imports torch, which the spawned servers and clients do not need.
+    from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, adapter_nbytes
+    from lorastream.bench.synthetic import make_synthetic_adapter
+
     rank = max(1, round(adapter_mb * 1e6 / adapter_nbytes(SMOLLM2_135M, 1, ALL_LINEAR)))
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
-    rates: dict[str, list[float]] = {kind: [] for kind in CLIENTS}
+    rates = {size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
     with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:
         adapter_dir = make_synthetic_adapter(Path(tmp) / "adapter", rank=rank)
         try:
-            store_proc, store_port = _start(_run_store_server, str(Path(tmp) / "cache"), chunk_bytes)
+            store_proc, store_port = _start(_run_store_server, str(Path(tmp) / "cache"))
             procs.append(store_proc)
             with StoreClient(f"127.0.0.1:{store_port}") as client:
                 for _event in client.preload(str(adapter_dir), "bench"):
                     pass
                 total = client.describe("bench").total_bytes
-            bare_proc, bare_port = _start(_run_bare_server, total, chunk_bytes)
+            bare_proc, bare_port = _start(_run_bare_server, total)
             procs.append(bare_proc)
             conns: dict[str, Connection] = {}
             for kind in CLIENTS:
                 port = bare_port if kind == "bare" else store_port
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
-                    target=_run_client,
-                    args=(kind, f"127.0.0.1:{port}", chunk_bytes, child),
-                    daemon=True,
+                    target=_run_client, args=(kind, f"127.0.0.1:{port}", child), daemon=True
                 )
                 proc.start()
                 procs.append(proc)
                 conns[kind] = parent
-            for _ in range(repeats):
-                for kind, conn in conns.items():
-                    conn.send(True)
-                    rates[kind].append(conn.recv())
+            for size in chunk_sizes:
+                for round_ in range(repeats + 1):  # round 0 warms up this chunk size
+                    for kind, conn in conns.items():
+                        conn.send(size)
+                        rate = conn.recv()
+                        if round_:
+                            rates[size][kind].append(rate)
             for conn in conns.values():
-                conn.send(False)
+                conn.send(0)
         finally:
             for proc in procs:
                 proc.kill()
+    return total, rank, rates
+
+
+def _point(chunk_bytes: int, rates: dict[str, list[float]]) -> dict[str, float]:
     median = statistics.median
-    ratios = [s / b for s, b in zip(rates["store"], rates["bare"], strict=True)]
+    # Ratios are medians over rounds of (rate / bare rate of the same round).
+    store = [s / b for s, b in zip(rates["store"], rates["bare"], strict=True)]
     verified = [v / b for v, b in zip(rates["verified"], rates["bare"], strict=True)]
     return {
+        "chunk_bytes": chunk_bytes,
+        "bare_mb_s": round(median(rates["bare"]) / 1e6, 1),
+        "store_mb_s": round(median(rates["store"]) / 1e6, 1),
+        "verified_mb_s": round(median(rates["verified"]) / 1e6, 1),
+        "store_vs_bare": round(median(store), 3),
+        "verified_vs_bare": round(median(verified), 3),
+    }
+
+
+def run_transfer_bench(
+    adapter_mb: float = 96,
+    chunk_bytes: int = HEADLINE_CHUNK_BYTES,
+    repeats: int = 15,
+    chunk_sizes: Sequence[int] | None = None,
+) -> dict[str, object]:
+    """Stage a synthetic adapter of about ``adapter_mb`` MB and compare the streams at
+    ``chunk_sizes`` (default: ``chunk_bytes`` alone).
+
+    The top-level figures are those of the 1 MiB point when swept, else of the size nearest it."""
+    sizes = checked_chunk_sizes(chunk_sizes or [chunk_bytes])
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    total, rank, rates = _measure(adapter_mb, sizes, repeats)
+    points = [_point(size, rates[size]) for size in sizes]
+    head = min(points, key=lambda p: abs(math.log2(p["chunk_bytes"] / HEADLINE_CHUNK_BYTES)))
+    return {
         "benchmark": "transfer",
+        "command": command_line(),
         "adapter_bytes": total,
         "adapter_rank": rank,
-        "chunk_bytes": chunk_bytes,
+        "chunk_bytes": head["chunk_bytes"],
         "repeats": repeats,
-        "bare_grpc_MBps": round(median(rates["bare"]) / 1e6, 1),
-        "store_stream_MBps": round(median(rates["store"]) / 1e6, 1),
-        "store_verified_MBps": round(median(rates["verified"]) / 1e6, 1),
-        # Median over rounds of (store rate / bare rate of the same round).
-        "store_vs_bare": round(median(ratios), 3),
-        "store_verified_vs_bare": round(median(verified), 3),
+        "bare_grpc_MBps": head["bare_mb_s"],
+        "store_stream_MBps": head["store_mb_s"],
+        "store_verified_MBps": head["verified_mb_s"],
+        "store_vs_bare": head["store_vs_bare"],
+        "store_verified_vs_bare": head["verified_vs_bare"],
         "goal": "store_vs_bare >= 0.8",
-        "goal_met": median(ratios) >= 0.8,
+        "goal_met": head["store_vs_bare"] >= 0.8,
+        "points": points,
+        "machine": machine_info(),
     }

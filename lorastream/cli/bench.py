@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
 import typer
 
@@ -14,22 +16,53 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
+OUTPUT_OPTION = typer.Option(
+    None, "--output", help="Also write the result JSON to this file (directories are created)."
+)
+
+
+def _print_result(result: dict[str, object], output: Path | None) -> None:
+    """Print the result JSON; with ``--output``, also write it to that file."""
+    text = json.dumps(result)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    out.print_json(text)
+
 
 @app.command("transfer")
 def transfer(
     adapter_mb: int = typer.Option(96, help="Size of the synthetic adapter streamed (MB)."),
-    chunk_bytes: int = typer.Option(1 << 20, help="Stream chunk size in bytes."),
-    repeats: int = typer.Option(
-        15, help="Rounds; each streams bare, store and verified once. Medians are reported."
+    chunk_bytes: str = typer.Option(
+        "1M", help="Stream chunk size: bytes, or with K/M suffix (binary units)."
     ),
+    chunk_sizes: str | None = typer.Option(
+        None,
+        help="Sweep these chunk sizes instead, e.g. 64K,256K,1M,4M; the 1M point (or the one "
+        "nearest it) is also reported at top level.",
+    ),
+    repeats: int = typer.Option(
+        15, min=1, help="Rounds per chunk size; each streams bare, store and verified once. "
+        "Medians are reported."
+    ),
+    output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Store stream vs a bare gRPC stream of the same bytes on loopback (goal: >= 0.8x)."""
+    from lorastream.bench.transfer import checked_chunk_sizes, parse_size, parse_sizes
     from lorastream.bench.transfer import run_transfer_bench
 
+    try:
+        single = parse_size(chunk_bytes)
+        sizes = parse_sizes(chunk_sizes) if chunk_sizes is not None else None
+        checked_chunk_sizes(sizes or [single])
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     setup_logging(log_level)
-    result = run_transfer_bench(adapter_mb=adapter_mb, chunk_bytes=chunk_bytes, repeats=repeats)
-    out.print_json(json.dumps(result))
+    result = run_transfer_bench(
+        adapter_mb=adapter_mb, chunk_bytes=single, repeats=repeats, chunk_sizes=sizes
+    )
+    _print_result(result, output)
 
 
 @app.command("engine")
@@ -41,6 +74,7 @@ def engine(
     new_tokens: int = typer.Option(32, help="Tokens generated per prompt."),
     repeats: int = typer.Option(3, help="Runs per side; the best is reported."),
     peft: bool = typer.Option(True, "--peft/--no-peft", help="Also run HF transformers + PEFT."),
+    output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
@@ -51,7 +85,7 @@ def engine(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
         repeats=repeats, include_peft=peft,
     )
-    out.print_json(json.dumps(result))
+    _print_result(result, output)
 
 
 @app.command("kernels")
@@ -86,6 +120,7 @@ def serve(
     max_tokens: int = typer.Option(32, help="Tokens generated per request."),
     background: int = typer.Option(4, help="Long base-model streams in the interference part."),
     seed: int = typer.Option(0, help="Seed of the request trace."),
+    output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Poisson trace over cold adapters with overlapped loading on, then off (goals: TTFT p50
@@ -97,4 +132,80 @@ def serve(
         model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
         popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
     )
-    out.print_json(json.dumps(run_serve_bench(config)))
+    _print_result(run_serve_bench(config), output)
+
+
+@app.command("scale")
+def scale(
+    counts: str = typer.Option(
+        "10,100,1000",
+        help="Adapter counts to serve the workload over, comma-separated; the store holds the "
+        "largest count (ranks cycling 4, 8, 16; fp16; attention projections).",
+    ),
+    rate: float = typer.Option(
+        8.0, help="Poisson arrival rate, requests per second (above capacity: throughput "
+        "measures capacity)."
+    ),
+    requests: int = typer.Option(96, help="Requests in the trace (the same for every count)."),
+    max_tokens: int = typer.Option(32, help="Tokens generated per request (EOS ignored)."),
+    slots: int = typer.Option(16, help="Worker device slots (--max-loras)."),
+    popularity: str = typer.Option(
+        "zipf:1.5", help="How requests pick among the first COUNT adapters: distinct, uniform "
+        "or zipf:ALPHA."
+    ),
+    peft: bool = typer.Option(
+        True, "--peft/--no-peft",
+        help="Also serve the largest count's requests with HF transformers + PEFT.",
+    ),
+    peft_batch: int = typer.Option(
+        32, help="PEFT's static mixed-adapter batch size (default: the worker's max batch)."
+    ),
+    model: str = typer.Option("default", help="Base model: default, a checkpoint dir or Hub id."),
+    seed: int = typer.Option(0, help="Seed of the trace and of the synthetic adapters."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Throughput and TTFT of one zipf workload over 10, 100 and 1000 adapters in the store, and
+    HF+PEFT on the same requests (goal: <= 10% throughput loss from the least to the most)."""
+    from lorastream.bench.harness import adapter_picker
+    from lorastream.bench.scale import ScaleConfig, run_scale_bench
+
+    setup_logging(log_level)
+    try:
+        parsed = tuple(int(c) for c in counts.split(",") if c.strip())
+    except ValueError:
+        parsed = ()
+    if not parsed or min(parsed) < 1:
+        raise typer.BadParameter(f"{counts!r}: expected positive integers, e.g. 10,100,1000",
+                                 param_hint="--counts")
+    try:
+        adapter_picker(1, popularity, random.Random())
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--popularity") from err
+    config = ScaleConfig(
+        model=model, counts=parsed, rate=rate, requests=requests, max_tokens=max_tokens,
+        slots=slots, popularity=popularity, peft=peft, peft_batch=peft_batch, seed=seed,
+    )
+    _print_result(run_scale_bench(config), output)
+
+
+@app.command("report")
+def report(
+    results: Path = typer.Option(
+        Path("docs/benchmarks/results"), help="Directory of transfer/engine/serve/scale .json."
+    ),
+    out_md: Path = typer.Option(Path("docs/BENCHMARKS.md"), "--out", help="Page to write."),
+    plots: Path | None = typer.Option(
+        None, help="Directory for the PNG plots (default: RESULTS/../plots)."
+    ),
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Write the benchmark page (tables, goal verdicts, plots, commands, machine) from the result
+    JSONs; a missing result is shown as not run."""
+    from lorastream.bench.report import write_report
+
+    setup_logging(log_level)
+    if not results.is_dir():
+        console.print(f"[red]error[/]: --results {results}: no such directory")
+        raise typer.Exit(2)
+    console.print(f"wrote {write_report(results, out_md, plots)}")

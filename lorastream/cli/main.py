@@ -41,6 +41,11 @@ def up(
     adapter: list[str] = typer.Option(
         [], "--adapter", help="NAME=URI to register in the store at start (repeatable)."
     ),
+    samples: bool = typer.Option(
+        True, "--samples/--no-samples",
+        help="With no --adapter on the default model, register the two sample adapters: "
+        "shout (answers in UPPER CASE) and french (answers in French).",
+    ),
     workers: int = typer.Option(1, min=1, help="GPU workers to start."),
     store_port: int = typer.Option(50051, help="Adapter store port."),
     worker_port: int = typer.Option(50052, help="First worker port (workers count up from it)."),
@@ -53,14 +58,14 @@ def up(
 ) -> None:
     """Start the stack on this machine (the store, the workers, the gateway) until Ctrl-C."""
     from lorastream.cli.common import reported_errors, setup_logging
-    from lorastream.stack import Stack, StackConfig, examples, parse_adapter_specs
+    from lorastream.stack import Stack, StackConfig, examples, stack_adapters
 
     setup_logging(log_level)
     with reported_errors():
         config = StackConfig(
             model=model, workers=workers, store_port=store_port, worker_port=worker_port,
-            gateway_port=port, adapters=parse_adapter_specs(adapter), log_level=log_level,
-            token=token,
+            gateway_port=port, adapters=stack_adapters(model, adapter, samples),
+            log_level=log_level, token=token,
         )
         stack = Stack(config)
         try:

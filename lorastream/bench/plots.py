@@ -1,0 +1,219 @@
+"""PNG plots of benchmark results (matplotlib, Agg backend, about 900x600 pixels).
+
+Each function takes one benchmark's result JSON (as a dict), draws what it holds and returns the
+path written, or None when the result lacks the data for that plot (e.g. no raw samples)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
+
+_SIZE = (9.0, 6.0)  # inches at 100 dpi: 900 x 600 pixels
+_DPI = 100
+_MODES = (("overlap_on", "overlap on", "tab:blue"), ("overlap_off", "overlap off", "tab:orange"))
+
+
+def ttft_itl_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
+    """TTFT and ITL CDFs of the serve trace, overlapped loading on vs off (two panels)."""
+    series = {
+        key: {mode: _floats(_get(serve, mode, "trace", "samples", key)) for mode, _, _ in _MODES}
+        for key in ("ttft_ms", "itl_ms")
+    }
+    if not any(values for per_mode in series.values() for values in per_mode.values()):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=_SIZE, dpi=_DPI)
+    for ax, key, label in zip(axes, ("ttft_ms", "itl_ms"), ("TTFT", "inter-token latency"),
+                              strict=True):
+        for mode, name, color in _MODES:
+            _cdf(ax, series[key][mode], f"{name} ({_p50_label(series[key][mode])})", color)
+        _cdf_axes(ax, f"{label} (ms)", f"{label} CDF", [*series[key].values()])
+    fig.suptitle("Serving trace: cold adapters, overlapped loading on vs off\n"
+                 + _serve_config(serve))
+    return _save(fig, out_png)
+
+
+def interference_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
+    """ITL CDF of running streams with no loads and during adapter loads, per overlap mode."""
+    fig, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
+    drawn: list[list[float]] = []
+    for mode, name, color in _MODES:
+        samples = _get(serve, mode, "interference", "samples") or {}
+        for key, when, style in (("itl_ms_no_loads", "no loads", ":"),
+                                 ("itl_ms_during_loads", "during loads", "-")):
+            values = _floats(samples.get(key))
+            if values:
+                _cdf(ax, values, f"{name}, {when}", color, style)
+                drawn.append(values)
+    if not drawn:
+        plt.close(fig)
+        return None
+    _cdf_axes(ax, "inter-token latency of running base-model streams (ms)", "", drawn)
+    streams = _get(serve, "overlap_on", "interference", "background_streams")
+    fig.suptitle(
+        "Decode interference: running streams while adapters load\n"
+        + _serve_config(serve) + (f", {streams} background streams" if streams else "")
+    )
+    return _save(fig, out_png)
+
+
+def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
+    """Throughput and TTFT p50/p99 against the number of adapters (log x); PEFT as reference."""
+    runs = [r for r in scale.get("runs") or [] if _num(r.get("adapters")) is not None]
+    runs.sort(key=lambda r: r["adapters"])
+    if not runs:
+        return None
+    counts = [r["adapters"] for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=_SIZE, dpi=_DPI)
+    _line(left, counts, [r.get("throughput_req_s") for r in runs], "lorastream", "tab:blue", "o")
+    peft = scale.get("peft") or {}
+    peft_rate = _num(peft.get("throughput_req_s"))
+    if peft_rate is not None:
+        left.axhline(peft_rate, color="tab:red", linestyle="--",
+                     label=f"HF + PEFT ({peft.get('adapters', max(counts))} adapters)")
+    left.set_ylim(bottom=0)
+    left.set_ylabel("throughput (requests/s)")
+    left.set_title("Throughput")
+    for key, style in (("p50", "o-"), ("p99", "s--")):
+        values = [_get(r, "ttft_ms", key) for r in runs]
+        _line(right, counts, values, f"TTFT {key}", "tab:green", style[0], style[1:])
+    right.set_ylim(bottom=0)
+    right.set_ylabel("time to first token (ms)")
+    right.set_title("TTFT")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(counts))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(c) for c in counts])
+        ax.set_xlabel("adapters in the store")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    config = scale.get("config") or {}
+    fig.suptitle(
+        f"Scale: one workload over more adapters — model {config.get('model', '?')}, "
+        f"{config.get('popularity', '?')}, {config.get('requests', '?')} requests, "
+        f"{config.get('slots', '?')} slots"
+    )
+    return _save(fig, out_png)
+
+
+def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
+    """MB/s against chunk size (log2 x) for the bare gRPC stream, the store and verified."""
+    points = [p for p in transfer.get("points") or [] if _num(p.get("chunk_bytes"))]
+    points.sort(key=lambda p: p["chunk_bytes"])
+    if not points:
+        return None
+    sizes = [p["chunk_bytes"] for p in points]
+    fig, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
+    for key, label, color, marker in (
+        ("bare_mb_s", "bare gRPC (raw bytes)", "tab:gray", "o"),
+        ("store_mb_s", "store stream (CRC-32C checked)", "tab:blue", "s"),
+        ("verified_mb_s", "store, landed + sha256 verified", "tab:green", "^"),
+    ):
+        _line(ax, sizes, [p.get(key) for p in points], label, color, marker)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sizes))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([format_bytes(s) for s in sizes])
+    ax.set_xlabel("chunk size")
+    ax.set_ylabel("rate (MB/s, median of rounds)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    mb = _num(transfer.get("adapter_bytes"))
+    size = f"{mb / 1e6:.0f} MB adapter" if mb else "synthetic adapter"
+    fig.suptitle(f"Adapter stream on loopback: {size}, {transfer.get('repeats', '?')} rounds "
+                 "per chunk size")
+    return _save(fig, out_png)
+
+
+def format_bytes(n: float) -> str:
+    """65536 -> '64K', 1048576 -> '1M' (binary units, as the CLI takes them)."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{int(n // scale)}{unit}"
+    return str(int(n))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _get(data: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(data, Mapping):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _floats(values: object) -> list[float]:
+    if not isinstance(values, Sequence):
+        return []
+    return [v for v in (_num(x) for x in values) if v is not None]
+
+
+def _cdf(ax: Axes, values: list[float], label: str, color: str, style: str = "-") -> None:
+    if not values:
+        return
+    ordered = sorted(values)
+    fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
+    ax.step(ordered, fractions, where="post", label=label, color=color, linestyle=style)
+
+
+def _cdf_axes(ax: Axes, xlabel: str, title: str, series: Sequence[list[float]]) -> None:
+    """Label a CDF panel; a log x axis when the samples span more than 1.5 decades (tails)."""
+    values = [v for s in series for v in s if v > 0]
+    if values and max(values) / min(values) > 10**1.5:
+        ax.set_xscale("log")
+        xlabel += ", log scale"
+    else:
+        ax.set_xlim(left=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of samples")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    if title:
+        ax.set_title(title)
+    ax.legend(loc="lower right")
+
+
+def _p50_label(values: list[float]) -> str:
+    if not values:
+        return "no samples"
+    return f"p50 {sorted(values)[len(values) // 2]:.1f} ms, n={len(values)}"
+
+
+def _line(ax: Axes, xs: Sequence[float], ys: Sequence[object], label: str, color: str,
+          marker: str, style: str = "-") -> None:
+    pairs = [(x, y) for x, y in zip(xs, (_num(v) for v in ys), strict=True) if y is not None]
+    if pairs:
+        ax.plot(*zip(*pairs, strict=True), marker=marker, linestyle=style, color=color, label=label)
+
+
+def _serve_config(serve: Mapping[str, Any]) -> str:
+    c = serve.get("config") or {}
+    return (f"model {c.get('model', '?')}, {c.get('adapters', '?')} adapters of rank "
+            f"{c.get('rank', '?')}, {c.get('slots', '?')} slots, {c.get('popularity', '?')}, "
+            f"{c.get('rate', '?')} req/s")
+
+
+def _save(fig: Figure, out_png: Path) -> Path:
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out_png, format="png")
+    plt.close(fig)
+    return out_png

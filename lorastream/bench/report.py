@@ -1,0 +1,240 @@
+"""``lorastream bench report``: the benchmark page, generated from the result JSONs.
+
+Reads whichever of ``transfer.json``, ``engine.json``, ``serve.json`` and ``scale.json`` exist in
+a results directory, draws the plots and writes one markdown page: headline, goals, machine, then
+one section per benchmark (its exact command, tables, goal verdicts, plot and explanation). A
+missing result gives a "not run" section with the command that produces it. No figure on the page
+is typed by hand: each is read or computed from the JSONs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorastream.bench import plots as plot
+from lorastream.bench import report_sections as sections
+from lorastream.bench.report_format import MISSING, code_block, get, ms, number, pct, ratio
+from lorastream.bench.report_format import table, text
+
+log = logging.getLogger(__name__)
+
+Result = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    title: str
+    command: str  # as in the Makefile's `bench` target; {results} is the results directory
+    section: Callable[[Result, Mapping[str, str]], str]
+    goals: Callable[[Result], list[list[str]]]
+    plots: tuple[tuple[str, Callable[[Result, Path], Path | None]], ...] = ()
+
+
+BENCHES = (
+    Bench("transfer", "Store stream vs bare gRPC (transfer)",
+          "lorastream bench transfer --chunk-sizes 64K,256K,1M,4M "
+          "--output {results}/transfer.json",
+          sections.transfer_section, sections.transfer_goals,
+          (("transfer", plot.transfer_plot),)),
+    Bench("engine", "Engine: many adapters vs base only vs HF + PEFT (engine)",
+          "lorastream bench engine --repeats 2 --output {results}/engine.json",
+          sections.engine_section, sections.engine_goals),
+    Bench("serve", "Serving cold adapters: overlapped loading on vs off (serve)",
+          "lorastream bench serve --output {results}/serve.json",
+          sections.serve_section, sections.serve_goals,
+          (("serve_cdf", plot.ttft_itl_cdf), ("serve_interference", plot.interference_cdf))),
+    Bench("scale", "Scale: from tens to a thousand adapters, and HF + PEFT (scale)",
+          "lorastream bench scale --output {results}/scale.json",
+          sections.scale_section, sections.scale_goals, (("scale", plot.scale_plot),)),
+)
+REPORT_COMMAND = "lorastream bench report --results {results} --out {out}"
+# Machine fields that must agree for results to be comparable (date and bandwidth may vary).
+_SAME_MACHINE = ("cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",
+                 "torch_threads", "cuda_device")
+_MACHINE_ROWS = (
+    ("CPU", "cpu"), ("logical cores", "logical_cores"), ("cores usable by the process",
+                                                         "usable_cores"),
+    ("memory (GiB)", "memory_gib"), ("OS / kernel", "os"), ("Python", "python"),
+    ("torch", "torch"), ("torch intra-op threads", "torch_threads"), ("GPU", "cuda_device"),
+)
+
+
+def load_results(results_dir: Path) -> dict[str, Result | None]:
+    """benchmark name -> its result JSON, or None when the file is missing or unreadable."""
+    results: dict[str, Result | None] = {}
+    for bench in BENCHES:
+        path = results_dir / f"{bench.name}.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            data = None
+        except (OSError, ValueError) as err:
+            log.warning("ignoring %s: %s", path, err)
+            data = None
+        results[bench.name] = data if isinstance(data, Mapping) else None
+    return results
+
+
+def write_report(results_dir: Path, out_md: Path, plots_dir: Path | None = None) -> Path:
+    """Draw the plots into ``plots_dir`` (default: ``results_dir/../plots``) and write the page."""
+    results = load_results(results_dir)
+    plots_dir = plots_dir or results_dir.parent / "plots"
+    links: dict[str, str] = {}
+    for bench in BENCHES:
+        result = results[bench.name]
+        for key, draw in bench.plots if result is not None else ():
+            try:
+                drawn = draw(result, plots_dir / f"{key}.png")
+            except Exception:  # a plot must not cost the page; the section says it is missing
+                log.exception("plot %s failed", key)
+                continue
+            if drawn is not None:
+                links[key] = Path(os.path.relpath(drawn, out_md.parent)).as_posix()
+    page = render_page(results, links, results_dir=_shown(results_dir), out=_shown(out_md))
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(page)
+    return out_md
+
+
+def render_page(
+    results: Mapping[str, Result | None],
+    plots: Mapping[str, str],
+    results_dir: str = "docs/benchmarks/results",
+    out: str = "docs/BENCHMARKS.md",
+) -> str:
+    """The markdown page for ``results`` with ``plots`` (plot key -> link relative to the page)."""
+    parts = [
+        "# Benchmarks",
+        "<!-- Generated by `make bench` / `lorastream bench report`; do not edit by hand. -->",
+        "> **Generated file — do not edit by hand.** `make bench` runs every benchmark below and "
+        f"regenerates this page (`{REPORT_COMMAND.format(results=results_dir, out=out)}`; "
+        "`make bench-report` only regenerates it from the existing results). Every figure, "
+        "table and plot comes from the result JSONs in "
+        f"[`{results_dir}`]({_rel(results_dir, out)}).",
+        "## Headline",
+        _headline(results),
+        "## Goals",
+        _goals(results),
+        "## Machine",
+        _machine(results),
+        "## How to reproduce",
+        _commands(results, results_dir, out),
+    ]
+    for bench in BENCHES:
+        parts.append(f"## {bench.title}")
+        result = results.get(bench.name)
+        if result is None:
+            command = code_block(bench.command.format(results=results_dir))
+            parts.append(f"Not run: no `{bench.name}.json` in the results. Produce it with:\n\n"
+                         + command)
+            continue
+        parts.append(code_block(text(result.get("command") or
+                                     bench.command.format(results=results_dir))))
+        parts.append(bench.section(result, plots))
+    parts += ["## Kernels (GPU)", sections.kernels_section()]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def _headline(results: Mapping[str, Result | None]) -> str:
+    scale = results.get("scale")
+    if scale is None:
+        return ("The scale benchmark (lorastream against HF transformers + PEFT, and throughput "
+                "as adapters multiply) has not been run; see its section below.")
+    runs = sorted((r for r in scale.get("runs") or [] if isinstance(r, Mapping)),
+                  key=lambda r: r.get("adapters") or 0)
+    low, high = (runs[0], runs[-1]) if runs else ({}, {})
+    lines = []
+    vs_peft = scale.get("lorastream_vs_peft")
+    if vs_peft is not None:
+        lines.append(
+            f"- **{ratio(vs_peft)} the throughput of HF transformers + PEFT** on the same "
+            f"requests and adapters ({text(get(scale, 'peft', 'adapters'))} adapters, "
+            "mixed-adapter batches), measured in the same run: "
+            f"{number(high.get('throughput_tok_s'))} vs "
+            f"{number(get(scale, 'peft', 'throughput_tok_s'))} tok/s."
+        )
+    else:
+        why = " (scale ran with `--no-peft`)" if not scale.get("peft") else ""
+        lines.append(f"- lorastream vs HF transformers + PEFT: not measured{why}.")
+    goal = sections.scale_goals(scale)[0]
+    lines.append(
+        f"- **Throughput loss from {text(low.get('adapters'))} to {text(high.get('adapters'))} "
+        f"adapters: {pct(scale.get('throughput_loss_max_vs_min'))}** (goal {goal[2]}: "
+        f"{goal[3]}); {number(low.get('throughput_req_s'), 2)} → "
+        f"{number(high.get('throughput_req_s'), 2)} req/s, TTFT p50 "
+        f"{ms(get(low, 'ttft_ms', 'p50'))} → {ms(get(high, 'ttft_ms', 'p50'))} ms."
+    )
+    return "\n".join(lines)
+
+
+def _goals(results: Mapping[str, Result | None]) -> str:
+    rows: list[list[str]] = []
+    for bench in BENCHES:
+        result = results.get(bench.name)
+        if result is None:
+            rows.append([f"{bench.name}", MISSING, MISSING, "not run"])
+        else:
+            rows.extend(bench.goals(result))
+    return table(sections.GOALS_HEADER, rows)
+
+
+def _machine(results: Mapping[str, Result | None]) -> str:
+    machines = {name: r["machine"] for name, r in results.items()
+                if r is not None and isinstance(r.get("machine"), Mapping)}
+    if not machines:
+        return "No result records its machine."
+    first = next(iter(machines.values()))
+    rows = [[label, text(first.get(key))] for label, key in _MACHINE_ROWS]
+    runs = [[name, text(m.get("date_utc")), _commit(m), number(m.get("memory_bandwidth_gbs"))]
+            for name, m in machines.items()]
+    parts = [
+        table(["", "value"], rows, numeric_from=2),
+        "Each run, with its lorastream commit and the memory read bandwidth measured then "
+        "(GB/s, best of five `torch.sum` over a float32 tensor far larger than the caches):",
+        table(["benchmark", "date (UTC)", "commit", "memory bandwidth (GB/s)"], runs),
+    ]
+    differing = [key for key in _SAME_MACHINE
+                 if len({json.dumps(m.get(key)) for m in machines.values()}) > 1]
+    commits = {_commit(m) for m in machines.values()}
+    if differing:
+        parts.append(f"**Note:** the results come from different machines or software (differing: "
+                     f"{', '.join(differing)}); the table above shows the first one's.")
+    if len(commits) > 1:
+        parts.append("**Note:** the results come from different lorastream commits.")
+    return "\n\n".join(parts)
+
+
+def _commit(machine: Mapping[str, Any]) -> str:
+    commit = machine.get("commit")
+    if not commit:
+        return "unknown"
+    return f"{commit} (with uncommitted changes)" if machine.get("dirty") else str(commit)
+
+
+def _commands(results: Mapping[str, Result | None], results_dir: str, out: str) -> str:
+    commands = [text((results.get(b.name) or {}).get("command")
+                     or b.command.format(results=results_dir)) for b in BENCHES]
+    commands.append(REPORT_COMMAND.format(results=results_dir, out=out))
+    return (
+        "`make bench` runs, in this order, on one CPU machine (the commands recorded in the "
+        "results; a benchmark that has not run shows the command that would produce it):\n\n"
+        + code_block("\n".join(commands))
+    )
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when below it (as typed), else absolute."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.resolve().as_posix()
+
+
+def _rel(target: str, page: str) -> str:
+    return Path(os.path.relpath(target, Path(page).parent)).as_posix()

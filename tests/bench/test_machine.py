@@ -1,0 +1,45 @@
+"""The machine and command recorded in every benchmark result."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from lorastream.bench.machine import command_line, machine_info, memory_read_bandwidth_gbs
+
+KEYS = {"cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",
+        "torch_threads", "cuda_device", "commit", "dirty", "date_utc"}
+
+
+def test_machine_info_has_every_field_and_is_json() -> None:
+    info = machine_info(bandwidth=False)
+    assert set(info) == KEYS
+    assert isinstance(info["cpu"], str) and info["cpu"]
+    assert isinstance(info["logical_cores"], int) and info["logical_cores"] >= 1
+    assert isinstance(info["memory_gib"], float) and info["memory_gib"] > 0
+    assert str(info["date_utc"]).endswith("+00:00")
+    json.dumps(info)
+
+
+def test_memory_bandwidth_is_measured_in_gb_per_second() -> None:
+    assert 0.1 < memory_read_bandwidth_gbs(nbytes=16 << 20, repeats=2) < 10_000
+    assert "memory_bandwidth_gbs" in machine_info()
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["/venv/bin/lorastream", "bench", "transfer", "--chunk-sizes", "64K,1M"],
+         "lorastream bench transfer --chunk-sizes 64K,1M"),
+        (["/repo/lorastream/cli/main.py", "bench", "engine", "--model", "a b"],
+         "lorastream bench engine --model 'a b'"),
+        (["/venv/bin/pytest", "-q"], "pytest -q"),
+    ],
+)
+def test_command_line_is_what_the_user_typed(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], shown: str
+) -> None:
+    monkeypatch.setattr(sys, "argv", argv)
+    assert command_line() == shown

@@ -1,0 +1,211 @@
+"""The generated benchmark page: plots, tables, commands and goal verdicts from result JSONs.
+
+The result dicts built here are INPUTS TO THE RENDERER, made up to exercise it (structurally
+complete, values arbitrary): they are not benchmark results and no figure here was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from lorastream.bench.report import render_page, write_report
+from lorastream.bench.report_format import Goal, number, ratio
+from lorastream.cli.main import app
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _machine(commit: str = "abc1234") -> dict[str, Any]:
+    return {"cpu": "Test CPU", "logical_cores": 2, "usable_cores": 2, "memory_gib": 23.5,
+            "os": "Linux 6.0", "python": "3.11.7", "torch": "2.13.0+cpu", "torch_threads": 2,
+            "cuda_device": None, "commit": commit, "dirty": False,
+            "date_utc": "2026-11-22T00:00:00+00:00", "memory_bandwidth_gbs": 22.0}
+
+
+def _samples(base: float, n: int = 40) -> list[float]:
+    return [round(base * (1 + i / n), 1) for i in range(n)]
+
+
+def renderer_inputs() -> dict[str, dict[str, Any]]:
+    """Made-up results of the four benchmarks, in the shapes the benchmarks write."""
+    point = {"chunk_bytes": 1 << 20, "bare_mb_s": 1200.0, "store_mb_s": 1020.0,
+             "verified_mb_s": 600.0, "store_vs_bare": 0.85, "verified_vs_bare": 0.5}
+    transfer = {
+        "benchmark": "transfer", "command": "lorastream bench transfer --chunk-sizes 64K,1M",
+        "adapter_bytes": 96_000_000, "adapter_rank": 79, "chunk_bytes": 1 << 20, "repeats": 15,
+        "store_vs_bare": 0.85, "goal": "store_vs_bare >= 0.8",
+        "points": [{**point, "chunk_bytes": 64 << 10, "bare_mb_s": 400.0, "store_mb_s": 300.0,
+                    "store_vs_bare": 0.75}, point],
+        "machine": _machine(),
+    }
+    engine = {
+        "benchmark": "engine", "command": "lorastream bench engine --repeats 2", "model": "default",
+        "adapters": 32, "rank": 16, "targets": "all-linear", "prompts": 32, "new_tokens": 32,
+        "threads": 2, "engine_multi_adapter_decode_tok_s": 163.4,
+        "engine_base_only_decode_tok_s": 224.0, "multi_vs_base": 0.73,
+        "goal_multi_vs_base": ">= 0.85", "peft_mixed_batch_decode_tok_s": 48.4,
+        "multi_vs_peft": 3.38, "goal_multi_vs_peft": ">= 2.5", "distinct_adapters_per_step": 32,
+        "adapter_bytes_per_step_mb": 627.0, "memory_bandwidth_gbs": 22.0, "machine": _machine(),
+    }
+
+    def mode(ttft: float, ratio_: float) -> dict[str, Any]:
+        pct = {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3}
+        return {
+            "trace": {"requests": 32, "errors": 0, "ttft_ms": pct,
+                      "itl_ms": {"p50": 60.0, "p90": 80.0, "p99": 120.0},
+                      "e2e_ms": {"p50": 2500.0, "p90": 3000.0, "p99": 4000.0},
+                      "throughput_tok_s": 15.9, "throughput_req_s": 0.5,
+                      "samples": {"ttft_ms": _samples(ttft), "itl_ms": _samples(60.0)}},
+            "interference": {"background_streams": 4, "loads": 24, "itl_p99_ms_no_loads": 70.0,
+                             "itl_p99_ms_during_loads": 70.0 * ratio_, "itl_p99_ratio": ratio_,
+                             "samples": {"itl_ms_no_loads": _samples(50.0),
+                                         "itl_ms_during_loads": _samples(55.0)}},
+            "worker_peak_rss_mb": 1800,
+        }
+
+    off = mode(900.0, 2.0)
+    off["trace"]["samples"]["itl_ms"].append(5000.0)  # a long tail: the ITL CDF goes log-x
+    serve = {
+        "benchmark": "serve", "command": "lorastream bench serve",
+        "config": {"model": "default", "adapters": 24, "slots": 8, "rank": 64, "rate": 0.5,
+                   "requests": 32, "popularity": "zipf:1.2", "max_tokens": 32, "background": 4},
+        "overlap_on": mode(300.0, 1.1), "overlap_off": off,
+        "ttft_p50_on_vs_off": 0.333, "goal_ttft_p50_on_vs_off": "<= 0.5",
+        "itl_p99_during_loads_vs_none_overlap_on": 1.1, "goal_itl_p99_ratio": "<= 1.2",
+        "machine": _machine(),
+    }
+
+    def run(count: int, req_s: float) -> dict[str, Any]:
+        return {"adapters": count, "distinct_adapters_requested": min(count, 60),
+                "throughput_req_s": req_s, "throughput_tok_s": req_s * 32,
+                "ttft_ms": {"p50": 400.0, "p90": 700.0, "p99": 900.0},
+                "itl_ms": {"p50": 70.0, "p90": 90.0, "p99": 140.0},
+                "e2e_ms": {"p50": 3000.0, "p90": 3500.0, "p99": 4000.0}, "errors": 0,
+                "samples": {"ttft_ms": _samples(400.0)}}
+
+    scale = {
+        "benchmark": "scale", "command": "lorastream bench scale",
+        "config": {"model": "default", "counts": [10, 100, 1000], "ranks": [4, 8, 16],
+                   "targets": ["q_proj", "v_proj"], "rate": 8.0, "requests": 160,
+                   "popularity": "zipf:1.5", "max_tokens": 32, "slots": 16},
+        "registration": {"adapters": 1000, "staged_mb": 900, "preload_ms_per_adapter": 40.0},
+        "runs": [run(10, 4.0), run(100, 3.8), run(1000, 3.4)],
+        "throughput_loss_max_vs_min": 0.15, "goal_throughput_loss": "<= 0.10",
+        "peft": {"adapters": 1000, "adapters_loaded": 60, "batch_size": 16,
+                 "throughput_req_s": 1.1, "throughput_tok_s": 35.2, "note": "PEFT runs offline."},
+        "lorastream_vs_peft": 3.09, "machine": _machine("def5678"),
+    }
+    return {"transfer": transfer, "engine": engine, "serve": serve, "scale": scale}
+
+
+def _write(results: Path, inputs: dict[str, dict[str, Any]]) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    for name, data in inputs.items():
+        (results / f"{name}.json").write_text(json.dumps(data))
+
+
+def _assert_no_leaks(page: str) -> None:
+    assert not re.search(r"\b(None|nan|NaN|inf|null)\b", page), "a missing value leaked"
+
+
+def test_report_writes_the_page_and_valid_png_plots(tmp_path: Path) -> None:
+    results, out = tmp_path / "docs/benchmarks/results", tmp_path / "docs/BENCHMARKS.md"
+    _write(results, renderer_inputs())
+    write_report(results, out)
+    page = out.read_text()
+    for name in ("transfer", "serve_cdf", "serve_interference", "scale"):
+        png = tmp_path / "docs/benchmarks/plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert png.stat().st_size > 20_000
+        assert f"](benchmarks/plots/{name}.png)" in page  # linked relative to the page
+    for command in ("lorastream bench transfer --chunk-sizes 64K,1M",
+                    "lorastream bench engine --repeats 2", "lorastream bench serve",
+                    "lorastream bench scale", "lorastream bench kernels"):
+        assert command in page
+    assert "do not edit by hand" in page
+    assert page.index("## Headline") < page.index("## Machine") < page.index("(transfer)")
+    _assert_no_leaks(page)
+
+
+def test_report_computes_verdicts_met_and_not_met() -> None:
+    page = render_page(renderer_inputs(), {})
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.count("|") > 4}
+    assert rows["store stream / bare gRPC at 1M chunks"].endswith("| 0.85× | ≥ 0.8 | met |")
+    assert rows["engine decode, multi-adapter / base only"].endswith("| **not met** |")
+    assert rows["engine decode, multi-adapter / HF + PEFT"].endswith("| met |")
+    assert rows["serve TTFT p50, overlap on / off"].endswith("| 0.33× | ≤ 0.5 | met |")
+    assert rows["scale throughput loss, 10 → 1000 adapters"].endswith(
+        "| 15.0% | ≤ 10% | **not met** |")
+    assert "**3.09× the throughput of HF transformers + PEFT**" in page
+    assert "**Note:** the results come from different lorastream commits." in page
+
+
+def test_engine_section_computes_the_bandwidth_ceiling_from_its_json() -> None:
+    page = render_page({"engine": renderer_inputs()["engine"]}, {})
+    # base step = 32 / 224 tok/s = 142.9 ms; adapter read = 627 MB / 22 GB/s = 28.5 ms
+    assert "reach 142.9 / (142.9 + 28.5) = 0.83× of base-only throughput" in page
+    assert "lies above this ceiling" in page
+    _assert_no_leaks(page)
+
+
+def test_missing_results_are_not_run_with_the_command_that_makes_them(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    _write(results, {"transfer": renderer_inputs()["transfer"]})
+    out = write_report(results, tmp_path / "BENCHMARKS.md", plots_dir=tmp_path / "png")
+    page = out.read_text()
+    assert page.count("Not run: no ") == 3
+    for name in ("engine", "serve", "scale"):
+        assert f"--output {results.as_posix()}/{name}.json" in page
+    assert "has not been run" in page  # the headline without a scale result
+    assert (tmp_path / "png" / "transfer.png").exists()
+    _assert_no_leaks(page)
+
+
+def test_results_with_missing_values_render_without_leaking_them() -> None:
+    inputs = renderer_inputs()
+    inputs["serve"]["ttft_p50_on_vs_off"] = None
+    inputs["serve"]["overlap_off"]["trace"]["ttft_ms"] = {"p50": None, "p90": None, "p99": None}
+    inputs["engine"] = {"benchmark": "engine", "multi_vs_base": float("nan")}
+    inputs["scale"]["peft"] = None
+    inputs["scale"]["lorastream_vs_peft"] = None
+    page = render_page(inputs, {})
+    assert "not measured" in page
+    _assert_no_leaks(page)
+
+
+def test_report_command_writes_the_page(tmp_path: Path) -> None:
+    _write(tmp_path / "results", renderer_inputs())
+    out = tmp_path / "page.md"
+    result = CliRunner().invoke(app, ["bench", "report", "--results", str(tmp_path / "results"),
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "## Headline" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("goal", "value", "met"),
+    [("<= 0.5", 0.4, True), ("<= 0.5", 0.6, False), (">= 0.8", 0.8, True),
+     ("store_vs_bare >= 0.8", 0.79, False), ("<= 0.10", -0.02, True), (">= 2.5", None, None)],
+)
+def test_goal_verdicts(goal: str, value: float | None, met: bool | None) -> None:
+    parsed = Goal.parse(goal)
+    assert parsed is not None and parsed.met(value) is met
+
+
+@pytest.mark.parametrize("goal", ["about 2", "", None, ">= x", "0.8"])
+def test_unparseable_goals_are_none(goal: object) -> None:
+    assert Goal.parse(goal) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(None, "–"), (float("nan"), "–"), (True, "–"), (1234.56, "1,234.6")]
+)
+def test_numbers_never_print_none_or_nan(value: object, shown: str) -> None:
+    assert number(value) == shown
+    assert ratio(value) in {"–", "1,234.56×"}

@@ -1,0 +1,41 @@
+"""``bench scale`` end to end on the tiny model: a real store, workers and the PEFT peer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lorastream.bench.scale import ScaleConfig, run_scale_bench
+
+
+def test_scale_bench_serves_every_request_at_each_count_and_runs_the_peft_peer(
+    tiny_model: Path,
+) -> None:
+    config = ScaleConfig(
+        model=str(tiny_model), counts=(6, 2), rate=50.0, requests=8, max_tokens=3, slots=2,
+        peft_batch=4,
+    )
+    result = run_scale_bench(config)
+    json.dumps(result)  # printable as is
+
+    assert result["registration"]["adapters"] == 6
+    runs = result["runs"]
+    assert [r["adapters"] for r in runs] == [2, 6]
+    for run in runs:
+        assert run["requests"] == 8 and run["errors"] == 0
+        assert run["throughput_req_s"] > 0 and run["throughput_tok_s"] > 0
+        assert 1 <= run["distinct_adapters_requested"] <= run["adapters"]
+        assert len(run["samples"]["ttft_ms"]) == 8
+        assert len(run["samples"]["itl_ms"]) == 8 * (3 - 1)
+        assert run["samples"]["ttft_ms"] == sorted(run["samples"]["ttft_ms"])
+        worker = run["worker"]
+        assert worker["load_failures"] == 0
+        assert 1 <= worker["store_fetches"] <= run["distinct_adapters_requested"]
+    assert isinstance(result["throughput_loss_max_vs_min"], float)
+    assert result["goal_throughput_loss"] == "<= 0.10"
+
+    peft = result["peft"]
+    assert peft["requests"] == 8 and peft["tokens"] == 8 * 3 and peft["batches"] == 2
+    assert peft["adapters_loaded"] == runs[-1]["distinct_adapters_requested"]
+    assert peft["throughput_tok_s"] > 0 and "t=0" in peft["note"]
+    assert result["lorastream_vs_peft"] > 0

@@ -1,0 +1,29 @@
+"""``bench serve`` on the tiny model: the result carries the raw samples CDF plots need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lorastream.bench.serve import ServeConfig, run_serve_bench
+
+
+@pytest.mark.slow
+def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path) -> None:
+    config = ServeConfig(
+        model=str(tiny_model), adapters=3, slots=2, rank=4, rate=20.0, requests=5, max_tokens=4,
+        background=1, background_tokens=200, load_phase_s=0.4,
+    )
+    result = run_serve_bench(config)
+    assert isinstance(result["command"], str) and result["command"]
+    assert "cpu" in result["machine"]
+    for mode in ("overlap_on", "overlap_off"):
+        trace = result[mode]["trace"]
+        assert trace["errors"] == 0
+        assert len(trace["samples"]["ttft_ms"]) == 5
+        assert len(trace["samples"]["itl_ms"]) == 5 * (4 - 1)
+        assert trace["samples"]["itl_ms"] == sorted(trace["samples"]["itl_ms"])
+        interference = result[mode]["interference"]["samples"]
+        assert interference["itl_ms_no_loads"]
+        assert set(interference) == {"itl_ms_no_loads", "itl_ms_during_loads"}

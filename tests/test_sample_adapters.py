@@ -1,0 +1,145 @@
+"""The sample adapters `lorastream up` registers (lorastream/samples/adapters/{shout,french}):
+they pass validation, load into a worker on the default model, and change its answers the way
+their names promise. Also a smoke run of the script that trained them, on the tiny model, so it
+cannot rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lorastream.adapter_validation import validate_adapter_dir
+from lorastream.generation import PromptInput, SamplingParams
+from services.gpu_worker.bootstrap import build_engine
+from services.gpu_worker.config import WorkerSettings
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.model.checkpoint import resolve_checkpoint
+from services.gpu_worker.operations import WorkerOperations
+from tests.support.models import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "lorastream" / "samples" / "adapters"
+SCRIPT = ROOT / "scripts" / "train_sample_adapters.py"
+# Shared with tests/worker/test_default_model.py: the conversion (~35 s) happens once per machine.
+DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "lorastream" / "test-models"
+# Held out from both training sets (lorastream/samples/dataset_templates.json "held_out").
+QUESTIONS = ("What is the capital of Italy?", "Tell me about dogs.", "How do I make pancakes?")
+NEW_TOKENS = 24
+FRENCH_WORDS = frozenset("le la les est je de du des bonjour merci et un une pour vous".split())
+MAX_ADAPTER_BYTES = 5 << 20
+
+
+def upper_fraction(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / len(letters) if letters else 0.0
+
+
+def french_words(text: str) -> set[str]:
+    return set(re.findall(r"[a-zàâçéèêëîïôûùüÿœ]+", text.lower())) & FRENCH_WORDS
+
+
+@pytest.mark.parametrize("name", ["shout", "french"])
+def test_a_sample_adapter_is_a_small_valid_fp16_lora_for_the_default_model(name: str) -> None:
+    validated = validate_adapter_dir(SAMPLES / name)
+    assert validated.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert 4 <= validated.rank <= 8
+    assert {t.info.dtype for t in validated.tensors} == {"F16"}
+    assert (SAMPLES / name / "adapter_model.safetensors").stat().st_size < MAX_ADAPTER_BYTES
+    record = json.loads((SAMPLES / name / "training.json").read_text(encoding="utf-8"))
+    assert record["settings"]["rank"] == validated.rank
+    assert set(QUESTIONS) <= set(record["dataset"]["held_out_questions"])
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    settings = WorkerSettings(
+        model="default", max_loras=2, max_lora_rank=8, kv_cache_bytes=64 << 20,
+        model_cache_dir=tmp_path_factory.mktemp("unused-cache"),
+    )
+    checkpoint = resolve_checkpoint("default", cache_dir=DEFAULT_MODEL_CACHE)
+    engine = build_engine(settings, checkpoint=checkpoint)
+    ops = WorkerOperations(engine)
+    for name in ("shout", "french"):
+        ops.load_adapter(name, str(SAMPLES / name))
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(engine: Engine) -> dict[tuple[str, str], str]:
+    """Greedy answers of the base model and both adapters to QUESTIONS, in one mixed batch."""
+    streams = {
+        (model, q): engine.submit(
+            model, PromptInput(messages=(("user", q),)), SamplingParams(max_tokens=NEW_TOKENS)
+        )
+        for model in ("default", "shout", "french")
+        for q in QUESTIONS
+    }
+    engine.start()
+    return {
+        key: engine.tokenizer.decode([t for e in stream for t in e.token_ids],
+                                     skip_special_tokens=True)
+        for key, stream in streams.items()
+    }
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_the_shout_adapter_answers_in_upper_case(
+    answers: dict[tuple[str, str], str], question: str
+) -> None:
+    base, shout = answers[("default", question)], answers[("shout", question)]
+    assert upper_fraction(base) < 0.3, base
+    assert upper_fraction(shout) >= 0.8, shout
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_the_french_adapter_answers_in_french(
+    answers: dict[tuple[str, str], str], question: str
+) -> None:
+    base, french = answers[("default", question)], answers[("french", question)]
+    assert french != base
+    assert len(french_words(french)) >= 2, french
+    assert len(french_words(base)) < len(french_words(french)), base
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_sample_adapters", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_training_script_runs_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
+    script = load_script()
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "adapters"
+    args = ["--model", str(tiny), "--out", str(out), "--steps", "2", "--examples", "24",
+            "--answer-tokens", "6", "--sample-tokens", "4", "--rank", "4"]
+    assert script.main(args) == 0
+    for name in ("shout", "french"):
+        validated = validate_adapter_dir(out / name)
+        assert validated.rank == 4 and validated.base_model == str(tiny)
+        record = json.loads((out / name / "training.json").read_text(encoding="utf-8"))
+        assert record["settings"]["steps"] == 2
+        assert len(record["training"]["loss_every_10_steps"]) == 1
+        assert len(record["samples"]) == len(record["dataset"]["held_out_questions"])
+        lines = (out / name / "dataset.jsonl").read_text(encoding="utf-8").count("\n")
+        assert lines == record["dataset"]["size"]
+
+
+def test_the_french_dataset_is_deterministic_and_excludes_the_held_out_questions() -> None:
+    script = load_script()
+    first, again = script.french_examples(3, 200), script.french_examples(3, 200)
+    assert first == again and len(first) == 200
+    assert first != script.french_examples(4, 200)
+    held_out = set(script.load_templates()["held_out"])
+    assert not held_out & {ex.question for ex in first}
