@@ -15,8 +15,12 @@ Two parts per mode (the worker is restarted between modes, so every adapter star
 The worker's peak resident memory is sampled and reported against its configured budgets.
 
 The store process runs at ``nice 10``: in a deployment it is another machine, and on a 2-core
-benchmark box it would otherwise take the cores the worker decodes on. The trace rate defaults
-to about half of what the default model sustains here, so TTFT measures loading, not queueing.
+benchmark box it would otherwise take the cores the worker decodes on. For the same reason its
+egress is capped at ``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
+"network" would otherwise run at memory speed and cost the worker's cores, where a real link
+moves the bytes without them. The trace rate defaults
+to about half of what the default model sustains here, so TTFT measures loading and the stalls
+loads cause, not a saturated queue.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class ServeConfig:
     adapters: int = 24
     slots: int = 8
     rank: int = 64
-    rate: float = 0.5  # requests per second
+    rate: float = 1.0  # requests per second, about half of what the default model sustains
     requests: int = 32
     popularity: str = "zipf:1.2"
     max_tokens: int = 32
@@ -64,6 +68,7 @@ class ServeConfig:
     load_phase_s: float = 6.0
     host_cache_bytes: int = 1 << 30
     kv_cache_bytes: int = 512 << 20
+    store_link_mbps: float = 125.0  # the store's egress cap: a 1 Gb/s link; 0 = loopback speed
     seed: int = 0
 
 
@@ -128,6 +133,8 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
         store_args = [
             "store", "serve", "--port", str(store_port), "--cache-dir", str(root / "store"),
         ]
+        if config.store_link_mbps:
+            store_args += ["--egress-limit-mbps", str(config.store_link_mbps)]
         with running(store_args, store_port, nice=10, timeout_s=60):
             target = f"127.0.0.1:{store_port}"
             shape = checkpoint_shape(config.model)

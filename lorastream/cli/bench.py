@@ -114,11 +114,15 @@ def serve(
     adapters: int = typer.Option(24, help="Distinct adapters in the store (more than slots)."),
     slots: int = typer.Option(8, help="Worker device slots (--max-loras)."),
     rank: int = typer.Option(64, help="Rank of every adapter (all linear projections)."),
-    rate: float = typer.Option(0.5, help="Poisson arrival rate, requests per second."),
+    rate: float = typer.Option(1.0, help="Poisson arrival rate, requests per second."),
     requests: int = typer.Option(32, help="Requests in the trace."),
     popularity: str = typer.Option("zipf:1.2", help="distinct, uniform or zipf:ALPHA."),
     max_tokens: int = typer.Option(32, help="Tokens generated per request."),
     background: int = typer.Option(4, help="Long base-model streams in the interference part."),
+    store_link_mbps: float = typer.Option(
+        125.0, help="Cap on the store's egress in MB/s, standing in for the network between "
+        "store and worker (125 = 1 Gb/s); 0 streams at loopback speed.",
+    ),
     seed: int = typer.Option(0, help="Seed of the request trace."),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
@@ -131,6 +135,7 @@ def serve(
     config = ServeConfig(
         model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
         popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
+        store_link_mbps=store_link_mbps,
     )
     _print_result(run_serve_bench(config), output)
 

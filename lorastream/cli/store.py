@@ -28,6 +28,10 @@ def serve(
         None, help="Disk budget in bytes for staged adapters [default: 20 GiB]."
     ),
     chunk_bytes: int | None = typer.Option(None, help="Default stream chunk size [1 MiB]."),
+    egress_limit_mbps: float | None = typer.Option(
+        None, help="Cap on what all streams send together, MB/s (e.g. 125 for a 1 Gb/s link) "
+        "[default: no cap].",
+    ),
     token: str | None = typer.Option(
         None, envvar="LORASTREAM_TOKEN", help="Require this bearer token on operator calls."
     ),
@@ -44,6 +48,7 @@ def serve(
         "cache_dir": cache_dir,
         "cache_bytes": cache_bytes,
         "chunk_bytes": chunk_bytes,
+        "egress_limit_mbps": egress_limit_mbps,
         "token": token,
     }
     run(StoreSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -44,6 +44,12 @@ class StoreSettings(BaseSettings):
         16 << 20, gt=0, description="Largest safetensors header accepted (guards against bombs)."
     )
     max_workers: int = Field(16, gt=0, description="gRPC thread pool size.")
+    egress_limit_mbps: float = Field(
+        0.0,
+        ge=0,
+        description="Cap on the bytes per second (MB/s, 1e6) all streams send together; "
+        "0: no cap. Keeps adapter streams from saturating a shared NIC.",
+    )
     stream_chunk_delay_s: float = Field(
         0.0, ge=0, description="Test hook: sleep this long before sending each stream chunk."
     )

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from lorastream.grpc_service import add_servicer, serve_until_signalled
 from lorastream.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
 from services.adapter_store.config import StoreSettings
+from services.adapter_store.egress import EgressLimiter
 from services.adapter_store.servicer import (
     OPERATOR_METHODS,
     SERVICE,
@@ -67,7 +68,10 @@ def create_server(
         ],
         options=GRPC_OPTIONS,
     )
-    servicer = AdapterStoreServicer(store, settings.chunk_bytes, settings.stream_chunk_delay_s)
+    egress = EgressLimiter(settings.egress_limit_mbps * 1e6) if settings.egress_limit_mbps else None
+    servicer = AdapterStoreServicer(
+        store, settings.chunk_bytes, settings.stream_chunk_delay_s, egress
+    )
     add_servicer(server, servicer, SERVICE)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

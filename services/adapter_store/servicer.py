@@ -14,6 +14,7 @@ from lorastream import codec
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
 from lorastream.manifest import PreloadProgress
+from services.adapter_store.egress import EgressLimiter
 from services.adapter_store.store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -28,11 +29,16 @@ OPERATOR_METHODS = {
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
     def __init__(
-        self, store: AdapterStore, default_chunk_bytes: int, chunk_delay_s: float = 0.0
+        self,
+        store: AdapterStore,
+        default_chunk_bytes: int,
+        chunk_delay_s: float = 0.0,
+        egress: EgressLimiter | None = None,
     ) -> None:
         self._store = store
         self._chunk_bytes = default_chunk_bytes
         self._chunk_delay_s = chunk_delay_s  # test hook (StoreSettings.stream_chunk_delay_s)
+        self._egress = egress  # StoreSettings.egress_limit_mbps
 
     def PreloadAdapter(
         self, request: pb.PreloadAdapterRequest, context: grpc.ServicerContext
@@ -103,6 +109,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
             for chunk in lease.chunks(request.start_tensor, request.start_offset, chunk_bytes):
                 if self._chunk_delay_s:
                     time.sleep(self._chunk_delay_s)
+                if self._egress is not None:
+                    self._egress.acquire(len(chunk.data))
                 if not context.is_active():
                     log.info("stream of %s cancelled by the client", request.name)
                     return

@@ -74,7 +74,7 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
     serve = {
         "benchmark": "serve", "command": "lorastream bench serve",
         "config": {"model": "default", "adapters": 24, "slots": 8, "rank": 64, "rate": 0.5,
-                   "requests": 32, "popularity": "zipf:1.2", "max_tokens": 32, "background": 4},
+                   "store_link_mbps": 125.0, "requests": 32, "popularity": "zipf:1.2", "max_tokens": 32, "background": 4},
         "overlap_on": mode(300.0, 1.1), "overlap_off": off,
         "ttft_p50_on_vs_off": 0.333, "goal_ttft_p50_on_vs_off": "<= 0.5",
         "itl_p99_during_loads_vs_none_overlap_on": 1.1, "goal_itl_p99_ratio": "<= 1.2",
@@ -87,14 +87,16 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                 "ttft_ms": {"p50": 400.0, "p90": 700.0, "p99": 900.0},
                 "itl_ms": {"p50": 70.0, "p90": 90.0, "p99": 140.0},
                 "e2e_ms": {"p50": 3000.0, "p90": 3500.0, "p99": 4000.0}, "errors": 0,
-                "samples": {"ttft_ms": _samples(400.0)}}
+                "samples": {"ttft_ms": _samples(400.0)},
+                "worker": {"store_fetches": min(count, 60), "evictions": {"device": count // 10}}}
 
     scale = {
         "benchmark": "scale", "command": "lorastream bench scale",
         "config": {"model": "default", "counts": [10, 100, 1000], "ranks": [4, 8, 16],
                    "targets": ["q_proj", "v_proj"], "rate": 8.0, "requests": 160,
                    "popularity": "zipf:1.5", "max_tokens": 32, "slots": 16},
-        "registration": {"adapters": 1000, "staged_mb": 900, "preload_ms_per_adapter": 40.0},
+        "registration": {"adapters": 1000, "staged_mb": 900, "seconds": 31.0, "parallel": 4,
+                         "preload_ms_mean": 40.0},
         "runs": [run(10, 4.0), run(100, 3.8), run(1000, 3.4)],
         "throughput_loss_max_vs_min": 0.15, "goal_throughput_loss": "<= 0.10",
         "peft": {"adapters": 1000, "adapters_loaded": 60, "batch_size": 16,
@@ -209,3 +211,19 @@ def test_unparseable_goals_are_none(goal: object) -> None:
 def test_numbers_never_print_none_or_nan(value: object, shown: str) -> None:
     assert number(value) == shown
     assert ratio(value) in {"–", "1,234.56×"}
+
+
+def test_scale_section_reads_registration_and_the_workers_fetches_from_its_json() -> None:
+    page = render_page({"scale": renderer_inputs()["scale"]}, {})
+    assert "registered in 31.0 s, 4 preloads at a time, 40.0 ms each on average" in page
+    assert "names 10 / 60 / 60 distinct adapters at 10 / 100 / 1000" in page
+    assert "fetched 10 / 60 / 60 adapters from the store and evicted 1 / 10 / 100" in page
+    _assert_no_leaks(page)
+
+
+def test_serve_section_states_the_store_link_it_ran_over() -> None:
+    serve = renderer_inputs()["serve"]
+    page = render_page({"serve": serve}, {})
+    assert "egress is capped at 125 MB/s (1.0 Gb/s)" in page
+    loopback = {**serve, "config": {**serve["config"], "store_link_mbps": 0.0}}
+    assert "The store streams at loopback speed." in render_page({"serve": loopback}, {})

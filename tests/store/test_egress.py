@@ -1,0 +1,88 @@
+"""The store's egress cap: streams together stay under the configured rate, on a fake clock and
+through a real store on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lorastream.store_client import BytesSink, StoreClient
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.egress import EgressLimiter
+from services.adapter_store.server import create_server
+from tests.support.models import ALL_LINEAR, make_peft_adapter, make_tiny_llama
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_chunks_are_paced_at_the_rate_and_idle_time_is_not_banked() -> None:
+    clock = FakeClock()
+    limiter = EgressLimiter(1000.0, clock=clock, sleep=clock.sleep)  # 1000 bytes per second
+    assert limiter.acquire(500) == 0.0  # an idle link sends at once
+    assert limiter.acquire(500) == pytest.approx(0.5)  # then waits for the first chunk's time
+    assert limiter.acquire(1000) == pytest.approx(0.5)
+    assert clock.now == pytest.approx(101.0)  # 1000 bytes sent by 101.0, the next 1000 by 102.0
+    clock.now += 10.0  # a quiet period
+    assert limiter.acquire(100) == 0.0
+    assert limiter.acquire(100) == pytest.approx(0.1)  # no burst from the 10 idle seconds
+
+
+def test_reservations_from_many_threads_never_overlap() -> None:
+    limiter = EgressLimiter(1e6)  # 1 MB/s, real clock
+    sizes = [20_000] * 20  # 400 KB: at least 0.38 s whatever the interleaving
+    start = time.monotonic()
+    threads = [threading.Thread(target=limiter.acquire, args=(n,)) for n in sizes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - start >= (sum(sizes) - sizes[0]) / 1e6
+
+
+@pytest.mark.parametrize("rate", [0.0, -5.0])
+def test_a_rate_that_is_not_positive_is_refused(rate: float) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        EgressLimiter(rate)
+
+
+def test_two_streams_through_a_capped_store_share_the_rate(tmp_path: Path) -> None:
+    base = make_tiny_llama(tmp_path / "base")
+    adapter = make_peft_adapter(base, tmp_path / "adapter", rank=16, targets=ALL_LINEAR)
+    nbytes = (adapter / "adapter_model.safetensors").stat().st_size
+    rate_mbps = 2 * nbytes / 1e6 / 0.6  # two streams of the adapter: >= 0.6 s together
+    settings = StoreSettings(port=0, cache_dir=tmp_path / "cache", egress_limit_mbps=rate_mbps)
+    server, port, _ = create_server(settings)
+    server.start()
+    try:
+        with StoreClient(f"127.0.0.1:{port}") as client:
+            for _ in client.preload(str(adapter), "a"):
+                pass
+            sinks = [BytesSink(), BytesSink()]
+            start = time.monotonic()
+            threads = [threading.Thread(target=client.stream_tensors,
+                                        args=("a", sink), kwargs={"chunk_bytes": 16 << 10})
+                       for sink in sinks]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - start
+        streamed = sum(len(buf) for sink in sinks for buf in sink.buffers)
+        assert streamed > 0.9 * 2 * nbytes  # the tensors (the file adds only its header)
+        assert elapsed >= (streamed - (16 << 10)) / (rate_mbps * 1e6)
+    finally:
+        server.stop(grace=None).wait()
