@@ -85,7 +85,9 @@ def _git_commit() -> dict[str, object]:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        # The benchmarks' own outputs (results, plots, the page) do not make the code dirty.
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                         ":(exclude)docs/benchmarks", ":(exclude)docs/BENCHMARKS.md"))
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
     return {"commit": commit, "dirty": dirty}
