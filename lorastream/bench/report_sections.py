@@ -116,7 +116,8 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
         table(GOALS_HEADER, engine_goals(r)),
         _bandwidth_ceiling(r),
         "What the engine does to get here (see [worker.md](worker.md)): one forward pass for the "
-        "whole mixed batch, with q/k/v and gate/up fused for the base model; the LoRA delta in "
+        "whole mixed batch, with q/k/v and gate/up fused for the base model and every base "
+        "projection run through oneDNN on weights reordered once at load; the LoRA delta in "
         "*slot-major* layout (two batched matmuls per projection reading each adapter once, "
         "straight from its slot) when padding is small, else `grouped_mm` (SGMV); decode rows "
         "ordered by slot so that no gather is needed; the delta added with one `addcmul_`.",

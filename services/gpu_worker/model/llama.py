@@ -18,6 +18,7 @@ from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.attention import paged_attention, write_kv
 from services.gpu_worker.model.config import LlamaConfig
 from services.gpu_worker.model.forward_batch import ForwardBatch
+from services.gpu_worker.model.linear import Linear
 from services.gpu_worker.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -71,6 +72,12 @@ class LlamaModel:
             device=device,
         )
         self.scale = config.head_dim**-0.5
+        # The projections, each prepared once for fast products (see linear.py).
+        self.proj = [
+            (Linear(lw.wqkv), Linear(lw.wo), Linear(lw.w_gate_up), Linear(lw.w_down))
+            for lw in weights.layers
+        ]
+        self.lm_head = Linear(weights.lm_head)
 
     @torch.inference_mode()
     def forward(
@@ -86,8 +93,9 @@ class LlamaModel:
         )  # [T, d]
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         for i, layer in enumerate(w.layers):
+            wqkv, wo, w_gate_up, w_down = self.proj[i]
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = h @ layer.wqkv.T  # [T, q + 2 kv]
+            qkv = wqkv(h)  # [T, q + 2 kv]
             if lora is not None:
                 lora.add(i, "q_proj", h, qkv, 0)
                 lora.add(i, "k_proj", h, qkv, q_size)
@@ -99,20 +107,20 @@ class LlamaModel:
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
             attn = paged_attention(q, kv.k[i], kv.v[i], k, v, batch, self.scale)
             attn = attn.reshape(t, q_size)  # [T, q]
-            o = attn @ layer.wo.T  # [T, H]
+            o = wo(attn)  # [T, H]
             if lora is not None:
                 lora.add(i, "o_proj", attn, o, 0)
             x = x + o
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate_up = h @ layer.w_gate_up.T  # [T, 2 I]
+            gate_up = w_gate_up(h)  # [T, 2 I]
             if lora is not None:
                 lora.add(i, "gate_proj", h, gate_up, 0)
                 lora.add(i, "up_proj", h, gate_up, inter)
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
-            down = act @ layer.w_down.T  # [T, H]
+            down = w_down(act)  # [T, H]
             if lora is not None:
                 lora.add(i, "down_proj", act, down, 0)
             x = x + down
         rows = x[batch.logit_rows]  # [n, H]
         rows = rms_norm(rows, w.norm, c.rms_norm_eps)
-        return (rows @ w.lm_head.T).float()  # [n, V]
+        return self.lm_head(rows).float()  # [n, V]
