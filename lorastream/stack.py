@@ -197,8 +197,8 @@ class Stack:
 def examples(stack: Stack, model: str) -> str:
     worker = stack.workers[0]
     adapter = next(iter(stack.config.adapters), model)
-    samples = [name for name in stack.config.adapters if name in SAMPLE_ADAPTERS
-               and stack.config.adapters[name] == sample_adapters()[name]]
+    shipped = sample_adapters()
+    samples = [name for name, uri in stack.config.adapters.items() if shipped.get(name) == uri]
     question = SAMPLE_QUESTION if samples else "Hello!"
     api = f"{stack.gateway}/v1"
     lines = [

@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file: make the repository importable
     sys.path.insert(0, str(ROOT))
 
+from lorastream.bench.peft_peer import left_padded  # noqa: E402
+
 log = logging.getLogger("train_sample_adapters")
 
 TEMPLATES = ROOT / "lorastream" / "samples" / "dataset_templates.json"
@@ -183,9 +185,8 @@ def generate_answers(
     model.eval()
     for start in range(0, len(questions), batch_size):
         prompts = [chat_prompt_ids(tokenizer, q) for q in questions[start : start + batch_size]]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # [B, S]
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids, attention_mask = left_padded(prompts, pad_id)  # [B, S]
+        width = input_ids.shape[1]
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,

@@ -157,15 +157,15 @@ def _peft_rate(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from lorastream.bench.peft_peer import left_padded, pad_token
+
     base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     model = PeftModel.from_pretrained(base, dirs[0], adapter_name="a0")
     for i, path in enumerate(dirs[1:], start=1):
         model.load_adapter(path, adapter_name=f"a{i}")
     model.eval()
-    width = max(len(p) for p in prompts)
-    pad = base.config.eos_token_id if isinstance(base.config.eos_token_id, int) else 0
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    pad = pad_token(base.config)
+    input_ids, mask = left_padded(prompts, pad)  # [B, S]
     names = [f"a{i % len(dirs)}" for i in range(len(prompts))]
 
     def run(n: int) -> None:

@@ -18,8 +18,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
@@ -230,6 +231,18 @@ def spawn(args: list[str], nice: int = 0) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "lorastream.cli.main", *args, "--log-level", "WARNING"],
         preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
+
+
+def running_store(
+    cache_dir: Path, port: int, egress_limit_mbps: float = 0.0
+) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    """The benchmarks' store: ``lorastream store serve`` at ``nice 10`` (in a deployment it is
+    another machine; here it would take the cores the worker decodes on), with its egress
+    capped when ``egress_limit_mbps`` is given."""
+    args = ["store", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    if egress_limit_mbps:
+        args += ["--egress-limit-mbps", str(egress_limit_mbps)]
+    return running(args, port, nice=10, timeout_s=60)
 
 
 @contextmanager

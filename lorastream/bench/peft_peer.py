@@ -20,6 +20,20 @@ from lorastream.peft_writer import write_peft_dir
 from lorastream.store_client import BytesSink, StoreClient
 
 
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` [B, S] of a batch left-padded for ``generate``."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return input_ids, mask
+
+
+def pad_token(config: object) -> int:
+    """The pad id for ``generate``: the model's eos id (a Llama has no pad token), else 0."""
+    eos = getattr(config, "eos_token_id", None)
+    return eos if isinstance(eos, int) else 0
+
+
 def fetch_peft_dirs(store: str, names: list[str], out_root: Path) -> dict[str, Path]:
     """Stream each adapter from the store and write it as a PEFT directory under ``out_root``."""
     dirs = {}
@@ -59,8 +73,7 @@ def run_peft_peer(
 
     prompt_ids = _prompt_ids(checkpoint)
     base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    eos = base.config.eos_token_id
-    pad = eos if isinstance(eos, int) else 0
+    pad = pad_token(base.config)
     with torch.no_grad():  # warm-up, untimed (the worker gets one too)
         base.generate(
             input_ids=torch.tensor([prompt_ids[0]]), max_new_tokens=2, do_sample=False,
@@ -85,10 +98,8 @@ def run_peft_peer(
             loaded.add(name)
         assert model is not None
         t_loaded = time.perf_counter()
-        prompts = [prompt_ids[q] for _, q in chunk]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, S]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, S]
+        input_ids, mask = left_padded([prompt_ids[q] for _, q in chunk], pad)  # [B, S]
+        width = input_ids.shape[1]
         with torch.no_grad():
             out = model.generate(
                 input_ids=input_ids, attention_mask=mask, adapter_names=[n for n, _ in chunk],

@@ -40,6 +40,7 @@ from lorastream.bench.harness import (
     make_shared_arrival_trace,
     replay,
     running,
+    running_store,
     summarise,
     warm_up,
 )
@@ -202,10 +203,7 @@ def run_scale_bench(config: ScaleConfig) -> dict[str, object]:
     dirs: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="lorastream-scale-") as tmp:
         root = Path(tmp)
-        store_args = [
-            "store", "serve", "--port", str(store_port), "--cache-dir", str(root / "store"),
-        ]
-        with running(store_args, store_port, nice=10, timeout_s=60):
+        with running_store(root / "store", store_port):
             registration = register_adapters(store, config, shape, root / "synthetic")
             for count in counts:
                 runs.append(_run_count(config, count, traces[count], store))

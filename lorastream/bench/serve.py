@@ -41,6 +41,7 @@ from lorastream.bench.harness import (
     percentiles,
     replay,
     running,
+    running_store,
     samples_ms,
     stream,
     summarise,
@@ -130,12 +131,7 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
     worker_port = worker_port or free_port()
     with tempfile.TemporaryDirectory(prefix="lorastream-serve-") as tmp:
         root = Path(tmp)
-        store_args = [
-            "store", "serve", "--port", str(store_port), "--cache-dir", str(root / "store"),
-        ]
-        if config.store_link_mbps:
-            store_args += ["--egress-limit-mbps", str(config.store_link_mbps)]
-        with running(store_args, store_port, nice=10, timeout_s=60):
+        with running_store(root / "store", store_port, config.store_link_mbps):
             target = f"127.0.0.1:{store_port}"
             shape = checkpoint_shape(config.model)
             with StoreClient(target) as client:
