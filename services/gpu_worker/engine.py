@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorastream.errors import InvalidArgument, LorastreamError
+from lorastream.errors import InvalidArgument, LorastreamError, SourceUnavailable
 from lorastream.generation import FinishReason, GenerationEvent, PromptInput
 from services.gpu_worker.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.device import Device, Event
@@ -96,6 +96,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._submit_lock = threading.Lock()  # submit vs stop: nothing queued after the drain
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -108,10 +109,16 @@ class Engine:
         return self._thread.is_alive()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop the loop; requests still queued or running end with UNAVAILABLE (never hang)."""
+        with self._submit_lock:
+            self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._intake()
+        gone = SourceUnavailable("the worker is shutting down; retry the request")
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self._fail(seq, gone)
         self.adapters.close()
         self.device.close()
 
@@ -183,9 +190,14 @@ class Engine:
             max_len=max_len,
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
         )
-        if adapter is not None:
-            self.adapters.acquire(adapter)
-        self._inbox.put(seq)
+        with self._submit_lock:
+            if self._stop.is_set():
+                raise SourceUnavailable("the worker is shutting down; retry the request")
+            if adapter is not None:
+                self.adapters.acquire(adapter)
+                if self.adapters.overlap:  # start the store fetch now, not at the next step
+                    self.adapters.ensure_host(adapter)
+            self._inbox.put(seq)
         self._wake.set()
         return stream
 

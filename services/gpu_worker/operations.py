@@ -9,7 +9,7 @@ from lorastream.errors import SourceUnavailable
 from lorastream.generation import AdapterStatus, WorkerStats
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.kv_cache import BLOCK_SIZE
-from services.gpu_worker.loading.manager import AdapterEntry
+from services.gpu_worker.loading.entry import AdapterEntry
 
 LOAD_TIMEOUT_S = 600.0
 

@@ -12,7 +12,7 @@ import torch
 from lorastream.errors import LorastreamError
 from lorastream.generation import GenerationEvent
 from services.gpu_worker.detokenizer import IncrementalDetokenizer
-from services.gpu_worker.loading.manager import AdapterEntry
+from services.gpu_worker.loading.entry import AdapterEntry
 from services.gpu_worker.sampling import SamplingParams
 
 

@@ -145,6 +145,25 @@ def test_a_cancelled_request_leaves_at_once_and_releases_its_slot_references_and
     _still_serves(engine, "mlp-r8")
 
 
+def test_stopping_ends_every_request_in_flight_with_a_clear_error(
+    engine_factory: EngineFactory, tiny_adapters: dict[str, Path]
+) -> None:
+    engine = engine_factory(max_batch_size=1)
+    WorkerOperations(engine).load_adapter("mlp-r8", str(tiny_adapters["mlp-r8"]))
+    params = SamplingParams(max_tokens=1000, ignore_eos=True)
+    running = engine.submit("mlp-r8", _prompt(), params)
+    next(running)
+    waiting = engine.submit("tiny", _prompt(1), params)  # the batch is full: it waits
+    engine.stop()
+    for stream in (running, waiting):
+        with pytest.raises(errors.SourceUnavailable, match="shutting down"):
+            list(stream)  # ends at once instead of waiting forever
+    with pytest.raises(errors.SourceUnavailable, match="shutting down"):
+        engine.submit("tiny", _prompt(), params)
+    assert engine.healthy_after_stop()
+    assert all(e.refs == 0 for e in engine.adapters.entries())
+
+
 def test_new_requests_join_a_running_batch(engine_factory: EngineFactory) -> None:
     engine = engine_factory()
     long = engine.submit("tiny", _prompt(), SamplingParams(max_tokens=60, ignore_eos=True))

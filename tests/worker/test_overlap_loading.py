@@ -88,6 +88,33 @@ def test_running_streams_keep_decoding_while_a_slow_load_is_in_progress(
     assert adapter_tokens == reference[("attn-r4", 0)]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap-on", "overlap-off"])
+def test_an_adapter_is_fetched_and_copied_from_the_requests_arrival_not_the_next_step(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    overlap: bool,
+) -> None:
+    engine = engine_factory(store=store.target, start=False, lora_overlap_loading=overlap)
+    stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])),
+                           SamplingParams(max_tokens=12))
+    entry = next(e for e in engine.adapters.entries() if e.name == "all-r64")
+    deadline = time.monotonic() + 30
+    while overlap and not engine.adapters.ready(entry) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats.steps == 0  # no step has run: the engine loop is not even started
+    if overlap:  # fetched into its host range and copied into a slot, from submit alone
+        assert engine.adapters.ready(entry)
+        arena = engine.adapters.host.arena
+        assert entry.host_offset is not None and entry.weights is not None
+        begin = arena.buffer.data_ptr()
+        for *_, block in entry.weights.blocks:
+            assert begin <= block.data_ptr() < begin + arena.capacity
+    else:  # without overlap, loads happen inside the step, so nothing started
+        time.sleep(0.2)
+        assert entry.weights is None and not entry.fetching and entry.slot is None
+    engine.start()
+    assert [t for event in stream for t in event.token_ids] == reference[("all-r64", 0)]
+
+
 def test_no_step_reads_a_slot_before_its_copy_completed(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
 ) -> None:

@@ -13,6 +13,8 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
 from lorastream.adapter_validation import content_id, validate_adapter_dir
 from lorastream.errors import InvalidAdapter, InvalidArgument, SourceUnavailable
 from lorastream.manifest import AdapterManifest
@@ -73,9 +75,12 @@ class AdapterFetcher:
         """The store's current manifest of ``name`` (its content id decides identity)."""
         return self._store(name).describe(name)
 
-    def fetch(self, name: str, expected_id: str) -> HostAdapterBuffer:
-        """Stream ``name`` from the store into a new host buffer, verified."""
-        buffer = HostAdapterBuffer(self._device)
+    def fetch(
+        self, name: str, expected_id: str, storage: torch.Tensor | None = None
+    ) -> HostAdapterBuffer:
+        """Stream ``name`` from the store into a host buffer, verified: into ``storage`` (a
+        reserved host range, ``[>= nbytes]`` uint8) when given, else a new allocation."""
+        buffer = HostAdapterBuffer(self._device, storage)
         sink = _SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
         started = time.perf_counter()
         manifest = self._store(name).stream_tensors(name, sink, chunk_bytes=self.chunk_bytes)

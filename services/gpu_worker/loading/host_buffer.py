@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from lorastream.adapter_format import parse_lora_key
+from lorastream.errors import SourceUnavailable
 from lorastream.manifest import AdapterManifest, TensorInfo
 from services.gpu_worker.device import Device
 
@@ -51,8 +52,9 @@ def host_nbytes(manifest: AdapterManifest) -> int:
 class HostAdapterBuffer:
     """A :class:`~lorastream.store_client.TensorSink` over one preallocated host buffer."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, storage: torch.Tensor | None = None) -> None:
         self._device = device
+        self._storage = storage  # [>= nbytes] uint8 to land in (an arena range), else allocated
         self.manifest: AdapterManifest | None = None
         self.offsets: list[int] = []
         self.buffer: torch.Tensor | None = None  # [nbytes] uint8, pinned on CUDA
@@ -69,7 +71,15 @@ class HostAdapterBuffer:
             return  # a resumed stream of the same content: keep what already landed
         self.manifest = manifest
         self.offsets, total = _aligned_offsets(manifest)
-        self.buffer = self._device.host_empty(total, torch.uint8)
+        if self._storage is None:
+            self.buffer = self._device.host_empty(total, torch.uint8)
+        elif self._storage.numel() >= total:
+            self.buffer = self._storage[:total]
+        else:  # reserved for the manifest the fetch began with: the store's copy changed since
+            raise SourceUnavailable(
+                f"adapter {manifest.name} changed in the store while it was being fetched (now "
+                f"{total} bytes, {self._storage.numel()} reserved); retry the request"
+            )
         self._np = self.buffer.numpy()
 
     def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:

@@ -23,9 +23,9 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
+
+import torch
 
 from lorastream.errors import (
     AdapterNotFound,
@@ -34,52 +34,18 @@ from lorastream.errors import (
     LorastreamError,
     SourceUnavailable,
 )
-from lorastream.manifest import AdapterManifest
 from services.gpu_worker.cost_model import AdmissionCostModel
 from services.gpu_worker.device import COMPLETED, Device, Event, lower_thread_priority
 from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
+from services.gpu_worker.loading.entry import AdapterEntry, Residency
 from services.gpu_worker.loading.fetcher import AdapterFetcher
-from services.gpu_worker.loading.host_buffer import HostAdapterBuffer, host_nbytes
+from services.gpu_worker.loading.host_buffer import host_nbytes
+from services.gpu_worker.loading.host_tier import HostTier
 from services.gpu_worker.lora.slots import LoraSlots
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.model.config import LlamaConfig
 
 log = logging.getLogger(__name__)
-
-
-class Residency(Enum):
-    REMOTE = "remote"  # known, tensors only in the store
-    LOADING = "loading"  # being fetched to host or copied to a slot
-    HOST = "host"
-    DEVICE = "device"
-
-
-@dataclass
-class AdapterEntry:
-    adapter_id: str
-    name: str
-    manifest: AdapterManifest
-    local_path: Path | None = None
-    weights: AdapterWeights | None = None  # host tier
-    host_bytes: int = 0
-    fetching: bool = False
-    error: LorastreamError | None = None
-    slot: int | None = None
-    slot_event: Event | None = None  # completion of the copy into ``slot``
-    refs: int = 0
-    pinned: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-    fetch_started: float = 0.0  # perf_counter when the store fetch began
-    copy_started: float = 0.0  # perf_counter when the copy into ``slot`` was submitted
-
-    @property
-    def residency(self) -> Residency:
-        if self.slot is not None:
-            event = self.slot_event
-            return Residency.DEVICE if event is None or event.query() else Residency.LOADING
-        if self.fetching:
-            return Residency.LOADING
-        return Residency.HOST if self.weights is not None else Residency.REMOTE
 
 
 class AdapterManager:
@@ -102,6 +68,7 @@ class AdapterManager:
         self.host_budget = host_budget
         self.overlap = overlap
         self.metrics = metrics or WorkerMetrics()
+        self.host = HostTier(device, host_budget, self.metrics)
         self.cost_model = AdmissionCostModel()
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
@@ -163,13 +130,15 @@ class AdapterManager:
             if entry is None:
                 entry = AdapterEntry(weights.adapter_id, name, buffer.manifest, local_path=path)
             if entry.weights is None:
-                if need > self.host_budget or not self._make_host_room(need):
+                if need > self.host_budget or not self.host.reserve(
+                    self._entries.values(), entry, need, arena=False
+                ):
                     raise CapacityExhausted(
                         f"adapter {name} needs {need} bytes of host memory; the host budget "
                         f"({self.host_budget}) is held by adapters in use or pinned: retry later "
                         "or raise --host-cache-bytes"
                     )
-                entry.weights, entry.host_bytes = weights, need
+                entry.weights = weights
             self._entries[weights.adapter_id] = entry
             entry.local_path = path
             entry.pinned = entry.pinned or pin
@@ -217,20 +186,20 @@ class AdapterManager:
                     f"whole host budget ({self.host_budget}); raise --host-cache-bytes"
                 )
                 return
-            if not self._make_host_room(need):
+            if not self.host.reserve(self._entries.values(), entry, need):
                 return  # every byte is held by adapters in use: wait, retried at the next step
             entry.fetching = True
-            entry.host_bytes = need  # reserved now, so concurrent fetches never overshoot
             entry.fetch_started = time.perf_counter()
+            storage = self.host.storage(entry)
         if self.overlap:
-            self._pool.submit(self._fetch, entry)
+            self._pool.submit(self._fetch, entry, storage)
         else:
-            self._fetch(entry)
+            self._fetch(entry, storage)
 
-    def _fetch(self, entry: AdapterEntry) -> None:
+    def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
         try:
             started = time.perf_counter()
-            buffer = self.fetcher.fetch(entry.name, entry.adapter_id)
+            buffer = self.fetcher.fetch(entry.name, entry.adapter_id, storage)
             elapsed = time.perf_counter() - started
             self.metrics.fetch_seconds.observe(elapsed)
             self.cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
@@ -248,38 +217,16 @@ class AdapterManager:
             with self._lock:
                 entry.fetching = False
                 if entry.weights is None:
-                    entry.host_bytes = 0  # release the reservation
+                    self.host.drop(entry)  # release the reservation
+                waited_for = entry.refs > 0 and entry.error is None
+        if self.overlap and waited_for:
+            self.place(entry)  # start the copy into a slot now, not at the next step
 
     def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
         log.warning("adapter %s cannot be loaded: %s", entry.name, err)
         self.metrics.load_failures.inc()
         with self._lock:
             entry.error = err
-
-    def _make_host_room(self, need: int) -> bool:
-        """Evict LRU idle host copies until ``need`` more bytes fit the budget (lock held).
-
-        Idle: unpinned, no queued or running request, not being fetched. False when the adapters
-        in use (or pinned, or in flight) leave no room: the caller waits for references to drop.
-        """
-        used = sum(e.host_bytes for e in self._entries.values())
-        if used + need <= self.host_budget:
-            return True
-        idle = sorted(
-            (e for e in self._entries.values()
-             if e.weights is not None and e.refs == 0 and not e.pinned),
-            key=lambda e: e.last_used,
-        )
-        if used - sum(e.host_bytes for e in idle) + need > self.host_budget:
-            return False  # evicting every idle adapter would not be enough: evict nothing
-        for victim in idle:
-            if used + need <= self.host_budget:
-                break
-            log.info("evicting %s from host memory", victim.name)
-            self.metrics.evictions.labels("host").inc()
-            used -= victim.host_bytes
-            victim.weights, victim.host_bytes = None, 0
-        return True
 
     def ready(self, entry: AdapterEntry) -> bool:
         """True when ``entry`` sits in a slot whose copy completed (never blocks)."""
@@ -381,8 +328,14 @@ class AdapterManager:
                     f"adapter {name} is used by {entry.refs} queued or running requests; retry "
                     "once they finish"
                 )
+            if entry.copying or entry.fetching:
+                self._names[name] = entry.adapter_id
+                raise InvalidArgument(
+                    f"adapter {name} is being loaded on this worker; retry once it is resident"
+                )
             self._evict_slot(entry)
-            entry.weights, entry.host_bytes, entry.pinned = None, 0, False
+            self.host.drop(entry)
+            entry.pinned = False
             if entry.adapter_id not in self._names.values():
                 del self._entries[entry.adapter_id]
 

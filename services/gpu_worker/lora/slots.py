@@ -41,7 +41,7 @@ class LoraSlots:
     ) -> None:
         self.num_slots = num_slots
         self.max_rank = max_rank
-        storage_rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+        self.storage_rank = storage_rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for module, (fan_in, fan_out) in config.module_shapes().items():
@@ -71,14 +71,27 @@ class LoraSlots:
         scaling: float,
         blocks: list[tuple[int, str, str, torch.Tensor]],
     ) -> None:
-        """Zero ``slot`` and copy ``(first layer, module, "A"|"B", block)`` into it, one copy per
-        block of ``n`` consecutive layers (``[n, r, in]`` for A, ``[n, out, r]`` for B).
+        """Copy ``(first layer, module, "A"|"B", block)`` into ``slot``, one copy per block of
+        ``n`` consecutive layers (``[n, r, in]`` for A, ``[n, out, r]`` for B), and zero the rest
+        of the slot: ranks beyond ``rank`` and the layers and modules the adapter leaves alone
+        (the batched ops read them). What the blocks overwrite is not zeroed first.
 
         Runs on the load stream. Copies are non-blocking (pinned host memory on CUDA).
         """
+        covered: dict[tuple[str, str], set[int]] = {}
+        for layer, module, ab, block in blocks:
+            covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
         for module in SUPPORTED_MODULES:
-            self.a[module][:, slot].zero_()
-            self.b[module][:, slot].zero_()
+            a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
+            for ab, rows in (("A", a), ("B", b)):
+                layers = covered.get((module, ab), set())
+                if not layers:
+                    rows.zero_()
+                    continue
+                if rank < self.storage_rank:
+                    (rows[:, rank:] if ab == "A" else rows[:, :, rank:]).zero_()
+                for layer in set(range(rows.shape[0])) - layers:
+                    rows[layer].zero_()
         for layer, module, ab, block in blocks:
             n = block.shape[0]
             if ab == "A":

@@ -1,0 +1,54 @@
+"""One adapter as the worker knows it, across tiers (the adapter manager's record)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from lorastream.errors import LorastreamError
+from lorastream.manifest import AdapterManifest
+from services.gpu_worker.device import Event
+from services.gpu_worker.loading.adapter_weights import AdapterWeights
+
+
+class Residency(Enum):
+    REMOTE = "remote"  # known, tensors only in the store
+    LOADING = "loading"  # being fetched to host or copied to a slot
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass
+class AdapterEntry:
+    adapter_id: str
+    name: str
+    manifest: AdapterManifest
+    local_path: Path | None = None
+    weights: AdapterWeights | None = None  # host tier
+    host_bytes: int = 0  # reserved against the host budget (set when the fetch begins)
+    host_offset: int | None = None  # its range in the host arena; None: allocated on its own
+    fetching: bool = False
+    error: LorastreamError | None = None
+    slot: int | None = None
+    slot_event: Event | None = None  # completion of the copy into ``slot``
+    refs: int = 0
+    pinned: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    fetch_started: float = 0.0  # perf_counter when the store fetch began
+    copy_started: float = 0.0  # perf_counter when the copy into ``slot`` was submitted
+
+    @property
+    def residency(self) -> Residency:
+        if self.slot is not None:
+            event = self.slot_event
+            return Residency.DEVICE if event is None or event.query() else Residency.LOADING
+        if self.fetching:
+            return Residency.LOADING
+        return Residency.HOST if self.weights is not None else Residency.REMOTE
+
+    @property
+    def copying(self) -> bool:
+        """A copy from its host buffer into a slot is still in flight."""
+        return self.slot_event is not None and not self.slot_event.query()

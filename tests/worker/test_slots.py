@@ -1,0 +1,55 @@
+"""Writing an adapter into a slot that held another one leaves exactly the new adapter: what the
+new blocks do not cover (ranks beyond its own, modules and layers it leaves alone) is zero."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.gpu_worker.device import Device
+from services.gpu_worker.loading.adapter_weights import adapter_weights
+from services.gpu_worker.loading.fetcher import AdapterFetcher
+from services.gpu_worker.lora.slots import LoraSlots
+from services.gpu_worker.model.config import LlamaConfig
+
+Blocks = list[tuple[int, str, str, torch.Tensor]]
+
+
+def _blocks(tiny_model: Path, path: Path, first_layer_only: bool) -> tuple[int, float, Blocks]:
+    config = LlamaConfig.from_dir(tiny_model)
+    buffer = AdapterFetcher(Device("cpu"), None).read_local(path.name, path)
+    w = adapter_weights(buffer, config, 64)
+    blocks = list(w.blocks)
+    if first_layer_only:  # as an adapter trained with layers_to_transform=[0] would be
+        blocks = [(layer, m, ab, block[:1]) for layer, m, ab, block in blocks if layer == 0]
+    return w.rank, w.scaling, blocks
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "first_layer_only"),
+    [
+        ("all-r64", "attn-r4", False),  # lower rank, fewer modules
+        ("all-r64", "mlp-r8", False),
+        ("attn-r4", "all-r64", False),  # the whole slot overwritten
+        ("all-r64", "all-r16-rslora", True),  # some layers left alone
+    ],
+)
+def test_a_reused_slot_holds_only_the_new_adapter(
+    tiny_model: Path, tiny_adapters: dict[str, Path], old: str, new: str, first_layer_only: bool
+) -> None:
+    config = LlamaConfig.from_dir(tiny_model)
+    reused = LoraSlots(config, 3, 64, torch.float32, torch.device("cpu"))
+    fresh = LoraSlots(config, 3, 64, torch.float32, torch.device("cpu"))
+    for slots in (reused, fresh):  # a neighbour slot that must stay as it is
+        slots.write(2, "n", *_blocks(tiny_model, tiny_adapters["mlp-r8"], False))
+    reused.write(1, "old", *_blocks(tiny_model, tiny_adapters[old], False))
+    rank, scaling, blocks = _blocks(tiny_model, tiny_adapters[new], first_layer_only)
+    reused.write(1, "new", rank, scaling, blocks)
+    fresh.write(1, "new", rank, scaling, blocks)
+    for module in reused.a:
+        assert torch.equal(reused.a[module], fresh.a[module]), module
+        assert torch.equal(reused.b[module], fresh.b[module]), module
+    assert reused.table[1] == fresh.table[1] and reused.table[1].rank == rank
+    assert any(reused.a[m][:, 1].abs().sum() > 0 for m in reused.a)  # the new one is there
