@@ -1,16 +1,18 @@
 """Serving benchmark: a store and a worker started here, driven with Poisson arrivals over cold
 adapters, run with overlapped loading on and then off, on the same request trace.
 
-Two parts per mode (the worker is restarted between modes, so every adapter starts cold):
+Three parts per mode (the worker is restarted between modes, so every adapter starts cold):
 
 1. **trace**: requests arrive as a Poisson process at ``rate`` per second; each names an
    adapter drawn by ``popularity`` (``distinct``, ``uniform`` or ``zipf:ALPHA``) among more
    adapters than the worker has slots. Reported: TTFT, ITL and end-to-end latency
    (p50/p90/p99) and throughput.
 2. **interference**: ``background`` long base-model streams decode; their inter-token latency is
-   measured first with no loads, then while adapters are loaded one after another (LoadAdapter
-   calls, so the batch itself does not change). Reported: the ITL p99 of running streams during
-   loads over their ITL p99 without loads.
+   measured in windows with no loads and windows while adapters are loaded one after another
+   (LoadAdapter calls, so the batch itself does not change), alternating twice. Reported: the
+   ITL p99 of running streams during loads over their ITL p99 without loads.
+3. **cold probe**: what one cold request waits for (:func:`_run_cold_probe`): its TTFT against
+   the load time (store fetch + copy) plus the TTFT of the same request once resident.
 
 The worker's peak resident memory is sampled and reported against its configured budgets.
 
@@ -25,6 +27,7 @@ loads cause, not a saturated queue.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import threading
 import time
@@ -54,6 +57,9 @@ from lorastream.store_client import StoreClient
 from lorastream.worker_client import WorkerClient
 
 
+PROBE_ADAPTERS = 3  # extra adapters in the store that only the cold probe asks for
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "default"
@@ -66,7 +72,7 @@ class ServeConfig:
     max_tokens: int = 32
     background: int = 4
     background_tokens: int = 2000
-    load_phase_s: float = 6.0
+    load_phase_s: float = 8.0  # quiet and loading windows, each half of it, twice
     host_cache_bytes: int = 1 << 30
     kv_cache_bytes: int = 512 << 20
     store_link_mbps: float = 125.0  # the store's egress cap: a 1 Gb/s link; 0 = loopback speed
@@ -81,40 +87,62 @@ def _run_trace(worker: str, config: ServeConfig) -> dict[str, object]:
     return summarise(results, start)
 
 
+class _Background:
+    """``count`` long base-model streams decoding until :meth:`close` (their calls cancelled)."""
+
+    def __init__(self, worker: str, count: int, tokens: int, prompt: PromptInput) -> None:
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        self.results = [RequestResult(arrival=time.perf_counter()) for _ in range(count)]
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=stream, args=(worker, "base", prompt, params, r, self._stop))
+            for r in self.results
+        ]
+        for t in self._threads:
+            t.start()
+        while any(len(r.token_times) < 3 for r in self.results):  # all decoding
+            time.sleep(0.01)
+
+    @property
+    def ended(self) -> bool:
+        return any(r.end is not None for r in self.results)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
 def _run_interference(worker: str, config: ServeConfig, prompt: PromptInput) -> dict[str, object]:
-    params = SamplingParams(max_tokens=config.background_tokens, ignore_eos=True)
-    results = [RequestResult(arrival=time.perf_counter()) for _ in range(config.background)]
-    stop = threading.Event()
-    threads = [threading.Thread(target=stream, args=(worker, "base", prompt, params, r, stop))
-               for r in results]
-    for t in threads:
-        t.start()
-    while any(len(r.token_times) < 3 for r in results):  # all decoding
-        time.sleep(0.01)
-    quiet_start = time.perf_counter()
-    time.sleep(config.load_phase_s / 2)
-    quiet = (quiet_start, time.perf_counter())
-    load_start = time.perf_counter()
+    background = _Background(worker, config.background, config.background_tokens, prompt)
+    # Quiet, loading, quiet, loading: drift of a shared machine then weighs on both sides.
+    quiet: list[tuple[float, float]] = []
+    loading: list[tuple[float, float]] = []
     loads = 0
     with WorkerClient(worker) as client:
-        # Cycle through the adapters for at least `load_phase_s`: with more adapters than slots
-        # (and than the host budget holds) every load evicts one, and later ones re-fetch.
-        while time.perf_counter() - load_start < config.load_phase_s or loads < config.adapters:
-            if any(r.end is not None for r in results):
-                break
-            client.load_adapter(f"a{loads % config.adapters}")
-            loads += 1
-    loading = (load_start, time.perf_counter())
-    stop.set()  # the background streams end here (their calls are cancelled)
-    for t in threads:
-        t.join()
-    quiet_gaps, loading_gaps = itls(results, quiet), itls(results, loading)
+        for _ in range(2):
+            begin = time.perf_counter()
+            time.sleep(config.load_phase_s / 2)
+            quiet.append((begin, time.perf_counter()))
+            # Cycle through the adapters: with more adapters than slots (and than the host
+            # budget holds) every load evicts one, and later ones re-fetch.
+            begin, first = time.perf_counter(), loads
+            while (time.perf_counter() - begin < config.load_phase_s / 2
+                   or 2 * (loads - first) < config.adapters):
+                if background.ended:
+                    break
+                client.load_adapter(f"a{loads % config.adapters}")
+                loads += 1
+            loading.append((begin, time.perf_counter()))
+    background.close()
+    quiet_gaps = [g for w in quiet for g in itls(background.results, w)]
+    loading_gaps = [g for w in loading for g in itls(background.results, w)]
     quiet_p99 = percentiles(quiet_gaps)["p99"]
     loading_p99 = percentiles(loading_gaps)["p99"]
     return {
         "background_streams": config.background,
         "loads": loads,
-        "load_seconds": round(loading[1] - loading[0], 2),
+        "load_seconds": round(sum(end - begin for begin, end in loading), 2),
         "itl_p99_ms_no_loads": quiet_p99,
         "itl_p99_ms_during_loads": loading_p99,
         "itl_p99_ratio": round(loading_p99 / quiet_p99, 3) if quiet_p99 and loading_p99 else None,
@@ -122,6 +150,49 @@ def _run_interference(worker: str, config: ServeConfig, prompt: PromptInput) -> 
             "itl_ms_no_loads": samples_ms(quiet_gaps),
             "itl_ms_during_loads": samples_ms(loading_gaps),
         },
+    }
+
+
+def _ttft(worker: str, model: str, prompt: PromptInput) -> float | None:
+    result = RequestResult(arrival=time.perf_counter())
+    stream(worker, model, prompt, SamplingParams(max_tokens=2, ignore_eos=True), result)
+    if result.error is not None or result.first_token is None:
+        raise RuntimeError(f"probe request for {model} failed: {result.error}")
+    return result.first_token - result.arrival
+
+
+def _run_cold_probe(worker: str, config: ServeConfig, prompt: PromptInput) -> dict[str, object]:
+    """What a cold request waits for, while ``background`` base-model streams decode.
+
+    Per probe adapter (one no trace request names, so cold): the TTFT of a request for it; the
+    TTFT of a second request, now that it is resident (a step boundary and a prefill step); and,
+    after unloading it, how long LoadAdapter takes (store fetch + copy into a slot). With overlap,
+    cold TTFT ~= load + warm TTFT: the load is the only wait added, and nothing of it is left
+    to hide behind the running batch.
+    """
+    background = _Background(worker, config.background, config.background_tokens, prompt)
+    cold, warm, load = [], [], []
+    with WorkerClient(worker) as client:
+        for i in range(PROBE_ADAPTERS):
+            name = f"probe{i}"
+            cold.append(_ttft(worker, name, prompt))
+            warm.append(_ttft(worker, name, prompt))
+            client.unload_adapter(name)
+            began = time.perf_counter()
+            client.load_adapter(name)
+            load.append(time.perf_counter() - began)
+    background.close()
+
+    def median_ms(values: list[float | None]) -> float:
+        return round(statistics.median(v for v in values if v is not None) * 1000, 1)
+
+    return {
+        "probes": PROBE_ADAPTERS,
+        "cold_ttft_ms": median_ms(cold),
+        "warm_ttft_ms": median_ms(warm),
+        "load_ms": median_ms(load),
+        "samples": {"cold_ttft_ms": samples_ms(cold), "warm_ttft_ms": samples_ms(warm),
+                    "load_ms": samples_ms(load)},
     }
 
 
@@ -135,10 +206,12 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
             target = f"127.0.0.1:{store_port}"
             shape = checkpoint_shape(config.model)
             with StoreClient(target) as client:
-                for i in range(config.adapters):
-                    path = make_synthetic_adapter(root / f"a{i}", shape, rank=config.rank,
-                                                  targets=ALL_LINEAR, seed=i)
-                    for _ in client.preload(str(path), f"a{i}"):
+                names = [f"a{i}" for i in range(config.adapters)]
+                names += [f"probe{i}" for i in range(PROBE_ADAPTERS)]
+                for seed, name in enumerate(names):
+                    path = make_synthetic_adapter(root / name, shape, rank=config.rank,
+                                                  targets=ALL_LINEAR, seed=seed)
+                    for _ in client.preload(str(path), name):
                         pass
                     (path / "adapter_model.safetensors").unlink()  # staged: free the disk
             modes = {}
@@ -174,12 +247,14 @@ def _run_mode(config: ServeConfig, overlap: str, store: str, port: int) -> dict:
         warm_up(target)
         trace = _run_trace(target, config)
         interference = _run_interference(target, config, PROMPTS[0])
+        cold_probe = _run_cold_probe(target, config, PROMPTS[1])
         with WorkerClient(target) as client:
             stats = client.stats()
         sampler.stop.set()
     return {
         "trace": trace,
         "interference": interference,
+        "cold_probe": cold_probe,
         "worker_peak_rss_mb": round(sampler.peak / 1e6),
         "worker_budgets_mb": {
             "host_adapters": round(stats.host_bytes_budget / 1e6),

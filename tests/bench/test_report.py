@@ -66,6 +66,8 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                              "itl_p99_ms_during_loads": 70.0 * ratio_, "itl_p99_ratio": ratio_,
                              "samples": {"itl_ms_no_loads": _samples(50.0),
                                          "itl_ms_during_loads": _samples(55.0)}},
+            "cold_probe": {"probes": 3, "cold_ttft_ms": ttft * 3, "load_ms": ttft * 2,
+                           "warm_ttft_ms": ttft},
             "worker_peak_rss_mb": 1800,
         }
 
@@ -227,3 +229,16 @@ def test_serve_section_states_the_store_link_it_ran_over() -> None:
     assert "egress is capped at 125 MB/s (1.0 Gb/s)" in page
     loopback = {**serve, "config": {**serve["config"], "store_link_mbps": 0.0}}
     assert "The store streams at loopback speed." in render_page({"serve": loopback}, {})
+
+
+@pytest.mark.parametrize(("ratio", "said"), [(0.333, False), (0.7, True)])
+def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said: bool) -> None:
+    serve = {**renderer_inputs()["serve"], "ttft_p50_on_vs_off": ratio}
+    page = render_page({"serve": serve}, {})
+    row = next(line for line in page.splitlines() if line.startswith("| cold probe: LoadAdapter"))
+    assert row == "| cold probe: LoadAdapter, store fetch + copy (ms) | 600.0 | 1,800.0 |"
+    # overlap on: cold 900 = load 600 + resident 300
+    assert "first token came after 900.0 ms" in page and "600.0 ms (LoadAdapter)" in page
+    assert "300.0 ms (the step in progress" in page and "900.0 ms together" in page
+    assert ("which this trace's load does not do" in page) is said
+    _assert_no_leaks(page)

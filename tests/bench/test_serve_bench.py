@@ -27,3 +27,6 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         interference = result[mode]["interference"]["samples"]
         assert interference["itl_ms_no_loads"]
         assert set(interference) == {"itl_ms_no_loads", "itl_ms_during_loads"}
+        probe = result[mode]["cold_probe"]
+        assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
+        assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
