@@ -46,7 +46,9 @@ def serve(
     max_seq_len: int | None = typer.Option(None, help="Longest prompt + completion [2048]."),
     kv_cache_bytes: int | None = typer.Option(None, help="KV cache budget in bytes [1 GiB]."),
     host_cache_bytes: int | None = typer.Option(
-        None, help="Host memory budget for adapters in bytes [4 GiB]."
+        None,
+        help="Host memory budget for adapters in bytes [4 GiB]: one buffer, allocated at start "
+        "(pinned on CUDA) and reused by every load.",
     ),
     lora_overlap_loading: OnOff | None = typer.Option(
         None,

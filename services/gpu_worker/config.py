@@ -70,7 +70,11 @@ class WorkerSettings(BaseSettings):
     max_seq_len: int = Field(2048, gt=0, description="Longest prompt + completion.")
     kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget.")
     host_cache_bytes: int = Field(
-        4 << 30, gt=0, description="Host-memory budget for adapters (LRU over unused ones)."
+        4 << 30,
+        gt=0,
+        description="Host-memory budget for adapters (LRU over unused ones): one buffer of this "
+        "size, allocated at start (pinned on CUDA; on the CPU its pages are taken as adapters "
+        "land) and reused, so loads never allocate.",
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
     loader_nice: int = Field(
