@@ -118,8 +118,9 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
         "What the engine does to get here (see [worker.md](worker.md)): one forward pass for the "
         "whole mixed batch, with q/k/v and gate/up fused for the base model and every base "
         "projection run through oneDNN on weights reordered once at load; the LoRA delta in "
-        "*slot-major* layout (two batched matmuls per projection reading each adapter once, "
-        "straight from its slot) when padding is small, else `grouped_mm` (SGMV); decode rows "
+        "*slot-major* layout (batched matmuls reading each adapter once, straight from its "
+        "slot, with one shrink shared by q/k/v and one by gate/up, whose A are stored side by "
+        "side) when padding is small, else `grouped_mm` (SGMV); decode rows "
         "ordered by slot so that no gather is needed; the delta added with one `addcmul_`.",
     ]
     return _join(parts)

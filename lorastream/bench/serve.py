@@ -20,9 +20,9 @@ The store process runs at ``nice 10``: in a deployment it is another machine, an
 benchmark box it would otherwise take the cores the worker decodes on. For the same reason its
 egress is capped at ``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
 "network" would otherwise run at memory speed and cost the worker's cores, where a real link
-moves the bytes without them. The trace rate defaults
-to about half of what the default model sustains here, so TTFT measures loading and the stalls
-loads cause, not a saturated queue.
+moves the bytes without them. The default rate (1 request/s) is about what the worker sustains
+with these adapters (every step reads each distinct rank-64 adapter of the batch once): busy,
+without a queue that grows through the trace; at 1.5 requests/s both modes saturate.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ServeConfig:
     adapters: int = 24
     slots: int = 8
     rank: int = 64
-    rate: float = 1.0  # requests per second, about half of what the default model sustains
+    rate: float = 1.0  # requests per second: about what the worker sustains with these adapters
     requests: int = 32
     popularity: str = "zipf:1.2"
     max_tokens: int = 32

@@ -7,7 +7,7 @@ import torch
 
 from kernels.reference import sgmv_expand_ref, sgmv_shrink_ref
 from kernels.workloads import segment_lengths
-from services.gpu_worker.lora.backend import TorchLoraBackend
+from services.gpu_worker.lora.backend import LoraStep, TorchLoraBackend
 from services.gpu_worker.lora.slots import LoraSlots, SlotInfo
 from services.gpu_worker.model.config import LlamaConfig
 
@@ -124,3 +124,43 @@ def test_an_adapter_reaches_its_slot_in_one_copy_per_module_and_matrix(
             group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             name = f"base_model.model.model.layers.{layer}.{group}.{module}.lora_{ab}.weight"
             assert torch.equal(block[layer], views[name])
+
+
+@pytest.mark.parametrize(
+    ("ranks", "fused"),
+    [([8, 8, 8], True), ([8, 4, 8], True), ([4, 4, 4], False)],
+    ids=["full-rank", "mixed-ranks", "ranks-below-storage"],
+)
+def test_projections_of_one_input_share_one_shrink_and_match_one_by_one(
+    ranks: list[int], fused: bool
+) -> None:
+    config = _config(32)
+    gen = torch.Generator().manual_seed(3)
+    slots = LoraSlots(config, len(ranks), 8, torch.float32, torch.device("cpu"))
+    qkv = ("q_proj", "k_proj", "v_proj")
+    for s, rank in enumerate(ranks):
+        for module in qkv:
+            slots.a[module][0, s, :rank].normal_(0, 0.1, generator=gen)
+            slots.b[module][0, s, :, :rank].normal_(0, 0.1, generator=gen)
+        slots.table[s] = SlotInfo(f"id{s}", rank, 0.5 + s, frozenset(qkv))
+    # a[m] are views of the group's storage: writing them filled the fused tensor
+    assert slots.a["k_proj"].data_ptr() == slots.a_groups[qkv][:, :, 8:].data_ptr()
+    backend = TorchLoraBackend(torch.float32, torch.device("cpu"))
+    token_slots = [0, 1, 2, -1]  # decode-like: one row per slot, and a base-model row
+    meta = backend.prepare(token_slots, slots)
+    assert meta is not None and meta.slot_major
+    x = torch.randn(4, 32, generator=gen)
+    widths = [config.module_shapes()[m][1] for m in qkv]
+    cols = (0, widths[0], widths[0] + widths[1])
+    before = torch.randn(4, sum(widths), generator=gen)
+    one_by_one, grouped = before.clone(), before.clone()
+    step = LoraStep(slots, backend, meta)
+    for module, col in zip(qkv, cols):
+        step.add(0, module, x, one_by_one, col)
+    b_rows = [slots.b[m][0] for m in qkv]
+    took = backend.add_group(x, slots.a_groups[qkv][0], b_rows, grouped.clone(), list(cols), meta)
+    assert took is fused
+    step.add_group(0, qkv, x, grouped, cols)
+    torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-6)
+    assert torch.equal(grouped[3], before[3])  # the base-model row gets no delta
+    assert not torch.allclose(grouped[:3], before[:3])  # the adapter rows do

@@ -200,8 +200,37 @@ class TorchLoraBackend:
             else:  # strides grouped_mm cannot take: gather the weights per row
                 h = torch.bmm(xs.unsqueeze(1), a_t[meta.sorted_slots])  # [P, 1, r]
                 y = torch.bmm(h, b_t[meta.sorted_slots]).squeeze(1)  # [P, N]
+        self._accumulate(y, out, col, meta)
+
+    def add_group(
+        self,
+        x: torch.Tensor,  # [T, K]
+        a: torch.Tensor,  # [S, G * R, K]: the A of G projections that read x
+        bs: list[torch.Tensor],  # G x [S, N_g, R]
+        out: torch.Tensor,  # [T, N_total]
+        cols: list[int],
+        meta: LoraStepMeta,
+    ) -> bool:
+        """The deltas of G projections of the same input, shrunk in ONE matmul; False (nothing
+        done) unless the step is slot-major and its largest rank fills the slots' rank R."""
+        rank = a.shape[1] // len(bs)
+        if not meta.slot_major or meta.max_rank != rank:
+            return False
+        s, m = meta.slot_range, meta.per_slot
+        xs = x if meta.layout_rows is None else x.index_select(0, meta.layout_rows)  # [P, K]
+        h = torch.bmm(xs.view(s, m, -1), a[:s].transpose(1, 2))  # [S_range, m, G * R]
+        for g, (b, col) in enumerate(zip(bs, cols, strict=True)):
+            n = b.shape[1]
+            part = h[:, :, g * rank : (g + 1) * rank]  # [S_range, m, R]
+            y = torch.bmm(part, b[:s].transpose(1, 2)).view(s * m, n)  # [P, N_g]
+            self._accumulate(y, out, col, meta)
+        return True
+
+    @staticmethod
+    def _accumulate(y: torch.Tensor, out: torch.Tensor, col: int, meta: LoraStepMeta) -> None:
+        """out[:, col:col+N] += row_scale * y, y [P, N] back in batch-row order."""
         delta = y if meta.output_rows is None else y.index_select(0, meta.output_rows)  # [T, N]
-        out[:, col : col + n].addcmul_(delta, meta.row_scale)
+        out[:, col : col + y.shape[1]].addcmul_(delta, meta.row_scale)
 
 
 class LoraStep:
@@ -217,3 +246,20 @@ class LoraStep:
             self._backend.add(
                 x, self._slots.a[module][layer], self._slots.b[module][layer], out, col, self._meta
             )
+
+    def add_group(
+        self, layer: int, modules: tuple[str, ...], x: torch.Tensor, out: torch.Tensor,
+        cols: tuple[int, ...],
+    ) -> None:
+        """:meth:`add` for projections that read the same ``x`` (q/k/v, gate/up): one shrink
+        for all of them when the backend can and every one of them is adapted in this step."""
+        fused = getattr(self._backend, "add_group", None)
+        group = self._slots.a_groups.get(modules)
+        if (
+            fused is not None and group is not None and self._meta.modules.issuperset(modules)
+            and fused(x, group[layer], [self._slots.b[m][layer] for m in modules], out,
+                      list(cols), self._meta)
+        ):
+            return
+        for module, col in zip(modules, cols, strict=True):
+            self.add(layer, module, x, out, col)

@@ -5,6 +5,10 @@ Per adapted module ``m`` (q, k, v, o, gate, up, down)::
     a[m]: [num_layers, S, R, in_m]     lora_A of slot s in rows :rank_s, zeros beyond
     b[m]: [num_layers, S, out_m, R]    lora_B of slot s in columns :rank_s, zeros beyond
 
+The A of projections that read the same input (q/k/v, gate/up) are views of one tensor per
+group, ``a_groups[(q, k, v)]: [num_layers, S, 3 R, in]``, so one matmul shrinks that input for
+every projection of the group.
+
 (the ``A[S, R, K]`` / ``B[S, N, R]`` layout the SGMV kernels take, one layer at a time).
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
 may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
@@ -20,6 +24,11 @@ from lorastream.adapter_format import SUPPORTED_MODULES
 from services.gpu_worker.model.config import LlamaConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
+# Projections that read the same input (the base model fuses them too): their A share storage.
+SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
 
 
 @dataclass
@@ -42,12 +51,25 @@ class LoraSlots:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.storage_rank = storage_rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
+        shapes = config.module_shapes()
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        for module, (fan_in, fan_out) in config.module_shapes().items():
-            self.a[module] = torch.zeros(
-                (config.num_layers, num_slots, storage_rank, fan_in), dtype=dtype, device=device
+        # a_groups[group]: [L, S, G * R, in], the A of G modules that read the same input, so
+        # that one matmul shrinks it for all of them; a[m] is a view of its part, [L, S, R, in].
+        self.a_groups: dict[tuple[str, ...], torch.Tensor] = {}
+        grouped = {m for group in SHARED_INPUT_GROUPS for m in group}
+        groups = [*SHARED_INPUT_GROUPS, *((m,) for m in shapes if m not in grouped)]
+        for group in groups:
+            fan_in = shapes[group[0]][0]
+            assert all(shapes[m][0] == fan_in for m in group), f"{group} read different inputs"
+            fused = torch.zeros(
+                (config.num_layers, num_slots, len(group), storage_rank, fan_in),
+                dtype=dtype, device=device,
             )
+            self.a_groups[group] = fused.view(config.num_layers, num_slots, -1, fan_in)
+            for index, module in enumerate(group):
+                self.a[module] = fused[:, :, index]
+        for module, (_, fan_out) in shapes.items():
             self.b[module] = torch.zeros(
                 (config.num_layers, num_slots, fan_out, storage_rank), dtype=dtype, device=device
             )

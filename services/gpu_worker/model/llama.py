@@ -22,6 +22,10 @@ from services.gpu_worker.model.linear import Linear
 from services.gpu_worker.model.rope import RotaryEmbedding, apply_rotary
 
 
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
 class LoraHook(Protocol):
     """Adds LoRA deltas of one step; built per step by the engine (None: base model only)."""
 
@@ -29,6 +33,12 @@ class LoraHook(Protocol):
         self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int
     ) -> None:
         """out[:, col:col+N] += delta of ``module`` in ``layer`` for x [T, in] (per token)."""
+
+    def add_group(
+        self, layer: int, modules: tuple[str, ...], x: torch.Tensor, out: torch.Tensor,
+        cols: tuple[int, ...],
+    ) -> None:
+        """:meth:`add` for each of ``modules`` (which all read ``x``) at its column."""
 
 
 @dataclass
@@ -97,9 +107,7 @@ class LlamaModel:
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = wqkv(h)  # [T, q + 2 kv]
             if lora is not None:
-                lora.add(i, "q_proj", h, qkv, 0)
-                lora.add(i, "k_proj", h, qkv, q_size)
-                lora.add(i, "v_proj", h, qkv, q_size + kv_size)
+                lora.add_group(i, QKV, h, qkv, (0, q_size, q_size + kv_size))
             q = qkv[:, :q_size].view(t, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(t, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(t, c.num_kv_heads, c.head_dim)
@@ -114,8 +122,7 @@ class LlamaModel:
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate_up = w_gate_up(h)  # [T, 2 I]
             if lora is not None:
-                lora.add(i, "gate_proj", h, gate_up, 0)
-                lora.add(i, "up_proj", h, gate_up, inter)
+                lora.add_group(i, GATE_UP, h, gate_up, (0, inter))
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
             down = w_down(act)  # [T, H]
             if lora is not None:
