@@ -115,10 +115,13 @@ class Engine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        self._intake()
-        gone = SourceUnavailable("the worker is shutting down; retry the request")
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            self._fail(seq, gone)
+        if not self._thread.is_alive():  # the loop is gone: its state is ours to wind down
+            self._intake()
+            gone = SourceUnavailable("the worker is shutting down; retry the request")
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                self._fail(seq, gone)
+        else:
+            log.error("the engine loop did not stop within 30 s; requests in flight are left")
         self.adapters.close()
         self.device.close()
 
