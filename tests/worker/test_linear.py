@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from services.gpu_worker.model.linear import Linear
+from tests.worker.conftest import EngineFactory
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 32, 133])
@@ -44,3 +48,22 @@ def test_prepacking_can_be_turned_off() -> None:
     assert not linear.prepacked
     x = torch.randn(4, 16)
     assert torch.equal(linear(x), x @ weight.T)
+
+
+def test_a_prepacked_weight_is_not_kept_twice() -> None:
+    weight = torch.randn(64, 32)
+    ref = weakref.ref(weight)
+    linear = Linear(weight)
+    assert linear.prepacked  # the CPU build of torch ships oneDNN
+    del weight
+    gc.collect()
+    assert ref() is None and linear.weight is None  # only the prepacked copy is left
+    assert linear(torch.randn(3, 32)).shape == (3, 64)
+    assert linear(torch.randn(0, 32)).shape == (0, 64)
+
+
+def test_the_model_holds_each_projection_once(engine_factory: EngineFactory) -> None:
+    model = engine_factory(start=False).model
+    for layer, proj in zip(model.weights.layers, model.proj, strict=True):
+        assert (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down) == (None, None, None, None)
+        assert all(p.prepacked and p.weight is None for p in proj)

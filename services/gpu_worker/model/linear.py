@@ -34,19 +34,25 @@ class Linear:
     """A bias-free projection: ``linear(x)`` = ``x @ weight.T`` for x [T, K] -> [T, N]."""
 
     def __init__(self, weight: torch.Tensor, prepack: bool = True) -> None:
-        self.weight = weight  # [N, K]
+        self.out_features = weight.shape[0]
         self._packed: torch.Tensor | None = None
         if prepack and _can_prepack(weight):
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
             except RuntimeError as err:  # an unusual shape or build: the plain product works
                 log.debug("no oneDNN prepacking for a %s weight: %s", list(weight.shape), err)
+        # [N, K], kept only when the product uses it: a prepacked weight is a full copy, and
+        # the original is freed once its owner lets go of it too.
+        self.weight: torch.Tensor | None = None if self._packed is not None else weight
 
     @property
     def prepacked(self) -> bool:
         return self._packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self._packed is None or x.shape[0] == 0:
+        if self._packed is None:
+            assert self.weight is not None
             return x @ self.weight.T
+        if x.shape[0] == 0:
+            return x.new_empty((0, self.out_features))
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")

@@ -43,12 +43,15 @@ class LoraHook(Protocol):
 
 @dataclass
 class LayerWeights:
+    """One layer's weights as loaded; :class:`LlamaModel` takes the projections over (as
+    :class:`Linear`) and sets them to None here, so no second copy stays in memory."""
+
     attn_norm: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [q + 2 kv, H]
-    wo: torch.Tensor  # [H, q]
+    wqkv: torch.Tensor | None  # [q + 2 kv, H]
+    wo: torch.Tensor | None  # [H, q]
     mlp_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [2 I, H]
-    w_down: torch.Tensor  # [H, I]
+    w_gate_up: torch.Tensor | None  # [2 I, H]
+    w_down: torch.Tensor | None  # [H, I]
 
 
 @dataclass
@@ -83,11 +86,15 @@ class LlamaModel:
         )
         self.scale = config.head_dim**-0.5
         # The projections, each prepared once for fast products (see linear.py).
-        self.proj = [
-            (Linear(lw.wqkv), Linear(lw.wo), Linear(lw.w_gate_up), Linear(lw.w_down))
-            for lw in weights.layers
-        ]
-        self.lm_head = Linear(weights.lm_head)
+        self.proj: list[tuple[Linear, Linear, Linear, Linear]] = []
+        for lw in weights.layers:
+            assert lw.wqkv is not None and lw.wo is not None
+            assert lw.w_gate_up is not None and lw.w_down is not None
+            self.proj.append(
+                (Linear(lw.wqkv), Linear(lw.wo), Linear(lw.w_gate_up), Linear(lw.w_down))
+            )
+            lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
+        self.lm_head = Linear(weights.lm_head)  # tied: the embedding stays for the lookup
 
     @torch.inference_mode()
     def forward(
