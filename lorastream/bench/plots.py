@@ -5,7 +5,6 @@ path written, or None when the result lacks the data for that plot (e.g. no raw 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
+from lorastream.bench.report_format import as_number, get  # noqa: E402
+
 _SIZE = (9.0, 6.0)  # inches at 100 dpi: 900 x 600 pixels
 _DPI = 100
 _MODES = (("overlap_on", "overlap on", "tab:blue"), ("overlap_off", "overlap off", "tab:orange"))
@@ -27,7 +28,7 @@ _MODES = (("overlap_on", "overlap on", "tab:blue"), ("overlap_off", "overlap off
 def ttft_itl_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
     """TTFT and ITL CDFs of the serve trace, overlapped loading on vs off (two panels)."""
     series = {
-        key: {mode: _floats(_get(serve, mode, "trace", "samples", key)) for mode, _, _ in _MODES}
+        key: {mode: _floats(get(serve, mode, "trace", "samples", key)) for mode, _, _ in _MODES}
         for key in ("ttft_ms", "itl_ms")
     }
     if not any(values for per_mode in series.values() for values in per_mode.values()):
@@ -48,7 +49,7 @@ def interference_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
     drawn: list[list[float]] = []
     for mode, name, color in _MODES:
-        samples = _get(serve, mode, "interference", "samples") or {}
+        samples = get(serve, mode, "interference", "samples") or {}
         for key, when, style in (("itl_ms_no_loads", "no loads", ":"),
                                  ("itl_ms_during_loads", "during loads", "-")):
             values = _floats(samples.get(key))
@@ -59,7 +60,7 @@ def interference_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
         plt.close(fig)
         return None
     _cdf_axes(ax, "inter-token latency of running base-model streams (ms)", "", drawn)
-    streams = _get(serve, "overlap_on", "interference", "background_streams")
+    streams = get(serve, "overlap_on", "interference", "background_streams")
     fig.suptitle(
         "Decode interference: running streams while adapters load\n"
         + _serve_config(serve) + (f", {streams} background streams" if streams else "")
@@ -69,7 +70,7 @@ def interference_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
 
 def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
     """Throughput and TTFT p50/p99 against the number of adapters (log x); PEFT as reference."""
-    runs = [r for r in scale.get("runs") or [] if _num(r.get("adapters")) is not None]
+    runs = [r for r in scale.get("runs") or [] if as_number(r.get("adapters")) is not None]
     runs.sort(key=lambda r: r["adapters"])
     if not runs:
         return None
@@ -77,7 +78,7 @@ def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=_SIZE, dpi=_DPI)
     _line(left, counts, [r.get("throughput_req_s") for r in runs], "lorastream", "tab:blue", "o")
     peft = scale.get("peft") or {}
-    peft_rate = _num(peft.get("throughput_req_s"))
+    peft_rate = as_number(peft.get("throughput_req_s"))
     if peft_rate is not None:
         left.axhline(peft_rate, color="tab:red", linestyle="--",
                      label=f"HF + PEFT ({peft.get('adapters', max(counts))} adapters)")
@@ -85,7 +86,7 @@ def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
     left.set_ylabel("throughput (requests/s)")
     left.set_title("Throughput")
     for key, style in (("p50", "o-"), ("p99", "s--")):
-        values = [_get(r, "ttft_ms", key) for r in runs]
+        values = [get(r, "ttft_ms", key) for r in runs]
         _line(right, counts, values, f"TTFT {key}", "tab:green", style[0], style[1:])
     right.set_ylim(bottom=0)
     right.set_ylabel("time to first token (ms)")
@@ -109,7 +110,7 @@ def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
 
 def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
     """MB/s against chunk size (log2 x) for the bare gRPC stream, the store and verified."""
-    points = [p for p in transfer.get("points") or [] if _num(p.get("chunk_bytes"))]
+    points = [p for p in transfer.get("points") or [] if as_number(p.get("chunk_bytes"))]
     points.sort(key=lambda p: p["chunk_bytes"])
     if not points:
         return None
@@ -130,7 +131,7 @@ def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    mb = _num(transfer.get("adapter_bytes"))
+    mb = as_number(transfer.get("adapter_bytes"))
     size = f"{mb / 1e6:.0f} MB adapter" if mb else "synthetic adapter"
     fig.suptitle(f"Adapter stream on loopback: {size}, {transfer.get('repeats', '?')} rounds "
                  "per chunk size")
@@ -146,24 +147,10 @@ def format_bytes(n: float) -> str:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _get(data: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(data, Mapping):
-            return None
-        data = data.get(key)
-    return data
-
-
-def _num(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 def _floats(values: object) -> list[float]:
     if not isinstance(values, Sequence):
         return []
-    return [v for v in (_num(x) for x in values) if v is not None]
+    return [v for v in (as_number(x) for x in values) if v is not None]
 
 
 def _cdf(ax: Axes, values: list[float], label: str, color: str, style: str = "-") -> None:
@@ -199,7 +186,7 @@ def _p50_label(values: list[float]) -> str:
 
 def _line(ax: Axes, xs: Sequence[float], ys: Sequence[object], label: str, color: str,
           marker: str, style: str = "-") -> None:
-    pairs = [(x, y) for x, y in zip(xs, (_num(v) for v in ys), strict=True) if y is not None]
+    pairs = [(x, y) for x, y in zip(xs, (as_number(v) for v in ys), strict=True) if y is not None]
     if pairs:
         ax.plot(*zip(*pairs, strict=True), marker=marker, linestyle=style, color=color, label=label)
 
