@@ -153,7 +153,7 @@ def _run_interference(worker: str, config: ServeConfig, prompt: PromptInput) -> 
     }
 
 
-def _ttft(worker: str, model: str, prompt: PromptInput) -> float | None:
+def _ttft(worker: str, model: str, prompt: PromptInput) -> float:
     result = RequestResult(arrival=time.perf_counter())
     stream(worker, model, prompt, SamplingParams(max_tokens=2, ignore_eos=True), result)
     if result.error is not None or result.first_token is None:
@@ -183,8 +183,8 @@ def _run_cold_probe(worker: str, config: ServeConfig, prompt: PromptInput) -> di
             load.append(time.perf_counter() - began)
     background.close()
 
-    def median_ms(values: list[float | None]) -> float:
-        return round(statistics.median(v for v in values if v is not None) * 1000, 1)
+    def median_ms(values: list[float]) -> float:
+        return round(statistics.median(values) * 1000, 1)
 
     return {
         "probes": PROBE_ADAPTERS,

@@ -4,6 +4,8 @@ test_overlap_loading.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from services.gpu_worker.device import Device, HostEvent
@@ -16,7 +18,7 @@ U = ALIGN  # one arena unit
 
 
 @pytest.fixture
-def device() -> Device:
+def device() -> Iterator[Device]:
     d = Device("cpu")
     yield d
     d.close()

@@ -155,6 +155,11 @@ def build_meta(
     )
 
 
+def _in_layout(x: torch.Tensor, meta: LoraStepMeta) -> torch.Tensor:
+    """x [T, K] as the step's layout rows [P, K] (x itself when the batch rows are the layout)."""
+    return x if meta.layout_rows is None else x.index_select(0, meta.layout_rows)
+
+
 def _grouped_ok(t: torch.Tensor) -> bool:
     """grouped_mm needs every non-unit stride to be a multiple of 16 bytes."""
     size = t.element_size()
@@ -185,7 +190,7 @@ class TorchLoraBackend:
         meta: LoraStepMeta,
     ) -> None:
         r, n = meta.max_rank, b.shape[1]
-        xs = x if meta.layout_rows is None else x.index_select(0, meta.layout_rows)  # [P, K]
+        xs = _in_layout(x, meta)  # [P, K]
         if meta.slot_major:
             s, m = meta.slot_range, meta.per_slot
             h = torch.bmm(xs.view(s, m, -1), a[:s, :r].transpose(1, 2))  # [S_range, m, r]
@@ -217,7 +222,7 @@ class TorchLoraBackend:
         if not meta.slot_major or meta.max_rank != rank:
             return False
         s, m = meta.slot_range, meta.per_slot
-        xs = x if meta.layout_rows is None else x.index_select(0, meta.layout_rows)  # [P, K]
+        xs = _in_layout(x, meta)  # [P, K]
         h = torch.bmm(xs.view(s, m, -1), a[:s].transpose(1, 2))  # [S_range, m, G * R]
         for g, (b, col) in enumerate(zip(bs, cols, strict=True)):
             n = b.shape[1]
