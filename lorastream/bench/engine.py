@@ -7,7 +7,8 @@ prompt generates exactly ``new_tokens`` tokens (EOS ignored), the whole batch is
 
     decode tok/s = prompts * (new_tokens - 1) / (t(new_tokens) - t(1))
 
-Each figure is the best of ``repeats`` runs (the usual choice for throughput on a shared machine).
+Each figure is the best of ``repeats`` runs (the usual choice for throughput on a shared machine);
+the two engine sides take turns within every repeat.
 """
 
 from __future__ import annotations
@@ -39,17 +40,23 @@ QUESTIONS = (
 )
 
 
-def _decode_rate(run: Callable[[int], None], prompts: int, new_tokens: int, repeats: int) -> float:
-    run(2)  # warm-up
-    best = 0.0
+def _decode_rates(
+    runs: list[Callable[[int], None]], prompts: int, new_tokens: int, repeats: int
+) -> list[float]:
+    """Best decode tok/s of each run; the runs take turns within every repeat, so that a slow
+    spell of a shared machine hits all of them rather than skewing their ratio."""
+    for run in runs:
+        run(2)  # warm-up
+    best = [0.0] * len(runs)
     for _ in range(repeats):
-        start = time.perf_counter()
-        run(1)
-        one = time.perf_counter() - start
-        start = time.perf_counter()
-        run(new_tokens)
-        full = time.perf_counter() - start
-        best = max(best, prompts * (new_tokens - 1) / max(full - one, 1e-9))
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run(1)
+            one = time.perf_counter() - start
+            start = time.perf_counter()
+            run(new_tokens)
+            full = time.perf_counter() - start
+            best[i] = max(best[i], prompts * (new_tokens - 1) / max(full - one, 1e-9))
     return best
 
 
@@ -85,15 +92,16 @@ def run_engine_bench(
             make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=rank, seed=i)
             for i in range(adapters)
         ]
-        engine = build_engine(settings, checkpoint=checkpoint).start()
-        try:
+        engine = build_engine(settings, checkpoint=checkpoint)
+        ids = [
+            tuple(engine.tokenize(PromptInput(messages=(("user", QUESTIONS[i % len(QUESTIONS)]),))))
+            for i in range(prompts)
+        ]
+
+        def measure() -> tuple[float, float]:
             ops = WorkerOperations(engine)
             for i, path in enumerate(dirs):
                 ops.load_adapter(f"a{i}", str(path))
-            ids = [
-                tuple(engine.tokenize(PromptInput(messages=(("user", QUESTIONS[i % len(QUESTIONS)]),))))
-                for i in range(prompts)
-            ]
 
             def engine_run(models: list[str]) -> Callable[[int], None]:
                 def run(n: int) -> None:
@@ -109,10 +117,14 @@ def run_engine_bench(
                 return run
 
             multi_models = [f"a{i % adapters}" for i in range(prompts)]
-            multi = _decode_rate(engine_run(multi_models), prompts, new_tokens, repeats)
-            base = _decode_rate(engine_run(["base"] * prompts), prompts, new_tokens, repeats)
-        finally:
-            engine.stop()
+            multi, base = _decode_rates(
+                [engine_run(multi_models), engine_run(["base"] * prompts)],
+                prompts, new_tokens, repeats,
+            )
+            return multi, base
+
+        # The loop on this thread, as in the worker process (see Engine.run_while).
+        multi, base = engine.run_while(measure)
         peft = (
             _peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
             if include_peft
@@ -175,4 +187,4 @@ def _peft_rate(
                 max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad,
             )
 
-    return _decode_rate(run, len(prompts), new_tokens, repeats)
+    return _decode_rates([run], len(prompts), new_tokens, repeats)[0]

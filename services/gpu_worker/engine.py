@@ -4,6 +4,12 @@ Request threads call :meth:`Engine.submit` (validation, tokenization and the ada
 happen there, off the step loop) and read events from the returned :class:`RequestStream`.
 One engine thread runs the loop: take new requests and cancellations, schedule, run one forward
 step for the whole mixed batch, sample, stream tokens, retire finished sequences.
+
+The loop runs either on a thread of its own (:meth:`Engine.start`) or on the calling thread
+(:meth:`Engine.run`, :meth:`Engine.run_while`). The worker process and ``bench engine`` use the
+latter on the main thread, the one that loaded the model: on the CPU, torch's OpenMP pool of
+that thread is then the only multi-threaded one in the process (see
+:func:`~services.gpu_worker.device.use_intra_op_threads`).
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from lorastream.errors import InvalidArgument, LorastreamError, SourceUnavailable
 from lorastream.generation import FinishReason, GenerationEvent, PromptInput
 from services.gpu_worker.detokenizer import IncrementalDetokenizer
-from services.gpu_worker.device import Device, Event
+from services.gpu_worker.device import Device, Event, use_intra_op_threads
 from services.gpu_worker.kv_cache import BLOCK_SIZE, BlockAllocator, KVCache
 from services.gpu_worker.loading.manager import AdapterManager
 from services.gpu_worker.lora.backend import LoraBackend, LoraStep, staged_size
@@ -35,6 +43,8 @@ from services.gpu_worker.step_inputs import build_step_inputs
 from services.gpu_worker.step_staging import StepStaging
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -97,33 +107,85 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._submit_lock = threading.Lock()  # submit vs stop: nothing queued after the drain
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        # The loop computes with the intra-op thread count of the thread that built the engine.
+        self.compute_threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self._loop_thread: threading.Thread | None = None
+        self._loop_entered = False
+        self._loop_done = threading.Event()
+        self._wind_down_lock = threading.Lock()
+        self._wound_down = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Run the loop on a thread of its own."""
         self._thread.start()
         return self
 
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`stop` is called (from another thread
+        or a signal handler), then wind down: requests still in flight end with UNAVAILABLE."""
+        self._loop()
+        self._wind_down()
+
+    def run_while(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on a helper thread and the loop on this one; stop the engine when ``work``
+        returns or raises, and return its result (or raise its exception)."""
+        outcome: list[T] = []
+        failure: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                use_intra_op_threads(1)  # the loop's thread keeps the one multi-threaded pool
+                outcome.append(work())
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                failure.append(exc)
+            finally:
+                self.stop()
+
+        driver = threading.Thread(target=drive, name="engine-driver", daemon=True)
+        driver.start()
+        self.run()
+        driver.join()
+        if failure:
+            raise failure[0]
+        return outcome[0]
+
     @property
     def started(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() or (self._loop_entered and not self._loop_done.is_set())
 
     def stop(self) -> None:
-        """Stop the loop; requests still queued or running end with UNAVAILABLE (never hang)."""
+        """Stop the loop; requests still queued or running end with UNAVAILABLE (never hang).
+
+        Called on the loop's own thread (a signal handler while :meth:`run` runs), it only asks
+        the loop to end; :meth:`run` winds down when the loop has ended."""
         with self._submit_lock:
             self._stop.set()
         self._wake.set()
+        if threading.current_thread() is self._loop_thread:
+            return
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        if not self._thread.is_alive():  # the loop is gone: its state is ours to wind down
-            self._intake()
-            gone = SourceUnavailable("the worker is shutting down; retry the request")
-            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                self._fail(seq, gone)
-        else:
-            log.error("the engine loop did not stop within 30 s; requests in flight are left")
-        self.adapters.close()
-        self.device.close()
+        elif self._loop_entered:
+            self._loop_done.wait(timeout=30)
+        self._wind_down()
+
+    def _wind_down(self) -> None:
+        """Fail what is left and release loaders and streams, once, after the loop ended."""
+        with self._wind_down_lock:
+            if self._wound_down:
+                return
+            if self._loop_entered and not self._loop_done.is_set():
+                log.error("the engine loop did not stop within 30 s; requests in flight are left")
+            else:  # the loop is gone: its state is ours to wind down
+                self._intake()
+                gone = SourceUnavailable("the worker is shutting down; retry the request")
+                for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                    self._fail(seq, gone)
+            self._wound_down = True
+            self.adapters.close()
+            self.device.close()
 
     def healthy_after_stop(self) -> bool:
         """No leaked KV blocks or adapter references once no request is left (a test check)."""
@@ -206,6 +268,15 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._loop_thread = threading.current_thread()
+        self._loop_entered = True
+        try:
+            use_intra_op_threads(self.compute_threads)
+            self._loop_steps()
+        finally:
+            self._loop_done.set()
+
+    def _loop_steps(self) -> None:
         while not self._stop.is_set():
             try:
                 self._intake()

@@ -13,6 +13,7 @@ from lorastream.grpc_service import add_servicer, serve_until_signalled
 from lorastream.grpc_status import ErrorMappingInterceptor
 from services.gpu_worker.bootstrap import build_engine
 from services.gpu_worker.config import WorkerSettings
+from services.gpu_worker.device import use_intra_op_threads
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.servicer import SERVICE, SERVICE_NAME, GpuWorkerServicer
 
@@ -25,14 +26,21 @@ GRPC_OPTIONS = [
 
 
 def create_server(
-    settings: WorkerSettings, engine: Engine | None = None
+    settings: WorkerSettings, engine: Engine | None = None, start_engine: bool = True
 ) -> tuple[grpc.Server, int, Engine]:
-    """Create the server (not started) around a started engine; returns it, its port, the engine."""
+    """Create the server (not started) around an engine, started on a thread of its own unless
+    ``start_engine`` is False (the caller runs the loop); returns the server, its port, the
+    engine."""
     engine = engine or build_engine(settings)
-    if not engine.started:
+    if start_engine and not engine.started:
         engine.start()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="worker"),
+        futures.ThreadPoolExecutor(
+            max_workers=settings.max_workers,
+            thread_name_prefix="worker",
+            initializer=use_intra_op_threads,  # request threads leave the cores to the engine
+            initargs=(1,),
+        ),
         interceptors=[ErrorMappingInterceptor()],
         options=GRPC_OPTIONS,
     )
@@ -51,8 +59,11 @@ def create_server(
 
 
 def serve(settings: WorkerSettings) -> None:
-    """Run the worker until SIGINT or SIGTERM; in-flight streams get a grace period."""
-    server, port, engine = create_server(settings)
+    """Run the worker until SIGINT or SIGTERM; in-flight streams get a grace period.
+
+    The engine loop runs on the main thread, which loaded the model, so that on the CPU its
+    OpenMP pool is the process's only multi-threaded one (``device.use_intra_op_threads``)."""
+    server, port, engine = create_server(settings, start_engine=False)
     server.start()
     log.info(
         "gpu worker serving %s on %s:%d (store %s)",
@@ -62,6 +73,6 @@ def serve(settings: WorkerSettings) -> None:
         metrics_port = engine.adapters.metrics.serve(settings.metrics_port, settings.host)
         log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, metrics_port)
     try:
-        serve_until_signalled(server, "gpu worker")
+        serve_until_signalled(server, "gpu worker", run=engine.run, stop=engine.stop)
     finally:
         engine.stop()

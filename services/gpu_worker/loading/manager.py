@@ -35,7 +35,7 @@ from lorastream.errors import (
     SourceUnavailable,
 )
 from services.gpu_worker.cost_model import AdmissionCostModel
-from services.gpu_worker.device import COMPLETED, Device, Event, lower_thread_priority
+from services.gpu_worker.device import COMPLETED, Device, Event, loader_thread_init
 from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
 from services.gpu_worker.loading.entry import AdapterEntry, Residency
 from services.gpu_worker.loading.fetcher import AdapterFetcher
@@ -77,7 +77,7 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(
             fetch_threads,
             thread_name_prefix="adapter-fetch",
-            initializer=lower_thread_priority,
+            initializer=loader_thread_init,
             initargs=(device.loader_nice,),
         )
 
