@@ -78,6 +78,9 @@ def engine(
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
+    from lorastream.openmp import tune_openmp_waits
+
+    tune_openmp_waits()  # as `worker serve` does, before torch loads
     from lorastream.bench.engine import run_engine_bench
 
     setup_logging(log_level)

@@ -76,6 +76,9 @@ def serve(
     log_level: str = typer.Option("INFO", help="Logging level."),
 ) -> None:
     """Serve generation over gRPC until Ctrl-C. Settings also come from LORASTREAM_WORKER_* vars."""
+    from lorastream.openmp import tune_openmp_waits
+
+    tune_openmp_waits()  # before torch loads
     from services.gpu_worker.config import WorkerSettings
     from services.gpu_worker.server import serve as run
 
