@@ -110,8 +110,7 @@ class Engine:
         # The loop computes with the intra-op thread count of the thread that built the engine.
         self.compute_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
-        self._loop_thread: threading.Thread | None = None
-        self._loop_entered = False
+        self._loop_thread: threading.Thread | None = None  # set when the loop starts running
         self._loop_done = threading.Event()
         self._wind_down_lock = threading.Lock()
         self._wound_down = False
@@ -153,7 +152,7 @@ class Engine:
 
     @property
     def started(self) -> bool:
-        return self._thread.is_alive() or (self._loop_entered and not self._loop_done.is_set())
+        return self._thread.is_alive() or (self._loop_thread is not None and not self._loop_done.is_set())
 
     def stop(self) -> None:
         """Stop the loop; requests still queued or running end with UNAVAILABLE (never hang).
@@ -167,7 +166,7 @@ class Engine:
             return
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        elif self._loop_entered:
+        elif self._loop_thread is not None:
             self._loop_done.wait(timeout=30)
         self._wind_down()
 
@@ -176,7 +175,7 @@ class Engine:
         with self._wind_down_lock:
             if self._wound_down:
                 return
-            if self._loop_entered and not self._loop_done.is_set():
+            if self._loop_thread is not None and not self._loop_done.is_set():
                 log.error("the engine loop did not stop within 30 s; requests in flight are left")
             else:  # the loop is gone: its state is ours to wind down
                 self._intake()
@@ -269,7 +268,6 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
         self._loop_thread = threading.current_thread()
-        self._loop_entered = True
         try:
             use_intra_op_threads(self.compute_threads)
             self._loop_steps()
@@ -411,7 +409,3 @@ class Engine:
     def running(self) -> int:
         return len(self.scheduler.running)
 
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on the CPU, bf16 on CUDA."""
-    return torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lorastream.adapter_format import SUPPORTED_MODULES
-from services.gpu_worker.model.config import LlamaConfig
+from services.gpu_worker.model.config import GATE_UP, QKV, LlamaConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
 # Projections that read the same input (the base model fuses them too): their A share storage.
-SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-)
+SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (QKV, GATE_UP)
 
 
 @dataclass

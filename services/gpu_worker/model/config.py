@@ -10,6 +10,10 @@ from typing import Any
 from lorastream.errors import InvalidArgument
 
 LLAMA_MODEL_TYPES = ("llama",)
+# Projections that read the same input: the model runs each group as one fused matmul, and the
+# LoRA slots keep the group's A side by side so that one matmul shrinks that input for all.
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass(frozen=True)

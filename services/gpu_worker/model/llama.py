@@ -16,14 +16,10 @@ import torch.nn.functional as F
 
 from services.gpu_worker.kv_cache import KVCache
 from services.gpu_worker.model.attention import paged_attention, write_kv
-from services.gpu_worker.model.config import LlamaConfig
+from services.gpu_worker.model.config import GATE_UP, QKV, LlamaConfig
 from services.gpu_worker.model.forward_batch import ForwardBatch
 from services.gpu_worker.model.linear import Linear
 from services.gpu_worker.model.rope import RotaryEmbedding, apply_rotary
-
-
-QKV = ("q_proj", "k_proj", "v_proj")
-GATE_UP = ("gate_proj", "up_proj")
 
 
 class LoraHook(Protocol):
