@@ -28,7 +28,7 @@ TOKEN_OPTION = typer.Option(
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
 

@@ -59,6 +59,10 @@ def serve(
     loader_nice: int | None = typer.Option(
         None, help="Nice increment of adapter loader threads; decoding keeps priority [10]."
     ),
+    fetch_threads: int | None = typer.Option(
+        None, help="Adapter fetches from the store at once; more share the link, so each "
+        "arrives later [1].",
+    ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."
     ),
@@ -95,6 +99,7 @@ def serve(
         "lora_backend": lora_backend, "device": device, "dtype": dtype,
         "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
         "prefetch_depth": prefetch_depth, "loader_nice": loader_nice,
+        "fetch_threads": fetch_threads,
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

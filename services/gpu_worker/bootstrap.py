@@ -76,7 +76,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     fetcher = AdapterFetcher(device, settings.store, settings.store_token)
     adapters = AdapterManager(
         config, slots, device, fetcher, settings.host_cache_bytes,
-        overlap=settings.lora_overlap_loading,
+        overlap=settings.lora_overlap_loading, fetch_threads=settings.fetch_threads,
     )
     engine = Engine(
         model,

@@ -84,6 +84,13 @@ class WorkerSettings(BaseSettings):
         description="Nice increment of the adapter loader threads (store fetch, CPU copies): "
         "on a CPU they share cores with decoding, which keeps priority; 0 disables.",
     )
+    fetch_threads: int = Field(
+        1,
+        gt=0,
+        description="Adapter fetches from the store at once. One by default: fetches share "
+        "the store's link, so running them side by side only delays the first (two cold "
+        "adapters fetched together both arrive at 2T; one after the other, at T and 2T).",
+    )
     prefetch_depth: int = Field(
         8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
     )

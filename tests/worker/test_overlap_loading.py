@@ -262,3 +262,40 @@ def test_prometheus_metrics_report_tiers_hits_misses_and_load_times(
     assert values["lorastream_worker_adapter_host_landing_seconds_count"] == 2
     assert values["lorastream_worker_adapter_device_copy_seconds_count"] == 2
     assert values["lorastream_worker_requests_waiting_on_load"] == 0
+
+
+@pytest.mark.parametrize("fetch_threads", [1, 2])
+def test_fetches_share_the_link_one_at_a_time_unless_configured_otherwise(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    fetch_threads: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two cold adapters asked for together: with one fetch thread (the default) the second's
+    bytes start arriving only after the first's have all landed, in the order asked for; with
+    two, both are on the link at once (and so both arrive late)."""
+    store.restart(chunk_delay_s=0.004)  # a slow link: all-r64 is 128 chunks of 4 KiB
+    engine = engine_factory(store=store.target, start=False, fetch_threads=fetch_threads)
+    engine.adapters.fetcher.chunk_bytes = 4096
+    writes: list[str] = []  # the adapter of every chunk landed, in order
+    original_write = HostAdapterBuffer.write
+
+    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+        writes.append(self.manifest.name)
+        original_write(self, tensor_index, offset, data)
+
+    monkeypatch.setattr(HostAdapterBuffer, "write", recording_write)
+    params = SamplingParams(max_tokens=4)
+    first = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])), params)
+    second = engine.submit("all-r16-rslora", PromptInput(token_ids=tuple(PROMPTS[1])), params)
+    entries = {e.name: e for e in engine.adapters.entries()}
+    deadline = time.monotonic() + 60
+    while any(e.weights is None for e in entries.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(e.weights is not None for e in entries.values())
+    runs = [name for i, name in enumerate(writes) if i == 0 or writes[i - 1] != name]
+    if fetch_threads == 1:
+        assert runs == ["all-r64", "all-r16-rslora"]  # one after the other, in order
+    else:
+        assert len(runs) > 2  # their chunks interleaved on the link
+    engine.start()
+    assert [t for e in first for t in e.token_ids] == reference[("all-r64", 0)][:4]
+    assert [t for e in second for t in e.token_ids] == reference[("all-r16-rslora", 1)][:4]

@@ -58,7 +58,7 @@ class AdapterManager:
         host_budget: int,
         *,
         overlap: bool = True,
-        fetch_threads: int = 2,
+        fetch_threads: int = 1,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.config = config
