@@ -14,10 +14,12 @@ the two engine sides take turns within every repeat.
 from __future__ import annotations
 
 import logging
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +27,9 @@ from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, adapter_nbytes, checkpoint_shape
 from lorastream.bench.synthetic import make_synthetic_adapter
 from lorastream.generation import PromptInput, SamplingParams
+
+if TYPE_CHECKING:
+    from services.gpu_worker.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,28 @@ def _decode_rates(
             full = time.perf_counter() - start
             best[i] = max(best[i], prompts * (new_tokens - 1) / max(full - one, 1e-9))
     return best
+
+
+def step_read_views(slots: LoraSlots, distinct: int) -> list[torch.Tensor]:
+    """The weights a decode step over ``distinct`` adapters reads, layer by layer as the
+    slot-major LoRA path reads them: the A and B of slots ``0 .. distinct-1`` at each layer (all
+    of each slot's rank; the benchmark's adapters fill it)."""
+    matrices = (*slots.a_groups.values(), *slots.b.values())  # [L, S, ...] each
+    return [m[layer, :distinct] for m in matrices for layer in range(m.shape[0])]
+
+
+def read_ms(views: list[torch.Tensor], samples: int = 15, pause_s: float = 0.2) -> list[float]:
+    """Milliseconds to read every tensor of ``views`` once (a ``torch.sum`` each), ``samples``
+    times ``pause_s`` apart on the calling thread: the fastest this machine moves those bytes,
+    and how much that varies from moment to moment."""
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for weights in views:
+            weights.sum()
+        times.append(round((time.perf_counter() - start) * 1000, 2))
+        time.sleep(pause_s)
+    return times
 
 
 def run_engine_bench(
@@ -125,14 +152,16 @@ def run_engine_bench(
 
         # The loop on this thread, as in the worker process (see Engine.run_while).
         multi, base = engine.run_while(measure)
+        # Every decode step reads the weights of each distinct adapter in the batch once; how
+        # fast this machine reads them, on this thread (its torch threads), after the runs.
+        distinct = min(adapters, prompts)
+        reads = read_ms(step_read_views(engine.slots, distinct))
         peft = (
             _peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
             if include_peft
             else None
         )
     machine = machine_info()  # after the runs: its bandwidth probe must not disturb them
-    # Every decode step reads the weights of each distinct adapter in the batch once.
-    distinct = min(adapters, prompts)
     step_bytes = distinct * adapter_nbytes(shape, rank, ALL_LINEAR)
     result: dict[str, object] = {
         "benchmark": "engine",
@@ -151,6 +180,8 @@ def run_engine_bench(
         "distinct_adapters_per_step": distinct,
         "adapter_bytes_per_step_mb": round(step_bytes / 1e6, 1),
         "memory_bandwidth_gbs": machine.get("memory_bandwidth_gbs"),
+        "slot_read_ms": {"median": round(statistics.median(reads), 2), "best": min(reads),
+                         "samples": sorted(reads)},
     }
     if peft is not None:
         result |= {

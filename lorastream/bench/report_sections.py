@@ -127,17 +127,36 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
 
 
 def _bandwidth_ceiling(r: Result) -> str:
-    """The bound memory bandwidth puts on multi-adapter / base-only, from the engine's JSON."""
+    """The bound memory reads put on multi-adapter / base-only, from the engine's JSON: the
+    engine's own slot reads when measured (``slot_read_ms``), else the bandwidth probe."""
     prompts = as_number(r.get("prompts"))
     base_tok_s = as_number(r.get("engine_base_only_decode_tok_s"))
     multi_tok_s = as_number(r.get("engine_multi_adapter_decode_tok_s"))
     adapter_mb = as_number(r.get("adapter_bytes_per_step_mb"))
     bandwidth = as_number(r.get("memory_bandwidth_gbs"))
-    if not (prompts and base_tok_s and multi_tok_s and adapter_mb and bandwidth):
+    reads = r.get("slot_read_ms") if isinstance(r.get("slot_read_ms"), Mapping) else {}
+    read_median, read_best = as_number(reads.get("median")), as_number(reads.get("best"))
+    if not (prompts and base_tok_s and multi_tok_s and adapter_mb and (read_median or bandwidth)):
         return ("*The bandwidth ceiling cannot be computed: this result lacks the adapter bytes "
-                "per step or the measured memory bandwidth (rerun `lorastream bench engine`).*")
+                "per step or a measured read speed (rerun `lorastream bench engine`).*")
     base_ms = prompts / base_tok_s * 1000  # one decode step of the whole batch
-    read_ms = adapter_mb / bandwidth  # MB / (GB/s) = ms
+    if read_median and read_best:
+        read_ms = read_median
+        samples = reads.get("samples")
+        count = f"{len(samples)} " if isinstance(samples, list) else ""
+        how = (
+            f"Reading them from the engine's own slots after the runs ({count}times, a "
+            "`torch.sum` per layer and matrix on the engine's thread) took "
+            f"{ms(read_median)} ms at the median ({number(adapter_mb / read_median, 1)} GB/s) "
+            f"and {ms(read_best)} ms at the fastest"
+        )
+        best = base_ms / (base_ms + read_best)
+        fastest = f" ({ratio(best)} at the fastest read)"
+    else:
+        read_ms = adapter_mb / bandwidth  # MB / (GB/s) = ms
+        how = (f"At this machine's measured read bandwidth of {number(bandwidth)} GB/s that read "
+               f"alone takes {ms(read_ms)} ms")
+        best, fastest = None, ""
     ceiling = base_ms / (base_ms + read_ms)
     lora_ms = prompts / multi_tok_s * 1000 - base_ms
     parsed = Goal.parse(r.get("goal_multi_vs_base"))
@@ -145,6 +164,9 @@ def _bandwidth_ceiling(r: Result) -> str:
         reach = ""
     elif parsed.met(ceiling):
         reach = f" The goal ({parsed.shown()}) lies within this ceiling."
+    elif best is not None and parsed.met(best):
+        reach = (f" The goal ({parsed.shown()}) lies above this ceiling; only the fastest "
+                 "moment's read would leave room for it.")
     else:
         reach = (f" The goal ({parsed.shown()}) lies above this ceiling: no LoRA path reaches "
                  "it at this batch on this machine.")
@@ -153,14 +175,13 @@ def _bandwidth_ceiling(r: Result) -> str:
     return (
         "**The memory-bandwidth ceiling.** Every decode step reads the weights of each distinct "
         f"adapter in the batch once: {text(r.get('distinct_adapters_per_step', '?'))} adapters "
-        f"of rank {text(r.get('rank'))} are {number(adapter_mb, 0)} MB per step. At this "
-        f"machine's measured read bandwidth of {number(bandwidth)} GB/s that read alone takes "
-        f"{ms(read_ms)} ms, against a {ms(base_ms)} ms base-model step ({number(prompts, 0)} "
-        f"prompts / {number(base_tok_s)} tok/s): even a LoRA path at full memory bandwidth would "
-        f"reach {ms(base_ms)} / ({ms(base_ms)} + {ms(read_ms)}) = {ratio(ceiling)} of base-only "
-        f"throughput. The engine's LoRA path costs {ms(lora_ms)} ms per step{effective}."
-        f"{reach} The ratio rises only where adapter bytes per token fall: fewer distinct "
-        "adapters per step, lower ranks, or half-precision adapters on a GPU."
+        f"of rank {text(r.get('rank'))} are {number(adapter_mb, 0)} MB per step. {how}, against "
+        f"a {ms(base_ms)} ms base-model step ({number(prompts, 0)} prompts / "
+        f"{number(base_tok_s)} tok/s): even a LoRA path as fast as that read would reach "
+        f"{ms(base_ms)} / ({ms(base_ms)} + {ms(read_ms)}) = {ratio(ceiling)} of base-only "
+        f"throughput{fastest}. The engine's LoRA path costs {ms(lora_ms)} ms per "
+        f"step{effective}.{reach} The ratio rises only where adapter bytes per token fall: "
+        "fewer distinct adapters per step, lower ranks, or half-precision adapters on a GPU."
     )
 
 

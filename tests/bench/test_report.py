@@ -158,6 +158,29 @@ def test_engine_section_computes_the_bandwidth_ceiling_from_its_json() -> None:
     _assert_no_leaks(page)
 
 
+@pytest.mark.parametrize(
+    ("median", "best", "verdict"),
+    [
+        (30.0, 20.0, "only the fastest moment's read would leave room for it"),  # 0.83 / 0.88
+        (30.0, 28.0, "no LoRA path reaches it"),  # 0.83 / 0.84
+        (20.0, 15.0, "lies within this ceiling"),  # 0.88
+    ],
+)
+def test_engine_section_takes_the_ceiling_from_the_engines_own_slot_reads(
+    median: float, best: float, verdict: str
+) -> None:
+    engine = {**renderer_inputs()["engine"],
+              "slot_read_ms": {"median": median, "best": best, "samples": [best, median]}}
+    page = render_page({"engine": engine}, {})
+    # base step = 32 / 224 tok/s = 142.9 ms; the median read decides, the fastest is shown
+    ceiling = 142.86 / (142.86 + median)
+    assert f"(142.9 + {median:.1f}) = {ceiling:.2f}× of base-only throughput" in page
+    assert f"({142.86 / (142.86 + best):.2f}× at the fastest read)" in page
+    assert "Reading them from the engine's own slots after the runs (2 times" in page
+    assert verdict in page
+    _assert_no_leaks(page)
+
+
 def test_missing_results_are_not_run_with_the_command_that_makes_them(tmp_path: Path) -> None:
     results = tmp_path / "results"
     _write(results, {"transfer": renderer_inputs()["transfer"]})
