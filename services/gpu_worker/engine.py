@@ -1,7 +1,7 @@
 """The engine wires model, KV cache, LoRA slots, adapter manager, scheduler and sampler together.
 
 Request threads call :meth:`Engine.submit` (validation, tokenization and the adapter lookup
-happen there, off the step loop) and read events from the returned :class:`RequestStream`.
+happen there, off the step loop, in :mod:`~services.gpu_worker.intake`) and read events from the returned :class:`RequestStream`.
 One engine thread runs the loop: take new requests and cancellations, schedule, run one forward
 step for the whole mixed batch, sample, stream tokens, retire finished sequences.
 
@@ -14,29 +14,27 @@ that thread is then the only multi-threaded one in the process (see
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
-from lorastream.errors import InvalidArgument, LorastreamError, SourceUnavailable
+from lorastream.errors import LorastreamError, SourceUnavailable
 from lorastream.generation import FinishReason, GenerationEvent, PromptInput
-from services.gpu_worker.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.device import Device, Event, use_intra_op_threads
-from services.gpu_worker.kv_cache import BLOCK_SIZE, BlockAllocator, KVCache
+from services.gpu_worker.intake import RequestIntake
+from services.gpu_worker.kv_cache import BLOCK_SIZE, KVCache
 from services.gpu_worker.loading.manager import AdapterManager
 from services.gpu_worker.lora.backend import LoraBackend, LoraStep, staged_size
 from services.gpu_worker.lora.slots import LoraSlots
 from services.gpu_worker.metrics import TierState
 from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from services.gpu_worker.sampling import Sampler, SamplingParams, SamplingRow
 from services.gpu_worker.scheduler import Scheduler, StepPlan
 from services.gpu_worker.sequence import RequestStream, Sequence
 from services.gpu_worker.step_inputs import build_step_inputs
@@ -101,6 +99,10 @@ class Engine:
         if tok_eos is not None:
             eos.add(int(tok_eos))
         self.eos_ids = frozenset(eos)
+        self.intake = RequestIntake(
+            tokenizer, vocab_size=model.config.vocab_size, max_seq_len=self.max_seq_len,
+            kv_blocks=kv.num_blocks, default_max_tokens=default_max_tokens, eos_ids=self.eos_ids,
+        )
         self.stats = EngineStats()
         adapters.metrics.watch(self.metrics_state)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
@@ -198,23 +200,7 @@ class Engine:
 
     # -- intake (request threads) -------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> list[int]:
-        tok = self.tokenizer
-        if prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-            vocab = self.model.config.vocab_size
-            bad = [i for i in ids if not 0 <= i < vocab]
-            if bad:
-                raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-        elif prompt.messages is not None:
-            if getattr(tok, "chat_template", None) is None:
-                raise InvalidArgument("this model has no chat template; send a plain prompt")
-            messages = [{"role": r, "content": c} for r, c in prompt.messages]
-            ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))  # type: ignore[attr-defined]
-        else:
-            ids = list(tok(prompt.text or "").input_ids)  # type: ignore[operator]
-        if not ids:
-            raise InvalidArgument("the prompt is empty")
-        return ids
+        return self.intake.tokenize(prompt)
 
     def submit(
         self,
@@ -224,36 +210,12 @@ class Engine:
         request_id: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; raises domain errors for bad input (nothing queued)."""
-        if params.max_tokens == 0:  # unset on the wire: this worker's default
-            params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
-        params.validate(self.model.config.vocab_size)
-        ids = self.tokenize(prompt)
-        if len(ids) >= self.max_seq_len:
-            raise InvalidArgument(
-                f"the prompt has {len(ids)} tokens; this worker's context is {self.max_seq_len} "
-                "tokens (prompt + completion): shorten the prompt"
-            )
-        max_len = min(len(ids) + params.max_tokens, self.max_seq_len)
-        need = BlockAllocator.blocks_for(max_len)
-        if need > self.kv.num_blocks:  # no retry can help: a client error, not a busy server
-            raise InvalidArgument(
-                f"the request needs {need} KV cache blocks (prompt + max_tokens) but the whole "
-                f"cache has {self.kv.num_blocks}; lower max_tokens, or start the worker with a "
-                "larger --kv-cache-bytes"
-            )
-        adapter = None if self.is_base_model(model) else self.adapters.resolve(model)
-        stream = RequestStream(request_id or uuid.uuid4().hex)
-        seq = Sequence(
-            request_id=stream.request_id,
-            prompt_ids=ids,
-            params=params,
-            adapter=adapter,
-            stream=stream,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop),
-            generator=make_generator(params.seed),
-            max_len=max_len,
-            eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+        seq = self.intake.sequence(
+            prompt, params,
+            lambda: None if self.is_base_model(model) else self.adapters.resolve(model),
+            request_id,
         )
+        adapter = seq.adapter
         with self._submit_lock:
             if self._stop.is_set():
                 raise SourceUnavailable("the worker is shutting down; retry the request")
@@ -263,7 +225,7 @@ class Engine:
                     self.adapters.ensure_host(adapter)
             self._inbox.put(seq)
         self._wake.set()
-        return stream
+        return seq.stream
 
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
