@@ -37,6 +37,7 @@ from pathlib import Path
 from lorastream.bench.harness import (
     PROMPTS,
     RequestResult,
+    TraceEntry,
     RssSampler,
     free_port,
     itls,
@@ -84,7 +85,22 @@ def _run_trace(worker: str, config: ServeConfig) -> dict[str, object]:
     trace = make_trace(c.adapters, c.popularity, c.rate, c.requests, c.seed)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     results, start = replay(worker, trace, params, lambda adapter: f"a{adapter}")
-    return summarise(results, start)
+    return {**summarise(results, start), **ttft_by_first_use(trace, results)}
+
+
+def ttft_by_first_use(trace: list[TraceEntry], results: list[RequestResult]) -> dict[str, object]:
+    """TTFT percentiles of the requests that are the first to name their adapter (a cold
+    fetch in either mode) and of the rest (adapter asked for before: in a slot, in host
+    memory, or still on its way), in trace order."""
+    seen: set[int] = set()
+    first, repeat = [], []
+    for (_, adapter, _), result in zip(trace, results, strict=True):
+        if result.error is None and result.first_token is not None:
+            ttft = result.first_token - result.arrival
+            (repeat if adapter in seen else first).append(ttft)
+        seen.add(adapter)
+    return {"first_use_requests": len(first), "ttft_ms_first_use": percentiles(first),
+            "ttft_ms_repeat": percentiles(repeat)}
 
 
 class _Background:

@@ -57,7 +57,9 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
     def mode(ttft: float, ratio_: float) -> dict[str, Any]:
         pct = {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3}
         return {
-            "trace": {"requests": 32, "errors": 0, "ttft_ms": pct,
+            "trace": {"requests": 32, "errors": 0, "ttft_ms": pct, "first_use_requests": 13,
+                      "ttft_ms_first_use": {"p50": ttft * 4, "p90": None, "p99": None},
+                      "ttft_ms_repeat": {"p50": ttft / 2, "p90": None, "p99": None},
                       "itl_ms": {"p50": 60.0, "p90": 80.0, "p99": 120.0},
                       "e2e_ms": {"p50": 2500.0, "p90": 3000.0, "p99": 4000.0},
                       "throughput_tok_s": 15.9, "throughput_req_s": 0.5,
@@ -264,4 +266,18 @@ def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said
     assert "first token came after 900.0 ms" in page and "600.0 ms (LoadAdapter)" in page
     assert "300.0 ms (the step in progress" in page and "900.0 ms together" in page
     assert ("which this trace's load does not do" in page) is said
+    _assert_no_leaks(page)
+
+
+def test_serve_section_splits_ttft_by_the_first_request_for_each_adapter() -> None:
+    serve = renderer_inputs()["serve"]
+    page = render_page({"serve": serve}, {})
+    rows = {line.split(" | ")[0]: line for line in page.splitlines()}
+    # overlap on: TTFT p50 300 ms, overlap off 900 ms (renderer_inputs' modes)
+    assert rows["| TTFT p50, first request for its adapter (ms)"].endswith("| 1,200.0 | 3,600.0 |")
+    assert rows["| TTFT p50, adapter asked for before (ms)"].endswith("| 150.0 | 450.0 |")
+    assert "13 of the 32 requests (41%) are the first to name their adapter" in page
+    old = {**serve, "overlap_on": {**serve["overlap_on"], "trace": {
+        k: v for k, v in serve["overlap_on"]["trace"].items() if k != "first_use_requests"}}}
+    assert "Where the TTFT p50 falls" not in render_page({"serve": old}, {})
     _assert_no_leaks(page)

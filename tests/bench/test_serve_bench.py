@@ -30,3 +30,18 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
         assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
+
+
+def test_ttft_is_split_by_the_first_request_for_each_adapter() -> None:
+    from lorastream.bench.harness import RequestResult
+    from lorastream.bench.serve import ttft_by_first_use
+
+    # adapters 0, 1, 0, 2, 1: requests 0, 1 and 3 name their adapter first
+    trace = [(0.0, 0, 0), (0.1, 1, 0), (0.2, 0, 0), (0.3, 2, 0), (0.4, 1, 0)]
+    ttfts = [0.9, 0.8, 0.2, 0.7, 0.3]
+    results = [RequestResult(arrival=10.0, first_token=10.0 + t) for t in ttfts]
+    results[4].error = "UNAVAILABLE"  # a failed request counts in neither group
+    split = ttft_by_first_use(trace, results)
+    assert split["first_use_requests"] == 3
+    assert split["ttft_ms_first_use"]["p50"] == 800.0  # of 700, 800, 900
+    assert split["ttft_ms_repeat"]["p50"] == 200.0  # only request 2 is left
