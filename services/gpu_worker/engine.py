@@ -1,9 +1,10 @@
 """The engine wires model, KV cache, LoRA slots, adapter manager, scheduler and sampler together.
 
 Request threads call :meth:`Engine.submit` (validation, tokenization and the adapter lookup
-happen there, off the step loop, in :mod:`~services.gpu_worker.intake`) and read events from the returned :class:`RequestStream`.
-One engine thread runs the loop: take new requests and cancellations, schedule, run one forward
-step for the whole mixed batch, sample, stream tokens, retire finished sequences.
+happen there, off the step loop, in :mod:`~services.gpu_worker.intake`) and read events from
+the returned :class:`RequestStream`. One engine thread runs the loop: take new requests and
+cancellations, schedule, run one forward step for the whole mixed batch, sample, stream tokens,
+retire finished sequences.
 
 The loop runs either on a thread of its own (:meth:`Engine.start`) or on the calling thread
 (:meth:`Engine.run`, :meth:`Engine.run_while`). The worker process and ``bench engine`` use the
@@ -154,7 +155,8 @@ class Engine:
 
     @property
     def started(self) -> bool:
-        return self._thread.is_alive() or (self._loop_thread is not None and not self._loop_done.is_set())
+        running = self._loop_thread is not None and not self._loop_done.is_set()
+        return self._thread.is_alive() or running
 
     def stop(self) -> None:
         """Stop the loop; requests still queued or running end with UNAVAILABLE (never hang).

@@ -77,6 +77,51 @@ def test_backend_matches_the_sgmv_reference_in_both_layouts(
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("token_slots", "lo", "span"),
+    [([5] * 9, 5, 1), ([3, 4, 3, -1, 4, 4], 3, 2), ([3, -1, 3, 3], 3, 1), ([0, 2, 2], 0, 3)],
+    ids=["one-high-slot", "range-3-4", "rank-64-slot", "from-zero"],
+)
+def test_slot_major_reads_only_the_range_of_slots_in_use(
+    token_slots: list[int], lo: int, span: int
+) -> None:
+    """A prefill of one adapter in slot 5 is one bmm over slot 5, not slots 0-5 (padding) or
+    grouped_mm; the delta still matches the reference, through the fused shrink too."""
+    config = _config(64)
+    slots = _slots(config, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    for s, rank in enumerate(RANKS):  # k and v adapted too, so the fused shrink is exercised
+        for module in ("k_proj", "v_proj"):
+            slots.a[module][0, s, :rank].normal_(0, 0.1, generator=gen)
+            slots.b[module][0, s, :, :rank].normal_(0, 0.1, generator=gen)
+    backend = TorchLoraBackend(torch.float32, torch.device("cpu"))
+    meta = backend.prepare(token_slots, slots)
+    assert meta is not None and meta.slot_major
+    assert (meta.slot_lo, meta.slot_range) == (lo, span)
+    t_slots = torch.tensor(token_slots, dtype=torch.int32)
+    ranks = torch.tensor([info.rank for info in slots.table], dtype=torch.int32)
+    scalings = torch.tensor([info.scaling for info in slots.table])
+    x = torch.randn(len(token_slots), 64)
+    expected = {}
+    for module in ("q_proj", "k_proj", "v_proj"):
+        h = sgmv_shrink_ref(x, slots.a[module][0], t_slots, ranks)
+        width = config.module_shapes()[module][1]
+        expected[module] = sgmv_expand_ref(
+            h, slots.b[module][0], t_slots, ranks, scalings, torch.zeros(len(token_slots), width)
+        )
+        out = torch.zeros_like(expected[module])
+        backend.add(x, slots.a[module][0], slots.b[module][0], out, 0, meta)
+        torch.testing.assert_close(out, expected[module], rtol=1e-5, atol=1e-5)
+    qkv = ("q_proj", "k_proj", "v_proj")
+    fused = torch.zeros(len(token_slots), 128)
+    took = backend.add_group(x, slots.a_groups[qkv][0], [slots.b[m][0] for m in qkv], fused,
+                             [0, 64, 96], meta)
+    assert took == (meta.max_rank == slots.storage_rank)
+    if took:
+        torch.testing.assert_close(fused, torch.cat([expected[m] for m in qkv], 1),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_no_adapter_rows_means_no_metadata() -> None:
     slots = _slots(_config(64), seed=0)
     assert TorchLoraBackend(torch.float32, torch.device("cpu")).prepare([-1, -1], slots) is None

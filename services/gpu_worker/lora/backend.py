@@ -7,10 +7,11 @@ projection's output (:meth:`add`).
 The torch backend has two layouts and picks one per step (host-side, from the token counts):
 
 * **slot-major bmm** (decode-like steps): tokens are laid out ``[S_range, m, K]`` -- each slot
-  of the active range ``0 .. S_range-1`` gets ``m`` rows (its tokens, then padding) -- and two
-  ``bmm`` calls read every adapter's weights once, straight from slot storage (no weight copy;
-  slots are handed out lowest-first, so the active ones form a short range). Example, slots of
-  5 tokens [2, -1, 0, 2, 0] -> S_range 3, m 2::
+  of the active range ``lo .. lo+S_range-1`` (lowest to highest slot with tokens) gets ``m`` rows
+  (its tokens, then padding) -- and two ``bmm`` calls read every adapter's weights once,
+  straight from slot storage (no weight copy; slots are handed out lowest-first, so the active
+  ones form a short range, and a step that uses one slot reads that slot alone, wherever it
+  is). Example, slots of 5 tokens [2, -1, 0, 2, 0] -> lo 0, S_range 3, m 2::
 
       slot 0: rows [2, 4]   slot 1: [pad, pad]   slot 2: [0, 3]      (row 1 has no adapter)
       layout_rows = [2, 4, 0, 0, 0, 3]    output_rows = [4, 0, 0, 5, 1]    row_scale[1] = 0
@@ -53,7 +54,8 @@ class LoraStepMeta:
     row_scale: torch.Tensor  # [T, 1] scaling of each batch row, 0 for base-model rows
     layout_rows: torch.Tensor | None  # [P] x row feeding each layout row (padding: row 0)
     output_rows: torch.Tensor | None  # [T] layout row of each batch row (base rows: 0)
-    # slot-major layout
+    # slot-major layout: slots slot_lo .. slot_lo + slot_range - 1, per_slot rows each
+    slot_lo: int = 0
     slot_range: int = 0
     per_slot: int = 0
     # grouped layout
@@ -108,17 +110,18 @@ def build_meta(
     table = slots.table
     active = sorted(by_slot)
     num_rows = sum(len(v) for v in by_slot.values())
-    slot_range = active[-1] + 1
+    lo = active[0]
+    slot_range = active[-1] - lo + 1
     per_slot = max(len(v) for v in by_slot.values())
     slot_major = slot_range * per_slot <= PADDING_LIMIT * num_rows
     output_rows = [0] * len(token_slots)
-    if slot_major:  # layout row of (slot, j) is slot * per_slot + j; padding reads row 0
+    if slot_major:  # layout row of (slot, j) is (slot - lo) * per_slot + j; padding reads row 0
         size = slot_range * per_slot
         layout_rows = [0] * size
         for slot in active:
             for j, row in enumerate(by_slot[slot]):
-                layout_rows[slot * per_slot + j] = row
-                output_rows[row] = slot * per_slot + j
+                layout_rows[(slot - lo) * per_slot + j] = row
+                output_rows[row] = (slot - lo) * per_slot + j
     else:  # rows sorted by slot
         size = num_rows
         layout_rows = [row for slot in active for row in by_slot[slot]]
@@ -143,7 +146,9 @@ def build_meta(
         output_rows=None if identity else longs(output_rows),
     )
     if slot_major:
-        return LoraStepMeta(**common, slot_range=slot_range, per_slot=per_slot)  # type: ignore[arg-type]
+        return LoraStepMeta(  # type: ignore[arg-type]
+            **common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot
+        )
     ends, total = [], 0
     for slot in range(slots.num_slots):
         total += len(by_slot.get(slot, ()))
@@ -192,9 +197,9 @@ class TorchLoraBackend:
         r, n = meta.max_rank, b.shape[1]
         xs = _in_layout(x, meta)  # [P, K]
         if meta.slot_major:
-            s, m = meta.slot_range, meta.per_slot
-            h = torch.bmm(xs.view(s, m, -1), a[:s, :r].transpose(1, 2))  # [S_range, m, r]
-            y = torch.bmm(h, b[:s, :, :r].transpose(1, 2)).view(s * m, n)  # [P, N]
+            lo, s, m = meta.slot_lo, meta.slot_range, meta.per_slot
+            h = torch.bmm(xs.view(s, m, -1), a[lo : lo + s, :r].transpose(1, 2))  # [S_range, m, r]
+            y = torch.bmm(h, b[lo : lo + s, :, :r].transpose(1, 2)).view(s * m, n)  # [P, N]
         else:
             assert meta.offs is not None and meta.sorted_slots is not None
             a_t = a[:, :r].transpose(1, 2)  # [S, K, r]
@@ -221,13 +226,13 @@ class TorchLoraBackend:
         rank = a.shape[1] // len(bs)
         if not meta.slot_major or meta.max_rank != rank:
             return False
-        s, m = meta.slot_range, meta.per_slot
+        lo, s, m = meta.slot_lo, meta.slot_range, meta.per_slot
         xs = _in_layout(x, meta)  # [P, K]
-        h = torch.bmm(xs.view(s, m, -1), a[:s].transpose(1, 2))  # [S_range, m, G * R]
+        h = torch.bmm(xs.view(s, m, -1), a[lo : lo + s].transpose(1, 2))  # [S_range, m, G * R]
         for g, (b, col) in enumerate(zip(bs, cols, strict=True)):
             n = b.shape[1]
             part = h[:, :, g * rank : (g + 1) * rank]  # [S_range, m, R]
-            y = torch.bmm(part, b[:s].transpose(1, 2)).view(s * m, n)  # [P, N_g]
+            y = torch.bmm(part, b[lo : lo + s].transpose(1, 2)).view(s * m, n)  # [P, N_g]
             self._accumulate(y, out, col, meta)
         return True
 
