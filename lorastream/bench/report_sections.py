@@ -313,7 +313,7 @@ def scale_section(r: Result, plots: Mapping[str, str]) -> str:
         f"with {text(c.get('slots'))} slots replays the same {text(c.get('requests'))} requests "
         f"(Poisson arrivals at {text(c.get('rate'))} req/s, adapters drawn by "
         f"{text(c.get('popularity'))} among the first COUNT, {text(c.get('max_tokens'))} tokens "
-        "each); only the adapter column of the trace changes with the count.",
+        "each); only the adapter column of the trace changes with the count." + _rounds(c, runs),
         table(["adapters", "distinct requested", "req/s", "tok/s", "TTFT p50 (ms)",
                "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "errors"], rows),
         table(GOALS_HEADER, goals),
@@ -325,6 +325,17 @@ def scale_section(r: Result, plots: Mapping[str, str]) -> str:
         parts.append(f"HF + PEFT serves the largest count's requests in static mixed-adapter "
                      f"batches of {text(peft.get('batch_size'))}. {text(peft.get('note'))}")
     return _join(parts)
+
+
+def _rounds(c: Mapping[str, Any], runs: list[Result]) -> str:
+    """How many rounds the counts took turns for, and every round's req/s."""
+    per_count = [(x.get("adapters"), x.get("throughput_req_s_rounds")) for x in runs]
+    if not isinstance(c.get("repeats"), int) or c["repeats"] < 2:
+        return ""
+    shown = "; ".join(f"{text(n)}: {', '.join(number(v, 2) for v in values)}"
+                      for n, values in per_count if isinstance(values, list))
+    return (f" The counts took turns for {c['repeats']} rounds; each row is its count's best "
+            f"round (req/s of every round — {shown}).")
 
 
 def _scale_explained(runs: list[Result], c: Mapping[str, Any]) -> str:

@@ -8,7 +8,9 @@
 2. **per count N**: a fresh worker (cold: no adapter resident) replays one Poisson trace whose
    arrival times and prompts are the same for every N; only the adapter column differs: zipf
    popularity over ``s0..s{N-1}``. The arrival rate is above the worker's capacity, so throughput
-   measures capacity and TTFT includes queueing. Reported: throughput, TTFT / ITL / end-to-end
+   measures capacity and TTFT includes queueing. The counts take turns for ``repeats`` rounds
+   and each reports its best round (every round's throughput is kept): on this shared machine
+   one round of the same work moved by up to 20%, more than the loss being measured. Reported: throughput, TTFT / ITL / end-to-end
    percentiles and raw samples, and the worker's adapter hits, misses and evictions.
 3. **peer**: HF + PEFT serves the largest N's requests in static mixed-adapter batches (see
    :mod:`lorastream.bench.peft_peer`), with those adapters pulled from the same store.
@@ -78,6 +80,7 @@ class ScaleConfig:
     slots: int = 16
     peft: bool = True
     peft_batch: int = 32  # the worker's default --max-batch-size
+    repeats: int = 2  # rounds over all counts; each count reports its best round
     host_cache_bytes: int = 1 << 30
     kv_cache_bytes: int = 512 << 20
     seed: int = 0
@@ -181,6 +184,18 @@ def _run_count(
     }
 
 
+def _best_round(rounds: list[dict[str, object]]) -> dict[str, object]:
+    """The round with the highest throughput (the usual choice on a shared machine), with
+    every round's throughput kept beside it."""
+    def throughput(run: dict[str, object]) -> float:
+        value = run["throughput_req_s"]
+        return float(value) if isinstance(value, int | float) else 0.0
+
+    best = max(rounds, key=throughput)
+    return {**best, "rounds": len(rounds),
+            "throughput_req_s_rounds": [run["throughput_req_s"] for run in rounds]}
+
+
 def _ratio(a: object, b: object, digits: int = 3) -> float | None:
     if isinstance(a, int | float) and isinstance(b, int | float) and b:
         return round(a / b, digits)
@@ -205,8 +220,11 @@ def run_scale_bench(config: ScaleConfig) -> dict[str, object]:
         root = Path(tmp)
         with running_store(root / "store", store_port):
             registration = register_adapters(store, config, shape, root / "synthetic")
-            for count in counts:
-                runs.append(_run_count(config, count, traces[count], store))
+            rounds: dict[int, list[dict[str, object]]] = {n: [] for n in counts}
+            for _ in range(config.repeats):  # counts take turns: a slow spell hits them all
+                for count in counts:
+                    rounds[count].append(_run_count(config, count, traces[count], store))
+            runs = [_best_round(rounds[count]) for count in counts]
             if config.peft:
                 names = sorted({name for name, _ in requests})
                 dirs = fetch_peft_dirs(store, names, root / "peft")

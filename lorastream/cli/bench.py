@@ -170,6 +170,9 @@ def scale(
     ),
     model: str = typer.Option("default", help="Base model: default, a checkpoint dir or Hub id."),
     seed: int = typer.Option(0, help="Seed of the trace and of the synthetic adapters."),
+    repeats: int = typer.Option(
+        2, min=1, help="Rounds over all counts, taking turns; each count reports its best round."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -193,6 +196,7 @@ def scale(
     config = ScaleConfig(
         model=model, counts=parsed, rate=rate, requests=requests, max_tokens=max_tokens,
         slots=slots, popularity=popularity, peft=peft, peft_batch=peft_batch, seed=seed,
+        repeats=repeats,
     )
     _print_result(run_scale_bench(config), output)
 

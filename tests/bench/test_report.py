@@ -281,3 +281,15 @@ def test_serve_section_splits_ttft_by_the_first_request_for_each_adapter() -> No
         k: v for k, v in serve["overlap_on"]["trace"].items() if k != "first_use_requests"}}}
     assert "Where the TTFT p50 falls" not in render_page({"serve": old}, {})
     _assert_no_leaks(page)
+
+
+def test_scale_section_states_the_rounds_the_counts_took_turns_for() -> None:
+    scale = renderer_inputs()["scale"]
+    runs = [{**run, "rounds": 2, "throughput_req_s_rounds": [run["throughput_req_s"], 2.5]}
+            for run in scale["runs"]]
+    page = render_page({"scale": {**scale, "config": {**scale["config"], "repeats": 2},
+                                  "runs": runs}}, {})
+    assert ("took turns for 2 rounds; each row is its count's best round (req/s of every round "
+            "— 10: 4.00, 2.50; 100: 3.80, 2.50; 1000: 3.40, 2.50)") in page
+    assert "took turns" not in render_page({"scale": scale}, {})  # results from before rounds
+    _assert_no_leaks(page)

@@ -24,6 +24,8 @@ def test_scale_bench_serves_every_request_at_each_count_and_runs_the_peft_peer(
     for run in runs:
         assert run["requests"] == 8 and run["errors"] == 0
         assert run["throughput_req_s"] > 0 and run["throughput_tok_s"] > 0
+        assert run["rounds"] == 2  # the counts took turns twice; the best round is reported
+        assert run["throughput_req_s"] == max(run["throughput_req_s_rounds"])
         assert 1 <= run["distinct_adapters_requested"] <= run["adapters"]
         assert len(run["samples"]["ttft_ms"]) == 8
         assert len(run["samples"]["itl_ms"]) == 8 * (3 - 1)
@@ -39,3 +41,14 @@ def test_scale_bench_serves_every_request_at_each_count_and_runs_the_peft_peer(
     assert peft["adapters_loaded"] == runs[-1]["distinct_adapters_requested"]
     assert peft["throughput_tok_s"] > 0 and "t=0" in peft["note"]
     assert result["lorastream_vs_peft"] > 0
+
+
+def test_each_count_reports_its_best_round_and_keeps_every_rounds_throughput() -> None:
+    from lorastream.bench.scale import _best_round
+
+    rounds = [{"adapters": 10, "throughput_req_s": 3.1, "ttft_ms": {"p50": 900.0}},
+              {"adapters": 10, "throughput_req_s": 3.6, "ttft_ms": {"p50": 700.0}},
+              {"adapters": 10, "throughput_req_s": None, "ttft_ms": {"p50": None}}]
+    best = _best_round(rounds)
+    assert best["throughput_req_s"] == 3.6 and best["ttft_ms"] == {"p50": 700.0}
+    assert best["rounds"] == 3 and best["throughput_req_s_rounds"] == [3.1, 3.6, None]
