@@ -10,8 +10,9 @@
    popularity over ``s0..s{N-1}``. The arrival rate is above the worker's capacity, so throughput
    measures capacity and TTFT includes queueing. The counts take turns for ``repeats`` rounds
    and each reports its best round (every round's throughput is kept): on this shared machine
-   one round of the same work moved by up to 20%, more than the loss being measured. Reported: throughput, TTFT / ITL / end-to-end
-   percentiles and raw samples, and the worker's adapter hits, misses and evictions.
+   one round of the same work moved by over 20%, more than the loss being measured. Reported:
+   throughput, TTFT / ITL / end-to-end percentiles and raw samples, and the worker's adapter
+   hits, misses and evictions.
 3. **peer**: HF + PEFT serves the largest N's requests in static mixed-adapter batches (see
    :mod:`lorastream.bench.peft_peer`), with those adapters pulled from the same store.
 

@@ -37,8 +37,8 @@ from pathlib import Path
 from lorastream.bench.harness import (
     PROMPTS,
     RequestResult,
-    TraceEntry,
     RssSampler,
+    TraceEntry,
     free_port,
     itls,
     make_trace,
