@@ -84,8 +84,6 @@ class Engine:
         self.backend = backend
         self.device = device
         self.base_model_name = base_model_name
-        self.max_seq_len = min(max_seq_len, model.config.max_position_embeddings)
-        self.default_max_tokens = default_max_tokens
         self.scheduler = Scheduler(
             kv.allocator,
             adapters,
@@ -95,14 +93,9 @@ class Engine:
         )
         self.sampler = Sampler()
         self.staging = StepStaging(device, capacity=16 * max_num_tokens + 4096)
-        eos = set(model.config.eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if tok_eos is not None:
-            eos.add(int(tok_eos))
-        self.eos_ids = frozenset(eos)
         self.intake = RequestIntake(
-            tokenizer, vocab_size=model.config.vocab_size, max_seq_len=self.max_seq_len,
-            kv_blocks=kv.num_blocks, default_max_tokens=default_max_tokens, eos_ids=self.eos_ids,
+            tokenizer, model.config, max_seq_len=max_seq_len, kv_blocks=kv.num_blocks,
+            default_max_tokens=default_max_tokens,
         )
         self.stats = EngineStats()
         adapters.metrics.watch(self.metrics_state)

@@ -17,21 +17,27 @@ from lorastream.generation import PromptInput
 from services.gpu_worker.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.kv_cache import BlockAllocator
 from services.gpu_worker.loading.entry import AdapterEntry
+from services.gpu_worker.model.config import LlamaConfig
 from services.gpu_worker.sampling import SamplingParams, make_generator
 from services.gpu_worker.sequence import RequestStream, Sequence
 
 
 class RequestIntake:
     def __init__(
-        self, tokenizer: object, *, vocab_size: int, max_seq_len: int, kv_blocks: int,
-        default_max_tokens: int, eos_ids: frozenset[int],
+        self, tokenizer: object, config: LlamaConfig, *, max_seq_len: int, kv_blocks: int,
+        default_max_tokens: int,
     ) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_seq_len = max_seq_len
+        self.vocab_size = config.vocab_size
+        self.max_seq_len = min(max_seq_len, config.max_position_embeddings)
         self.kv_blocks = kv_blocks
         self.default_max_tokens = default_max_tokens
-        self.eos_ids = eos_ids
+        # End of sequence: the model's ids and the tokenizer's own, unless a request ignores EOS.
+        eos = set(config.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            eos.add(int(tok_eos))
+        self.eos_ids = frozenset(eos)
 
     def tokenize(self, prompt: PromptInput) -> list[int]:
         """Token ids of a prompt given as ids, chat messages (the model's chat template, with
