@@ -201,7 +201,10 @@ def warm_up(worker: str, model: str = "base") -> None:
 
 
 class RssSampler(threading.Thread):
-    """Samples a process's resident memory every 50 ms; ``peak`` is the largest seen (bytes)."""
+    """Samples a process's resident memory every 50 ms; ``peak`` is the largest seen (bytes).
+
+    Its children (the worker's fetch process) count with their private memory: the host arena
+    they share with it is in its own RSS once it read an adapter from there."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
@@ -212,9 +215,19 @@ class RssSampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.05):
             try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
+                self.peak = max(self.peak, self._resident())
             except psutil.Error:
                 return
+
+    def _resident(self) -> int:
+        total = self.process.memory_info().rss
+        for child in self.process.children(recursive=True):
+            try:
+                info = child.memory_info()
+            except psutil.Error:  # exited meanwhile
+                continue
+            total += info.rss - info.shared
+        return total
 
 
 # -- processes -------------------------------------------------------------------------------

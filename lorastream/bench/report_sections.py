@@ -229,9 +229,10 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         _plot(plots, "serve_cdf", "TTFT and ITL CDFs, overlap on vs off"),
         _plot(plots, "serve_interference", "ITL of running streams with and without loads"),
         "With overlapped loading on, a request for a cold adapter does not stall the batch: the "
-        "adapter is fetched from the store and copied into a slot in the background while the "
-        "running streams keep decoding, and the request is admitted when its adapter is "
-        "resident. With it off, the load happens inside the step.",
+        "adapter is fetched from the store (by the worker's fetch process, at idle CPU priority) "
+        "and copied into a slot in the background while the running streams keep decoding, and "
+        "the request is admitted when its adapter is resident. With it off, the load happens "
+        "inside the step.",
         _first_use_explained(r),
         _cold_probe_explained(r, c),
     ]
@@ -248,7 +249,9 @@ def _first_use_explained(r: Result) -> str:
         f"requests ({first / requests:.0%}) are the first to name their adapter: they wait for "
         "its store fetch in either mode. The others find it in a slot, in host memory or on its "
         "way. With overlap on, the requests asked for before no longer wait for other adapters' "
-        "loads, which is where its TTFT gain comes from. The overall p50 lies near the boundary "
+        "loads, which is where its TTFT gain comes from. A first request can wait longer with "
+        "overlap on: its fetch then gets only the CPU time decoding leaves, where with overlap "
+        "off it has the cores while every other request waits. The overall p50 lies near the boundary "
         "between the two groups, so it moves more from run to run than either group's."
     )
 

@@ -15,6 +15,12 @@ class OnOff(str, Enum):
     OFF = "off"
 
 
+class FetchPlace(str, Enum):
+    IDLE = "idle"
+    NICE = "nice"
+    OFF = "off"
+
+
 app = typer.Typer(
     help="Run a GPU worker (Llama engine, continuous batching, batched multi-LoRA).",
     rich_markup_mode=None,
@@ -63,6 +69,11 @@ def serve(
         None, help="Adapter fetches from the store at once; more share the link, so each "
         "arrives later [1].",
     ),
+    fetch_process: FetchPlace | None = typer.Option(
+        None, help="Where store fetches run: idle (a process of their own at SCHED_IDLE, so "
+        "decoding keeps the cores), nice (that process at --loader-nice) or off (threads in the "
+        "worker) [idle].",
+    ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."
     ),
@@ -99,7 +110,7 @@ def serve(
         "lora_backend": lora_backend, "device": device, "dtype": dtype,
         "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
         "prefetch_depth": prefetch_depth, "loader_nice": loader_nice,
-        "fetch_threads": fetch_threads,
+        "fetch_threads": fetch_threads, "fetch_process": fetch_process and fetch_process.value,
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -14,6 +14,7 @@ from services.gpu_worker.config import WorkerSettings
 from services.gpu_worker.device import Device
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.kv_cache import KVCache
+from services.gpu_worker.loading.fetch_process import FetchProcess, SharedHostMemory
 from services.gpu_worker.loading.fetcher import AdapterFetcher
 from services.gpu_worker.loading.manager import AdapterManager
 from services.gpu_worker.lora.backend import LoraBackend, TorchLoraBackend
@@ -53,6 +54,20 @@ def make_backend(name: str, dtype: torch.dtype, device: torch.device) -> LoraBac
     raise InvalidArgument(f"unknown --lora-backend {name!r}; use torch or triton")
 
 
+def make_fetch_process(settings: WorkerSettings, device: Device) -> FetchProcess | None:
+    """The fetch process ``--fetch-process`` asks for, with the host budget as shared memory;
+    None for fetches on the worker's own threads (off, no store, or no ``memfd`` here)."""
+    if settings.fetch_process == "off" or not settings.store:
+        return None
+    if not SharedHostMemory.supported():
+        log.warning("no memfd_create on this platform: store fetches run in the worker")
+        return None
+    priority = "idle" if settings.fetch_process == "idle" else f"nice:{settings.loader_nice}"
+    memory = SharedHostMemory(device, settings.host_cache_bytes)
+    return FetchProcess(memory, settings.store, settings.store_token,
+                        threads=settings.fetch_threads, priority=priority)
+
+
 def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> Engine:
     """Load the base model and allocate every budget; the engine is not started."""
     started = time.perf_counter()
@@ -73,7 +88,9 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         settings.kv_cache_bytes, dtype, torch_device,
     )
     slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device)
-    fetcher = AdapterFetcher(device, settings.store, settings.store_token)
+    fetcher = AdapterFetcher(
+        device, settings.store, settings.store_token, make_fetch_process(settings, device)
+    )
     adapters = AdapterManager(
         config, slots, device, fetcher, settings.host_cache_bytes,
         overlap=settings.lora_overlap_loading, fetch_threads=settings.fetch_threads,

@@ -91,6 +91,12 @@ class WorkerSettings(BaseSettings):
         "the store's link, so running them side by side only delays the first (two cold "
         "adapters fetched together both arrive at 2T; one after the other, at T and 2T).",
     )
+    fetch_process: Literal["idle", "nice", "off"] = Field(
+        "idle",
+        description="Where store fetches run. idle: in a process of their own at SCHED_IDLE, "
+        "so they use only CPU time decoding leaves (and never the worker's GIL); nice: that "
+        "process at --loader-nice; off: on threads inside the worker (at --loader-nice).",
+    )
     prefetch_depth: int = Field(
         8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
     )

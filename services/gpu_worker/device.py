@@ -196,6 +196,15 @@ class Device:
         """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
 
+    def pin_host(self, tensor: torch.Tensor) -> None:
+        """Page-lock host memory allocated elsewhere (a shared mapping), in place: on CUDA
+        (``cudaHostRegister``) so copies from it are asynchronous; nothing to do on the CPU."""
+        if self.is_cuda:  # pragma: no cover - needs a GPU
+            nbytes = tensor.numel() * tensor.element_size()
+            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
+
     def record_compute(self) -> Event:
         """An event that completes when the work enqueued so far on the compute stream is done.
 

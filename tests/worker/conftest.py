@@ -7,9 +7,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from lorastream.store_client import StoreClient
+from services.adapter_store.config import StoreSettings
+from services.adapter_store.server import create_server as create_store
 from services.gpu_worker.bootstrap import build_engine
 from services.gpu_worker.config import WorkerSettings
 from services.gpu_worker.engine import Engine
@@ -115,3 +119,34 @@ def engine_factory(tiny_model: Path, tmp_path: Path) -> Iterator[EngineFactory]:
     for engine in engines:
         engine.stop()
         assert engine.healthy_after_stop(), "slots, references or KV blocks leaked"
+
+
+@dataclass
+class StoreStack:
+    target: str
+    port: int
+    cache: Path
+    server: grpc.Server
+
+    def restart(self, chunk_delay_s: float = 0.0) -> None:
+        """Stop the store and start it again on the same port and cache (the same content)."""
+        self.server.stop(None).wait()
+        settings = StoreSettings(
+            port=self.port, cache_dir=self.cache, stream_chunk_delay_s=chunk_delay_s
+        )
+        server, _, _ = create_store(settings)
+        server.start()
+        self.server = server
+
+
+@pytest.fixture
+def store(tiny_adapters: dict[str, Path], tmp_path: Path) -> Iterator[StoreStack]:
+    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
+    server.start()
+    stack = StoreStack(f"127.0.0.1:{port}", port, tmp_path / "store", server)
+    with StoreClient(stack.target) as client:
+        for name, path in tiny_adapters.items():
+            for _ in client.preload(str(path), name):
+                pass
+    yield stack
+    stack.server.stop(None).wait()

@@ -7,52 +7,14 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import grpc
 import pytest
 
 from lorastream import errors
 from lorastream.generation import PromptInput, SamplingParams
-from lorastream.store_client import StoreClient
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server as create_store
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
-from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory
-
-
-@dataclass
-class StoreStack:
-    target: str
-    port: int
-    cache: Path
-    server: grpc.Server
-
-    def restart(self, chunk_delay_s: float = 0.0) -> None:
-        """Stop the store and start it again on the same port and cache (the same content)."""
-        self.server.stop(None).wait()
-        settings = StoreSettings(
-            port=self.port, cache_dir=self.cache, stream_chunk_delay_s=chunk_delay_s
-        )
-        server, _, _ = create_store(settings)
-        server.start()
-        self.server = server
-
-
-@pytest.fixture
-def store(tiny_adapters: dict[str, Path], tmp_path: Path) -> Iterator[StoreStack]:
-    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
-    server.start()
-    stack = StoreStack(f"127.0.0.1:{port}", port, tmp_path / "store", server)
-    with StoreClient(stack.target) as client:
-        for name, path in tiny_adapters.items():
-            for _ in client.preload(str(path), name):
-                pass
-    yield stack
-    stack.server.stop(None).wait()
+from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, StoreStack
 
 
 def _tokens(engine: Engine, model: str, prompt: int, **params: object) -> list[int]:
@@ -187,14 +149,28 @@ def test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_l
     assert engine.adapters.host_bytes_used <= 600_000
 
 
+def _landed_chunks(engine: Engine, name: str, writes: list[tuple[int, int]]) -> int:
+    """4 KiB chunks of ``name`` landed so far: counted by the write hook when the fetch runs in
+    the worker, read from the shared host memory (random weights are never a zero chunk) when
+    it runs in the fetch process."""
+    if engine.adapters.fetcher.landing_memory is None:
+        return len(writes)
+    entry = next((e for e in engine.adapters.entries() if e.name == name), None)
+    if entry is None or entry.host_offset is None:
+        return 0
+    landed = engine.adapters.host.storage(entry)
+    return int(landed.view(-1, 4096).any(dim=1).sum()) if landed is not None else 0
+
+
+@pytest.mark.parametrize("fetch_process", ["off", "idle"])
 def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fetch_process: str,
 ) -> None:
     store.restart(chunk_delay_s=0.01)  # a slow store: all-r64 is 128 chunks of 4 KiB
-    engine = engine_factory(store=store.target)
+    engine = engine_factory(store=store.target, fetch_process=fetch_process)
     engine.adapters.fetcher.chunk_bytes = 4096
-    writes: list[tuple[int, int]] = []
+    writes: list[tuple[int, int]] = []  # (tensor, offset) of each chunk landed in this process
     original_write = HostAdapterBuffer.write
 
     def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
@@ -205,16 +181,22 @@ def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
     result: dict[str, list[int]] = {}
     thread = threading.Thread(target=lambda: result.update(t=_tokens(engine, "all-r64", 2)))
     thread.start()
-    while len(writes) < 10:
+    deadline = time.monotonic() + 60
+    while _landed_chunks(engine, "all-r64", writes) < 10 and time.monotonic() < deadline:
         time.sleep(0.01)
     store.server.stop(None).wait()  # the store dies mid-stream ...
-    stopped_at = len(writes)
+    stopped_at = _landed_chunks(engine, "all-r64", writes)
     assert _tokens(engine, "tiny", 0) == reference[("base", 0)]  # ... base requests still serve
     store.restart()  # ... and comes back: the stream resumes where it stopped
     thread.join(timeout=60)
     assert result["t"] == reference[("all-r64", 2)]
-    assert 10 <= stopped_at < len(writes) - 10  # it was really cut in the middle
-    assert len(writes) == len(set(writes)), "some bytes were fetched twice"
+    if fetch_process == "off":  # every chunk landed here, through the hook
+        assert 10 <= stopped_at < len(writes) - 10  # it was really cut in the middle
+        assert len(writes) == len(set(writes)), "some bytes were fetched twice"
+    else:
+        assert not writes  # none landed here: the fetch process landed them
+        total = _landed_chunks(engine, "all-r64", writes)
+        assert 10 <= stopped_at < total - 10  # it was really cut in the middle
 
 
 def test_a_store_that_stays_dead_fails_that_adapters_requests_clearly(
@@ -273,7 +255,9 @@ def test_fetches_share_the_link_one_at_a_time_unless_configured_otherwise(
     bytes start arriving only after the first's have all landed, in the order asked for; with
     two, both are on the link at once (and so both arrive late)."""
     store.restart(chunk_delay_s=0.004)  # a slow link: all-r64 is 128 chunks of 4 KiB
-    engine = engine_factory(store=store.target, start=False, fetch_threads=fetch_threads)
+    # Fetches on the worker's threads, where the write hook sees every chunk land.
+    engine = engine_factory(store=store.target, start=False, fetch_threads=fetch_threads,
+                            fetch_process="off")
     engine.adapters.fetcher.chunk_bytes = 4096
     writes: list[str] = []  # the adapter of every chunk landed, in order
     original_write = HostAdapterBuffer.write

@@ -1,8 +1,10 @@
 """Fetch an adapter's tensors into a host buffer: from the store by name, or from a local dir.
 
 Either way the bytes land chunk by chunk at their offsets in one preallocated host buffer and
-every tensor's sha256 is checked before anything else sees it. ``chunk_delay_s`` is a test hook
-that slows every landed chunk, so tests can hold a load in flight.
+every tensor's sha256 is checked before anything else sees it. Store fetches into the host arena
+run in the fetch process when there is one (``fetch_process.py`` says why), else in the calling
+thread. ``chunk_delay_s`` is a test hook that slows every landed chunk, so tests can hold a load
+in flight.
 """
 
 from __future__ import annotations
@@ -20,38 +22,24 @@ from lorastream.errors import InvalidAdapter, InvalidArgument, SourceUnavailable
 from lorastream.manifest import AdapterManifest
 from lorastream.store_client import StoreClient
 from services.gpu_worker.device import Device
+from services.gpu_worker.loading.fetch_process import FetchProcess
 from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
+from services.gpu_worker.loading.landing import SlowSink
 
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 20
 
 
-class _SlowSink:
-    """Wraps a sink and sleeps before each write (the fault hook)."""
-
-    def __init__(self, inner: HostAdapterBuffer, delay_s: float) -> None:
-        self._inner = inner
-        self._delay_s = delay_s
-
-    def begin(self, manifest: AdapterManifest) -> None:
-        self._inner.begin(manifest)
-
-    def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
-        time.sleep(self._delay_s)
-        self._inner.write(tensor_index, offset, data)
-
-    def view(self, tensor_index: int) -> memoryview:
-        return self._inner.view(tensor_index)
-
-
 class AdapterFetcher:
     """Knows where adapters come from; owns the store client."""
 
-    def __init__(self, device: Device, store: str | None, store_token: str | None = None) -> None:
+    def __init__(self, device: Device, store: str | None, store_token: str | None = None,
+                 process: FetchProcess | None = None) -> None:
         self._device = device
         self._store_target = store
         self._client = StoreClient(store, store_token) if store else None
+        self._process = process
         self.chunk_bytes = 0  # stream chunk size asked of the store; 0: the store's default
         self.chunk_delay_s = 0.0  # test hook
 
@@ -59,9 +47,21 @@ class AdapterFetcher:
     def has_store(self) -> bool:
         return self._client is not None
 
+    @property
+    def process(self) -> FetchProcess | None:
+        return self._process
+
+    @property
+    def landing_memory(self) -> torch.Tensor | None:
+        """Host memory the fetch process lands in (``[n]`` uint8): the host arena must be carved
+        out of it for fetches to run there. None without a fetch process."""
+        return None if self._process is None else self._process.memory.tensor
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+        if self._process is not None:
+            self._process.close()
 
     def _store(self, name: str) -> StoreClient:
         if self._client is None:
@@ -81,9 +81,16 @@ class AdapterFetcher:
         """Stream ``name`` from the store into a host buffer, verified: into ``storage`` (a
         reserved host range, ``[>= nbytes]`` uint8) when given, else a new allocation."""
         buffer = HostAdapterBuffer(self._device, storage)
-        sink = _SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
         started = time.perf_counter()
-        manifest = self._store(name).stream_tensors(name, sink, chunk_bytes=self.chunk_bytes)
+        client = self._store(name)
+        process = self._process
+        if process is not None and storage is not None and process.memory.holds(storage):
+            # The fetch process lands and verifies the bytes in ``storage``: shared memory.
+            manifest, landing = process.fetch(name, storage, self.chunk_bytes, self.chunk_delay_s)
+            buffer.adopt(manifest, landing)
+        else:
+            sink = SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
+            manifest = client.stream_tensors(name, sink, chunk_bytes=self.chunk_bytes)
         if manifest.adapter_id != expected_id:
             raise SourceUnavailable(
                 f"adapter {name} changed in the store while it was being fetched (now "

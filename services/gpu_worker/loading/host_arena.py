@@ -8,7 +8,8 @@ Why one buffer rather than an allocation per fetched adapter:
   in, and the kernel zeroes it. Landing chunks into fresh memory measured 2 GB/s here against
   16 GB/s into memory written before, and the faults take the cores the engine decodes on.
 
-The buffer is allocated once, when the worker starts, and touched only when bytes land in it, so
+The buffer is allocated once, when the worker starts (or given: the memory the fetch process
+shares with the worker, see ``fetch_process.py``), and touched only when bytes land in it, so
 the process's resident memory grows with the adapters it has held, up to the budget, and stays
 there: a range freed by an eviction is written again without a fault.
 
@@ -30,10 +31,15 @@ ALIGN = 4096
 
 
 class HostArena:
-    def __init__(self, device: Device, nbytes: int) -> None:
+    def __init__(self, device: Device, nbytes: int, memory: torch.Tensor | None = None) -> None:
         self.capacity = nbytes // ALIGN * ALIGN
+        if memory is not None:
+            assert memory.numel() >= self.capacity, "given host memory smaller than the budget"
         # [capacity] uint8, pinned on CUDA; untouched pages cost no resident memory on the CPU.
-        self.buffer = device.host_empty(self.capacity, torch.uint8)
+        self.buffer = (
+            device.host_empty(self.capacity, torch.uint8) if memory is None
+            else memory[: self.capacity]
+        )
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []
         self._used: dict[int, int] = {}  # offset -> size of each allocated range

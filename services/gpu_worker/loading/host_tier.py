@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class HostTier:
-    def __init__(self, device: Device, budget: int, metrics: WorkerMetrics) -> None:
+    def __init__(self, device: Device, budget: int, metrics: WorkerMetrics,
+                 memory: torch.Tensor | None = None) -> None:
         self.budget = budget
-        self.arena = HostArena(device, budget)
+        self.arena = HostArena(device, budget, memory)
         self.metrics = metrics
 
     def reserve(self, entries: Iterable[AdapterEntry], entry: AdapterEntry, need: int,

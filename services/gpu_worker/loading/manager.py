@@ -39,7 +39,7 @@ from services.gpu_worker.device import COMPLETED, Device, Event, loader_thread_i
 from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
 from services.gpu_worker.loading.entry import AdapterEntry, Residency
 from services.gpu_worker.loading.fetcher import AdapterFetcher
-from services.gpu_worker.loading.host_buffer import host_nbytes
+from services.gpu_worker.loading.landing import host_nbytes
 from services.gpu_worker.loading.host_tier import HostTier
 from services.gpu_worker.lora.slots import LoraSlots
 from services.gpu_worker.metrics import WorkerMetrics
@@ -68,7 +68,7 @@ class AdapterManager:
         self.host_budget = host_budget
         self.overlap = overlap
         self.metrics = metrics or WorkerMetrics()
-        self.host = HostTier(device, host_budget, self.metrics)
+        self.host = HostTier(device, host_budget, self.metrics, fetcher.landing_memory)
         self.cost_model = AdmissionCostModel()
         self._lock = threading.RLock()
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
@@ -83,6 +83,7 @@ class AdapterManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()
 
     # -- names ------------------------------------------------------------------------------
     def resolve(self, name: str) -> AdapterEntry:

@@ -1,0 +1,88 @@
+"""Store fetches in the fetch process (``--fetch-process``): they land in the memory it shares
+with the worker, at the priority asked for, and its death fails only the fetches it had."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from lorastream import errors
+from lorastream.generation import PromptInput, SamplingParams
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
+from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack
+
+
+def _tokens(engine: Engine, model: str, prompt: int) -> list[int]:
+    stream = engine.submit(model, PromptInput(token_ids=tuple(PROMPTS[prompt])),
+                           SamplingParams(max_tokens=12))
+    return [t for event in stream for t in event.token_ids]
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+@pytest.mark.parametrize("mode", ["idle", "nice"])
+def test_fetches_land_through_the_fetch_process_at_its_priority(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch, mode: str,
+) -> None:
+    engine = engine_factory(store=store.target, fetch_process=mode, loader_nice=7)
+    landed_here: list[str] = []
+    original_write = HostAdapterBuffer.write
+
+    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+        landed_here.append(self.manifest.name)
+        original_write(self, tensor_index, offset, data)
+
+    monkeypatch.setattr(HostAdapterBuffer, "write", recording_write)
+    for name, prompt in [("all-r64", 0), ("mlp-r8", 1), ("attn-r4", 2)]:
+        assert _tokens(engine, name, prompt) == reference[(name, prompt)]
+    assert landed_here == []  # every byte came through the fetch process
+    process = engine.adapters.fetcher.process
+    assert process is not None
+    for tid in _threads(process.pid):  # gRPC's threads too
+        if mode == "idle":
+            assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        else:
+            assert os.getpriority(os.PRIO_PROCESS, tid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+
+
+def test_off_fetches_on_the_workers_threads(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+) -> None:
+    engine = engine_factory(store=store.target, fetch_process="off")
+    assert engine.adapters.fetcher.process is None
+    assert engine.adapters.fetcher.landing_memory is None
+    assert _tokens(engine, "mlp-r8", 1) == reference[("mlp-r8", 1)]
+
+
+def test_a_fetch_process_that_dies_fails_its_fetch_clearly_and_a_new_one_takes_over(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+) -> None:
+    store.restart(chunk_delay_s=0.02)  # a slow store: the fetch is in flight when the kill comes
+    engine = engine_factory(store=store.target)
+    engine.adapters.fetcher.chunk_bytes = 4096
+    process = engine.adapters.fetcher.process
+    assert process is not None
+    first_pid = process.pid
+    stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])),
+                           SamplingParams(max_tokens=4))
+    entry = None
+    deadline = time.monotonic() + 30
+    while (entry is None or not entry.fetching) and time.monotonic() < deadline:
+        entry = next((e for e in engine.adapters.entries() if e.name == "all-r64"), None)
+        time.sleep(0.01)
+    time.sleep(0.2)
+    os.kill(first_pid, signal.SIGKILL)
+    with pytest.raises(errors.SourceUnavailable, match="fetch process exited"):
+        list(stream)
+    assert _tokens(engine, "tiny", 1) == reference[("base", 1)]  # the worker still serves
+    store.restart()
+    assert _tokens(engine, "all-r64", 2) == reference[("all-r64", 2)]  # retried, fetched anew
+    assert process.pid != first_pid
+    assert engine.adapters.slots_used <= engine.slots.num_slots
