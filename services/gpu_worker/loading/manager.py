@@ -4,8 +4,9 @@ Adapters are keyed by content id (DESIGN "Identity"); names map to ids. Each ada
 queued and running requests that need it (``refs``); only unpinned adapters at zero references
 are evicted, from the host tier (LRU within ``host_budget``) or from a slot (LRU).
 
-Thread model: gRPC threads resolve names and take references, fetch threads land host buffers,
-the engine loop places adapters into slots and releases references. One lock guards the state;
+Thread model: gRPC threads resolve names and take references, fetch threads land host buffers
+(or wait while the fetch process lands them), the engine loop places adapters into slots and
+releases references. One lock guards the state;
 no fetch, copy or store call runs under it.
 
 The rules of DESIGN.md kept here:
