@@ -251,8 +251,8 @@ def _first_use_explained(r: Result) -> str:
         "way. With overlap on, the requests asked for before no longer wait for other adapters' "
         "loads, which is where its TTFT gain comes from. A first request can wait longer with "
         "overlap on: its fetch then gets only the CPU time decoding leaves, where with overlap "
-        "off it has the cores while every other request waits. The overall p50 lies near the boundary "
-        "between the two groups, so it moves more from run to run than either group's."
+        "off it has the cores while every other request waits. The overall p50 lies near the "
+        "boundary between the two groups, so it moves more from run to run than either group's."
     )
 
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from lorastream.generation import PromptInput, SamplingParams
 from lorastream.store_client import StoreClient
 from services.adapter_store.config import StoreSettings
 from services.adapter_store.server import create_server as create_store
@@ -150,3 +151,10 @@ def store(tiny_adapters: dict[str, Path], tmp_path: Path) -> Iterator[StoreStack
                 pass
     yield stack
     stack.server.stop(None).wait()
+
+
+def greedy_tokens(engine: Engine, model: str, prompt: int, **params: object) -> list[int]:
+    """The tokens ``engine`` generates for ``PROMPTS[prompt]`` (12 unless ``max_tokens``)."""
+    sampling = SamplingParams(**{"max_tokens": 12, **params})  # type: ignore[arg-type]
+    stream = engine.submit(model, PromptInput(token_ids=tuple(PROMPTS[prompt])), sampling)
+    return [t for event in stream for t in event.token_ids]

@@ -11,15 +11,8 @@ import pytest
 
 from lorastream import errors
 from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.engine import Engine
 from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
-from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack
-
-
-def _tokens(engine: Engine, model: str, prompt: int) -> list[int]:
-    stream = engine.submit(model, PromptInput(token_ids=tuple(PROMPTS[prompt])),
-                           SamplingParams(max_tokens=12))
-    return [t for event in stream for t in event.token_ids]
+from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
 
 def _threads(pid: int) -> list[int]:
@@ -41,7 +34,7 @@ def test_fetches_land_through_the_fetch_process_at_its_priority(
 
     monkeypatch.setattr(HostAdapterBuffer, "write", recording_write)
     for name, prompt in [("all-r64", 0), ("mlp-r8", 1), ("attn-r4", 2)]:
-        assert _tokens(engine, name, prompt) == reference[(name, prompt)]
+        assert greedy_tokens(engine, name, prompt) == reference[(name, prompt)]
     assert landed_here == []  # every byte came through the fetch process
     process = engine.adapters.fetcher.process
     assert process is not None
@@ -58,7 +51,7 @@ def test_off_fetches_on_the_workers_threads(
     engine = engine_factory(store=store.target, fetch_process="off")
     assert engine.adapters.fetcher.process is None
     assert engine.adapters.fetcher.landing_memory is None
-    assert _tokens(engine, "mlp-r8", 1) == reference[("mlp-r8", 1)]
+    assert greedy_tokens(engine, "mlp-r8", 1) == reference[("mlp-r8", 1)]
 
 
 def test_a_fetch_process_that_dies_fails_its_fetch_clearly_and_a_new_one_takes_over(
@@ -81,8 +74,8 @@ def test_a_fetch_process_that_dies_fails_its_fetch_clearly_and_a_new_one_takes_o
     os.kill(first_pid, signal.SIGKILL)
     with pytest.raises(errors.SourceUnavailable, match="fetch process exited"):
         list(stream)
-    assert _tokens(engine, "tiny", 1) == reference[("base", 1)]  # the worker still serves
+    assert greedy_tokens(engine, "tiny", 1) == reference[("base", 1)]  # the worker still serves
     store.restart()
-    assert _tokens(engine, "all-r64", 2) == reference[("all-r64", 2)]  # retried, fetched anew
+    assert greedy_tokens(engine, "all-r64", 2) == reference[("all-r64", 2)]  # retried, fetched anew
     assert process.pid != first_pid
     assert engine.adapters.slots_used <= engine.slots.num_slots

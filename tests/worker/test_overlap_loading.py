@@ -14,13 +14,8 @@ from lorastream import errors
 from lorastream.generation import PromptInput, SamplingParams
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
-from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, StoreStack
+from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
-
-def _tokens(engine: Engine, model: str, prompt: int, **params: object) -> list[int]:
-    sampling = SamplingParams(**{"max_tokens": 12, **params})  # type: ignore[arg-type]
-    stream = engine.submit(model, PromptInput(token_ids=tuple(PROMPTS[prompt])), sampling)
-    return [t for event in stream for t in event.token_ids]
 
 
 def test_running_streams_keep_decoding_while_a_slow_load_is_in_progress(
@@ -41,7 +36,7 @@ def test_running_streams_keep_decoding_while_a_slow_load_is_in_progress(
     reader = threading.Thread(target=drain)
     reader.start()
     started = time.perf_counter()
-    adapter_tokens = _tokens(engine, "attn-r4", 0)
+    adapter_tokens = greedy_tokens(engine, "attn-r4", 0)
     loaded_after = time.perf_counter() - started
     reader.join(timeout=60)
     assert loaded_after >= 1.3
@@ -94,7 +89,7 @@ def test_no_step_reads_a_slot_before_its_copy_completed(
     results: dict[str, list[int]] = {}
 
     def client(name: str) -> None:
-        results[name] = _tokens(engine, name, 1)
+        results[name] = greedy_tokens(engine, name, 1)
 
     threads = [threading.Thread(target=client, args=(n,)) for n in names]
     for t in threads:
@@ -179,14 +174,14 @@ def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
 
     monkeypatch.setattr(HostAdapterBuffer, "write", recording_write)
     result: dict[str, list[int]] = {}
-    thread = threading.Thread(target=lambda: result.update(t=_tokens(engine, "all-r64", 2)))
+    thread = threading.Thread(target=lambda: result.update(t=greedy_tokens(engine, "all-r64", 2)))
     thread.start()
     deadline = time.monotonic() + 60
     while _landed_chunks(engine, "all-r64", writes) < 10 and time.monotonic() < deadline:
         time.sleep(0.01)
     store.server.stop(None).wait()  # the store dies mid-stream ...
     stopped_at = _landed_chunks(engine, "all-r64", writes)
-    assert _tokens(engine, "tiny", 0) == reference[("base", 0)]  # ... base requests still serve
+    assert greedy_tokens(engine, "tiny", 0) == reference[("base", 0)]  # ... base requests still serve
     store.restart()  # ... and comes back: the stream resumes where it stopped
     thread.join(timeout=60)
     assert result["t"] == reference[("all-r64", 2)]
@@ -203,7 +198,7 @@ def test_a_store_that_stays_dead_fails_that_adapters_requests_clearly(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
 ) -> None:
     engine = engine_factory(store=store.target)
-    assert _tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # resident before
+    assert greedy_tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # resident before
     store.restart(chunk_delay_s=0.02)
     engine.adapters.fetcher.chunk_bytes = 4096
     stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])),
@@ -212,8 +207,8 @@ def test_a_store_that_stays_dead_fails_that_adapters_requests_clearly(
     store.server.stop(None).wait()
     with pytest.raises(errors.SourceUnavailable, match="unreachable while streaming all-r64"):
         list(stream)
-    assert _tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # others keep serving
-    assert _tokens(engine, "tiny", 1) == reference[("base", 1)]
+    assert greedy_tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # others keep serving
+    assert greedy_tokens(engine, "tiny", 1) == reference[("base", 1)]
     entry = next(e for e in engine.adapters.entries() if e.name == "all-r64")
     assert entry.refs == 0 and entry.slot is None
 
@@ -226,9 +221,9 @@ def test_prometheus_metrics_report_tiers_hits_misses_and_load_times(
 
     engine = engine_factory(store=store.target, max_loras=1)
     port = engine.adapters.metrics.serve(0)
-    _tokens(engine, "attn-r4", 0)  # miss at both tiers: fetched, copied
-    _tokens(engine, "attn-r4", 1)  # device hit
-    _tokens(engine, "mlp-r8", 0)  # miss; evicts attn-r4 from the only slot
+    greedy_tokens(engine, "attn-r4", 0)  # miss at both tiers: fetched, copied
+    greedy_tokens(engine, "attn-r4", 1)  # device hit
+    greedy_tokens(engine, "mlp-r8", 0)  # miss; evicts attn-r4 from the only slot
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     values = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])

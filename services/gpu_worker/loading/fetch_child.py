@@ -7,7 +7,7 @@ it -- gRPC's included -- runs at that priority. Then it serves jobs from the con
 
     -> ("init", store_target, store_token, threads)
     -> ("fetch", job, name, offset, nbytes, chunk_bytes, chunk_delay_s)
-    <- ("done", job, manifest, landing_seconds)   bytes landed at [offset, offset + nbytes), verified
+    <- ("done", job, manifest, landing_seconds)   landed at [offset, offset + nbytes), verified
     <- ("error", job, LorastreamError)
 
 and exits when the connection closes. No torch here: it starts in a fraction of a second and

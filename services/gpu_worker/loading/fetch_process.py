@@ -41,6 +41,8 @@ from services.gpu_worker.device import Device
 
 log = logging.getLogger(__name__)
 
+_Fetched = tuple[AdapterManifest, float]  # the manifest landed, and the seconds spent landing it
+
 
 class SharedHostMemory:
     """``[nbytes]`` uint8 host memory that the worker and its fetch process both map."""
@@ -81,7 +83,7 @@ class _Child:
         theirs.close()
         self._socket = ours  # shut down on close: that wakes the reader blocked on it
         self.conn = Connection(os.dup(ours.fileno()))
-        self.jobs: dict[int, Future[tuple[AdapterManifest, float]]] = {}
+        self.jobs: dict[int, Future[_Fetched]] = {}
         self.lock = threading.Lock()  # guards jobs and sends
         self.alive = True
         self.conn.send(("init", store, token, threads))
@@ -89,8 +91,8 @@ class _Child:
         self.reader.start()
         log.info("fetch process %d started (priority %s)", self.proc.pid, priority)
 
-    def submit(self, job: int, message: tuple[object, ...]) -> Future[tuple[AdapterManifest, float]]:
-        future: Future[tuple[AdapterManifest, float]] = Future()
+    def submit(self, job: int, message: tuple[object, ...]) -> Future[_Fetched]:
+        future: Future[_Fetched] = Future()
         with self.lock:
             if not self.alive:
                 raise SourceUnavailable("the adapter fetch process exited; retry the request")
@@ -156,7 +158,7 @@ class FetchProcess:
         return self._child.proc.pid
 
     def fetch(self, name: str, storage: torch.Tensor, chunk_bytes: int = 0,
-              chunk_delay_s: float = 0.0) -> tuple[AdapterManifest, float]:
+              chunk_delay_s: float = 0.0) -> _Fetched:
         """Land ``name``'s tensors in ``storage`` (a range of the shared memory), verified;
         returns its manifest and the seconds spent landing chunks. Blocks until done."""
         offset = self.memory.offset_of(storage)

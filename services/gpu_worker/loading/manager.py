@@ -6,8 +6,7 @@ are evicted, from the host tier (LRU within ``host_budget``) or from a slot (LRU
 
 Thread model: gRPC threads resolve names and take references, fetch threads land host buffers
 (or wait while the fetch process lands them), the engine loop places adapters into slots and
-releases references. One lock guards the state;
-no fetch, copy or store call runs under it.
+releases references. One lock guards the state; no fetch, copy or store call runs under it.
 
 The rules of DESIGN.md kept here:
 1. a slot is usable only once its load event completed (:meth:`ready`, a non-blocking query);
@@ -40,8 +39,8 @@ from services.gpu_worker.device import COMPLETED, Device, Event, loader_thread_i
 from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
 from services.gpu_worker.loading.entry import AdapterEntry, Residency
 from services.gpu_worker.loading.fetcher import AdapterFetcher
-from services.gpu_worker.loading.landing import host_nbytes
 from services.gpu_worker.loading.host_tier import HostTier
+from services.gpu_worker.loading.landing import host_nbytes
 from services.gpu_worker.lora.slots import LoraSlots
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.model.config import LlamaConfig
