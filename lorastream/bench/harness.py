@@ -10,7 +10,6 @@ sorted raw samples that CDF plots are drawn from.
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import subprocess
@@ -27,6 +26,7 @@ import psutil
 from lorastream.generation import PromptInput, SamplingParams
 from lorastream.stack import wait_serving
 from lorastream.worker_client import WorkerClient
+from services.gpu_worker.priority import lower_priority
 
 QUESTIONS = (
     "What is the capital of France?", "Why is the sky blue?", "Name three fruits.",
@@ -238,31 +238,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn(args: list[str], nice: int = 0) -> subprocess.Popen[bytes]:
-    """``lorastream ARGS --log-level WARNING`` as a child process, at ``nice`` if given."""
+def spawn(args: list[str], priority: str | None = None) -> subprocess.Popen[bytes]:
+    """``lorastream ARGS --log-level WARNING`` as a child process, at ``priority`` (``idle`` or
+    ``nice:N``, see ``services/gpu_worker/priority.py``) if given."""
     return subprocess.Popen(
         [sys.executable, "-m", "lorastream.cli.main", *args, "--log-level", "WARNING"],
-        preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        preexec_fn=(lambda: lower_priority(priority)) if priority else None,
     )
 
 
 def running_store(
-    cache_dir: Path, port: int, egress_limit_mbps: float = 0.0
+    cache_dir: Path, port: int, egress_limit_mbps: float = 0.0, priority: str = "nice:10"
 ) -> AbstractContextManager[subprocess.Popen[bytes]]:
-    """The benchmarks' store: ``lorastream store serve`` at ``nice 10`` (in a deployment it is
-    another machine; here it would take the cores the worker decodes on), with its egress
-    capped when ``egress_limit_mbps`` is given."""
+    """The benchmarks' store: ``lorastream store serve`` at a lower CPU ``priority`` (in a
+    deployment it is another machine; here it would take the cores the worker decodes on), with
+    its egress capped when ``egress_limit_mbps`` is given."""
     args = ["store", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
     if egress_limit_mbps:
         args += ["--egress-limit-mbps", str(egress_limit_mbps)]
-    return running(args, port, nice=10, timeout_s=60)
+    return running(args, port, priority=priority, timeout_s=60)
 
 
 @contextmanager
-def running(args: list[str], port: int, *, nice: int = 0,
+def running(args: list[str], port: int, *, priority: str | None = None,
             timeout_s: float = 600) -> Iterator[subprocess.Popen[bytes]]:
     """Spawn ``lorastream ARGS`` serving gRPC on ``port``; wait for SERVING; stop it on exit."""
-    process = spawn(args, nice=nice)
+    process = spawn(args, priority)
     try:
         wait_serving(f"127.0.0.1:{port}", process, timeout_s)
         yield process

@@ -220,8 +220,9 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         f"{text(c.get('rank'))} in the store, {text(c.get('slots'))} device slots; "
         f"{text(c.get('requests'))} requests arriving as a Poisson process at "
         f"{text(c.get('rate'))} req/s, adapters drawn by {text(c.get('popularity'))}; "
-        f"{text(c.get('max_tokens'))} tokens each. {_link(c)} The worker restarts between "
-        "modes, so every adapter starts cold. The interference part runs "
+        f"{text(c.get('max_tokens'))} tokens each. {_link(c)} The store process runs at idle "
+        "CPU priority (SCHED_IDLE): in a deployment it is another machine. The worker restarts "
+        "between modes, so every adapter starts cold. The interference part runs "
         f"{text(c.get('background'))} long base-model streams and measures their inter-token "
         "latency without loads, then while adapters are loaded one after another.",
         table(["", "overlap on", "overlap off"], rows),
@@ -229,8 +230,9 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         _plot(plots, "serve_cdf", "TTFT and ITL CDFs, overlap on vs off"),
         _plot(plots, "serve_interference", "ITL of running streams with and without loads"),
         "With overlapped loading on, a request for a cold adapter does not stall the batch: the "
-        "adapter is fetched from the store (by the worker's fetch process, at idle CPU priority) "
-        "and copied into a slot in the background while the running streams keep decoding, and "
+        "adapter is fetched from the store (by the worker's fetch process) and copied into a slot "
+        "(by its load stream), both at idle CPU priority, while the running streams keep "
+        "decoding, and "
         "the request is admitted when its adapter is resident. With it off, the load happens "
         "inside the step.",
         _first_use_explained(r),

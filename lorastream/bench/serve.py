@@ -16,9 +16,11 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
 
 The worker's peak resident memory is sampled and reported against its configured budgets.
 
-The store process runs at ``nice 10``: in a deployment it is another machine, and on a 2-core
-benchmark box it would otherwise take the cores the worker decodes on. For the same reason its
-egress is capped at ``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
+The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
+and on a 2-core benchmark box it would otherwise take the cores the worker decodes on (at
+``nice 10`` it still doubled the decode's ITL p50 while it worked; see
+``services/gpu_worker/priority.py``). For the same reason its egress is capped at
+``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
 "network" would otherwise run at memory speed and cost the worker's cores, where a real link
 moves the bytes without them. The default rate (1 request/s) is about what the worker sustains
 with these adapters (every step reads each distinct rank-64 adapter of the batch once): busy,
@@ -218,7 +220,7 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
     worker_port = worker_port or free_port()
     with tempfile.TemporaryDirectory(prefix="lorastream-serve-") as tmp:
         root = Path(tmp)
-        with running_store(root / "store", store_port, config.store_link_mbps):
+        with running_store(root / "store", store_port, config.store_link_mbps, "idle"):
             target = f"127.0.0.1:{store_port}"
             shape = checkpoint_shape(config.model)
             with StoreClient(target) as client:

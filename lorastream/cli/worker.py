@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from enum import Enum
+from pathlib import Path
 
 import typer
 
 from lorastream.cli.common import reported_errors, setup_logging
+
 
 class OnOff(str, Enum):
     ON = "on"
     OFF = "off"
 
 
-class FetchPlace(str, Enum):
+class LoaderPriority(str, Enum):
     IDLE = "idle"
     NICE = "nice"
-    OFF = "off"
 
 
 app = typer.Typer(
@@ -62,17 +61,21 @@ def serve(
         help="on: load adapters while the batch keeps decoding; off: load synchronously before "
         "the step (for comparison) [default: on].",
     ),
+    loader_priority: LoaderPriority | None = typer.Option(
+        None, help="CPU priority of adapter loaders (store fetches, CPU copies): idle "
+        "(SCHED_IDLE: only CPU time decoding leaves) or nice (at --loader-nice, for boxes "
+        "whose cores never idle) [idle].",
+    ),
     loader_nice: int | None = typer.Option(
-        None, help="Nice increment of adapter loader threads; decoding keeps priority [10]."
+        None, help="Nice increment of adapter loaders with --loader-priority nice [10]."
     ),
     fetch_threads: int | None = typer.Option(
         None, help="Adapter fetches from the store at once; more share the link, so each "
         "arrives later [1].",
     ),
-    fetch_process: FetchPlace | None = typer.Option(
-        None, help="Where store fetches run: idle (a process of their own at SCHED_IDLE, so "
-        "decoding keeps the cores), nice (that process at --loader-nice) or off (threads in the "
-        "worker) [idle].",
+    fetch_process: OnOff | None = typer.Option(
+        None, help="on: store fetches run in a process of their own, at the loader priority, "
+        "and land in memory it shares with the worker; off: on threads in the worker [on].",
     ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."
@@ -110,7 +113,9 @@ def serve(
         "lora_backend": lora_backend, "device": device, "dtype": dtype,
         "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
         "prefetch_depth": prefetch_depth, "loader_nice": loader_nice,
-        "fetch_threads": fetch_threads, "fetch_process": fetch_process and fetch_process.value,
+        "loader_priority": loader_priority and loader_priority.value,
+        "fetch_threads": fetch_threads,
+        "fetch_process": None if fetch_process is None else fetch_process is OnOff.ON,
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -57,15 +57,14 @@ def make_backend(name: str, dtype: torch.dtype, device: torch.device) -> LoraBac
 def make_fetch_process(settings: WorkerSettings, device: Device) -> FetchProcess | None:
     """The fetch process ``--fetch-process`` asks for, with the host budget as shared memory;
     None for fetches on the worker's own threads (off, no store, or no ``memfd`` here)."""
-    if settings.fetch_process == "off" or not settings.store:
+    if not settings.fetch_process or not settings.store:
         return None
     if not SharedHostMemory.supported():
         log.warning("no memfd_create on this platform: store fetches run in the worker")
         return None
-    priority = "idle" if settings.fetch_process == "idle" else f"nice:{settings.loader_nice}"
     memory = SharedHostMemory(device, settings.host_cache_bytes)
     return FetchProcess(memory, settings.store, settings.store_token,
-                        threads=settings.fetch_threads, priority=priority)
+                        threads=settings.fetch_threads, priority=settings.loader_priority_spec)
 
 
 def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> Engine:
@@ -82,7 +81,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     config = LlamaConfig.from_dir(checkpoint, name=settings.base_model_name)
     model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
-    device = Device(torch_device, loader_nice=settings.loader_nice)
+    device = Device(torch_device, loader_priority=settings.loader_priority_spec)
     kv = KVCache(
         config.num_layers, config.num_kv_heads, config.head_dim,
         settings.kv_cache_bytes, dtype, torch_device,

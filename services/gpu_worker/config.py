@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.gpu_worker.priority import loader_priority
+
 
 def _default_model_cache() -> Path:
     return Path.home() / ".cache" / "lorastream" / "models"
@@ -77,12 +79,18 @@ class WorkerSettings(BaseSettings):
         "land) and reused, so loads never allocate.",
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
+    loader_priority: Literal["idle", "nice"] = Field(
+        "idle",
+        description="CPU priority of the adapter loaders (store fetches, CPU copies into the "
+        "slots). idle: SCHED_IDLE, they run only on CPU time decoding leaves; nice: at "
+        "--loader-nice, for a box whose cores never idle (see services/gpu_worker/priority.py).",
+    )
     loader_nice: int = Field(
         10,
         ge=0,
         le=19,
-        description="Nice increment of the adapter loader threads (store fetch, CPU copies): "
-        "on a CPU they share cores with decoding, which keeps priority; 0 disables.",
+        description="Nice increment of the adapter loaders with --loader-priority nice; 0 "
+        "leaves them at the worker's priority.",
     )
     fetch_threads: int = Field(
         1,
@@ -91,11 +99,11 @@ class WorkerSettings(BaseSettings):
         "the store's link, so running them side by side only delays the first (two cold "
         "adapters fetched together both arrive at 2T; one after the other, at T and 2T).",
     )
-    fetch_process: Literal["idle", "nice", "off"] = Field(
-        "idle",
-        description="Where store fetches run. idle: in a process of their own at SCHED_IDLE, "
-        "so they use only CPU time decoding leaves (and never the worker's GIL); nice: that "
-        "process at --loader-nice; off: on threads inside the worker (at --loader-nice).",
+    fetch_process: bool = Field(
+        True,
+        description="Run store fetches in a process of their own, which lands the bytes in the "
+        "host memory it shares with the worker: its threads, gRPC's included, run at the loader "
+        "priority and never hold the worker's GIL. Off: on threads inside the worker.",
     )
     prefetch_depth: int = Field(
         8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
@@ -110,6 +118,12 @@ class WorkerSettings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, description="Serve Prometheus metrics over HTTP on this port (0: any free)."
     )
+
+    @property
+    def loader_priority_spec(self) -> str:
+        """``idle`` or ``nice:N``: what :func:`~services.gpu_worker.priority.lower_priority`
+        takes."""
+        return loader_priority(self.loader_priority, self.loader_nice)
 
     @property
     def base_model_name(self) -> str:

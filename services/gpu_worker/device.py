@@ -16,15 +16,15 @@ On the CPU (every machine here):
 A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.
 
 On the CPU the loader threads compete with the step's matmul threads for the same cores (on a GPU
-they would not: copies are DMA). :func:`loader_thread_init` gives them a higher ``nice``, the
-CPU counterpart of a low-priority CUDA stream (decoding keeps the cores, loads use the gaps), and
-one intra-op thread (:func:`use_intra_op_threads` says why that matters).
+they would not: copies are DMA). :func:`loader_thread_init` gives them the loader priority
+(SCHED_IDLE by default, ``priority.py`` says why), the CPU counterpart of a low-priority CUDA
+stream (decoding keeps the cores, loads use the gaps), and one intra-op thread
+(:func:`use_intra_op_threads` says why that matters).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -33,18 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.gpu_worker.priority import lower_priority
+
 log = logging.getLogger(__name__)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice`` (Linux: per thread); no-op elsewhere."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError:  # not permitted here: run at normal priority
-        log.debug("could not lower the priority of %s", threading.current_thread().name)
 
 
 def use_intra_op_threads(count: int) -> None:
@@ -65,10 +56,11 @@ def use_intra_op_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
-def loader_thread_init(nice: int) -> None:
-    """Thread initializer of loader threads (store fetch, CPU copies): lower priority, and torch
-    on one intra-op thread so that decoding keeps the only multi-threaded OpenMP pool."""
-    lower_thread_priority(nice)
+def loader_thread_init(priority: str) -> None:
+    """Thread initializer of loader threads (store fetch, CPU copies): ``priority`` (``idle`` or
+    ``nice:N``), and torch on one intra-op thread so that decoding keeps the only multi-threaded
+    OpenMP pool."""
+    lower_priority(priority)
     use_intra_op_threads(1)
 
 
@@ -138,9 +130,9 @@ class LoadStream:
     of DESIGN.md is kept: a slot is overwritten only after the last step that read it finished.
     """
 
-    def __init__(self, device: torch.device, loader_nice: int = 0) -> None:
+    def __init__(self, device: torch.device, loader_priority: str = "nice:0") -> None:
         self.device = device
-        self.loader_nice = loader_nice
+        self.loader_priority = loader_priority
         self.copy_delay_s = 0.0  # test hook: sleep this long before every copy job
         self._cuda = device.type == "cuda"
         if self._cuda:  # pragma: no cover - needs a GPU
@@ -149,6 +141,11 @@ class LoadStream:
             self._jobs: queue.Queue[_Job | None] = queue.Queue()
             self._thread = threading.Thread(target=self._run, name="load-stream", daemon=True)
             self._thread.start()
+
+    @property
+    def thread_id(self) -> int | None:
+        """The copy thread's native id on the CPU; None on CUDA, where there is no thread."""
+        return None if self._cuda else self._thread.native_id
 
     def submit(self, fn: Callable[[], None], after: Event | None = None) -> Event:
         if self._cuda:  # pragma: no cover - needs a GPU
@@ -164,7 +161,7 @@ class LoadStream:
         return job.done
 
     def _run(self) -> None:
-        loader_thread_init(self.loader_nice)
+        loader_thread_init(self.loader_priority)
         while (job := self._jobs.get()) is not None:
             try:
                 if job.after is not None:
@@ -186,11 +183,11 @@ class LoadStream:
 class Device:
     """Buffers, streams and events for one device."""
 
-    def __init__(self, device: str | torch.device = "cpu", loader_nice: int = 0) -> None:
+    def __init__(self, device: str | torch.device = "cpu", loader_priority: str = "nice:0") -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
-        self.loader_nice = loader_nice  # nice increment of loader threads (fetch, CPU copies)
-        self.load_stream = LoadStream(self.device, loader_nice)
+        self.loader_priority = loader_priority  # of loader threads (fetch, CPU copies)
+        self.load_stream = LoadStream(self.device, loader_priority)
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""

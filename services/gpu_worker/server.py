@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from concurrent import futures
 
@@ -58,12 +59,25 @@ def create_server(
     return server, port, engine
 
 
+def freeze_startup_heap() -> int:
+    """Move every object alive now (the model, tokenizer, modules, the server) out of the
+    garbage collector's sight; returns how many.
+
+    They live as long as the process, yet a full collection walks all of them: ~200 ms on the
+    default model, a gap in every running stream each time Python runs one while serving (once
+    in 70-95 s of decoding, traced). After the freeze it walks only what came later."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(settings: WorkerSettings) -> None:
     """Run the worker until SIGINT or SIGTERM; in-flight streams get a grace period.
 
     The engine loop runs on the main thread, which loaded the model, so that on the CPU its
     OpenMP pool is the process's only multi-threaded one (``device.use_intra_op_threads``)."""
     server, port, engine = create_server(settings, start_engine=False)
+    log.debug("%d startup objects frozen out of garbage collection", freeze_startup_heap())
     server.start()
     log.info(
         "gpu worker serving %s on %s:%d (store %s)",

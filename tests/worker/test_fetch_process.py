@@ -1,10 +1,12 @@
 """Store fetches in the fetch process (``--fetch-process``): they land in the memory it shares
-with the worker, at the priority asked for, and its death fails only the fetches it had."""
+with the worker, at the loader priority (``--loader-priority``), which the worker's own loader
+threads run at too, and its death fails only the fetches it had."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -19,12 +21,19 @@ def _threads(pid: int) -> list[int]:
     return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
 
 
+def _at_priority(tid: int, mode: str) -> bool:
+    if mode == "idle":
+        return os.sched_getscheduler(tid) == os.SCHED_IDLE
+    return (os.sched_getscheduler(tid) == os.SCHED_OTHER
+            and os.getpriority(os.PRIO_PROCESS, tid) == os.getpriority(os.PRIO_PROCESS, 0) + 7)
+
+
 @pytest.mark.parametrize("mode", ["idle", "nice"])
-def test_fetches_land_through_the_fetch_process_at_its_priority(
+def test_fetches_land_through_the_fetch_process_at_the_loader_priority(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
     monkeypatch: pytest.MonkeyPatch, mode: str,
 ) -> None:
-    engine = engine_factory(store=store.target, fetch_process=mode, loader_nice=7)
+    engine = engine_factory(store=store.target, loader_priority=mode, loader_nice=7)
     landed_here: list[str] = []
     original_write = HostAdapterBuffer.write
 
@@ -39,19 +48,31 @@ def test_fetches_land_through_the_fetch_process_at_its_priority(
     process = engine.adapters.fetcher.process
     assert process is not None
     for tid in _threads(process.pid):  # gRPC's threads too
-        if mode == "idle":
-            assert os.sched_getscheduler(tid) == os.SCHED_IDLE
-        else:
-            assert os.getpriority(os.PRIO_PROCESS, tid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+        assert _at_priority(tid, mode), tid
+    copy_thread = engine.device.load_stream.thread_id  # the CPU copies into the slots
+    assert copy_thread is not None and _at_priority(copy_thread, mode)
+    assert not _at_priority(threading.get_native_id(), mode)  # the rest of the worker is not
 
 
-def test_off_fetches_on_the_workers_threads(
+@pytest.mark.parametrize("mode", ["idle", "nice"])
+def test_off_fetches_on_the_workers_loader_threads_at_the_loader_priority(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch, mode: str,
 ) -> None:
-    engine = engine_factory(store=store.target, fetch_process="off")
+    engine = engine_factory(store=store.target, fetch_process=False, loader_priority=mode,
+                            loader_nice=7)
     assert engine.adapters.fetcher.process is None
     assert engine.adapters.fetcher.landing_memory is None
+    fetched_on: list[int] = []
+    original_write = HostAdapterBuffer.write
+
+    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+        fetched_on.append(threading.get_native_id())
+        original_write(self, tensor_index, offset, data)
+
+    monkeypatch.setattr(HostAdapterBuffer, "write", recording_write)
     assert greedy_tokens(engine, "mlp-r8", 1) == reference[("mlp-r8", 1)]
+    assert fetched_on and all(_at_priority(tid, mode) for tid in set(fetched_on))
 
 
 def test_a_fetch_process_that_dies_fails_its_fetch_clearly_and_a_new_one_takes_over(

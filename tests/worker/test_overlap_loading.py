@@ -157,10 +157,10 @@ def _landed_chunks(engine: Engine, name: str, writes: list[tuple[int, int]]) -> 
     return int(landed.view(-1, 4096).any(dim=1).sum()) if landed is not None else 0
 
 
-@pytest.mark.parametrize("fetch_process", ["off", "idle"])
+@pytest.mark.parametrize("fetch_process", [False, True])
 def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
-    monkeypatch: pytest.MonkeyPatch, fetch_process: str,
+    monkeypatch: pytest.MonkeyPatch, fetch_process: bool,
 ) -> None:
     store.restart(chunk_delay_s=0.01)  # a slow store: all-r64 is 128 chunks of 4 KiB
     engine = engine_factory(store=store.target, fetch_process=fetch_process)
@@ -185,7 +185,7 @@ def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
     store.restart()  # ... and comes back: the stream resumes where it stopped
     thread.join(timeout=60)
     assert result["t"] == reference[("all-r64", 2)]
-    if fetch_process == "off":  # every chunk landed here, through the hook
+    if not fetch_process:  # every chunk landed here, through the hook
         assert 10 <= stopped_at < len(writes) - 10  # it was really cut in the middle
         assert len(writes) == len(set(writes)), "some bytes were fetched twice"
     else:
@@ -252,7 +252,7 @@ def test_fetches_share_the_link_one_at_a_time_unless_configured_otherwise(
     store.restart(chunk_delay_s=0.004)  # a slow link: all-r64 is 128 chunks of 4 KiB
     # Fetches on the worker's threads, where the write hook sees every chunk land.
     engine = engine_factory(store=store.target, start=False, fetch_threads=fetch_threads,
-                            fetch_process="off")
+                            fetch_process=False)
     engine.adapters.fetcher.chunk_bytes = 4096
     writes: list[str] = []  # the adapter of every chunk landed, in order
     original_write = HostAdapterBuffer.write

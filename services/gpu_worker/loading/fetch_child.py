@@ -19,16 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
-
-def lower_priority(priority: str) -> None:
-    """``idle``: SCHED_IDLE, run only on CPU time nothing else wants; ``nice:N``: nice N."""
-    try:
-        if priority == "idle":
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        elif priority.startswith("nice:") and int(priority[5:]) > 0:
-            os.nice(int(priority[5:]))
-    except (AttributeError, OSError):  # not on Linux, or not permitted: normal priority
-        pass
+from services.gpu_worker.priority import lower_priority
 
 
 def serve(memory_fd: int, conn_fd: int) -> None:
@@ -85,7 +76,7 @@ def main() -> None:
     parser.add_argument("--conn-fd", type=int, required=True)
     parser.add_argument("--priority", default="idle", help="idle, or nice:N")
     args = parser.parse_args()
-    lower_priority(args.priority)
+    lower_priority(args.priority)  # before any thread starts: they all inherit it
     serve(args.memory_fd, args.conn_fd)
 
 

@@ -78,7 +78,7 @@ class AdapterManager:
             fetch_threads,
             thread_name_prefix="adapter-fetch",
             initializer=loader_thread_init,
-            initargs=(device.loader_nice,),
+            initargs=(device.loader_priority,),
         )
 
     def close(self) -> None:
