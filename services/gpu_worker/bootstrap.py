@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from services.gpu_worker.model.checkpoint import resolve_checkpoint
 from services.gpu_worker.model.config import LlamaConfig
 from services.gpu_worker.model.llama import LlamaModel
 from services.gpu_worker.model.weights import load_weights
+from services.gpu_worker.priority import starvation_warning
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     device = Device(torch_device, loader_priority=settings.loader_priority_spec)
+    if not device.is_cuda and (warning := starvation_warning(device.loader_priority, os.environ)):
+        log.warning(warning)
     kv = KVCache(
         config.num_layers, config.num_kv_heads, config.head_dim,
         settings.kv_cache_bytes, dtype, torch_device,

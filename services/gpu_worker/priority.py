@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -47,3 +48,13 @@ def lower_priority(priority: str) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
     except (AttributeError, OSError):
         log.debug("could not set priority %s on %s", priority, threading.current_thread().name)
+
+
+def starvation_warning(priority: str, environ: Mapping[str, str]) -> str | None:
+    """Why idle loaders may starve with this environment, or None: OpenMP told to spin without
+    end keeps every core busy while the engine decodes, so SCHED_IDLE loaders get no time."""
+    if priority == IDLE and environ.get("OMP_WAIT_POLICY", "").lower() == "active":
+        return ("OMP_WAIT_POLICY=active keeps the cores busy while decoding, so adapter loads at "
+                "--loader-priority idle may wait until decoding pauses; use --loader-priority "
+                "nice, or unset OMP_WAIT_POLICY")
+    return None

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.gpu_worker.priority import loader_priority, lower_priority
+from services.gpu_worker.priority import loader_priority, lower_priority, starvation_warning
 
 
 def _in_thread(priority: str) -> tuple[int, int, int, int]:
@@ -55,3 +55,21 @@ def test_a_loader_thread_and_the_threads_it_starts_run_at_the_loader_priority(
 def test_an_unknown_priority_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown loader priority 'fast'"):
         lower_priority("fast")
+
+
+@pytest.mark.parametrize(
+    ("priority", "environ", "warned"),
+    [
+        ("idle", {"OMP_WAIT_POLICY": "ACTIVE"}, True),
+        ("idle", {"OMP_WAIT_POLICY": "passive"}, False),
+        ("idle", {}, False),
+        ("nice:10", {"OMP_WAIT_POLICY": "active"}, False),
+    ],
+)
+def test_idle_loaders_under_spinning_openmp_are_warned_about(
+    priority: str, environ: dict[str, str], warned: bool,
+) -> None:
+    warning = starvation_warning(priority, environ)
+    assert (warning is not None) == warned
+    if warned:
+        assert "--loader-priority nice" in str(warning)
