@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 SPIN_COUNT = "3000"
 
 
+def waits_actively() -> bool:
+    """Whether the user told OpenMP to spin without end between parallel regions
+    (``OMP_WAIT_POLICY=active``): then the cores never idle while the engine decodes."""
+    return os.environ.get("OMP_WAIT_POLICY", "").lower() == "active"
+
+
 def tune_openmp_waits() -> None:
     """Set ``GOMP_SPINCOUNT`` unless the user did; too late (logged) once torch is imported."""
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lorastream.errors import InvalidArgument
+from lorastream.openmp import waits_actively
 from services.gpu_worker.config import WorkerSettings
 from services.gpu_worker.device import Device
 from services.gpu_worker.engine import Engine
@@ -84,7 +84,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     device = Device(torch_device, loader_priority=settings.loader_priority_spec)
-    if not device.is_cuda and (warning := starvation_warning(device.loader_priority, os.environ)):
+    warning = starvation_warning(device.loader_priority, waits_actively())
+    if warning and not device.is_cuda:
         log.warning(warning)
     kv = KVCache(
         config.num_layers, config.num_kv_heads, config.head_dim,

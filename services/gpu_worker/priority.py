@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -50,10 +49,11 @@ def lower_priority(priority: str) -> None:
         log.debug("could not set priority %s on %s", priority, threading.current_thread().name)
 
 
-def starvation_warning(priority: str, environ: Mapping[str, str]) -> str | None:
-    """Why idle loaders may starve with this environment, or None: OpenMP told to spin without
-    end keeps every core busy while the engine decodes, so SCHED_IDLE loaders get no time."""
-    if priority == IDLE and environ.get("OMP_WAIT_POLICY", "").lower() == "active":
+def starvation_warning(priority: str, openmp_waits_actively: bool) -> str | None:
+    """Why idle loaders may starve, or None: OpenMP told to spin without end
+    (:func:`lorastream.openmp.waits_actively`) keeps every core busy while the engine decodes,
+    so SCHED_IDLE loaders get no time."""
+    if priority == IDLE and openmp_waits_actively:
         return ("OMP_WAIT_POLICY=active keeps the cores busy while decoding, so adapter loads at "
                 "--loader-priority idle may wait until decoding pauses; use --loader-priority "
                 "nice, or unset OMP_WAIT_POLICY")

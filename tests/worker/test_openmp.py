@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lorastream.openmp import SPIN_COUNT
+from lorastream.openmp import SPIN_COUNT, waits_actively
 
 PROBE = (
     "import os, sys; from lorastream.openmp import tune_openmp_waits; {before}"
@@ -35,3 +35,16 @@ def test_spin_count_is_set_only_before_torch_and_never_over_the_users_choice(
         env={**clean, **env}, capture_output=True, text=True, check=True,
     ).stdout.strip()
     assert out == expected
+
+
+@pytest.mark.parametrize(
+    ("policy", "active"), [("ACTIVE", True), ("active", True), ("passive", False), (None, False)]
+)
+def test_an_active_wait_policy_is_recognised_in_any_case(
+    monkeypatch: pytest.MonkeyPatch, policy: str | None, active: bool
+) -> None:
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert waits_actively() is active

@@ -58,18 +58,13 @@ def test_an_unknown_priority_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("priority", "environ", "warned"),
-    [
-        ("idle", {"OMP_WAIT_POLICY": "ACTIVE"}, True),
-        ("idle", {"OMP_WAIT_POLICY": "passive"}, False),
-        ("idle", {}, False),
-        ("nice:10", {"OMP_WAIT_POLICY": "active"}, False),
-    ],
+    ("priority", "openmp_waits_actively", "warned"),
+    [("idle", True, True), ("idle", False, False), ("nice:10", True, False)],
 )
 def test_idle_loaders_under_spinning_openmp_are_warned_about(
-    priority: str, environ: dict[str, str], warned: bool,
+    priority: str, openmp_waits_actively: bool, warned: bool,
 ) -> None:
-    warning = starvation_warning(priority, environ)
+    warning = starvation_warning(priority, openmp_waits_actively)
     assert (warning is not None) == warned
     if warned:
         assert "--loader-priority nice" in str(warning)
