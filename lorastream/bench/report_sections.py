@@ -205,6 +205,9 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         row("throughput (tok/s)", "trace", "throughput_tok_s", fmt=number),
         row("throughput (req/s)", "trace", "throughput_req_s", fmt=lambda v: number(v, 2)),
         ["errors / requests", *(errors(m) for m in modes)],
+        row("running streams' ITL p50, no loads (ms)", "interference", "itl_ms_no_loads", "p50"),
+        row("running streams' ITL p50, during loads (ms)", "interference",
+            "itl_ms_during_loads", "p50"),
         row("running streams' ITL p99, no loads (ms)", "interference", "itl_p99_ms_no_loads"),
         row("running streams' ITL p99, during loads (ms)", "interference",
             "itl_p99_ms_during_loads"),
@@ -224,7 +227,9 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         "CPU priority (SCHED_IDLE): in a deployment it is another machine. The worker restarts "
         "between modes, so every adapter starts cold. The interference part runs "
         f"{text(c.get('background'))} long base-model streams and measures their inter-token "
-        "latency without loads, then while adapters are loaded one after another.",
+        "latency in windows without loads and windows while adapters are loaded one after "
+        f"another, taking turns: {text(c.get('interference_rounds', 2))} rounds of "
+        f"{text(c.get('window_s', MISSING))} s each.",
         table(["", "overlap on", "overlap off"], rows),
         table(GOALS_HEADER, serve_goals(r)),
         _plot(plots, "serve_cdf", "TTFT and ITL CDFs, overlap on vs off"),
@@ -235,10 +240,33 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         "decoding, and "
         "the request is admitted when its adapter is resident. With it off, the load happens "
         "inside the step.",
+        _copy_turns_explained(r),
         _first_use_explained(r),
         _cold_probe_explained(r, c),
     ]
     return _join(parts)
+
+
+def _copy_turns_explained(r: Result) -> str:
+    beside = get(r, "copies_beside_steps", "interference") or {}
+    turns = get(r, "overlap_on", "interference") or {}
+    if not beside or not turns:
+        return ""
+    rows = [[label, ms(get(x, "itl_ms_no_loads", "p50")), ms(get(x, "itl_ms_during_loads", "p50")),
+             ms(x.get("itl_p99_ms_no_loads")), ms(x.get("itl_p99_ms_during_loads")),
+             ratio(x.get("itl_p99_ratio"))]
+            for label, x in (("in turns between steps (default)", turns),
+                             ("beside the steps (--copy-turn-ms 0)", beside))]
+    return _join([
+        "**Copies into the slots take turns with the steps.** On a GPU the load stream's copies "
+        "are DMA; on the CPU a copy is a memcpy, and beside a decode step it slows the step far "
+        "more than it costs alone (the step's two OpenMP threads wait for each other after "
+        "every op). So the CPU load stream copies only between steps, at most "
+        "`--copy-turn-ms` per gap (services/gpu_worker/step_gate.py). The same run, overlap on, "
+        "once more with the copies beside the steps:",
+        table(["slot copies", "ITL p50, no loads (ms)", "ITL p50, loads (ms)",
+               "ITL p99, no loads (ms)", "ITL p99, loads (ms)", "p99 ratio"], rows),
+    ])
 
 
 def _first_use_explained(r: Result) -> str:

@@ -9,12 +9,16 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
    (p50/p90/p99) and throughput.
 2. **interference**: ``background`` long base-model streams decode; their inter-token latency is
    measured in windows with no loads and windows while adapters are loaded one after another
-   (LoadAdapter calls, so the batch itself does not change), alternating twice. Reported: the
-   ITL p99 of running streams during loads over their ITL p99 without loads.
+   (LoadAdapter calls, so the batch itself does not change), taking turns for
+   ``interference_rounds`` rounds of ``window_s`` each. Reported: the ITL p99 of running streams
+   during loads over their ITL p99 without loads.
 3. **cold probe**: what one cold request waits for (:func:`_run_cold_probe`): its TTFT against
    the load time (store fetch + copy) plus the TTFT of the same request once resident.
 
-The worker's peak resident memory is sampled and reported against its configured budgets.
+The worker's peak resident memory is sampled and reported against its configured budgets. After
+both modes the interference part runs once more, overlap on, with the CPU load stream's copies
+beside the decode steps (``--copy-turn-ms 0``) rather than in turns between them: the comparison
+for ``services/gpu_worker/step_gate.py``.
 
 The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
 and on a 2-core benchmark box it would otherwise take the cores the worker decodes on (at
@@ -75,7 +79,8 @@ class ServeConfig:
     max_tokens: int = 32
     background: int = 4
     background_tokens: int = 2000
-    load_phase_s: float = 8.0  # quiet and loading windows, each half of it, twice
+    interference_rounds: int = 4  # a window with no loads, then one with loads, this often
+    window_s: float = 5.0
     host_cache_bytes: int = 1 << 30
     kv_cache_bytes: int = 512 << 20
     store_link_mbps: float = 125.0  # the store's egress cap: a 1 Gb/s link; 0 = loopback speed
@@ -132,35 +137,39 @@ class _Background:
 
 
 def _run_interference(worker: str, config: ServeConfig, prompt: PromptInput) -> dict[str, object]:
+    """ITL of ``background`` running streams in windows of ``window_s`` with no loads and with
+    adapters loaded one after another, taking turns for ``interference_rounds`` rounds: the
+    two sides then see the same stream lengths and the same drift of a shared machine, and
+    hold about as many samples (a loading window ends when its last load does)."""
     background = _Background(worker, config.background, config.background_tokens, prompt)
-    # Quiet, loading, quiet, loading: drift of a shared machine then weighs on both sides.
     quiet: list[tuple[float, float]] = []
     loading: list[tuple[float, float]] = []
     loads = 0
     with WorkerClient(worker) as client:
-        for _ in range(2):
+        for _ in range(config.interference_rounds):
             begin = time.perf_counter()
-            time.sleep(config.load_phase_s / 2)
+            time.sleep(config.window_s)
             quiet.append((begin, time.perf_counter()))
             # Cycle through the adapters: with more adapters than slots (and than the host
             # budget holds) every load evicts one, and later ones re-fetch.
-            begin, first = time.perf_counter(), loads
-            while (time.perf_counter() - begin < config.load_phase_s / 2
-                   or 2 * (loads - first) < config.adapters):
-                if background.ended:
-                    break
+            begin = time.perf_counter()
+            while time.perf_counter() - begin < config.window_s and not background.ended:
                 client.load_adapter(f"a{loads % config.adapters}")
                 loads += 1
             loading.append((begin, time.perf_counter()))
     background.close()
     quiet_gaps = [g for w in quiet for g in itls(background.results, w)]
     loading_gaps = [g for w in loading for g in itls(background.results, w)]
-    quiet_p99 = percentiles(quiet_gaps)["p99"]
-    loading_p99 = percentiles(loading_gaps)["p99"]
+    quiet_ms, loading_ms = percentiles(quiet_gaps), percentiles(loading_gaps)
+    quiet_p99, loading_p99 = quiet_ms["p99"], loading_ms["p99"]
     return {
         "background_streams": config.background,
+        "rounds": config.interference_rounds,
         "loads": loads,
+        "quiet_seconds": round(sum(end - begin for begin, end in quiet), 2),
         "load_seconds": round(sum(end - begin for begin, end in loading), 2),
+        "itl_ms_no_loads": quiet_ms,
+        "itl_ms_during_loads": loading_ms,
         "itl_p99_ms_no_loads": quiet_p99,
         "itl_p99_ms_during_loads": loading_p99,
         "itl_p99_ratio": round(loading_p99 / quiet_p99, 3) if quiet_p99 and loading_p99 else None,
@@ -235,6 +244,7 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
             modes = {}
             for overlap in ("on", "off"):
                 modes[f"overlap_{overlap}"] = _run_mode(config, overlap, target, worker_port)
+            copies_beside = _run_copies_beside_steps(config, target, worker_port)
     on, off = modes["overlap_on"], modes["overlap_off"]
     ttft_on, ttft_off = on["trace"]["ttft_ms"]["p50"], off["trace"]["ttft_ms"]["p50"]
     return {
@@ -247,17 +257,32 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
         "goal_ttft_p50_on_vs_off": "<= 0.5",
         "itl_p99_during_loads_vs_none_overlap_on": on["interference"]["itl_p99_ratio"],
         "goal_itl_p99_ratio": "<= 1.2",
+        "copies_beside_steps": copies_beside,
     }
 
 
-def _run_mode(config: ServeConfig, overlap: str, store: str, port: int) -> dict:
-    args = [
+def _worker_args(config: ServeConfig, overlap: str, store: str, port: int) -> list[str]:
+    return [
         "worker", "serve", "--model", config.model, "--served-model-name", "base",
         "--port", str(port), "--store", store, "--max-loras", str(config.slots),
         "--max-lora-rank", str(config.rank), "--lora-overlap-loading", overlap,
         "--host-cache-bytes", str(config.host_cache_bytes),
         "--kv-cache-bytes", str(config.kv_cache_bytes),
     ]
+
+
+def _run_copies_beside_steps(config: ServeConfig, store: str, port: int) -> dict:
+    """The interference part once more, overlap on, with the CPU load stream copying beside the
+    decode steps (``--copy-turn-ms 0``) instead of in turns between them (``step_gate.py``)."""
+    args = [*_worker_args(config, "on", store, port), "--copy-turn-ms", "0"]
+    target = f"127.0.0.1:{port}"
+    with running(args, port):
+        warm_up(target)
+        return {"copy_turn_ms": 0, "interference": _run_interference(target, config, PROMPTS[0])}
+
+
+def _run_mode(config: ServeConfig, overlap: str, store: str, port: int) -> dict:
+    args = _worker_args(config, overlap, store, port)
     target = f"127.0.0.1:{port}"
     with running(args, port) as worker:
         sampler = RssSampler(worker.pid)

@@ -77,6 +77,10 @@ def serve(
         None, help="on: store fetches run in a process of their own, at the loader priority, "
         "and land in memory it shares with the worker; off: on threads in the worker [on].",
     ),
+    copy_turn_ms: float | None = typer.Option(
+        None, help="CPU only: milliseconds the copies of adapters into the slots may run between "
+        "two decode steps (never during one); 0 runs them beside the steps [4].",
+    ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."
     ),
@@ -114,7 +118,7 @@ def serve(
         "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
         "prefetch_depth": prefetch_depth, "loader_nice": loader_nice,
         "loader_priority": loader_priority and loader_priority.value,
-        "fetch_threads": fetch_threads,
+        "fetch_threads": fetch_threads, "copy_turn_ms": copy_turn_ms,
         "fetch_process": None if fetch_process is None else fetch_process is OnOff.ON,
     }
     with reported_errors():

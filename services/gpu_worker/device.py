@@ -10,7 +10,9 @@ On CUDA:
 
 On the CPU (every machine here):
   * host buffers are plain tensors (``pin_memory`` raises on the CPU build of torch);
-  * the load stream is ONE dedicated copy thread that runs submitted copies in submission order;
+  * the load stream is ONE dedicated copy thread that runs submitted copies in submission order,
+    in turns between the decode steps (:class:`~services.gpu_worker.step_gate.StepGate` says why;
+    the engine runs each step inside :meth:`Device.step`);
   * an :class:`Event` is a host-side completion flag with the same ``query``/``wait`` calls.
 
 A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.
@@ -28,12 +30,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from services.gpu_worker.priority import lower_priority
+from services.gpu_worker.step_gate import StepGate
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +117,15 @@ class CudaEvent(Event):  # pragma: no cover - needs a GPU
 
 
 COMPLETED = HostEvent(done=True)
+COPY_TURN_S = 0.004  # the CPU load stream's copy time between two steps (see step_gate.py)
+
+
+CopyOps = Sequence[Callable[[], None]]  # operations that issue copies, run in order
 
 
 @dataclass
 class _Job:
-    fn: Callable[[], None]
+    ops: CopyOps
     after: Event | None
     done: HostEvent = field(default_factory=HostEvent)
 
@@ -125,14 +133,18 @@ class _Job:
 class LoadStream:
     """Runs adapter copies off the compute path, in submission order.
 
-    ``submit(fn, after=ev)`` enqueues ``fn`` (which issues copies) to run once ``ev`` completed,
-    and returns an event that completes when ``fn``'s copies have landed. ``after`` is how rule 2
-    of DESIGN.md is kept: a slot is overwritten only after the last step that read it finished.
+    ``submit(ops, after=ev)`` enqueues ``ops`` (callables that issue copies) to run in order once
+    ``ev`` completed, and returns an event that completes when their copies have landed.
+    ``after`` is how rule 2 of DESIGN.md is kept: a slot is overwritten only after the last step
+    that read it finished. On the CPU the operations run in turns of ``gate`` between steps.
     """
 
-    def __init__(self, device: torch.device, loader_priority: str = "nice:0") -> None:
+    def __init__(
+        self, device: torch.device, loader_priority: str = "nice:0", gate: StepGate | None = None
+    ) -> None:
         self.device = device
         self.loader_priority = loader_priority
+        self.gate = gate or StepGate(0.0)
         self.copy_delay_s = 0.0  # test hook: sleep this long before every copy job
         self._cuda = device.type == "cuda"
         if self._cuda:  # pragma: no cover - needs a GPU
@@ -147,16 +159,17 @@ class LoadStream:
         """The copy thread's native id on the CPU; None on CUDA, where there is no thread."""
         return None if self._cuda else self._thread.native_id
 
-    def submit(self, fn: Callable[[], None], after: Event | None = None) -> Event:
+    def submit(self, ops: CopyOps, after: Event | None = None) -> Event:
         if self._cuda:  # pragma: no cover - needs a GPU
             if self.copy_delay_s:
                 time.sleep(self.copy_delay_s)
             with torch.cuda.stream(self._stream):
                 if isinstance(after, CudaEvent):
                     self._stream.wait_event(after.raw)
-                fn()
+                for op in ops:
+                    op()
                 return CudaEvent(self._stream)
-        job = _Job(fn, after)
+        job = _Job(ops, after)
         self._jobs.put(job)
         return job.done
 
@@ -168,11 +181,27 @@ class LoadStream:
                     job.after.wait()
                 if self.copy_delay_s:
                     time.sleep(self.copy_delay_s)
-                job.fn()
+                self._run_in_turns(job.ops)
                 job.done.set()
             except BaseException as exc:  # noqa: BLE001 - reported through the event
                 log.exception("copy on the load stream failed")
                 job.done.set(exc)
+
+    def _run_in_turns(self, ops: CopyOps) -> None:
+        """Run ``ops`` in turns of the gate: each turn ends once it copied for ``turn_s``."""
+        gate, began = self.gate, None
+        try:
+            for op in ops:
+                if began is None:
+                    gate.begin_turn()
+                    began = time.perf_counter()
+                op()
+                if time.perf_counter() - began >= gate.turn_s:
+                    gate.end_turn()
+                    began = None
+        finally:
+            if began is not None:
+                gate.end_turn()
 
     def close(self) -> None:
         if not self._cuda:
@@ -183,11 +212,24 @@ class LoadStream:
 class Device:
     """Buffers, streams and events for one device."""
 
-    def __init__(self, device: str | torch.device = "cpu", loader_priority: str = "nice:0") -> None:
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        loader_priority: str = "nice:0",
+        copy_turn_s: float = COPY_TURN_S,
+    ) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.loader_priority = loader_priority  # of loader threads (fetch, CPU copies)
-        self.load_stream = LoadStream(self.device, loader_priority)
+        # CPU copies take turns with the steps; CUDA copies are DMA beside them (no gate)
+        self.gate = StepGate(0.0 if self.is_cuda else copy_turn_s)
+        self.load_stream = LoadStream(self.device, loader_priority, self.gate)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one step's compute: on the CPU, copies of the load stream wait for its end."""
+        with self.gate.step():
+            yield
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""

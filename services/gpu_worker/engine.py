@@ -245,7 +245,8 @@ class Engine:
                     self._wake.wait(timeout)
                     self._wake.clear()
                     continue
-                self._step(plan)
+                with self.device.step():  # on the CPU, slot copies wait for its end
+                    self._step(plan)
             except Exception:  # noqa: BLE001 - a bug must not kill the loop silently
                 log.exception("engine step failed; failing the running requests")
                 for seq in list(self.scheduler.running):

@@ -66,6 +66,9 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                       "samples": {"ttft_ms": _samples(ttft), "itl_ms": _samples(60.0)}},
             "interference": {"background_streams": 4, "loads": 24, "itl_p99_ms_no_loads": 70.0,
                              "itl_p99_ms_during_loads": 70.0 * ratio_, "itl_p99_ratio": ratio_,
+                             "itl_ms_no_loads": {"p50": 50.0, "p90": 60.0, "p99": 70.0},
+                             "itl_ms_during_loads": {"p50": 55.0, "p90": 65.0,
+                                                     "p99": 70.0 * ratio_},
                              "samples": {"itl_ms_no_loads": _samples(50.0),
                                          "itl_ms_during_loads": _samples(55.0)}},
             "cold_probe": {"probes": 3, "cold_ttft_ms": ttft * 3, "load_ms": ttft * 2,
@@ -78,10 +81,13 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
     serve = {
         "benchmark": "serve", "command": "lorastream bench serve",
         "config": {"model": "default", "adapters": 24, "slots": 8, "rank": 64, "rate": 0.5,
-                   "store_link_mbps": 125.0, "requests": 32, "popularity": "zipf:1.2", "max_tokens": 32, "background": 4},
+                   "store_link_mbps": 125.0, "requests": 32, "popularity": "zipf:1.2", "max_tokens": 32,
+                   "background": 4, "interference_rounds": 4, "window_s": 5.0},
         "overlap_on": mode(300.0, 1.1), "overlap_off": off,
         "ttft_p50_on_vs_off": 0.333, "goal_ttft_p50_on_vs_off": "<= 0.5",
         "itl_p99_during_loads_vs_none_overlap_on": 1.1, "goal_itl_p99_ratio": "<= 1.2",
+        "copies_beside_steps": {"copy_turn_ms": 0,
+                                "interference": mode(300.0, 1.7)["interference"]},
         "machine": _machine(),
     }
 
@@ -292,4 +298,17 @@ def test_scale_section_states_the_rounds_the_counts_took_turns_for() -> None:
     assert ("took turns for 2 rounds; each row is its count's best round (req/s of every round "
             "— 10: 4.00, 2.50; 100: 3.80, 2.50; 1000: 3.40, 2.50)") in page
     assert "took turns" not in render_page({"scale": scale}, {})  # results from before rounds
+    _assert_no_leaks(page)
+
+
+def test_serve_section_compares_copies_in_turns_with_copies_beside_the_steps() -> None:
+    serve = renderer_inputs()["serve"]
+    page = render_page({"serve": serve}, {})
+    rows = {line.split(" | ")[0]: line for line in page.splitlines()}
+    # overlap on: p99 70 -> 77 ms (ratio 1.1); copies beside the steps: 70 -> 119 ms (1.7)
+    assert rows["| in turns between steps (default)"].endswith("| 70.0 | 77.0 | 1.10× |")
+    assert rows["| beside the steps (--copy-turn-ms 0)"].endswith("| 70.0 | 119.0 | 1.70× |")
+    assert "4 rounds of 5.0 s each" in page
+    older = {k: v for k, v in serve.items() if k != "copies_beside_steps"}
+    assert "take turns with the steps" not in render_page({"serve": older}, {})
     _assert_no_leaks(page)

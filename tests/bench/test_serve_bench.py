@@ -13,7 +13,7 @@ from lorastream.bench.serve import ServeConfig, run_serve_bench
 def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path) -> None:
     config = ServeConfig(
         model=str(tiny_model), adapters=3, slots=2, rank=4, rate=20.0, requests=5, max_tokens=4,
-        background=1, background_tokens=200, load_phase_s=0.4,
+        background=1, background_tokens=200, interference_rounds=2, window_s=0.2,
     )
     result = run_serve_bench(config)
     assert isinstance(result["command"], str) and result["command"]
@@ -27,9 +27,12 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         interference = result[mode]["interference"]["samples"]
         assert interference["itl_ms_no_loads"]
         assert set(interference) == {"itl_ms_no_loads", "itl_ms_during_loads"}
+        assert result[mode]["interference"]["rounds"] == 2
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
         assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
+    beside = result["copies_beside_steps"]
+    assert beside["copy_turn_ms"] == 0 and beside["interference"]["loads"] >= 2
 
 
 def test_ttft_is_split_by_the_first_request_for_each_adapter() -> None:

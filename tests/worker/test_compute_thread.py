@@ -109,7 +109,9 @@ def test_only_the_engine_loop_computes_with_several_torch_threads(
     default.start()
     default.join()
     loader_threads: list[int] = []
-    loader = engine.device.load_stream.submit(lambda: loader_threads.append(torch.get_num_threads()))
+    loader = engine.device.load_stream.submit(
+        [lambda: loader_threads.append(torch.get_num_threads())]
+    )
 
     def work() -> int:
         loader.wait(10)

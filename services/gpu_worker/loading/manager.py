@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -256,7 +257,7 @@ class AdapterManager:
                 entry.copy_started = time.perf_counter()
                 self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
                 event = self.device.load_stream.submit(
-                    lambda: self._copy_to_slot(slot, weights), after=self._slot_read[slot]
+                    self._copy_ops(slot, weights), after=self._slot_read[slot]
                 )
                 entry.slot_event = event
         if event is not None and not self.overlap:
@@ -267,15 +268,24 @@ class AdapterManager:
                 self._evict_slot(entry)
         return self.ready(entry) and entry.error is None
 
-    def _copy_to_slot(self, slot: int, weights: AdapterWeights) -> None:
-        """The load-stream job: zero ``slot`` and copy the adapter in (timed)."""
-        started = time.perf_counter()
-        self.slots.write(
+    def _copy_ops(self, slot: int, weights: AdapterWeights) -> list[Callable[[], None]]:
+        """The load-stream job: zero ``slot`` and copy the adapter in, timed from its first
+        operation to its last (on the CPU that includes the steps between its turns)."""
+        started = 0.0
+
+        def start() -> None:
+            nonlocal started
+            started = time.perf_counter()
+
+        def observe() -> None:
+            elapsed = time.perf_counter() - started
+            self.metrics.device_copy_seconds.observe(elapsed)
+            self.cost_model.observe_copy(weights.nbytes, elapsed)
+
+        ops = self.slots.write_ops(
             slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
         )
-        elapsed = time.perf_counter() - started
-        self.metrics.device_copy_seconds.observe(elapsed)
-        self.cost_model.observe_copy(weights.nbytes, elapsed)
+        return [start, *ops, observe]
 
     def _free_slot(self) -> int | None:
         """An empty slot, or the LRU slot of an idle unpinned adapter (evicted) (lock held)."""

@@ -16,7 +16,9 @@ may overwrite a slot, and when, is decided by the adapter manager; this class on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -25,6 +27,7 @@ from services.gpu_worker.model.config import GATE_UP, QKV, LlamaConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
 # Projections that read the same input (the base model fuses them too): their A share storage.
+PIECE_BYTES = 1 << 20  # the most one copy operation moves (or one layer, if larger)
 SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (QKV, GATE_UP)
 
 
@@ -34,6 +37,10 @@ class SlotInfo:
     rank: int = 0
     scaling: float = 0.0
     modules: frozenset[str] = field(default_factory=frozenset)
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source, non_blocking=True)
 
 
 class LoraSlots:
@@ -90,13 +97,30 @@ class LoraSlots:
         scaling: float,
         blocks: list[tuple[int, str, str, torch.Tensor]],
     ) -> None:
-        """Copy ``(first layer, module, "A"|"B", block)`` into ``slot``, one copy per block of
-        ``n`` consecutive layers (``[n, r, in]`` for A, ``[n, out, r]`` for B), and zero the rest
-        of the slot: ranks beyond ``rank`` and the layers and modules the adapter leaves alone
-        (the batched ops read them). What the blocks overwrite is not zeroed first.
+        """Copy an adapter into ``slot`` at once (:meth:`write_ops`, run in order)."""
+        for op in self.write_ops(slot, adapter_id, rank, scaling, blocks):
+            op()
 
-        Runs on the load stream. Copies are non-blocking (pinned host memory on CUDA).
+    def write_ops(
+        self,
+        slot: int,
+        adapter_id: str,
+        rank: int,
+        scaling: float,
+        blocks: list[tuple[int, str, str, torch.Tensor]],
+        piece_bytes: int = PIECE_BYTES,
+    ) -> list[Callable[[], None]]:
+        """The operations that copy ``(first layer, module, "A"|"B", block)`` into ``slot``, to
+        run in order on the load stream: zero what the blocks leave alone (ranks beyond ``rank``,
+        the layers and modules the adapter does not adapt: the batched ops read them), copy each
+        block of ``n`` consecutive layers (``[n, r, in]`` for A, ``[n, out, r]`` for B) a few
+        layers at a time (at most ``piece_bytes``, or one layer), and finally record the slot's
+        adapter. What the blocks overwrite is not zeroed first.
+
+        Small operations let the CPU load stream copy in the gaps between decode steps
+        (``step_gate.py``). Copies are non-blocking (pinned host memory on CUDA).
         """
+        ops: list[Callable[[], None]] = []
         covered: dict[tuple[str, str], set[int]] = {}
         for layer, module, ab, block in blocks:
             covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
@@ -105,21 +129,23 @@ class LoraSlots:
             for ab, rows in (("A", a), ("B", b)):
                 layers = covered.get((module, ab), set())
                 if not layers:
-                    rows.zero_()
+                    ops.append(rows.zero_)
                     continue
                 if rank < self.storage_rank:
-                    (rows[:, rank:] if ab == "A" else rows[:, :, rank:]).zero_()
-                for layer in set(range(rows.shape[0])) - layers:
-                    rows[layer].zero_()
+                    ops.append((rows[:, rank:] if ab == "A" else rows[:, :, rank:]).zero_)
+                ops.extend(rows[layer].zero_ for layer in set(range(rows.shape[0])) - layers)
         for layer, module, ab, block in blocks:
-            n = block.shape[0]
             if ab == "A":
-                self.a[module][layer : layer + n, slot, :rank].copy_(block, non_blocking=True)
+                target = self.a[module][layer : layer + block.shape[0], slot, :rank]
             else:
-                self.b[module][layer : layer + n, slot, :, :rank].copy_(block, non_blocking=True)
-        self.table[slot] = SlotInfo(
-            adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks)
-        )
+                target = self.b[module][layer : layer + block.shape[0], slot, :, :rank]
+            layer_bytes = block[0].numel() * block.element_size()
+            step = max(1, piece_bytes // max(layer_bytes, 1))
+            for first in range(0, block.shape[0], step):
+                ops.append(partial(_copy, target[first : first + step], block[first : first + step]))
+        info = SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
+        ops.append(partial(self.table.__setitem__, slot, info))
+        return ops
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (its weights stay until the next write)."""

@@ -1,0 +1,108 @@
+"""On the CPU, copies into the LoRA slots take turns with the decode steps instead of running
+beside them.
+
+On a GPU the load stream's copies are DMA: the compute stream does not notice them. On the CPU a
+copy is a memcpy on a core, and a memcpy beside a decode step slows the step far more than it
+costs on its own: the step runs its ops on two OpenMP threads that wait for each other at the end
+of every op, so whatever the copy takes from either core (time slices, memory bandwidth, cache)
+stalls both. Measured on the default model with 4 streams decoding and rank-64 adapters (78 MB)
+copied at SCHED_IDLE beside the steps: a copy took 55 ms instead of the 8 ms it takes alone, and
+the steps it overlapped ran about 40% slower, which set the running streams' ITL p99.
+
+So the CPU load stream copies only between steps. The engine runs each step inside
+:meth:`StepGate.step`; the copy thread runs its copy operations inside turns
+(:meth:`StepGate.begin_turn` / :meth:`StepGate.end_turn`):
+
+* a step never starts while a turn is in progress, and a turn never starts while a step is;
+* between two steps the copy thread gets at most one turn, and ends it once it has copied for
+  ``turn_s`` (one operation past the budget at most: operations are a few layers, ~1 MB): a load
+  adds at most ``turn_s`` to the gap before each step, until it is done;
+* when the engine has not stepped for ``idle_s`` (it has nothing to run, or it waits for the load
+  itself, as without overlapped loading), turns follow each other without waiting;
+* ``turn_s == 0`` turns the gate off: copies run beside the steps (the earlier behaviour).
+
+On CUDA no gate is used (:class:`~services.gpu_worker.device.Device` gives none).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+IDLE_S = 0.002  # no step for this long: the engine is idle, turns need not wait for a gap
+
+
+class StepGate:
+    """Steps and copy turns, never at once; one turn in each gap between steps."""
+
+    def __init__(self, turn_s: float, idle_s: float = IDLE_S) -> None:
+        self.turn_s = turn_s
+        self.idle_s = idle_s
+        self._cond = threading.Condition()
+        self._stepping = False
+        self._in_turn = False
+        self._step_waiting = False  # the engine waits to start a step
+        self._turn_waiting = False  # the copy thread waits to start a turn
+        self._gap = 0  # counts the steps ended: the gap after step n is gap n
+        self._turn_gap = -1  # the gap of the last turn
+        self._last_step_end = -float("inf")
+        self.turns = 0  # turns taken so far (tests and logs)
+
+    @property
+    def enabled(self) -> bool:
+        return self.turn_s > 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one step: waits for a turn in progress, and first lets a waiting copy thread
+        have its turn in this gap."""
+        if not self.enabled:
+            yield
+            return
+        with self._cond:
+            self._step_waiting = True
+            while self._in_turn or (self._turn_waiting and self._turn_gap != self._gap):
+                self._cond.wait()
+            self._step_waiting = False
+            self._stepping = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._stepping = False
+                self._gap += 1
+                self._last_step_end = time.monotonic()
+                self._cond.notify_all()
+
+    def begin_turn(self) -> None:
+        """Block until the copy thread may copy: between steps, once per gap (or the engine is
+        idle). Pair with :meth:`end_turn`."""
+        if not self.enabled:
+            return
+        with self._cond:
+            self._turn_waiting = True
+            self._cond.notify_all()  # a step about to start lets this turn go first
+            while not self._may_turn():
+                if self._stepping or self._step_waiting:
+                    self._cond.wait()  # until the step ends
+                else:  # our turn of this gap was taken: wait for a step, or for the engine idle
+                    self._cond.wait(self._last_step_end + self.idle_s - time.monotonic())
+            self._turn_waiting = False
+            self._in_turn = True
+            self._turn_gap = self._gap
+            self.turns += 1
+
+    def end_turn(self) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            self._in_turn = False
+            self._cond.notify_all()
+
+    def _may_turn(self) -> bool:
+        if self._stepping or self._step_waiting and self._turn_gap == self._gap:
+            return False
+        idle = time.monotonic() - self._last_step_end >= self.idle_s
+        return self._turn_gap != self._gap or idle
