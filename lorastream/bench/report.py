@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from lorastream.bench import plots as plot
+from lorastream.bench import report_serve
 from lorastream.bench import report_sections as sections
 from lorastream.bench.report_format import MISSING, code_block, get, ms, number, pct, ratio
-from lorastream.bench.report_format import table, text
+from lorastream.bench.report_format import GOALS_HEADER, table, text
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ BENCHES = (
           sections.engine_section, sections.engine_goals),
     Bench("serve", "Serving cold adapters: overlapped loading on vs off (serve)",
           "lorastream bench serve --output {results}/serve.json",
-          sections.serve_section, sections.serve_goals,
+          report_serve.serve_section, report_serve.serve_goals,
           (("serve_cdf", plot.ttft_itl_cdf), ("serve_interference", plot.interference_cdf))),
     Bench("scale", "Scale: from tens to a thousand adapters, and HF + PEFT (scale)",
           "lorastream bench scale --output {results}/scale.json",
@@ -181,7 +182,7 @@ def _goals(results: Mapping[str, Result | None]) -> str:
             rows.append([f"{bench.name}", MISSING, MISSING, "not run"])
         else:
             rows.extend(bench.goals(result))
-    return table(sections.GOALS_HEADER, rows)
+    return table(GOALS_HEADER, rows)
 
 
 def _machine(results: Mapping[str, Result | None]) -> str:

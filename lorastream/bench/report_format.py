@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MISSING = "–"
+GOALS_HEADER = ("goal", "result", "target", "verdict")
 _GOAL = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\s*)?(<=|>=|<|>|==)\s*([-+]?\d+(?:\.\d+)?)\s*$")
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt, "==": operator.eq,
@@ -117,3 +118,13 @@ def _row(cells: Sequence[str]) -> str:
 
 def code_block(command: str) -> str:
     return f"```bash\n{command}\n```"
+
+
+def plot_image(plots: Mapping[str, str], key: str, alt: str) -> str:
+    """The markdown image of plot ``key`` if it was drawn, else nothing."""
+    return f"![{alt}]({plots[key]})" if key in plots else ""
+
+
+def paragraphs(parts: Sequence[str]) -> str:
+    """The non-empty ``parts``, a blank line apart."""
+    return "\n\n".join(p for p in parts if p)

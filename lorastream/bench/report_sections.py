@@ -10,11 +10,11 @@ from typing import Any
 
 from lorastream.bench.plots import format_bytes
 from lorastream.bench.report_format import (
-    MISSING, Goal, as_number, code_block, get, goal_row, ms, number, ratio, table, text,
+    GOALS_HEADER, MISSING, Goal, as_number, code_block, get, goal_row, ms, number, paragraphs, plot_image,
+    ratio, table, text,
 )
 
 Result = Mapping[str, Any]
-GOALS_HEADER = ("goal", "result", "target", "verdict")
 
 
 # -- goals -------------------------------------------------------------------------------------
@@ -31,15 +31,6 @@ def engine_goals(r: Result) -> list[list[str]]:
         rows.append(goal_row("engine decode, multi-adapter / HF + PEFT", r.get("multi_vs_peft"),
                              r.get("goal_multi_vs_peft")))
     return rows
-
-
-def serve_goals(r: Result) -> list[list[str]]:
-    return [
-        goal_row("serve TTFT p50, overlap on / off", r.get("ttft_p50_on_vs_off"),
-                 r.get("goal_ttft_p50_on_vs_off")),
-        goal_row("serve ITL p99 of running streams, during loads / none (overlap on)",
-                 r.get("itl_p99_during_loads_vs_none_overlap_on"), r.get("goal_itl_p99_ratio")),
-    ]
 
 
 def scale_goals(r: Result) -> list[list[str]]:
@@ -71,7 +62,7 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         table(["chunk", "bare gRPC MB/s", "store MB/s", "store, landed + verified MB/s",
                "store / bare", "verified / bare"], rows),
         table(GOALS_HEADER, transfer_goals(r)),
-        _plot(plots, "transfer", "Transfer rate against chunk size"),
+        plot_image(plots, "transfer", "Transfer rate against chunk size"),
         "- **bare**: a server streaming pre-cut raw `bytes` chunks from memory, to a client that "
         "only counts them: the fastest gRPC moves these bytes here.\n"
         "- **store**: the store reads the staged file chunk by chunk, checksums (CRC-32C) and "
@@ -93,7 +84,7 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         "pipelining between reading, sending and decoding. On a shared VM the bare stream itself "
         "moves between invocations; the interleaved rounds keep the comparison fair within one.",
     ]
-    return _join(parts)
+    return paragraphs(parts)
 
 
 def engine_section(r: Result, plots: Mapping[str, str]) -> str:
@@ -123,7 +114,7 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
         "side) when padding is small, else `grouped_mm` (SGMV); decode rows "
         "ordered by slot so that no gather is needed; the delta added with one `addcmul_`.",
     ]
-    return _join(parts)
+    return paragraphs(parts)
 
 
 def _bandwidth_ceiling(r: Result) -> str:
@@ -185,138 +176,6 @@ def _bandwidth_ceiling(r: Result) -> str:
     )
 
 
-def serve_section(r: Result, plots: Mapping[str, str]) -> str:
-    c = r.get("config") or {}
-    modes = ("overlap_on", "overlap_off")
-
-    def row(label: str, *keys: str, fmt: Any = ms) -> list[str]:
-        return [label, *(fmt(get(r, mode, *keys)) for mode in modes)]
-
-    def errors(mode: str) -> str:
-        trace = get(r, mode, "trace") or {}
-        return f"{text(trace.get('errors'))} / {text(trace.get('requests'))}"
-
-    rows = [
-        *(row(f"TTFT {p} (ms)", "trace", "ttft_ms", p) for p in ("p50", "p90", "p99")),
-        row("TTFT p50, first request for its adapter (ms)", "trace", "ttft_ms_first_use", "p50"),
-        row("TTFT p50, adapter asked for before (ms)", "trace", "ttft_ms_repeat", "p50"),
-        *(row(f"ITL {p} (ms)", "trace", "itl_ms", p) for p in ("p50", "p99")),
-        *(row(f"end-to-end {p} (ms)", "trace", "e2e_ms", p) for p in ("p50", "p99")),
-        row("throughput (tok/s)", "trace", "throughput_tok_s", fmt=number),
-        row("throughput (req/s)", "trace", "throughput_req_s", fmt=lambda v: number(v, 2)),
-        ["errors / requests", *(errors(m) for m in modes)],
-        row("running streams' ITL p50, no loads (ms)", "interference", "itl_ms_no_loads", "p50"),
-        row("running streams' ITL p50, during loads (ms)", "interference",
-            "itl_ms_during_loads", "p50"),
-        row("running streams' ITL p99, no loads (ms)", "interference", "itl_p99_ms_no_loads"),
-        row("running streams' ITL p99, during loads (ms)", "interference",
-            "itl_p99_ms_during_loads"),
-        row("adapter loads during the interference part", "interference", "loads",
-            fmt=lambda v: number(v, 0)),
-        row("cold probe: TTFT, adapter not loaded (ms)", "cold_probe", "cold_ttft_ms"),
-        row("cold probe: LoadAdapter, store fetch + copy (ms)", "cold_probe", "load_ms"),
-        row("cold probe: TTFT, adapter resident (ms)", "cold_probe", "warm_ttft_ms"),
-        row("worker peak RSS (MB)", "worker_peak_rss_mb", fmt=lambda v: number(v, 0)),
-    ]
-    parts = [
-        f"Model {text(c.get('model'))}; {text(c.get('adapters'))} adapters of rank "
-        f"{text(c.get('rank'))} in the store, {text(c.get('slots'))} device slots; "
-        f"{text(c.get('requests'))} requests arriving as a Poisson process at "
-        f"{text(c.get('rate'))} req/s, adapters drawn by {text(c.get('popularity'))}; "
-        f"{text(c.get('max_tokens'))} tokens each. {_link(c)} The store process runs at idle "
-        "CPU priority (SCHED_IDLE): in a deployment it is another machine. The worker restarts "
-        "between modes, so every adapter starts cold. The interference part runs "
-        f"{text(c.get('background'))} long base-model streams and measures their inter-token "
-        "latency in windows without loads and windows while adapters are loaded one after "
-        f"another, taking turns: {text(c.get('interference_rounds', 2))} rounds of "
-        f"{text(c.get('window_s', MISSING))} s each.",
-        table(["", "overlap on", "overlap off"], rows),
-        table(GOALS_HEADER, serve_goals(r)),
-        _plot(plots, "serve_cdf", "TTFT and ITL CDFs, overlap on vs off"),
-        _plot(plots, "serve_interference", "ITL of running streams with and without loads"),
-        "With overlapped loading on, a request for a cold adapter does not stall the batch: the "
-        "adapter is fetched from the store (by the worker's fetch process) and copied into a slot "
-        "(by its load stream), both at idle CPU priority, while the running streams keep "
-        "decoding, and "
-        "the request is admitted when its adapter is resident. With it off, the load happens "
-        "inside the step.",
-        _copy_turns_explained(r),
-        _first_use_explained(r),
-        _cold_probe_explained(r, c),
-    ]
-    return _join(parts)
-
-
-def _copy_turns_explained(r: Result) -> str:
-    beside = get(r, "copies_beside_steps", "interference") or {}
-    turns = get(r, "overlap_on", "interference") or {}
-    if not beside or not turns:
-        return ""
-    rows = [[label, ms(get(x, "itl_ms_no_loads", "p50")), ms(get(x, "itl_ms_during_loads", "p50")),
-             ms(x.get("itl_p99_ms_no_loads")), ms(x.get("itl_p99_ms_during_loads")),
-             ratio(x.get("itl_p99_ratio"))]
-            for label, x in (("in turns between steps (default)", turns),
-                             ("beside the steps (--copy-turn-ms 0)", beside))]
-    return _join([
-        "**Copies into the slots take turns with the steps.** On a GPU the load stream's copies "
-        "are DMA; on the CPU a copy is a memcpy, and beside a decode step it slows the step far "
-        "more than it costs alone (the step's two OpenMP threads wait for each other after "
-        "every op). So the CPU load stream copies only between steps, at most "
-        "`--copy-turn-ms` per gap (services/gpu_worker/step_gate.py). The same run, overlap on, "
-        "once more with the copies beside the steps:",
-        table(["slot copies", "ITL p50, no loads (ms)", "ITL p50, loads (ms)",
-               "ITL p99, no loads (ms)", "ITL p99, loads (ms)", "p99 ratio"], rows),
-    ])
-
-
-def _first_use_explained(r: Result) -> str:
-    first = as_number(get(r, "overlap_on", "trace", "first_use_requests"))
-    requests = as_number(get(r, "overlap_on", "trace", "requests"))
-    if first is None or not requests:
-        return ""
-    return (
-        f"**Where the TTFT p50 falls.** {number(first, 0)} of the {number(requests, 0)} "
-        f"requests ({first / requests:.0%}) are the first to name their adapter: they wait for "
-        "its store fetch in either mode. The others find it in a slot, in host memory or on its "
-        "way. With overlap on, the requests asked for before no longer wait for other adapters' "
-        "loads, which is where its TTFT gain comes from. A first request can wait longer with "
-        "overlap on: its fetch then gets only the CPU time decoding leaves, where with overlap "
-        "off it has the cores while every other request waits. The overall p50 lies near the "
-        "boundary between the two groups, so it moves more from run to run than either group's."
-    )
-
-
-def _cold_probe_explained(r: Result, c: Mapping[str, Any]) -> str:
-    probe = get(r, "overlap_on", "cold_probe") or {}
-    cold, load, warm = (as_number(probe.get(k)) for k in ("cold_ttft_ms", "load_ms",
-                                                          "warm_ttft_ms"))
-    if cold is None or load is None or warm is None:
-        return ""
-    return (
-        f"**What a cold request waits for.** The cold probe asks, while "
-        f"{text(c.get('background'))} base-model streams decode, for adapters no trace request "
-        f"names. With overlap on, a cold request's first token came after {ms(cold)} ms: the "
-        f"adapter's store fetch and copy into a slot take {ms(load)} ms (LoadAdapter), and a "
-        f"request whose adapter is resident waits {ms(warm)} ms (the step in progress, then its "
-        f"prefill step), {ms(load + warm)} ms together. The load starts when the request "
-        "arrives and the copy as soon as the last chunk landed, so the load itself is the only "
-        "wait left; it is bounded by the store link, which both modes share."
-    ) + (
-        " TTFT with overlap falls below half of TTFT without it only where loads stall the batch "
-        "long enough to double the wait of the requests behind them, which this trace's load "
-        "does not do." if (as_number(r.get("ttft_p50_on_vs_off")) or 0) > 0.5 else ""
-    )
-
-
-def _link(c: Mapping[str, Any]) -> str:
-    mbps = as_number(c.get("store_link_mbps"))
-    if not mbps:
-        return "The store streams at loopback speed."
-    return (f"The store's egress is capped at {number(mbps, 0)} MB/s ({number(mbps * 8 / 1000, 1)} "
-            "Gb/s), standing in for the network between store and worker: on loopback the "
-            "transfer would otherwise run at memory speed on the worker's own cores.")
-
-
 def scale_section(r: Result, plots: Mapping[str, str]) -> str:
     c = r.get("config") or {}
     runs = sorted((x for x in r.get("runs") or [] if isinstance(x, Mapping)),
@@ -350,14 +209,14 @@ def scale_section(r: Result, plots: Mapping[str, str]) -> str:
         table(["adapters", "distinct requested", "req/s", "tok/s", "TTFT p50 (ms)",
                "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "errors"], rows),
         table(GOALS_HEADER, goals),
-        _plot(plots, "scale", "Throughput and TTFT against the number of adapters"),
+        plot_image(plots, "scale", "Throughput and TTFT against the number of adapters"),
     ]
     if runs:
         parts.append(_scale_explained(runs, c))
     if isinstance(peft, Mapping) and peft.get("note"):
         parts.append(f"HF + PEFT serves the largest count's requests in static mixed-adapter "
                      f"batches of {text(peft.get('batch_size'))}. {text(peft.get('note'))}")
-    return _join(parts)
+    return paragraphs(parts)
 
 
 def _rounds(c: Mapping[str, Any], runs: list[Result]) -> str:
@@ -410,12 +269,4 @@ def _count_span(r: Result) -> str:
 def _size(value: object) -> str:
     v = as_number(value)
     return format_bytes(v) if v else MISSING
-
-
-def _plot(plots: Mapping[str, str], key: str, alt: str) -> str:
-    return f"![{alt}]({plots[key]})" if key in plots else ""
-
-
-def _join(parts: list[str]) -> str:
-    return "\n\n".join(p for p in parts if p)
 

@@ -79,7 +79,7 @@ def serve(
     ),
     copy_turn_ms: float | None = typer.Option(
         None, help="CPU only: milliseconds the copies of adapters into the slots may run between "
-        "two decode steps (never during one); 0 runs them beside the steps [4].",
+        "two decode steps (never during one); 0 runs them beside the steps [20].",
     ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."

@@ -117,7 +117,7 @@ class CudaEvent(Event):  # pragma: no cover - needs a GPU
 
 
 COMPLETED = HostEvent(done=True)
-COPY_TURN_S = 0.004  # the CPU load stream's copy time between two steps (see step_gate.py)
+COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see step_gate.py)
 
 
 CopyOps = Sequence[Callable[[], None]]  # operations that issue copies, run in order
