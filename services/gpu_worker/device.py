@@ -181,24 +181,25 @@ class LoadStream:
                     job.after.wait()
                 if self.copy_delay_s:
                     time.sleep(self.copy_delay_s)
-                self._run_in_turns(job.ops)
-                job.done.set()
+                self._run_in_turns(job.ops, job.done)
             except BaseException as exc:  # noqa: BLE001 - reported through the event
                 log.exception("copy on the load stream failed")
                 job.done.set(exc)
 
-    def _run_in_turns(self, ops: CopyOps) -> None:
-        """Run ``ops`` in turns of the gate: each turn ends once it copied for ``turn_s``."""
+    def _run_in_turns(self, ops: CopyOps, done: HostEvent) -> None:
+        """Run ``ops`` in turns of the gate (each ends once it copied for ``turn_s``) and set
+        ``done`` inside the last one, so an engine waiting for that turn sees the copy done."""
         gate, began = self.gate, None
         try:
-            for op in ops:
+            for index, op in enumerate(ops, 1):
                 if began is None:
                     gate.begin_turn()
                     began = time.perf_counter()
                 op()
-                if time.perf_counter() - began >= gate.turn_s:
+                if index < len(ops) and time.perf_counter() - began >= gate.turn_s:
                     gate.end_turn()
                     began = None
+            done.set()
         finally:
             if began is not None:
                 gate.end_turn()
@@ -230,6 +231,11 @@ class Device:
         """Run one step's compute: on the CPU, copies of the load stream wait for its end."""
         with self.gate.step():
             yield
+
+    def between_steps(self) -> None:
+        """Before the next step is scheduled: on the CPU, a copy of the load stream waiting for
+        this gap copies now (one turn), so what it loads can join that step."""
+        self.gate.give_turn()
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""

@@ -236,6 +236,7 @@ class Engine:
             try:
                 self._intake()
                 self._drop_cancelled()
+                self.device.between_steps()  # a slot copy ready since the last step lands now
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)

@@ -10,13 +10,17 @@ copied at SCHED_IDLE beside the steps: a copy took 55 ms instead of the 8 ms it 
 the steps it overlapped ran about 40% slower, which set the running streams' ITL p99.
 
 So the CPU load stream copies only between steps. The engine runs each step inside
-:meth:`StepGate.step`; the copy thread runs its copy operations inside turns
-(:meth:`StepGate.begin_turn` / :meth:`StepGate.end_turn`):
+:meth:`StepGate.step` and calls :meth:`StepGate.give_turn` before it schedules the next one; the
+copy thread runs its copy operations inside turns (:meth:`StepGate.begin_turn` /
+:meth:`StepGate.end_turn`):
 
 * a step never starts while a turn is in progress, and a turn never starts while a step is;
 * between two steps the copy thread gets at most one turn, and ends it once it has copied for
   ``turn_s`` (one operation past the budget at most: operations are a few layers, ~1 MB): a load
   adds at most ``turn_s`` to the gap before each step, until it is done;
+* the turn comes before the engine schedules: a copy that becomes ready during a step lands in
+  the gap after it, and the request waiting for it joins the next step (as early as a copy that
+  ran beside the step could have made it);
 * when the engine has not stepped for ``idle_s`` (it has nothing to run, or it waits for the load
   itself, as without overlapped loading), turns follow each other without waiting;
 * ``turn_s == 0`` turns the gate off: copies run beside the steps (the earlier behaviour).
@@ -54,18 +58,26 @@ class StepGate:
     def enabled(self) -> bool:
         return self.turn_s > 0
 
+    def give_turn(self) -> None:
+        """Let a copy thread that waits for this gap have its turn now, and wait for its end.
+
+        The engine calls this before it schedules the next step: a copy that became ready
+        during the last step then lands in this gap, and its request joins the very next step.
+        """
+        if not self.enabled:
+            return
+        with self._cond:
+            self._wait_for_turns()
+
     @contextmanager
     def step(self) -> Iterator[None]:
         """Run one step: waits for a turn in progress, and first lets a waiting copy thread
-        have its turn in this gap."""
+        have its turn in this gap (if :meth:`give_turn` did not already)."""
         if not self.enabled:
             yield
             return
         with self._cond:
-            self._step_waiting = True
-            while self._in_turn or (self._turn_waiting and self._turn_gap != self._gap):
-                self._cond.wait()
-            self._step_waiting = False
+            self._wait_for_turns()
             self._stepping = True
         try:
             yield
@@ -75,6 +87,14 @@ class StepGate:
                 self._gap += 1
                 self._last_step_end = time.monotonic()
                 self._cond.notify_all()
+
+    def _wait_for_turns(self) -> None:
+        """(lock held) Until no turn is in progress and a waiting copy thread had this gap's."""
+        self._step_waiting = True
+        while self._in_turn or (self._turn_waiting and self._turn_gap != self._gap):
+            self._cond.wait()
+        self._step_waiting = False
+        self._cond.notify_all()  # a copy thread held back by the waiting engine looks again
 
     def begin_turn(self) -> None:
         """Block until the copy thread may copy: between steps, once per gap (or the engine is

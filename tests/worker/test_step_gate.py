@@ -166,3 +166,21 @@ def test_the_engine_copies_adapters_into_slots_only_between_its_steps(
     assert record.ops and record.steps
     assert not [(s, o) for s in record.steps for o in record.ops if _overlap(s, o)]
     assert engine.device.gate.turns > 0
+
+
+def test_a_copy_ready_during_a_step_lands_before_the_next_step_is_scheduled() -> None:
+    gate = StepGate(turn_s=0.02)
+    stream = LoadStream(torch.device("cpu"), gate=gate)
+    try:
+        with gate.step():
+            done = stream.submit([lambda: _busy(0.002) for _ in range(3)])
+            time.sleep(0.05)  # the copy thread now waits for the gap
+            assert not done.query()
+        gate.give_turn()  # the engine, before it schedules the next step
+        assert done.query(), "the copy had its turn but its event was not set inside it"
+        # an engine that then does not step (nothing to run) leaves later copies free to go
+        gate.give_turn()
+        later = stream.submit([lambda: _busy(0.001) for _ in range(30)])
+        assert later.wait(5)
+    finally:
+        stream.close()
