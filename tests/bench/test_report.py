@@ -306,6 +306,8 @@ def test_serve_section_compares_copies_in_turns_with_copies_beside_the_steps() -
     page = render_page({"serve": serve}, {})
     rows = {line.split(" | ")[0]: line for line in page.splitlines()}
     # overlap on: p99 70 -> 77 ms (ratio 1.1); copies beside the steps: 70 -> 119 ms (1.7)
+    assert rows["| in turns between steps (default)"].startswith(
+        "| in turns between steps (default) | 24 | ")
     assert rows["| in turns between steps (default)"].endswith("| 70.0 | 77.0 | 1.10× |")
     assert rows["| beside the steps (--copy-turn-ms 0)"].endswith("| 70.0 | 119.0 | 1.70× |")
     assert "4 rounds of 5.0 s each" in page
