@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lorastream.bench.report_format import (
-    GOALS_HEADER, MISSING, as_number, get, goal_row, ms, number, paragraphs, plot_image, ratio, table, text,
+    GOALS_HEADER, MISSING, as_number, get, goal_row, ms, number, paragraphs, plot_image, ratio,
+    table, text,
 )
 
 Result = Mapping[str, Any]

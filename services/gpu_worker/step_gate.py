@@ -25,7 +25,7 @@ copy thread runs its copy operations inside turns (:meth:`StepGate.begin_turn` /
   itself, as without overlapped loading), turns follow each other without waiting;
 * ``turn_s == 0`` turns the gate off: copies run beside the steps (the earlier behaviour).
 
-On CUDA no gate is used (:class:`~services.gpu_worker.device.Device` gives none).
+On CUDA the gate is off (:class:`~services.gpu_worker.device.Device` gives it ``turn_s == 0``).
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
     serve = {
         "benchmark": "serve", "command": "lorastream bench serve",
         "config": {"model": "default", "adapters": 24, "slots": 8, "rank": 64, "rate": 0.5,
-                   "store_link_mbps": 125.0, "requests": 32, "popularity": "zipf:1.2", "max_tokens": 32,
+                   "store_link_mbps": 125.0, "requests": 32, "popularity": "zipf:1.2",
+                   "max_tokens": 32,
                    "background": 4, "interference_rounds": 4, "window_s": 5.0},
         "overlap_on": mode(300.0, 1.1), "overlap_off": off,
         "ttft_p50_on_vs_off": 0.333, "goal_ttft_p50_on_vs_off": "<= 0.5",

@@ -155,7 +155,10 @@ def test_the_engine_copies_adapters_into_slots_only_between_its_steps(
         return run
 
     engine._step = timed_step  # type: ignore[method-assign]
-    engine.slots.write_ops = lambda *a, **k: [timed(op) for op in write_ops(*a, **k)]  # type: ignore[method-assign]
+    def timed_ops(*args: object, **kwargs: object) -> list[object]:
+        return [timed(op) for op in write_ops(*args, **kwargs)]  # type: ignore[arg-type]
+
+    engine.slots.write_ops = timed_ops  # type: ignore[method-assign]
     engine.start()
     running = engine.submit("tiny", PromptInput(token_ids=tuple(PROMPTS[0])),
                             SamplingParams(max_tokens=300, ignore_eos=True))

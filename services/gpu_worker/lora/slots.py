@@ -26,8 +26,8 @@ from lorastream.adapter_format import SUPPORTED_MODULES
 from services.gpu_worker.model.config import GATE_UP, QKV, LlamaConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
-# Projections that read the same input (the base model fuses them too): their A share storage.
 PIECE_BYTES = 1 << 20  # the most one copy operation moves (or one layer, if larger)
+# Projections that read the same input (the base model fuses them too): their A share storage.
 SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (QKV, GATE_UP)
 
 
@@ -142,7 +142,8 @@ class LoraSlots:
             layer_bytes = block[0].numel() * block.element_size()
             step = max(1, piece_bytes // max(layer_bytes, 1))
             for first in range(0, block.shape[0], step):
-                ops.append(partial(_copy, target[first : first + step], block[first : first + step]))
+                part = slice(first, first + step)
+                ops.append(partial(_copy, target[part], block[part]))
         info = SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
         ops.append(partial(self.table.__setitem__, slot, info))
         return ops
