@@ -14,6 +14,7 @@ from typing import Any
 
 MISSING = "–"
 GOALS_HEADER = ("goal", "result", "target", "verdict")
+Result = Mapping[str, Any]  # one benchmark's result JSON
 _GOAL = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\s*)?(<=|>=|<|>|==)\s*([-+]?\d+(?:\.\d+)?)\s*$")
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt, "==": operator.eq,

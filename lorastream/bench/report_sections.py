@@ -10,11 +10,9 @@ from typing import Any
 
 from lorastream.bench.plots import format_bytes
 from lorastream.bench.report_format import (
-    GOALS_HEADER, MISSING, Goal, as_number, code_block, get, goal_row, ms, number, paragraphs,
-    plot_image, ratio, table, text,
+    GOALS_HEADER, MISSING, Goal, Result, as_number, code_block, get, goal_row, ms, number,
+    paragraphs, plot_image, ratio, table, text,
 )
-
-Result = Mapping[str, Any]
 
 
 # -- goals -------------------------------------------------------------------------------------

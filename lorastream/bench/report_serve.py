@@ -9,11 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from lorastream.bench.report_format import (
-    GOALS_HEADER, MISSING, as_number, get, goal_row, ms, number, paragraphs, plot_image, ratio,
-    table, text,
+    GOALS_HEADER, MISSING, Result, as_number, get, goal_row, ms, number, paragraphs, plot_image,
+    ratio, table, text,
 )
-
-Result = Mapping[str, Any]
 
 
 def serve_goals(r: Result) -> list[list[str]]:

@@ -94,7 +94,8 @@ class StepGate:
         while self._in_turn or (self._turn_waiting and self._turn_gap != self._gap):
             self._cond.wait()
         self._step_waiting = False
-        self._cond.notify_all()  # a copy thread held back by the waiting engine looks again
+        if self._turn_waiting:  # a copy thread held back by the waiting engine looks again
+            self._cond.notify_all()
 
     def begin_turn(self) -> None:
         """Block until the copy thread may copy: between steps, once per gap (or the engine is
@@ -106,7 +107,7 @@ class StepGate:
             self._cond.notify_all()  # a step about to start lets this turn go first
             while not self._may_turn():
                 if self._stepping or self._step_waiting:
-                    self._cond.wait()  # until the step ends
+                    self._cond.wait()  # until the step, or the engine's wait, ends
                 else:  # our turn of this gap was taken: wait for a step, or for the engine idle
                     self._cond.wait(self._last_step_end + self.idle_s - time.monotonic())
             self._turn_waiting = False
