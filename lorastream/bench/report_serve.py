@@ -78,37 +78,48 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         "decoding, and "
         "the request is admitted when its adapter is resident. With it off, the load happens "
         "inside the step.",
-        _copy_turns_explained(r),
+        _cpu_measures_explained(r),
         _first_use_explained(r),
         _cold_probe_explained(r, c),
     ]
     return paragraphs(parts)
 
 
-def _copy_turns_explained(r: Result) -> str:
-    beside = get(r, "copies_beside_steps", "interference") or {}
-    turns = get(r, "overlap_on", "interference") or {}
-    if not beside or not turns:
-        return ""
+_MEASURE_ROWS = (  # (result key, row label): the worker as run, then one CPU measure off each
+    ("", "both on (default)"),
+    ("copies_beside_steps", "copies beside the steps (--copy-turn-ms 0)"),
+    ("compute_threads_unbound", "threads placed by the kernel (--bind-compute-threads off)"),
+)
+
+
+def _cpu_measures_explained(r: Result) -> str:
+    runs = [(label, get(r, "overlap_on", "interference") if not key
+             else get(r, key, "interference")) for key, label in _MEASURE_ROWS]
     rows = [[label, number(x.get("loads"), 0), number(x.get("load_seconds")),
              ms(get(x, "itl_ms_no_loads", "p50")), ms(get(x, "itl_ms_during_loads", "p50")),
              ms(x.get("itl_p99_ms_no_loads")), ms(x.get("itl_p99_ms_during_loads")),
              ratio(x.get("itl_p99_ratio"))]
-            for label, x in (("in turns between steps (default)", turns),
-                             ("beside the steps (--copy-turn-ms 0)", beside))]
+            for label, x in runs if x]
+    if len(rows) < 2:
+        return ""
     return paragraphs([
-        "**Copies into the slots take turns with the steps.** On a GPU the load stream's copies "
-        "are DMA; on the CPU a copy is a memcpy, and beside a decode step it slows the step far "
-        "more than it costs alone (the step's two OpenMP threads wait for each other after "
-        "every op). So the CPU load stream copies only between steps, at most "
-        "`--copy-turn-ms` per gap (services/gpu_worker/step_gate.py). The same run, overlap on, "
-        "once more with the copies beside the steps:",
-        table(["slot copies", "loads", "loading windows (s)", "ITL p50, no loads (ms)",
+        "**What the worker does so that loads leave the decode its cores.** On a GPU the load "
+        "stream's copies are DMA and the decode runs on the device; on the CPU both are work "
+        "for the same two cores, and a decode step runs its ops on two OpenMP threads that wait "
+        "for each other after every op, so whatever either loses stalls both. Two measures: "
+        "copies into the slots take turns with the steps, at most `--copy-turn-ms` per gap "
+        "(services/gpu_worker/step_gate.py); and the two compute threads are bound one per "
+        "core, so that a thread pushed aside by other work waits for its own core instead of "
+        "sharing its partner's while the adapter fetch, at idle priority, holds the core it "
+        "left (services/gpu_worker/cpu_binding.py). The same run, overlap on, once more with "
+        "each turned off:",
+        table(["CPU measures", "loads", "loading windows (s)", "ITL p50, no loads (ms)",
                "ITL p50, loads (ms)", "ITL p99, no loads (ms)", "ITL p99, loads (ms)",
                "p99 ratio"], rows),
         "Loads are back to back in the loading windows, so the loads column is how fast "
-        "adapters reach their slots while the batch decodes; the ITL p99 ratio moves by about "
-        "±15% from run to run on this machine.",
+        "adapters reach their slots while the batch decodes: the fetch and the store run at "
+        "idle priority on the time the decode leaves, and bound threads leave it less of it. "
+        "The ITL p99 ratio moves by about ±15% from run to run on this machine.",
     ])
 
 

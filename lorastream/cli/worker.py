@@ -81,6 +81,10 @@ def serve(
         None, help="CPU only: milliseconds the copies of adapters into the slots may run between "
         "two decode steps (never during one); 0 runs them beside the steps [20].",
     ),
+    bind_compute_threads: OnOff | None = typer.Option(
+        None, help="CPU only: on binds the engine's compute threads one per core when there is "
+        "one per CPU of the process; off leaves their placement to the kernel [on].",
+    ),
     prefetch_depth: int | None = typer.Option(
         None, help="Waiting requests whose adapters are loaded ahead of admission [8]."
     ),
@@ -120,6 +124,9 @@ def serve(
         "loader_priority": loader_priority and loader_priority.value,
         "fetch_threads": fetch_threads, "copy_turn_ms": copy_turn_ms,
         "fetch_process": None if fetch_process is None else fetch_process is OnOff.ON,
+        "bind_compute_threads": (
+            None if bind_compute_threads is None else bind_compute_threads is OnOff.ON
+        ),
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

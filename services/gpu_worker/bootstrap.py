@@ -84,7 +84,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     device = Device(torch_device, loader_priority=settings.loader_priority_spec,
-                    copy_turn_s=settings.copy_turn_ms / 1000)
+                    copy_turn_s=settings.copy_turn_ms / 1000,
+                    bind_compute=settings.bind_compute_threads)
     warning = starvation_warning(device.loader_priority, waits_actively())
     if warning and not device.is_cuda:
         log.warning(warning)

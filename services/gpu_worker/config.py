@@ -114,6 +114,13 @@ class WorkerSettings(BaseSettings):
         "adapter of the default model: one turn of ~13 ms). 0: copies run beside the steps at "
         "the loader priority. No effect on CUDA (copies are DMA).",
     )
+    bind_compute_threads: bool = Field(
+        True,
+        description="On the CPU: bind the engine's compute threads one per core when there is "
+        "one thread per CPU of the process (a thread pushed off its core by other work then "
+        "waits for it rather than sharing its partner's core while a SCHED_IDLE loader holds "
+        "the one it left). Off: the kernel places them. No effect on CUDA.",
+    )
     prefetch_depth: int = Field(
         8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
     )

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.gpu_worker.cpu_binding import bind_team, release_thread, unbind_team
 from services.gpu_worker.priority import lower_priority
 from services.gpu_worker.step_gate import StepGate
 
@@ -62,8 +63,9 @@ def use_intra_op_threads(count: int) -> None:
 
 def loader_thread_init(priority: str) -> None:
     """Thread initializer of loader threads (store fetch, CPU copies): ``priority`` (``idle`` or
-    ``nice:N``), and torch on one intra-op thread so that decoding keeps the only multi-threaded
-    OpenMP pool."""
+    ``nice:N``), every CPU of the process (an engine thread bound to one core may start it), and
+    torch on one intra-op thread so that decoding keeps the only multi-threaded OpenMP pool."""
+    release_thread()
     lower_priority(priority)
     use_intra_op_threads(1)
 
@@ -218,8 +220,10 @@ class Device:
         device: str | torch.device = "cpu",
         loader_priority: str = "nice:0",
         copy_turn_s: float = COPY_TURN_S,
+        bind_compute: bool = True,
     ) -> None:
         self.device = torch.device(device)
+        self.bind_compute = bind_compute  # on the CPU: compute threads one per core
         self.is_cuda = self.device.type == "cuda"
         self.loader_priority = loader_priority  # of loader threads (fetch, CPU copies)
         # CPU copies take turns with the steps; CUDA copies are DMA beside them (no gate)
@@ -236,6 +240,20 @@ class Device:
         """Before the next step is scheduled: on the CPU, a copy of the load stream waiting for
         this gap copies now (one turn), so what it loads can join that step."""
         self.gate.give_turn()
+
+    def use_compute_threads(self, count: int) -> dict[int, int] | None:
+        """Make the calling thread the one that computes, on ``count`` intra-op threads; on the
+        CPU, bind them one per core (``cpu_binding.py`` says why and when). Returns
+        ``{thread id: cpu}`` of the bound threads, None if not bound."""
+        use_intra_op_threads(count)
+        if self.is_cuda or not self.bind_compute:
+            return None
+        return bind_team(count)
+
+    def release_compute_threads(self, bound: dict[int, int] | None) -> None:
+        """Undo :meth:`use_compute_threads`' binding (the engine's loop ended)."""
+        if bound:
+            unbind_team(bound)
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""

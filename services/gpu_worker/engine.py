@@ -107,6 +107,7 @@ class Engine:
         self.compute_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._loop_thread: threading.Thread | None = None  # set when the loop starts running
+        self.bound_threads: dict[int, int] | None = None  # compute thread -> its core, if bound
         self._loop_done = threading.Event()
         self._wind_down_lock = threading.Lock()
         self._wound_down = False
@@ -226,9 +227,10 @@ class Engine:
     def _loop(self) -> None:
         self._loop_thread = threading.current_thread()
         try:
-            use_intra_op_threads(self.compute_threads)
+            self.bound_threads = self.device.use_compute_threads(self.compute_threads)
             self._loop_steps()
         finally:
+            self.device.release_compute_threads(self.bound_threads)
             self._loop_done.set()
 
     def _loop_steps(self) -> None:

@@ -87,8 +87,10 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
         "overlap_on": mode(300.0, 1.1), "overlap_off": off,
         "ttft_p50_on_vs_off": 0.333, "goal_ttft_p50_on_vs_off": "<= 0.5",
         "itl_p99_during_loads_vs_none_overlap_on": 1.1, "goal_itl_p99_ratio": "<= 1.2",
-        "copies_beside_steps": {"copy_turn_ms": 0,
+        "copies_beside_steps": {"worker_flags": "--copy-turn-ms 0",
                                 "interference": mode(300.0, 1.7)["interference"]},
+        "compute_threads_unbound": {"worker_flags": "--bind-compute-threads off",
+                                    "interference": mode(300.0, 1.4)["interference"]},
         "machine": _machine(),
     }
 
@@ -302,16 +304,19 @@ def test_scale_section_states_the_rounds_the_counts_took_turns_for() -> None:
     _assert_no_leaks(page)
 
 
-def test_serve_section_compares_copies_in_turns_with_copies_beside_the_steps() -> None:
+def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     serve = renderer_inputs()["serve"]
     page = render_page({"serve": serve}, {})
     rows = {line.split(" | ")[0]: line for line in page.splitlines()}
-    # overlap on: p99 70 -> 77 ms (ratio 1.1); copies beside the steps: 70 -> 119 ms (1.7)
-    assert rows["| in turns between steps (default)"].startswith(
-        "| in turns between steps (default) | 24 | ")
-    assert rows["| in turns between steps (default)"].endswith("| 70.0 | 77.0 | 1.10× |")
-    assert rows["| beside the steps (--copy-turn-ms 0)"].endswith("| 70.0 | 119.0 | 1.70× |")
+    # overlap on: p99 70 -> 77 ms (1.1); copies beside the steps: 119 (1.7); unbound: 98 (1.4)
+    assert rows["| both on (default)"].startswith("| both on (default) | 24 | ")
+    assert rows["| both on (default)"].endswith("| 70.0 | 77.0 | 1.10× |")
+    assert rows["| copies beside the steps (--copy-turn-ms 0)"].endswith("| 70.0 | 119.0 | 1.70× |")
+    assert rows["| threads placed by the kernel (--bind-compute-threads off)"].endswith(
+        "| 70.0 | 98.0 | 1.40× |")
     assert "4 rounds of 5.0 s each" in page
-    older = {k: v for k, v in serve.items() if k != "copies_beside_steps"}
-    assert "take turns with the steps" not in render_page({"serve": older}, {})
+    older = {k: v for k, v in serve.items() if k != "compute_threads_unbound"}
+    assert "threads placed by the kernel" not in render_page({"serve": older}, {})
+    oldest = {k: v for k, v in older.items() if k != "copies_beside_steps"}
+    assert "leave the decode its cores" not in render_page({"serve": oldest}, {})
     _assert_no_leaks(page)

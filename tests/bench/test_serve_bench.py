@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.bench.serve import ServeConfig, run_serve_bench
+from lorastream.bench.serve import CPU_MEASURES_OFF, ServeConfig, run_serve_bench
 
 
 @pytest.mark.slow
@@ -31,8 +31,9 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
         assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
-    beside = result["copies_beside_steps"]
-    assert beside["copy_turn_ms"] == 0 and beside["interference"]["loads"] >= 2
+    for name, flags in CPU_MEASURES_OFF.items():
+        assert result[name]["worker_flags"] == " ".join(flags)
+        assert result[name]["interference"]["loads"] >= 2
 
 
 def test_ttft_is_split_by_the_first_request_for_each_adapter() -> None:
