@@ -118,8 +118,8 @@ def _cpu_measures_explained(r: Result) -> str:
                "p99 ratio"], rows),
         "Loads are back to back in the loading windows, so the loads column is how fast "
         "adapters reach their slots while the batch decodes: the fetch and the store run at "
-        "idle priority on the time the decode leaves, and bound threads leave it less of it. "
-        "The ITL p99 ratio moves by about ±15% from run to run on this machine.",
+        "idle priority on the time the decode leaves. The ITL p99 ratio moves by about ±15% "
+        "from run to run on this machine, the loads column by more.",
     ])
 
 
