@@ -248,14 +248,17 @@ def spawn(args: list[str], priority: str | None = None) -> subprocess.Popen[byte
 
 
 def running_store(
-    cache_dir: Path, port: int, egress_limit_mbps: float = 0.0, priority: str = "nice:10"
+    cache_dir: Path, port: int, egress_limit_mbps: float = 0.0, priority: str = "nice:10",
+    egress_burst_bytes: int = 0,
 ) -> AbstractContextManager[subprocess.Popen[bytes]]:
     """The benchmarks' store: ``lorastream store serve`` at a lower CPU ``priority`` (in a
     deployment it is another machine; here it would take the cores the worker decodes on), with
-    its egress capped when ``egress_limit_mbps`` is given."""
+    its egress capped when ``egress_limit_mbps`` is given (``egress_burst_bytes``: the link
+    time it may bank)."""
     args = ["store", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
     if egress_limit_mbps:
-        args += ["--egress-limit-mbps", str(egress_limit_mbps)]
+        args += ["--egress-limit-mbps", str(egress_limit_mbps),
+                 "--egress-burst-bytes", str(egress_burst_bytes)]
     return running(args, port, priority=priority, timeout_s=60)
 
 

@@ -166,6 +166,10 @@ def _link(c: Mapping[str, Any]) -> str:
     mbps = as_number(c.get("store_link_mbps"))
     if not mbps:
         return "The store streams at loopback speed."
+    burst = as_number(c.get("store_link_burst_bytes"))
+    banked = (f" The link banks up to {number(burst / 2**20, 0)} MiB of time the store spent off "
+              "the CPU, as a real link drains a socket's send buffer meanwhile."
+              if burst else "")
     return (f"The store's egress is capped at {number(mbps, 0)} MB/s ({number(mbps * 8 / 1000, 1)} "
             "Gb/s), standing in for the network between store and worker: on loopback the "
-            "transfer would otherwise run at memory speed on the worker's own cores.")
+            f"transfer would otherwise run at memory speed on the worker's own cores.{banked}")

@@ -28,7 +28,10 @@ and on a 2-core benchmark box it would otherwise take the cores the worker decod
 ``services/gpu_worker/priority.py``). For the same reason its egress is capped at
 ``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
 "network" would otherwise run at memory speed and cost the worker's cores, where a real link
-moves the bytes without them. The default rate (1 request/s) is about what the worker sustains
+moves the bytes without them. The link banks up to ``store_link_burst_bytes`` (4 MiB, the most
+Linux's TCP autotuning gives a socket's send buffer by default, ``net.ipv4.tcp_wmem``) of time
+the store, at idle priority, spent off the CPU: a real link drains the send buffer meanwhile,
+and without it the store's stalls on this shared box count against the link. The default rate (1 request/s) is about what the worker sustains
 with these adapters (every step reads each distinct rank-64 adapter of the batch once): busy,
 without a queue that grows through the trace; at 1.5 requests/s both modes saturate.
 """
@@ -86,6 +89,7 @@ class ServeConfig:
     host_cache_bytes: int = 1 << 30
     kv_cache_bytes: int = 512 << 20
     store_link_mbps: float = 125.0  # the store's egress cap: a 1 Gb/s link; 0 = loopback speed
+    store_link_burst_bytes: int = 4 << 20  # idle link time it may bank: a TCP send buffer
     seed: int = 0
 
 
@@ -231,7 +235,8 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
     worker_port = worker_port or free_port()
     with tempfile.TemporaryDirectory(prefix="lorastream-serve-") as tmp:
         root = Path(tmp)
-        with running_store(root / "store", store_port, config.store_link_mbps, "idle"):
+        with running_store(root / "store", store_port, config.store_link_mbps, "idle",
+                           config.store_link_burst_bytes):
             target = f"127.0.0.1:{store_port}"
             shape = checkpoint_shape(config.model)
             with StoreClient(target) as client:

@@ -126,6 +126,10 @@ def serve(
         125.0, help="Cap on the store's egress in MB/s, standing in for the network between "
         "store and worker (125 = 1 Gb/s); 0 streams at loopback speed.",
     ),
+    store_link_burst_bytes: int = typer.Option(
+        4 << 20, help="Link time, in bytes, the capped store may bank while it is off the CPU "
+        "(a socket send buffer draining; 4 MiB is Linux's default TCP maximum).",
+    ),
     seed: int = typer.Option(0, help="Seed of the request trace."),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
@@ -138,7 +142,7 @@ def serve(
     config = ServeConfig(
         model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
         popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
-        store_link_mbps=store_link_mbps,
+        store_link_mbps=store_link_mbps, store_link_burst_bytes=store_link_burst_bytes,
     )
     _print_result(run_serve_bench(config), output)
 

@@ -32,6 +32,10 @@ def serve(
         None, help="Cap on what all streams send together, MB/s (e.g. 125 for a 1 Gb/s link) "
         "[default: no cap].",
     ),
+    egress_burst_bytes: int | None = typer.Option(
+        None, help="With --egress-limit-mbps: bytes of idle link time a sender that fell "
+        "behind may send at once, like a socket send buffer draining [default: 0, none].",
+    ),
     token: str | None = typer.Option(
         None, envvar="LORASTREAM_TOKEN", help="Require this bearer token on operator calls."
     ),
@@ -49,6 +53,7 @@ def serve(
         "cache_bytes": cache_bytes,
         "chunk_bytes": chunk_bytes,
         "egress_limit_mbps": egress_limit_mbps,
+        "egress_burst_bytes": egress_burst_bytes,
         "token": token,
     }
     run(StoreSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -50,6 +50,13 @@ class StoreSettings(BaseSettings):
         description="Cap on the bytes per second (MB/s, 1e6) all streams send together; "
         "0: no cap. Keeps adapter streams from saturating a shared NIC.",
     )
+    egress_burst_bytes: int = Field(
+        0,
+        ge=0,
+        description="Idle link time, in bytes at the egress cap, that a sender which fell "
+        "behind may catch up at once (a token bucket's depth; a real link drains the socket "
+        "send buffer while the store is off the CPU). 0: every chunk waits for its own slot.",
+    )
     stream_chunk_delay_s: float = Field(
         0.0, ge=0, description="Test hook: sleep this long before sending each stream chunk."
     )

@@ -68,7 +68,10 @@ def create_server(
         ],
         options=GRPC_OPTIONS,
     )
-    egress = EgressLimiter(settings.egress_limit_mbps * 1e6) if settings.egress_limit_mbps else None
+    egress = (
+        EgressLimiter(settings.egress_limit_mbps * 1e6, settings.egress_burst_bytes)
+        if settings.egress_limit_mbps else None
+    )
     servicer = AdapterStoreServicer(
         store, settings.chunk_bytes, settings.stream_chunk_delay_s, egress
     )

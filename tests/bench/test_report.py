@@ -261,6 +261,10 @@ def test_serve_section_states_the_store_link_it_ran_over() -> None:
     serve = renderer_inputs()["serve"]
     page = render_page({"serve": serve}, {})
     assert "egress is capped at 125 MB/s (1.0 Gb/s)" in page
+    assert "banks up to" not in page  # results from before the link banked idle time
+    banking = {**serve, "config": {**serve["config"], "store_link_burst_bytes": 4 << 20}}
+    assert "The link banks up to 4 MiB of time the store spent off the CPU" in render_page(
+        {"serve": banking}, {})
     loopback = {**serve, "config": {**serve["config"], "store_link_mbps": 0.0}}
     assert "The store streams at loopback speed." in render_page({"serve": loopback}, {})
 
