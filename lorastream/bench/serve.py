@@ -31,9 +31,10 @@ and on a 2-core benchmark box it would otherwise take the cores the worker decod
 moves the bytes without them. The link banks up to ``store_link_burst_bytes`` (4 MiB, the most
 Linux's TCP autotuning gives a socket's send buffer by default, ``net.ipv4.tcp_wmem``) of time
 the store, at idle priority, spent off the CPU: a real link drains the send buffer meanwhile,
-and without it the store's stalls on this shared box count against the link. The default rate (1 request/s) is about what the worker sustains
-with these adapters (every step reads each distinct rank-64 adapter of the batch once): busy,
-without a queue that grows through the trace; at 1.5 requests/s both modes saturate.
+and without it the store's stalls on this shared box count against the link. The default rate
+(1 request/s) is about what the worker sustains with these adapters (every step reads each
+distinct rank-64 adapter of the batch once): busy, without a queue that grows through the trace;
+at 1.5 requests/s both modes saturate.
 """
 
 from __future__ import annotations

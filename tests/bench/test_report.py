@@ -315,7 +315,8 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     # overlap on: p99 70 -> 77 ms (1.1); copies beside the steps: 119 (1.7); unbound: 98 (1.4)
     assert rows["| both on (default)"].startswith("| both on (default) | 24 | ")
     assert rows["| both on (default)"].endswith("| 70.0 | 77.0 | 1.10× |")
-    assert rows["| copies beside the steps (--copy-turn-ms 0)"].endswith("| 70.0 | 119.0 | 1.70× |")
+    assert rows["| copies beside the steps (--copy-turn-ms 0)"].endswith(
+        "| 70.0 | 119.0 | 1.70× |")
     assert rows["| threads placed by the kernel (--bind-compute-threads off)"].endswith(
         "| 70.0 | 98.0 | 1.40× |")
     assert "4 rounds of 5.0 s each" in page
