@@ -77,6 +77,11 @@ def serve(
         None, help="on: store fetches run in a process of their own, at the loader priority, "
         "and land in memory it shares with the worker; off: on threads in the worker [on].",
     ),
+    host_memory_prefault: OnOff | None = typer.Option(
+        None, help="With the fetch process: on takes and maps the whole --host-cache-bytes at "
+        "start, so landing adapters never faults pages in beside decoding; off takes pages "
+        "as adapters land [on].",
+    ),
     copy_turn_ms: float | None = typer.Option(
         None, help="CPU only: milliseconds the copies of adapters into the slots may run between "
         "two decode steps (never during one); 0 runs them beside the steps [20].",
@@ -124,6 +129,9 @@ def serve(
         "loader_priority": loader_priority and loader_priority.value,
         "fetch_threads": fetch_threads, "copy_turn_ms": copy_turn_ms,
         "fetch_process": None if fetch_process is None else fetch_process is OnOff.ON,
+        "host_memory_prefault": (
+            None if host_memory_prefault is None else host_memory_prefault is OnOff.ON
+        ),
         "bind_compute_threads": (
             None if bind_compute_threads is None else bind_compute_threads is OnOff.ON
         ),

@@ -64,7 +64,11 @@ def make_fetch_process(settings: WorkerSettings, device: Device) -> FetchProcess
     if not SharedHostMemory.supported():
         log.warning("no memfd_create on this platform: store fetches run in the worker")
         return None
-    memory = SharedHostMemory(device, settings.host_cache_bytes)
+    began = time.perf_counter()
+    memory = SharedHostMemory(device, settings.host_cache_bytes, settings.host_memory_prefault)
+    if settings.host_memory_prefault:
+        log.info("host adapter memory: %.1f GiB taken and mapped in %.1f s",
+                 settings.host_cache_bytes / 2**30, time.perf_counter() - began)
     return FetchProcess(memory, settings.store, settings.store_token,
                         threads=settings.fetch_threads, priority=settings.loader_priority_spec)
 

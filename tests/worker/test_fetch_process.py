@@ -54,6 +54,33 @@ def test_fetches_land_through_the_fetch_process_at_the_loader_priority(
     assert not _at_priority(threading.get_native_id(), mode)  # the rest of the worker is not
 
 
+def _shared_resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.parametrize("prefault", [True, False], ids=["prefault", "on-demand"])
+def test_prefault_maps_the_whole_host_budget_in_both_processes_before_any_fetch(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    prefault: bool,
+) -> None:
+    budget = 64 << 20
+    before = {os.getpid(): _shared_resident_bytes(os.getpid())}  # earlier tests' engines too
+    engine = engine_factory(store=store.target, host_cache_bytes=budget,
+                            host_memory_prefault=prefault)
+    process = engine.adapters.fetcher.process
+    assert process is not None
+    deadline = time.monotonic() + 60
+    while prefault and _shared_resident_bytes(process.pid) < budget:  # the child maps it first
+        assert time.monotonic() < deadline, "the fetch process did not map the host budget"
+        time.sleep(0.05)
+    assert greedy_tokens(engine, "all-r64", 0) == reference[("all-r64", 0)]
+    for pid in (os.getpid(), process.pid):
+        resident = _shared_resident_bytes(pid) - before.get(pid, 0)
+        assert (resident >= budget) if prefault else (resident < budget // 2), (pid, resident)
+
+
 @pytest.mark.parametrize("mode", ["idle", "nice"])
 def test_off_fetches_on_the_workers_loader_threads_at_the_loader_priority(
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],

@@ -17,14 +17,24 @@ holds only the shared mapping and its gRPC channel.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 
 from services.gpu_worker.priority import lower_priority
 
 
-def serve(memory_fd: int, conn_fd: int) -> None:
+def map_shared(fd: int, nbytes: int, prefault: bool) -> mmap.mmap:
+    """Map ``nbytes`` of the memory file ``fd`` shared; ``prefault``: take and map every page now
+    (``MAP_POPULATE``) rather than on its first write. A page's first write otherwise faults in
+    the process that writes it (the fetch process, beside decoding) and, the first time in
+    either process, allocates and zeroes it: that was about half the fetch process's CPU per
+    adapter landed in fresh memory (0.36-0.46 s against 0.18-0.19 s per 78 MB adapter)."""
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+    return mmap.mmap(fd, nbytes, flags=flags)
+
+
+def serve(memory_fd: int, memory_bytes: int, conn_fd: int, prefault: bool = False) -> None:
     import logging
-    import mmap
     import threading
     from concurrent.futures import ThreadPoolExecutor
     from multiprocessing.connection import Connection
@@ -37,7 +47,8 @@ def serve(memory_fd: int, conn_fd: int) -> None:
 
     log = logging.getLogger("lorastream.fetch")
     conn = Connection(conn_fd)
-    memory = np.frombuffer(mmap.mmap(memory_fd, 0), dtype=np.uint8)  # the worker's host arena
+    # the worker's host arena; prefault: the worker took every page, this maps them all now
+    memory = np.frombuffer(map_shared(memory_fd, memory_bytes, prefault), dtype=np.uint8)
     _, target, token, threads = conn.recv()
     client = StoreClient(target, token)
     send_lock = threading.Lock()
@@ -73,11 +84,13 @@ def serve(memory_fd: int, conn_fd: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-fd", type=int, required=True)
+    parser.add_argument("--memory-bytes", type=int, required=True)
     parser.add_argument("--conn-fd", type=int, required=True)
+    parser.add_argument("--prefault", action="store_true", help="map every page of it now")
     parser.add_argument("--priority", default="idle", help="idle, or nice:N")
     args = parser.parse_args()
     lower_priority(args.priority)  # before any thread starts: they all inherit it
-    serve(args.memory_fd, args.conn_fd)
+    serve(args.memory_fd, args.memory_bytes, args.conn_fd, args.prefault)
 
 
 if __name__ == "__main__":

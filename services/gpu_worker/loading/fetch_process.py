@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import socket
 import subprocess
@@ -38,6 +37,7 @@ import torch
 from lorastream.errors import LorastreamError, SourceUnavailable
 from lorastream.manifest import AdapterManifest
 from services.gpu_worker.device import Device
+from services.gpu_worker.loading.fetch_child import map_shared
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,12 @@ _Fetched = tuple[AdapterManifest, float]  # the manifest landed, and the seconds
 class SharedHostMemory:
     """``[nbytes]`` uint8 host memory that the worker and its fetch process both map."""
 
-    def __init__(self, device: Device, nbytes: int) -> None:
+    def __init__(self, device: Device, nbytes: int, prefault: bool = False) -> None:
         self.nbytes = nbytes
+        self.prefault = prefault  # every page taken and mapped now, in both processes
         self.fd = os.memfd_create("lorastream-host-adapters", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, nbytes)  # pages are taken as adapters land, not now
-        self._map = mmap.mmap(self.fd, nbytes)
+        os.ftruncate(self.fd, nbytes)  # without prefault, pages are taken as adapters land
+        self._map = map_shared(self.fd, nbytes, prefault)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)  # [nbytes]
         device.pin_host(self.tensor)
 
@@ -76,8 +77,9 @@ class _Child:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.gpu_worker.loading.fetch_child",
-             "--memory-fd", str(memory.fd), "--conn-fd", str(theirs.fileno()),
-             "--priority", priority],
+             "--memory-fd", str(memory.fd), "--memory-bytes", str(memory.nbytes),
+             "--conn-fd", str(theirs.fileno()), "--priority", priority,
+             *(["--prefault"] if memory.prefault else [])],
             pass_fds=(memory.fd, theirs.fileno()),
         )
         theirs.close()
