@@ -108,8 +108,6 @@ def engine_factory(tiny_model: Path, tmp_path: Path) -> Iterator[EngineFactory]:
             max_loras=overrides.pop("max_loras", 6),
             max_lora_rank=overrides.pop("max_lora_rank", 64),
             kv_cache_bytes=overrides.pop("kv_cache_bytes", 8 << 20),
-            # 4 GiB taken per engine would cost seconds each; test_fetch_process.py checks it
-            host_memory_prefault=overrides.pop("host_memory_prefault", False),
             **overrides,
         )
         engine = build_engine(settings, checkpoint=tiny_model)
