@@ -9,8 +9,9 @@ Why one buffer rather than an allocation per fetched adapter:
   16 GB/s into memory written before, and the faults take the cores the engine decodes on.
 
 The buffer is allocated once, when the worker starts (or given: the memory the fetch process
-shares with the worker, see ``fetch_process.py``), and touched only when bytes land in it, so
-the process's resident memory grows with the adapters it has held, up to the budget, and stays
+shares with the worker, see ``fetch_process.py``, whose pages are all taken at start with
+``--host-memory-prefault``); otherwise it is touched only when bytes land in it, so the
+process's resident memory grows with the adapters it has held, up to the budget, and stays
 there: a range freed by an eviction is written again without a fault.
 
 Ranges are first-fit over a free list ordered by offset, coalesced on free, aligned to 4 KiB. A
