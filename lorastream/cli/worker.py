@@ -14,6 +14,11 @@ class OnOff(str, Enum):
     ON = "on"
     OFF = "off"
 
+    @staticmethod
+    def flag(value: OnOff | None) -> bool | None:
+        """The setting an on/off option gives: None where it was not given."""
+        return None if value is None else value is OnOff.ON
+
 
 class LoaderPriority(str, Enum):
     IDLE = "idle"
@@ -120,21 +125,15 @@ def serve(
         "max_batch_size": max_batch_size, "max_num_tokens": max_num_tokens,
         "max_seq_len": max_seq_len, "kv_cache_bytes": kv_cache_bytes,
         "host_cache_bytes": host_cache_bytes,
-        "lora_overlap_loading": (
-            None if lora_overlap_loading is None else lora_overlap_loading is OnOff.ON
-        ),
+        "lora_overlap_loading": OnOff.flag(lora_overlap_loading),
         "lora_backend": lora_backend, "device": device, "dtype": dtype,
         "model_cache_dir": model_cache_dir, "metrics_port": metrics_port,
         "prefetch_depth": prefetch_depth, "loader_nice": loader_nice,
         "loader_priority": loader_priority and loader_priority.value,
         "fetch_threads": fetch_threads, "copy_turn_ms": copy_turn_ms,
-        "fetch_process": None if fetch_process is None else fetch_process is OnOff.ON,
-        "host_memory_prefault": (
-            None if host_memory_prefault is None else host_memory_prefault is OnOff.ON
-        ),
-        "bind_compute_threads": (
-            None if bind_compute_threads is None else bind_compute_threads is OnOff.ON
-        ),
+        "fetch_process": OnOff.flag(fetch_process),
+        "host_memory_prefault": OnOff.flag(host_memory_prefault),
+        "bind_compute_threads": OnOff.flag(bind_compute_threads),
     }
     with reported_errors():
         run(WorkerSettings(**{k: v for k, v in overrides.items() if v is not None}))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -84,54 +86,53 @@ def test_a_negative_burst_is_refused() -> None:
         EgressLimiter(1000.0, -1)
 
 
-def test_two_streams_through_a_capped_store_share_the_rate(tmp_path: Path) -> None:
+@contextmanager
+def capped_store(tmp_path: Path, seconds: float, burst_of: float = 0.0,
+                 streams: int = 1) -> Iterator[tuple[StoreClient, int, float]]:
+    """A store holding adapter ``a``, its egress capped so that ``streams`` streams of it take
+    ``seconds`` paced chunk by chunk, banking ``burst_of`` times the adapter's size; yields a
+    client, the adapter's file size and the cap (MB/s)."""
     base = make_tiny_llama(tmp_path / "base")
     adapter = make_peft_adapter(base, tmp_path / "adapter", rank=16, targets=ALL_LINEAR)
     nbytes = (adapter / "adapter_model.safetensors").stat().st_size
-    rate_mbps = 2 * nbytes / 1e6 / 0.6  # two streams of the adapter: >= 0.6 s together
-    settings = StoreSettings(port=0, cache_dir=tmp_path / "cache", egress_limit_mbps=rate_mbps)
+    rate_mbps = streams * nbytes / 1e6 / seconds
+    settings = StoreSettings(port=0, cache_dir=tmp_path / "cache", egress_limit_mbps=rate_mbps,
+                             egress_burst_bytes=int(burst_of * nbytes))
     server, port, _ = create_server(settings)
     server.start()
     try:
         with StoreClient(f"127.0.0.1:{port}") as client:
             for _ in client.preload(str(adapter), "a"):
                 pass
-            sinks = [BytesSink(), BytesSink()]
-            start = time.monotonic()
-            threads = [threading.Thread(target=client.stream_tensors,
-                                        args=("a", sink), kwargs={"chunk_bytes": 16 << 10})
-                       for sink in sinks]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            elapsed = time.monotonic() - start
-        streamed = sum(len(buf) for sink in sinks for buf in sink.buffers)
-        assert streamed > 0.9 * 2 * nbytes  # the tensors (the file adds only its header)
-        assert elapsed >= (streamed - (16 << 10)) / (rate_mbps * 1e6)
+            yield client, nbytes, rate_mbps
     finally:
         server.stop(grace=None).wait()
+
+
+def test_two_streams_through_a_capped_store_share_the_rate(tmp_path: Path) -> None:
+    # two streams of the adapter: >= 0.6 s together
+    with capped_store(tmp_path, seconds=0.6, streams=2) as (client, nbytes, rate_mbps):
+        sinks = [BytesSink(), BytesSink()]
+        start = time.monotonic()
+        threads = [threading.Thread(target=client.stream_tensors,
+                                    args=("a", sink), kwargs={"chunk_bytes": 16 << 10})
+                   for sink in sinks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - start
+    streamed = sum(len(buf) for sink in sinks for buf in sink.buffers)
+    assert streamed > 0.9 * 2 * nbytes  # the tensors (the file adds only its header)
+    assert elapsed >= (streamed - (16 << 10)) / (rate_mbps * 1e6)
 
 
 def test_a_capped_store_with_a_burst_sends_what_it_banked_at_once(tmp_path: Path) -> None:
-    base = make_tiny_llama(tmp_path / "base")
-    adapter = make_peft_adapter(base, tmp_path / "adapter", rank=16, targets=ALL_LINEAR)
-    nbytes = (adapter / "adapter_model.safetensors").stat().st_size
-    rate_mbps = nbytes / 1e6 / 5.0  # paced chunk by chunk, one stream would take ~5 s
-    settings = StoreSettings(port=0, cache_dir=tmp_path / "cache", egress_limit_mbps=rate_mbps,
-                             egress_burst_bytes=2 * nbytes)
-    server, port, _ = create_server(settings)
-    server.start()
-    try:
-        with StoreClient(f"127.0.0.1:{port}") as client:
-            for _ in client.preload(str(adapter), "a"):
-                pass
-            time.sleep(0.1)
-            start = time.monotonic()
-            sink = BytesSink()
-            client.stream_tensors("a", sink, chunk_bytes=16 << 10)
-            elapsed = time.monotonic() - start
-        assert sum(len(buf) for buf in sink.buffers) > 0.9 * nbytes
-        assert elapsed < 2.5, f"{elapsed:.2f} s: the banked burst was not used"
-    finally:
-        server.stop(grace=None).wait()
+    # paced chunk by chunk, one stream would take ~5 s; the link banks twice the adapter
+    with capped_store(tmp_path, seconds=5.0, burst_of=2.0) as (client, nbytes, _):
+        start = time.monotonic()
+        sink = BytesSink()
+        client.stream_tensors("a", sink, chunk_bytes=16 << 10)
+        elapsed = time.monotonic() - start
+    assert sum(len(buf) for buf in sink.buffers) > 0.9 * nbytes
+    assert elapsed < 2.5, f"{elapsed:.2f} s: the banked burst was not used"

@@ -54,10 +54,19 @@ def test_fetches_land_through_the_fetch_process_at_the_loader_priority(
     assert not _at_priority(threading.get_native_id(), mode)  # the rest of the worker is not
 
 
-def _shared_resident_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("RssShmem:"))
-    return int(line.split()[1]) * 1024
+def _resident_bytes_of_mapping(pid: int, start: int | None = None) -> int:
+    """Resident bytes of ``pid``'s mapping of the host arena's memfd (the one at address
+    ``start`` where the process maps several, as the test process does across engines)."""
+    resident, current = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+                begin = int(fields[0].split("-")[0], 16)
+                current = "lorastream-host-adapters" in line and start in (None, begin)
+            elif current and fields[0] == "Rss:":
+                resident += int(fields[1]) * 1024
+    return resident
 
 
 @pytest.mark.parametrize("prefault", [True, False], ids=["prefault", "on-demand"])
@@ -66,18 +75,18 @@ def test_prefault_maps_the_whole_host_budget_in_both_processes_before_any_fetch(
     prefault: bool,
 ) -> None:
     budget = 64 << 20
-    before = {os.getpid(): _shared_resident_bytes(os.getpid())}  # earlier tests' engines too
     engine = engine_factory(store=store.target, host_cache_bytes=budget,
                             host_memory_prefault=prefault)
     process = engine.adapters.fetcher.process
     assert process is not None
     deadline = time.monotonic() + 60
-    while prefault and _shared_resident_bytes(process.pid) < budget:  # the child maps it first
+    while prefault and _resident_bytes_of_mapping(process.pid) < budget:  # the child maps it
         assert time.monotonic() < deadline, "the fetch process did not map the host budget"
         time.sleep(0.05)
     assert greedy_tokens(engine, "all-r64", 0) == reference[("all-r64", 0)]
-    for pid in (os.getpid(), process.pid):
-        resident = _shared_resident_bytes(pid) - before.get(pid, 0)
+    ours = process.memory.tensor.data_ptr()  # this engine's mapping in the test process
+    for pid, start in ((os.getpid(), ours), (process.pid, None)):
+        resident = _resident_bytes_of_mapping(pid, start)
         assert (resident >= budget) if prefault else (resident < budget // 2), (pid, resident)
 
 
