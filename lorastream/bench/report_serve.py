@@ -85,37 +85,46 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
     return paragraphs(parts)
 
 
-_MEASURE_ROWS = (  # (result key, row label): the worker as run, then one CPU measure off each
-    ("", "both on (default)"),
+_MEASURE_ROWS = (  # (result key, row label): the worker as run, then one CPU measure changed
+    ("", "defaults"),
     ("copies_beside_steps", "copies beside the steps (--copy-turn-ms 0)"),
     ("compute_threads_unbound", "threads placed by the kernel (--bind-compute-threads off)"),
+    ("fetch_turns_2ms", "fetch turns of 2 ms (--fetch-turn-ms 2)"),
 )
 
 
 def _cpu_measures_explained(r: Result) -> str:
-    runs = [(label, get(r, "overlap_on", "interference") if not key
-             else get(r, key, "interference")) for key, label in _MEASURE_ROWS]
-    rows = [[label, number(x.get("loads"), 0), number(x.get("load_seconds")),
-             ms(get(x, "itl_ms_no_loads", "p50")), ms(get(x, "itl_ms_during_loads", "p50")),
-             ms(x.get("itl_p99_ms_no_loads")), ms(x.get("itl_p99_ms_during_loads")),
-             ratio(x.get("itl_p99_ratio"))]
-            for label, x in runs if x]
+    rows = []
+    for key, label in _MEASURE_ROWS:
+        run = get(r, key or "overlap_on") or {}
+        x, probe = run.get("interference") or {}, run.get("cold_probe") or {}
+        if x:
+            rows.append([label, number(x.get("loads"), 0), number(x.get("load_seconds")),
+                         ms(get(x, "itl_ms_no_loads", "p50")),
+                         ms(get(x, "itl_ms_during_loads", "p50")),
+                         ms(x.get("itl_p99_ms_no_loads")), ms(x.get("itl_p99_ms_during_loads")),
+                         ratio(x.get("itl_p99_ratio")), ms(probe.get("cold_ttft_ms")),
+                         ms(probe.get("load_ms"))])
     if len(rows) < 2:
         return ""
     return paragraphs([
         "**What the worker does so that loads leave the decode its cores.** On a GPU the load "
         "stream's copies are DMA and the decode runs on the device; on the CPU both are work "
         "for the same two cores, and a decode step runs its ops on two OpenMP threads that wait "
-        "for each other after every op, so whatever either loses stalls both. Two measures: "
-        "copies into the slots take turns with the steps, at most `--copy-turn-ms` per gap "
-        "(services/gpu_worker/step_gate.py); and the two compute threads are bound one per "
-        "core, so that a thread pushed aside by other work waits for its own core instead of "
-        "sharing its partner's while the adapter fetch, at idle priority, holds the core it "
-        "left (services/gpu_worker/cpu_binding.py). The same run, overlap on, once more with "
-        "each turned off:",
+        "for each other after every op, so whatever either loses stalls both. Two measures, on "
+        "by default: copies into the slots take turns with the steps, at most `--copy-turn-ms` "
+        "per gap (services/gpu_worker/step_gate.py); and the two compute threads are bound one "
+        "per core, so that a thread pushed aside by other work waits for its own core instead "
+        "of sharing its partner's while the adapter fetch, at idle priority, holds the core it "
+        "left (services/gpu_worker/cpu_binding.py). A third is off by default: fetch turns, "
+        "where the engine leaves the cores to a store fetch in flight for `--fetch-turn-ms` "
+        "before each step, since an engine stepping back to back leaves an idle-priority fetch "
+        "almost no CPU (step_gate.py); loads land sooner, the running streams pay for it. The "
+        "same run, overlap on, once more with each changed (cold probe: a request for a cold "
+        "adapter while the streams decode, and LoadAdapter of one):",
         table(["CPU measures", "loads", "loading windows (s)", "ITL p50, no loads (ms)",
                "ITL p50, loads (ms)", "ITL p99, no loads (ms)", "ITL p99, loads (ms)",
-               "p99 ratio"], rows),
+               "p99 ratio", "cold probe TTFT (ms)", "cold probe load (ms)"], rows),
         "Loads are back to back in the loading windows, so the loads column is how fast "
         "adapters reach their slots while the batch decodes: the fetch and the store run at "
         "idle priority on the time the decode leaves. The ITL p99 ratio moves by about ±15% "
@@ -134,8 +143,9 @@ def _first_use_explained(r: Result) -> str:
         "its store fetch in either mode. The others find it in a slot, in host memory or on its "
         "way. With overlap on, the requests asked for before no longer wait for other adapters' "
         "loads, which is where its TTFT gain comes from. A first request can wait longer with "
-        "overlap on: its fetch then gets only the CPU time decoding leaves, where with overlap "
-        "off it has the cores while every other request waits. The overall p50 lies near the "
+        "overlap on: its fetch then gets only the CPU time decoding leaves (and its fetch turns, "
+        "if on), where with overlap off it has the cores while every other request waits. The "
+        "overall p50 lies near the "
         "boundary between the two groups, so it moves more from run to run than either group's."
     )
 

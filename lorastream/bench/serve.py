@@ -16,11 +16,13 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
    the load time (store fetch + copy) plus the TTFT of the same request once resident.
 
 The worker's peak resident memory is sampled and reported against its configured budgets. After
-both modes the interference part runs once more per CPU measure of the worker, overlap on, with
-that measure off (:data:`CPU_MEASURES_OFF`): the CPU load stream's copies beside the decode steps
-(``--copy-turn-ms 0``) rather than in turns between them (``services/gpu_worker/step_gate.py``),
-and the compute threads placed by the kernel rather than bound one per core
-(``--bind-compute-threads off``, ``services/gpu_worker/cpu_binding.py``).
+both modes the interference part and the cold probe run once more per variant of the worker's CPU
+measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
+(``--copy-turn-ms 0``) rather than in turns between them (``services/gpu_worker/step_gate.py``);
+the compute threads placed by the kernel rather than bound one per core
+(``--bind-compute-threads off``, ``services/gpu_worker/cpu_binding.py``); and store fetches
+given a turn of the cores before each step while they are in flight (``--fetch-turn-ms 2``,
+``step_gate.py``; off by default), which trades the running streams' ITL for load time.
 
 The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
 and on a 2-core benchmark box it would otherwise take the cores the worker decodes on (at
@@ -252,8 +254,8 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
             modes = {}
             for overlap in ("on", "off"):
                 modes[f"overlap_{overlap}"] = _run_mode(config, overlap, target, worker_port)
-            measures_off = {name: _run_measure_off(config, target, worker_port, flags)
-                            for name, flags in CPU_MEASURES_OFF.items()}
+            variants = {name: _run_variant(config, target, worker_port, flags)
+                        for name, flags in CPU_VARIANTS.items()}
     on, off = modes["overlap_on"], modes["overlap_off"]
     ttft_on, ttft_off = on["trace"]["ttft_ms"]["p50"], off["trace"]["ttft_ms"]["p50"]
     return {
@@ -266,7 +268,7 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
         "goal_ttft_p50_on_vs_off": "<= 0.5",
         "itl_p99_during_loads_vs_none_overlap_on": on["interference"]["itl_p99_ratio"],
         "goal_itl_p99_ratio": "<= 1.2",
-        **measures_off,
+        **variants,
     }
 
 
@@ -280,24 +282,29 @@ def _worker_args(config: ServeConfig, overlap: str, store: str, port: int) -> li
     ]
 
 
-# The interference part runs once more per entry, overlap on, with one of the worker's CPU
-# measures turned off: what each buys, measured in the same run.
-CPU_MEASURES_OFF = {
+# The interference part and the cold probe run once more per entry, overlap on, with one of the
+# worker's CPU measures turned the other way: what each buys or costs, measured in the same run.
+CPU_VARIANTS = {
     # slot copies beside the decode steps instead of in turns between them (step_gate.py)
     "copies_beside_steps": ("--copy-turn-ms", "0"),
     # compute threads placed by the kernel instead of bound one per core (cpu_binding.py)
     "compute_threads_unbound": ("--bind-compute-threads", "off"),
+    # fetches get a turn of the cores before each step while in flight (step_gate.py; off by
+    # default: faster loads beside decoding, at the running streams' expense)
+    "fetch_turns_2ms": ("--fetch-turn-ms", "2"),
 }
 
 
-def _run_measure_off(config: ServeConfig, store: str, port: int, flags: tuple[str, ...]) -> dict:
-    """The interference part, overlap on, with the worker started with ``flags`` too."""
+def _run_variant(config: ServeConfig, store: str, port: int, flags: tuple[str, ...]) -> dict:
+    """The interference part and the cold probe, overlap on, the worker started with ``flags``
+    too."""
     args = [*_worker_args(config, "on", store, port), *flags]
     target = f"127.0.0.1:{port}"
     with running(args, port):
         warm_up(target)
         return {"worker_flags": " ".join(flags),
-                "interference": _run_interference(target, config, PROMPTS[0])}
+                "interference": _run_interference(target, config, PROMPTS[0]),
+                "cold_probe": _run_cold_probe(target, config, PROMPTS[1])}
 
 
 def _run_mode(config: ServeConfig, overlap: str, store: str, port: int) -> dict:

@@ -122,6 +122,17 @@ class WorkerSettings(BaseSettings):
         "adapter of the default model: one turn of ~13 ms). 0: copies run beside the steps at "
         "the loader priority. No effect on CUDA (copies are DMA).",
     )
+    fetch_turn_ms: float = Field(
+        0.0,
+        ge=0,
+        description="On the CPU: while a store fetch is in flight and sequences run, the "
+        "engine leaves the cores to the idle-priority loaders for this long before each step. "
+        "An engine stepping back to back otherwise starves them: a rank-64 adapter of the "
+        "default model took 2.5-3.2 s to load with 4 streams decoding, 0.8-1.2 s with 2 ms "
+        "turns, at the price of the running streams' ITL p99 during loads (1.14x -> 1.23x of "
+        "without loads, docs/worker.md). 0 (the default): loaders get only what decoding "
+        "leaves. No effect on CUDA.",
+    )
     bind_compute_threads: bool = Field(
         True,
         description="On the CPU: bind the engine's compute threads one per core when there is "

@@ -120,6 +120,7 @@ class CudaEvent(Event):  # pragma: no cover - needs a GPU
 
 COMPLETED = HostEvent(done=True)
 COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see step_gate.py)
+FETCH_TURN_S = 0.0  # on the CPU, each gap held open this long while a fetch is in flight
 
 
 CopyOps = Sequence[Callable[[], None]]  # operations that issue copies, run in order
@@ -221,6 +222,7 @@ class Device:
         loader_priority: str = "nice:0",
         copy_turn_s: float = COPY_TURN_S,
         bind_compute: bool = True,
+        fetch_turn_s: float = FETCH_TURN_S,
     ) -> None:
         self.device = torch.device(device)
         self.bind_compute = bind_compute  # on the CPU: compute threads one per core
@@ -228,6 +230,8 @@ class Device:
         self.loader_priority = loader_priority  # of loader threads (fetch, CPU copies)
         # CPU copies take turns with the steps; CUDA copies are DMA beside them (no gate)
         self.gate = StepGate(0.0 if self.is_cuda else copy_turn_s)
+        # CPU fetches get the cores between steps; CUDA's loaders have host cores of their own
+        self.fetch_turn_s = 0.0 if self.is_cuda else fetch_turn_s
         self.load_stream = LoadStream(self.device, loader_priority, self.gate)
 
     @contextmanager
@@ -236,9 +240,13 @@ class Device:
         with self.gate.step():
             yield
 
-    def between_steps(self) -> None:
-        """Before the next step is scheduled: on the CPU, a copy of the load stream waiting for
-        this gap copies now (one turn), so what it loads can join that step."""
+    def between_steps(self, fetching: bool = False) -> None:
+        """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch is
+        in flight and sequences run), leave the cores to the idle-priority loaders for
+        ``fetch_turn_s``; then a copy of the load stream waiting for this gap copies now (one
+        turn), so what it loads can join that step (``step_gate.py``)."""
+        if fetching and self.fetch_turn_s > 0:
+            self.gate.hold_gap(self.fetch_turn_s)
         self.gate.give_turn()
 
     def use_compute_threads(self, count: int) -> dict[int, int] | None:

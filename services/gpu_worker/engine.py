@@ -238,7 +238,9 @@ class Engine:
             try:
                 self._intake()
                 self._drop_cancelled()
-                self.device.between_steps()  # a slot copy ready since the last step lands now
+                # a fetch in flight gets the cores for a moment, then a slot copy ready since
+                # the last step lands (both on the CPU only; see step_gate.py)
+                self.device.between_steps(bool(self.scheduler.running) and self.adapters.fetching)
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)

@@ -26,6 +26,21 @@ copy thread runs its copy operations inside turns (:meth:`StepGate.begin_turn` /
 * ``turn_s == 0`` turns the gate off: copies run beside the steps (the earlier behaviour).
 
 On CUDA the gate is off (:class:`~services.gpu_worker.device.Device` gives it ``turn_s == 0``).
+
+Fetches get turns too (:meth:`StepGate.hold_gap`), if asked for. A store fetch runs in the
+fetch process at SCHED_IDLE (``loading/fetch_process.py``), so it only gets the CPU time that
+decoding leaves, and an engine that steps back to back leaves almost none: with 4 streams
+decoding on 2 cores, the cores were 99% busy and a rank-64 adapter that lands in 0.62 s on an
+idle worker (its link time) took 2.5-3.2 s, though the fetch and the store need only ~0.15 s of
+CPU for it. So while a fetch is in flight and sequences run, the engine can hold each gap open
+for ``fetch_turn_s`` before it schedules: the idle-priority loaders get both cores for that
+long, and between the steps, where they stall no OpenMP barrier. With 2 ms the same loads took
+0.8-1.2 s. It is the engine, not the fetch, that yields: a fetch's CPU is gRPC's threads and
+socket reads, which no gate can split into turns as it splits a memcpy. The running streams pay
+for it (2 ms on every step while a fetch is in flight), so it is off by default
+(``fetch_turn_s == 0``): a choice for CPU deployments that value a cold adapter's first token
+over the running streams' inter-token latency. Always off on CUDA, whose loaders run on host
+cores the GPU's compute does not use.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ class StepGate:
         self._turn_gap = -1  # the gap of the last turn
         self._last_step_end = -float("inf")
         self.turns = 0  # turns taken so far (tests and logs)
+        self.holds = 0  # gaps held open for fetches so far (tests and logs)
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +84,20 @@ class StepGate:
             return
         with self._cond:
             self._wait_for_turns()
+
+    def hold_gap(self, seconds: float) -> None:
+        """Keep the engine off the cores for ``seconds`` before the next step (a fetch turn,
+        see the module's docstring): loaders at idle priority run meanwhile, and a copy thread
+        waiting for this gap may take its turn in it (still one turn per gap)."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            self._step_waiting = True  # what a copy thread sees: a gap the engine waits in
+            self._cond.notify_all()
+            while (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            self._step_waiting = False
+            self._cond.notify_all()  # a copy thread that waits for the engine's wait to end
+            self.holds += 1
 
     @contextmanager
     def step(self) -> Iterator[None]:

@@ -11,4 +11,6 @@ from tests.support.models import make_tiny_checkpoint
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+    # a long context, so a background stream outlasts the interference windows on a fast box
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model",
+                                max_position_embeddings=4096)

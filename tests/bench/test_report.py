@@ -91,6 +91,9 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                                 "interference": mode(300.0, 1.7)["interference"]},
         "compute_threads_unbound": {"worker_flags": "--bind-compute-threads off",
                                     "interference": mode(300.0, 1.4)["interference"]},
+        "fetch_turns_2ms": {"worker_flags": "--fetch-turn-ms 2",
+                            "interference": mode(300.0, 1.25)["interference"],
+                            "cold_probe": {"cold_ttft_ms": 812.0, "load_ms": 700.0}},
         "machine": _machine(),
     }
 
@@ -312,15 +315,20 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     serve = renderer_inputs()["serve"]
     page = render_page({"serve": serve}, {})
     rows = {line.split(" | ")[0]: line for line in page.splitlines()}
-    # overlap on: p99 70 -> 77 ms (1.1); copies beside the steps: 119 (1.7); unbound: 98 (1.4)
-    assert rows["| both on (default)"].startswith("| both on (default) | 24 | ")
-    assert rows["| both on (default)"].endswith("| 70.0 | 77.0 | 1.10× |")
+    # overlap on: p99 70 -> 77 ms (1.1); copies beside the steps: 119 (1.7); unbound: 98 (1.4);
+    # fetch turns: 87.5 (1.25), and its own cold probe; older results have no probe per variant
+    assert rows["| defaults"].startswith("| defaults | 24 | ")
+    assert "| 70.0 | 77.0 | 1.10× |" in rows["| defaults"]
     assert rows["| copies beside the steps (--copy-turn-ms 0)"].endswith(
-        "| 70.0 | 119.0 | 1.70× |")
+        "| 70.0 | 119.0 | 1.70× | – | – |")
     assert rows["| threads placed by the kernel (--bind-compute-threads off)"].endswith(
-        "| 70.0 | 98.0 | 1.40× |")
+        "| 70.0 | 98.0 | 1.40× | – | – |")
+    assert rows["| fetch turns of 2 ms (--fetch-turn-ms 2)"].endswith(
+        "| 70.0 | 87.5 | 1.25× | 812.0 | 700.0 |")
     assert "4 rounds of 5.0 s each" in page
-    older = {k: v for k, v in serve.items() if k != "compute_threads_unbound"}
+    no_fetch_turns = {k: v for k, v in serve.items() if k != "fetch_turns_2ms"}
+    assert "fetch turns of 2 ms" not in render_page({"serve": no_fetch_turns}, {})
+    older = {k: v for k, v in no_fetch_turns.items() if k != "compute_threads_unbound"}
     assert "threads placed by the kernel" not in render_page({"serve": older}, {})
     oldest = {k: v for k, v in older.items() if k != "copies_beside_steps"}
     assert "leave the decode its cores" not in render_page({"serve": oldest}, {})

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.bench.serve import CPU_MEASURES_OFF, ServeConfig, run_serve_bench
+from lorastream.bench.serve import CPU_VARIANTS, ServeConfig, run_serve_bench
 
 
 @pytest.mark.slow
 def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path) -> None:
     config = ServeConfig(
         model=str(tiny_model), adapters=3, slots=2, rank=4, rate=20.0, requests=5, max_tokens=4,
-        background=1, background_tokens=200, interference_rounds=2, window_s=0.2,
+        background=1, background_tokens=3000, interference_rounds=2, window_s=0.2,
     )
     result = run_serve_bench(config)
     assert isinstance(result["command"], str) and result["command"]
@@ -31,9 +31,10 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
         assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
-    for name, flags in CPU_MEASURES_OFF.items():
+    for name, flags in CPU_VARIANTS.items():
         assert result[name]["worker_flags"] == " ".join(flags)
         assert result[name]["interference"]["loads"] >= 2
+        assert 0 < result[name]["cold_probe"]["cold_ttft_ms"]
 
 
 def test_ttft_is_split_by_the_first_request_for_each_adapter() -> None:

@@ -75,6 +75,7 @@ class AdapterManager:
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
         self._names: dict[str, str] = {}  # name -> adapter_id
         self._slot_read: list[Event] = [COMPLETED] * slots.num_slots  # rule 2
+        self._fetches = 0  # store fetches in flight (entries with ``fetching`` set)
         self._pool = ThreadPoolExecutor(
             fetch_threads,
             thread_name_prefix="adapter-fetch",
@@ -191,6 +192,7 @@ class AdapterManager:
             if not self.host.reserve(self._entries.values(), entry, need):
                 return  # every byte is held by adapters in use: wait, retried at the next step
             entry.fetching = True
+            self._fetches += 1
             entry.fetch_started = time.perf_counter()
             storage = self.host.storage(entry)
         if self.overlap:
@@ -218,6 +220,7 @@ class AdapterManager:
         finally:
             with self._lock:
                 entry.fetching = False
+                self._fetches -= 1
                 if entry.weights is None:
                     self.host.drop(entry)  # release the reservation
                 waited_for = entry.refs > 0 and entry.error is None
@@ -379,6 +382,11 @@ class AdapterManager:
             {"host": sum(e.host_bytes for e in on_host),
              "device": sum(e.manifest.total_bytes for e in on_device)},
         )
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
+        return self._fetches > 0
 
     @property
     def loading(self) -> int:
