@@ -55,6 +55,11 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         row("cold probe: LoadAdapter, store fetch + copy (ms)", "cold_probe", "load_ms"),
         row("cold probe: TTFT, adapter resident (ms)", "cold_probe", "warm_ttft_ms"),
         row("worker peak RSS (MB)", "worker_peak_rss_mb", fmt=lambda v: number(v, 0)),
+        *(row(f"worker budget: {label} (MB)", "worker_budgets_mb", key,
+              fmt=lambda v: number(v, 0))
+          for key, label in (("host_adapters", "host adapter memory (--host-cache-bytes)"),
+                             ("device_slots", "device slots (--max-loras)"),
+                             ("kv_cache", "KV cache (--kv-cache-bytes)"))),
     ]
     parts = [
         f"Model {text(c.get('model'))}; {text(c.get('adapters'))} adapters of rank "
@@ -164,12 +169,23 @@ def _cold_probe_explained(r: Result, c: Mapping[str, Any]) -> str:
         f"request whose adapter is resident waits {ms(warm)} ms (the step in progress, then its "
         f"prefill step), {ms(load + warm)} ms together. The load starts when the request "
         "arrives and the copy as soon as the last chunk landed, so the load itself is the only "
-        "wait left; it is bounded by the store link, which both modes share."
+        "wait left. It is bounded by the store link and, on a CPU, by the CPU time decoding "
+        "leaves the idle-priority fetch, which is little while streams decode back to back."
+        + _fetch_turns_probe(r)
     ) + (
         " TTFT with overlap falls below half of TTFT without it only where loads stall the batch "
         "long enough to double the wait of the requests behind them, which this trace's load "
         "does not do." if (as_number(r.get("ttft_p50_on_vs_off")) or 0) > 0.5 else ""
     )
+
+
+def _fetch_turns_probe(r: Result) -> str:
+    probe = get(r, "fetch_turns_2ms", "cold_probe") or {}
+    cold, load = as_number(probe.get("cold_ttft_ms")), as_number(probe.get("load_ms"))
+    if cold is None or load is None:
+        return ""
+    return (f" With fetch turns of 2 ms (the table above) the same probe's first token came "
+            f"after {ms(cold)} ms and LoadAdapter took {ms(load)} ms.")
 
 
 def _link(c: Mapping[str, Any]) -> str:

@@ -66,7 +66,9 @@ from lorastream.bench.harness import (
     warm_up,
 )
 from lorastream.bench.machine import command_line, machine_info
-from lorastream.bench.synthetic import ALL_LINEAR, checkpoint_shape, make_synthetic_adapter
+from lorastream.bench.synthetic import (
+    ALL_LINEAR, adapter_nbytes, checkpoint_shape, make_synthetic_adapter,
+)
 from lorastream.generation import PromptInput, SamplingParams
 from lorastream.store_client import StoreClient
 from lorastream.worker_client import WorkerClient
@@ -327,6 +329,9 @@ def _run_mode(config: ServeConfig, overlap: str, store: str, port: int) -> dict:
         "worker_peak_rss_mb": round(sampler.peak / 1e6),
         "worker_budgets_mb": {
             "host_adapters": round(stats.host_bytes_budget / 1e6),
+            # every slot holds an all-linear adapter of --max-lora-rank (fp32 on the CPU)
+            "device_slots": round(stats.device_slots_total * adapter_nbytes(
+                checkpoint_shape(config.model), config.rank, ALL_LINEAR) / 1e6),
             "kv_cache": round(config.kv_cache_bytes / 1e6),
         },
     }

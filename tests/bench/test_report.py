@@ -74,6 +74,7 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
             "cold_probe": {"probes": 3, "cold_ttft_ms": ttft * 3, "load_ms": ttft * 2,
                            "warm_ttft_ms": ttft},
             "worker_peak_rss_mb": 1800,
+            "worker_budgets_mb": {"host_adapters": 1074, "device_slots": 625, "kv_cache": 537},
         }
 
     off = mode(900.0, 2.0)
@@ -278,10 +279,21 @@ def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said
     page = render_page({"serve": serve}, {})
     row = next(line for line in page.splitlines() if line.startswith("| cold probe: LoadAdapter"))
     assert row == "| cold probe: LoadAdapter, store fetch + copy (ms) | 600.0 | 1,800.0 |"
+    budgets = [line for line in page.splitlines() if line.startswith("| worker ")]
+    assert budgets == [
+        "| worker peak RSS (MB) | 1,800 | 1,800 |",
+        "| worker budget: host adapter memory (--host-cache-bytes) (MB) | 1,074 | 1,074 |",
+        "| worker budget: device slots (--max-loras) (MB) | 625 | 625 |",
+        "| worker budget: KV cache (--kv-cache-bytes) (MB) | 537 | 537 |",
+    ]
     # overlap on: cold 900 = load 600 + resident 300
     assert "first token came after 900.0 ms" in page and "600.0 ms (LoadAdapter)" in page
     assert "300.0 ms (the step in progress" in page and "900.0 ms together" in page
     assert ("which this trace's load does not do" in page) is said
+    assert ("With fetch turns of 2 ms (the table above) the same probe's first token came after "
+            "812.0 ms and LoadAdapter took 700.0 ms.") in page
+    no_turns = {k: v for k, v in serve.items() if k != "fetch_turns_2ms"}
+    assert "With fetch turns" not in render_page({"serve": no_turns}, {})
     _assert_no_leaks(page)
 
 

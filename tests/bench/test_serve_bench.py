@@ -31,6 +31,9 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
         assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
+        budgets = result[mode]["worker_budgets_mb"]
+        assert set(budgets) == {"host_adapters", "device_slots", "kv_cache"}
+        assert result[mode]["worker_peak_rss_mb"] > 0 and budgets["kv_cache"] > 0
     for name, flags in CPU_VARIANTS.items():
         assert result[name]["worker_flags"] == " ".join(flags)
         assert result[name]["interference"]["loads"] >= 2
