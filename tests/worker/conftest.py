@@ -3,6 +3,7 @@ HF transformers + PEFT reference that the engine must match token for token."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,13 @@ def store(tiny_adapters: dict[str, Path], tmp_path: Path) -> Iterator[StoreStack
                 pass
     yield stack
     stack.server.stop(None).wait()
+
+
+def busy(seconds: float) -> None:
+    """Spin on the CPU for ``seconds`` (a stand-in for a step's or a copy's work)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def greedy_tokens(engine: Engine, model: str, prompt: int, **params: object) -> list[int]:

@@ -16,13 +16,7 @@ from lorastream.generation import PromptInput, SamplingParams
 from services.gpu_worker.device import Device, LoadStream
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.step_gate import StepGate
-from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
-
-
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, busy, greedy_tokens
 
 
 @pytest.mark.parametrize("turn_s", [0.0, 0.01], ids=["copy-turns-off", "copy-turns-on"])
@@ -42,7 +36,7 @@ def test_a_copy_waiting_for_the_gap_takes_its_one_turn_inside_the_hold() -> None
     ran: list[float] = []
 
     def op() -> None:
-        _busy(0.002)
+        busy(0.002)
         ran.append(time.monotonic())
 
     try:
@@ -68,28 +62,21 @@ def test_a_copy_waiting_for_the_gap_takes_its_one_turn_inside_the_hold() -> None
         stream.close()
 
 
-def test_cpu_devices_hold_gaps_only_while_fetching_and_only_when_asked_to() -> None:
-    default = Device("cpu")
+@pytest.mark.parametrize(("fetch_turn_s", "fetching", "holds"), [
+    (None, True, 0),  # off by default
+    (0.004, False, 0),  # no fetch in flight
+    (0.004, True, 1),
+    (0.0, True, 0),  # turned off
+])
+def test_a_cpu_device_holds_the_gap_only_while_fetching_and_only_when_asked_to(
+    fetch_turn_s: float | None, fetching: bool, holds: int
+) -> None:
+    device = Device("cpu") if fetch_turn_s is None else Device("cpu", fetch_turn_s=fetch_turn_s)
     try:
-        default.between_steps(fetching=True)
-        assert default.fetch_turn_s == 0 and default.gate.holds == 0  # off by default
-    finally:
-        default.close()
-    device = Device("cpu", fetch_turn_s=0.004)
-    try:
-        assert device.fetch_turn_s == 0.004
-        device.between_steps(fetching=False)
-        assert device.gate.holds == 0
-        device.between_steps(fetching=True)
-        assert device.gate.holds == 1
+        device.between_steps(fetching=fetching)
+        assert device.gate.holds == holds
     finally:
         device.close()
-    off = Device("cpu", fetch_turn_s=0.0)
-    try:
-        off.between_steps(fetching=True)
-        assert off.gate.holds == 0
-    finally:
-        off.close()
 
 
 class _KeepDecoding:

@@ -13,7 +13,7 @@ import torch
 from lorastream.generation import PromptInput, SamplingParams
 from services.gpu_worker.device import Device, LoadStream
 from services.gpu_worker.step_gate import StepGate
-from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
+from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, busy, greedy_tokens
 
 Interval = tuple[float, float]
 
@@ -27,14 +27,8 @@ class _Recorder:
 
     def op(self, seconds: float) -> None:
         began = time.perf_counter()
-        _busy(seconds)
+        busy(seconds)
         self.ops.append((began, time.perf_counter()))
-
-
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def _overlap(a: Interval, b: Interval) -> bool:
@@ -45,7 +39,7 @@ def _steps(gate: StepGate, record: _Recorder, count: int, seconds: float) -> Non
     for _ in range(count):
         with gate.step():
             began = time.perf_counter()
-            _busy(seconds)
+            busy(seconds)
             record.steps.append((began, time.perf_counter()))
 
 
@@ -176,14 +170,14 @@ def test_a_copy_ready_during_a_step_lands_before_the_next_step_is_scheduled() ->
     stream = LoadStream(torch.device("cpu"), gate=gate)
     try:
         with gate.step():
-            done = stream.submit([lambda: _busy(0.002) for _ in range(3)])
+            done = stream.submit([lambda: busy(0.002) for _ in range(3)])
             time.sleep(0.05)  # the copy thread now waits for the gap
             assert not done.query()
         gate.give_turn()  # the engine, before it schedules the next step
         assert done.query(), "the copy had its turn but its event was not set inside it"
         # an engine that then does not step (nothing to run) leaves later copies free to go
         gate.give_turn()
-        later = stream.submit([lambda: _busy(0.001) for _ in range(30)])
+        later = stream.submit([lambda: busy(0.001) for _ in range(30)])
         assert later.wait(5)
     finally:
         stream.close()
