@@ -238,8 +238,8 @@ class Engine:
             try:
                 self._intake()
                 self._drop_cancelled()
-                # a fetch in flight gets the cores for a moment, then a slot copy ready since
-                # the last step lands (both on the CPU only; see step_gate.py)
+                # with fetch turns, a fetch in flight gets the cores for a moment; then a slot
+                # copy ready since the last step lands (both on the CPU only; step_gate.py)
                 self.device.between_steps(bool(self.scheduler.running) and self.adapters.fetching)
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
