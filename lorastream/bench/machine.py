@@ -67,12 +67,27 @@ def command_line() -> str:
 
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+        return cpu_model(Path("/proc/cpuinfo").read_text())
+    except (OSError, ValueError):
+        return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The first processor's model name from ``/proc/cpuinfo`` text, with its family, model and
+    stepping where given: a VM's model name can be as bare as "AMD EPYC", which named two
+    machines of this project whose decode speed differed 4x (docs/worker.md, Performance)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the end of the first processor's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        raise ValueError("no model name in /proc/cpuinfo")
+    ids = [f"{label} {fields[key]}" for key, label in
+           (("cpu family", "family"), ("model", "model"), ("stepping", "stepping")) if key in fields]
+    return f"{name} ({', '.join(ids)})" if ids else name
 
 
 def _git_commit() -> dict[str, object]:

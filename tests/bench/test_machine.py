@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from lorastream.bench.machine import command_line, machine_info, memory_read_bandwidth_gbs
+from lorastream.bench.machine import (
+    command_line, cpu_model, machine_info, memory_read_bandwidth_gbs,
+)
 
 KEYS = {"cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",
         "torch_threads", "cuda_device", "commit", "dirty", "date_utc"}
@@ -21,6 +23,24 @@ def test_machine_info_has_every_field_and_is_json() -> None:
     assert isinstance(info["memory_gib"], float) and info["memory_gib"] > 0
     assert str(info["date_utc"]).endswith("+00:00")
     json.dumps(info)
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "shown"),
+    [
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+         "model name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\nmodel name\t: other\n",
+         "AMD EPYC (family 26, model 2, stepping 1)"),
+        ("processor\t: 0\nmodel name\t: Some CPU\n", "Some CPU"),  # no ids given
+    ],
+)
+def test_the_cpu_is_named_with_its_family_and_model(cpuinfo: str, shown: str) -> None:
+    assert cpu_model(cpuinfo) == shown
+
+
+def test_a_cpuinfo_without_a_model_name_is_refused() -> None:
+    with pytest.raises(ValueError):
+        cpu_model("processor\t: 0\nBogoMIPS\t: 50.00\n")
 
 
 def test_memory_bandwidth_is_measured_in_gb_per_second() -> None:
