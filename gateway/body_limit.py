@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.http_errors import ApiError
+from lorastream.gateway.http_errors import ApiError
 
 
 def _message(limit: int) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.worker_pool import WorkerState
-from lorastream.generation import AdapterStatus
-from lorastream.manifest import AdapterManifest
+from lorastream.core.generation import AdapterStatus
+from lorastream.core.manifest import AdapterManifest
+from lorastream.gateway.worker_pool import WorkerState
 
 OWNER = "lorastream"
 

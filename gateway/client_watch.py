@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from gateway.errors import ClientGone
+from lorastream.gateway.errors import ClientGone
 
 T = TypeVar("T")
 

@@ -12,13 +12,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from gateway.errors import ClientGone, WorkerFailed
-from gateway.metrics import GatewayMetrics
-from gateway.routing import RouteDecision, Router
-from gateway.worker_channel import GenerationCall
-from gateway.worker_pool import WorkerPool
-from lorastream.errors import Cancelled, SourceUnavailable
-from lorastream.generation import FinishReason, GenerationEvent, PromptInput, SamplingParams
+from lorastream.core.errors import Cancelled, SourceUnavailable
+from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, SamplingParams
+from lorastream.gateway.errors import ClientGone, WorkerFailed
+from lorastream.gateway.metrics import GatewayMetrics
+from lorastream.gateway.routing import RouteDecision, Router
+from lorastream.gateway.worker_channel import GenerationCall
+from lorastream.gateway.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 

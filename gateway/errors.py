@@ -1,12 +1,12 @@
-"""Errors the gateway itself raises, beside the shared domain errors of ``lorastream.errors``.
+"""Errors the gateway itself raises, beside the shared domain errors of ``lorastream.core.errors``.
 
-Plain exceptions (no HTTP here): ``gateway.http_errors`` maps every one to a status code and
+Plain exceptions (no HTTP here): ``lorastream.gateway.http_errors`` maps every one to a status code and
 OpenAI's error body.
 """
 
 from __future__ import annotations
 
-from lorastream.errors import LorastreamError
+from lorastream.core.errors import LorastreamError
 
 
 class NoHealthyWorker(LorastreamError):

@@ -23,8 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from gateway.errors import ClientGone, NoHealthyWorker, UpstreamTimeout, WorkerFailed
-from lorastream import errors
+from lorastream.core import errors
+from lorastream.gateway.errors import ClientGone, NoHealthyWorker, UpstreamTimeout, WorkerFailed
 
 log = logging.getLogger(__name__)
 

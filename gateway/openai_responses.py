@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorastream.generation import FinishReason, GenerationEvent
+from lorastream.core.generation import FinishReason, GenerationEvent
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from lorastream.generation import PromptInput, SamplingParams
+from lorastream.core.generation import PromptInput, SamplingParams
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1

@@ -16,14 +16,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.catalog import manifest_json, residency_row, residency_summary, status_json
-from gateway.errors import UpstreamTimeout
-from gateway.http_errors import ApiError, api_error
-from gateway.openai_responses import SSE_DONE, sse
-from gateway.state import GatewayState, gateway_state
-from lorastream.errors import AdapterNotFound, LorastreamError
-from lorastream.generation import AdapterStatus
-from lorastream.manifest import AdapterManifest, PreloadProgress
+from lorastream.core.errors import AdapterNotFound, LorastreamError
+from lorastream.core.generation import AdapterStatus
+from lorastream.core.manifest import AdapterManifest, PreloadProgress
+from lorastream.gateway.catalog import manifest_json, residency_row, residency_summary, status_json
+from lorastream.gateway.errors import UpstreamTimeout
+from lorastream.gateway.http_errors import ApiError, api_error
+from lorastream.gateway.openai_responses import SSE_DONE, sse
+from lorastream.gateway.state import GatewayState, gateway_state
 
 log = logging.getLogger(__name__)
 

@@ -11,24 +11,24 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.catalog import adapter_model_object, base_model_object
-from gateway.client_watch import on_disconnect, unless_disconnected
-from gateway.dispatch import Generation
-from gateway.errors import ClientGone
-from gateway.http_errors import ApiError, api_error
-from gateway.openai_responses import (
+from lorastream.core.errors import AdapterNotFound, LorastreamError
+from lorastream.gateway.catalog import adapter_model_object, base_model_object
+from lorastream.gateway.client_watch import on_disconnect, unless_disconnected
+from lorastream.gateway.dispatch import Generation
+from lorastream.gateway.errors import ClientGone
+from lorastream.gateway.http_errors import ApiError, api_error
+from lorastream.gateway.openai_responses import (
     SSE_DONE,
     Completed,
     ResponseBuilder,
     sse,
 )
-from gateway.openai_schemas import (
+from lorastream.gateway.openai_schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from gateway.state import gateway_state
-from lorastream.errors import AdapterNotFound, LorastreamError
+from lorastream.gateway.state import gateway_state
 
 log = logging.getLogger(__name__)
 

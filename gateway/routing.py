@@ -27,8 +27,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
-from gateway.errors import NoHealthyWorker
-from lorastream.errors import CapacityExhausted
+from lorastream.core.errors import CapacityExhausted
+from lorastream.gateway.errors import NoHealthyWorker
 
 
 class Tier(IntEnum):

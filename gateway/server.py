@@ -6,8 +6,8 @@ import logging
 
 import uvicorn
 
-from gateway.app import create_app
-from gateway.config import GatewaySettings
+from lorastream.gateway.app import create_app
+from lorastream.gateway.config import GatewaySettings
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from typing import ParamSpec, TypeVar
 
 from starlette.requests import Request
 
-from gateway.config import GatewaySettings
-from gateway.dispatch import Dispatcher
-from gateway.metrics import GatewayMetrics
-from gateway.routing import Router
-from gateway.worker_pool import WorkerPool
-from lorastream.store_client import StoreClient
+from lorastream.core.store_client import StoreClient
+from lorastream.gateway.config import GatewaySettings
+from lorastream.gateway.dispatch import Dispatcher
+from lorastream.gateway.metrics import GatewayMetrics
+from lorastream.gateway.routing import Router
+from lorastream.gateway.worker_pool import WorkerPool
 
 P = ParamSpec("P")
 T = TypeVar("T")

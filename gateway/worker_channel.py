@@ -1,8 +1,8 @@
 """Asyncio client of one GPU worker (``grpc.aio``); raises domain errors, speaks plain types.
 
-The gateway's counterpart of ``lorastream.worker_client.WorkerClient``: the same calls, but
+The gateway's counterpart of ``lorastream.core.worker_client.WorkerClient``: the same calls, but
 awaitable, so a generation holds no thread and cancelling it (client gone, deadline) cancels the
-RPC at once. Protobuf messages are built and read only here and in ``lorastream.codec``.
+RPC at once. Protobuf messages are built and read only here and in ``lorastream.core.codec``.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.errors import UpstreamTimeout, WorkerFailed
-from lorastream import codec
-from lorastream.errors import LorastreamError
-from lorastream.generation import (
+from lorastream.core import codec
+from lorastream.core.errors import LorastreamError
+from lorastream.core.generation import (
     AdapterStatus,
     GenerationEvent,
     PromptInput,
     SamplingParams,
     WorkerStats,
 )
+from lorastream.core.grpc_status import raise_from_rpc_error
+from lorastream.gateway.errors import UpstreamTimeout, WorkerFailed
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
-from lorastream.grpc_status import raise_from_rpc_error
 
 # A restarted worker is found within ~1 s: gRPC's default reconnect backoff grows to 120 s.
 CHANNEL_OPTIONS = [

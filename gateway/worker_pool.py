@@ -5,7 +5,7 @@ Every ``poll_interval_s`` each worker gets a gRPC health check and, when healthy
 flight per worker, and "recently routed here" hints (an adapter just sent to a worker is treated
 as loading there until a poll shows where it really is, or the hint expires).
 
-With a resolver (``gateway.discovery``) the set of workers follows DNS: every
+With a resolver (``lorastream.gateway.discovery``) the set of workers follows DNS: every
 ``resolve_interval_s`` the configured names are resolved again; new addresses join, vanished ones
 retire (they take no new requests and are closed once their requests in flight have finished).
 """
@@ -18,11 +18,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gateway.discovery import TargetResolver
-from gateway.metrics import GatewayMetrics
-from gateway.routing import TIER_OF_RESIDENCY, Tier, WorkerView
-from gateway.worker_channel import AsyncWorkerClient
-from lorastream.generation import AdapterStatus, WorkerStats
+from lorastream.core.generation import AdapterStatus, WorkerStats
+from lorastream.gateway.discovery import TargetResolver
+from lorastream.gateway.metrics import GatewayMetrics
+from lorastream.gateway.routing import TIER_OF_RESIDENCY, Tier, WorkerView
+from lorastream.gateway.worker_channel import AsyncWorkerClient
 
 log = logging.getLogger(__name__)
 

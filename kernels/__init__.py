@@ -11,9 +11,9 @@ Importing this package never imports Triton: the Triton kernels are defined on t
 The torch reference (`sgmv_shrink_ref`, `sgmv_expand_ref`) needs only torch.
 """
 
-from kernels.metadata import SgmvMetadata
-from kernels.reference import sgmv_expand_ref, sgmv_expand_slices_ref, sgmv_shrink_ref
-from kernels.sgmv import SUPPORTED_DTYPES, sgmv_expand, sgmv_expand_slices, sgmv_shrink
+from lorastream.kernels.metadata import SgmvMetadata
+from lorastream.kernels.reference import sgmv_expand_ref, sgmv_expand_slices_ref, sgmv_shrink_ref
+from lorastream.kernels.sgmv import SUPPORTED_DTYPES, sgmv_expand, sgmv_expand_slices, sgmv_shrink
 
 __all__ = [
     "SUPPORTED_DTYPES",

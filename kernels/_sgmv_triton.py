@@ -3,7 +3,7 @@
 Why lazily: `@triton.jit` decides at definition time whether a kernel runs on a GPU or in the
 Triton interpreter (`TRITON_INTERPRET=1`). Defining the kernels only when a kernel is first
 launched lets tests set the variable in a conftest, whatever imported `kernels` before, and
-keeps `import kernels` working on machines without Triton.
+keeps `import lorastream.kernels` working on machines without Triton.
 
 Both kernels walk the segments of an `SgmvMetadata` (tokens grouped by slot):
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from kernels.metadata import SgmvMetadata
-from kernels.sgmv import sgmv_expand, sgmv_shrink
-from kernels.workloads import segment_lengths, token_slots_for
+from lorastream.kernels.metadata import SgmvMetadata
+from lorastream.kernels.sgmv import sgmv_expand, sgmv_shrink
+from lorastream.kernels.workloads import segment_lengths, token_slots_for
 
 UNMEASURED_NOTE = (
     "unmeasured on this project's CPU-only machines: this benchmark has never been run by "

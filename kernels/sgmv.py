@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.metadata import SgmvMetadata
+from lorastream.kernels.metadata import SgmvMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -229,17 +229,17 @@ def check_available(device: torch.device | str) -> None:
 
 def _load_kernels(device: torch.device) -> ModuleType:
     try:
-        module = importlib.import_module("kernels._sgmv_triton")
+        module = importlib.import_module("lorastream.kernels._sgmv_triton")
     except ImportError as exc:
         raise RuntimeError(
             "the SGMV kernels need Triton: install lorastream[gpu] (triton==3.7.1), or use the "
-            "torch reference in kernels.reference"
+            "torch reference in lorastream.kernels.reference"
         ) from exc
     if device.type == "cpu" and not module.is_interpreted():
         raise RuntimeError(
             "the Triton SGMV kernels were defined for a GPU but got CPU tensors: set "
             "TRITON_INTERPRET=1 before the first kernel call to run them in the interpreter, "
-            "or use the torch reference in kernels.reference"
+            "or use the torch reference in lorastream.kernels.reference"
         )
     return module
 

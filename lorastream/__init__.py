@@ -1,7 +1,8 @@
 """lorastream: serve thousands of LoRA adapters on one base model.
 
-This package holds what the services share: domain types and errors, the one codec between
-protobuf and those types, the generated protobuf modules, and the ``lorastream`` CLI.
+The one import root. Subpackages, lowest layer first: ``core`` (domain types and errors, the
+codec, adapter validation, clients) and the generated protobuf modules; ``kernels``; ``store`` and
+``worker``; ``gateway``; ``stack``; ``bench`` and ``cli``. Imports point down that list.
 """
 
 __version__ = "0.1.0"

@@ -404,7 +404,7 @@ def resolve_model(model: str) -> tuple[Path, str]:
     """``default`` -> the cached conversion of the embedded model and its hub name; else a dir."""
     if model != "default":
         return Path(model), model
-    from services.gpu_worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.model.checkpoint import resolve_checkpoint
 
     cache = Path.home() / ".cache" / "lorastream" / "models"
     return resolve_checkpoint("default", cache_dir=cache), DEFAULT_BASE_NAME

@@ -13,3 +13,23 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LORASTREAM_WORKER_HOST_MEMORY_PREFAULT", "false")
+
+
+def pytest_configure(config) -> None:  # noqa: ANN001
+    """Stop at once if ``lorastream``'s subpackages come from another checkout.
+
+    setup.py maps ``lorastream.worker`` and its siblings to this repository's folders; an editable
+    install made from another clone would test that clone's code. ``make test`` reinstalls when
+    the checkout changes.
+    """
+    from pathlib import Path
+
+    import lorastream.worker
+
+    here = Path(__file__).resolve().parents[1]
+    got = Path(lorastream.worker.__file__).resolve().parents[2]
+    if got != here:
+        raise SystemExit(
+            f"lorastream.worker is imported from {got}, not this checkout ({here}); "
+            "run `make install` (or `pip install --no-deps -e .`) here first"
+        )

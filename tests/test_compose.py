@@ -28,8 +28,8 @@ from jsonschema import Draft202012Validator
 from typer.testing import CliRunner
 
 from lorastream.cli.main import app
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server
+from lorastream.store.config import StoreSettings
+from lorastream.store.server import create_server
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -118,7 +118,7 @@ def run_cli_capturing_settings(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     captured: list[StoreSettings] = []
-    monkeypatch.setattr("services.adapter_store.server.serve", captured.append)
+    monkeypatch.setattr("lorastream.store.server.serve", captured.append)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert len(captured) == 1, f"`lorastream {' '.join(args)}` did not start the store"

@@ -25,7 +25,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lorastream.cli.main import app
-from services.gpu_worker.config import WorkerSettings
+from lorastream.worker.service.config import WorkerSettings
 from tests.test_compose import (
     DOCKERFILE,
     DOCKERIGNORE,
@@ -243,7 +243,7 @@ def test_worker_command_starts_the_worker_with_the_compose_settings(
     assert "entrypoint" not in worker
     settings: WorkerSettings = run_capturing(
         worker["command"], service_env(worker) | {"LORASTREAM_TOKEN": "op-token"},
-        "services.gpu_worker.server.serve", monkeypatch,
+        "lorastream.worker.service.server.serve", monkeypatch,
     )
     assert (settings.host, settings.port) == ("0.0.0.0", 50052)
     assert settings.store == "adapter-store:50051"
@@ -274,7 +274,7 @@ def test_gateway_command_starts_the_gateway_with_the_compose_settings(
     help_flags("gateway", "serve")  # a clear failure while the command does not exist
     gateway = load_compose(env)["services"]["gateway"]
     settings = run_capturing(
-        gateway["command"], service_env(gateway), "gateway.server.serve", monkeypatch
+        gateway["command"], service_env(gateway), "lorastream.gateway.server.serve", monkeypatch
     )
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     assert settings.store == "adapter-store:50051"
@@ -383,7 +383,7 @@ def test_cuda_image_installs_cuda_torch_and_triton_from_the_lock() -> None:
 
 def test_cuda_image_default_command_starts_a_cuda_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     settings: WorkerSettings = run_capturing(
-        dockerfile_json("CMD", CUDA_DOCKERFILE), {}, "services.gpu_worker.server.serve",
+        dockerfile_json("CMD", CUDA_DOCKERFILE), {}, "lorastream.worker.service.server.serve",
         monkeypatch,
     )
     assert (settings.host, settings.port, settings.device) == ("0.0.0.0", 50052, "cuda")

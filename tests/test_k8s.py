@@ -46,9 +46,9 @@ SCHEMA_SHA256 = {
     "statefulset-apps-v1.json": "dca4f45f59aae85596fd730a8069f78d4f4ccbc6ff23f599f50c33189759463a",
 }
 SERVES = {  # workload -> the function its container args must reach
-    "adapter-store": "services.adapter_store.server.serve",
-    "gpu-worker": "services.gpu_worker.server.serve",
-    "gateway": "gateway.server.serve",
+    "adapter-store": "lorastream.store.server.serve",
+    "gpu-worker": "lorastream.worker.service.server.serve",
+    "gateway": "lorastream.gateway.server.serve",
 }
 
 

@@ -15,13 +15,13 @@ from types import ModuleType
 
 import pytest
 
-from lorastream.adapter_validation import validate_adapter_dir
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.bootstrap import build_engine
-from services.gpu_worker.config import WorkerSettings
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.model.checkpoint import resolve_checkpoint
-from services.gpu_worker.operations import WorkerOperations
+from lorastream.core.adapter_validation import validate_adapter_dir
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.model.checkpoint import resolve_checkpoint
+from lorastream.worker.service.bootstrap import build_engine
+from lorastream.worker.service.config import WorkerSettings
+from lorastream.worker.service.operations import WorkerOperations
 from tests.support.models import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,16 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from lorastream.cli.main import app
-from lorastream.errors import InvalidArgument
 import lorastream
-from lorastream.stack import (
-    SAMPLE_QUESTION, Stack, StackConfig, examples, parse_adapter_specs, stack_adapters,
+from lorastream.cli.main import app
+from lorastream.core.errors import InvalidArgument
+from lorastream.stack.launcher import (
+    SAMPLE_QUESTION,
+    Stack,
+    StackConfig,
+    examples,
+    parse_adapter_specs,
+    stack_adapters,
 )
 from tests.support.models import make_peft_adapter, make_tiny_checkpoint
 

@@ -24,12 +24,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorastream.bench.machine import command_line, machine_info
-from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, adapter_nbytes, checkpoint_shape
-from lorastream.bench.synthetic import make_synthetic_adapter
-from lorastream.generation import PromptInput, SamplingParams
+from lorastream.bench.synthetic import (
+    ALL_LINEAR,
+    SMOLLM2_135M,
+    adapter_nbytes,
+    checkpoint_shape,
+    make_synthetic_adapter,
+)
+from lorastream.core.generation import PromptInput, SamplingParams
 
 if TYPE_CHECKING:
-    from services.gpu_worker.lora.slots import LoraSlots
+    from lorastream.worker.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +101,10 @@ def run_engine_bench(
     repeats: int = 3,
     include_peft: bool = True,
 ) -> dict[str, object]:
-    from services.gpu_worker.bootstrap import build_engine
-    from services.gpu_worker.config import WorkerSettings
-    from services.gpu_worker.model.checkpoint import resolve_checkpoint
-    from services.gpu_worker.operations import WorkerOperations
+    from lorastream.worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.service.bootstrap import build_engine
+    from lorastream.worker.service.config import WorkerSettings
+    from lorastream.worker.service.operations import WorkerOperations
 
     settings = WorkerSettings(
         model=model,

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import psutil
 
-from lorastream.generation import PromptInput, SamplingParams
-from lorastream.stack import wait_serving
-from lorastream.worker_client import WorkerClient
-from services.gpu_worker.priority import lower_priority
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.worker_client import WorkerClient
+from lorastream.stack.launcher import wait_serving
+from lorastream.worker.device.priority import lower_priority
 
 QUESTIONS = (
     "What is the capital of France?", "Why is the sky blue?", "Name three fruits.",
@@ -240,7 +240,7 @@ def free_port() -> int:
 
 def spawn(args: list[str], priority: str | None = None) -> subprocess.Popen[bytes]:
     """``lorastream ARGS --log-level WARNING`` as a child process, at ``priority`` (``idle`` or
-    ``nice:N``, see ``services/gpu_worker/priority.py``) if given."""
+    ``nice:N``, see ``services/gpu_worker/device/priority.py``) if given."""
     return subprocess.Popen(
         [sys.executable, "-m", "lorastream.cli.main", *args, "--log-level", "WARNING"],
         preexec_fn=(lambda: lower_priority(priority)) if priority else None,

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from lorastream.bench.harness import PROMPTS
-from lorastream.peft_writer import write_peft_dir
-from lorastream.store_client import BytesSink, StoreClient
+from lorastream.core.peft_writer import write_peft_dir
+from lorastream.core.store_client import BytesSink, StoreClient
 
 
 def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,10 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from lorastream.bench import plots as plot
-from lorastream.bench import report_serve
 from lorastream.bench import report_sections as sections
-from lorastream.bench.report_format import MISSING, code_block, get, ms, number, pct, ratio
-from lorastream.bench.report_format import GOALS_HEADER, table, text
+from lorastream.bench import report_serve
+from lorastream.bench.report_format import (
+    GOALS_HEADER,
+    MISSING,
+    code_block,
+    get,
+    ms,
+    number,
+    pct,
+    ratio,
+    table,
+    text,
+)
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,21 @@ from typing import Any
 
 from lorastream.bench.plots import format_bytes
 from lorastream.bench.report_format import (
-    GOALS_HEADER, MISSING, Goal, Result, as_number, code_block, get, goal_row, ms, number,
-    paragraphs, plot_image, ratio, table, text,
+    GOALS_HEADER,
+    MISSING,
+    Goal,
+    Result,
+    as_number,
+    code_block,
+    get,
+    goal_row,
+    ms,
+    number,
+    paragraphs,
+    plot_image,
+    ratio,
+    table,
+    text,
 )
 
 
@@ -70,7 +83,7 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         "buffer and a sha256 of every tensor, i.e. what a worker does; it is bounded by sha256, "
         "not by the stream.",
         "What makes the store stream about as fast as bare gRPC:\n\n"
-        "- **chunks run across tensor boundaries** (`lorastream/stream_layout.py`): one message "
+        "- **chunks run across tensor boundaries** (`lorastream/core/stream_layout.py`): one message "
         "per tensor would multiply the messages of a many-tensor adapter;\n"
         "- **the chunk message is encoded by the codec directly** "
         "(`codec.encode_chunk_response`, checked byte for byte against protobuf): building a "

@@ -9,8 +9,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from lorastream.bench.report_format import (
-    GOALS_HEADER, MISSING, Result, as_number, get, goal_row, ms, number, paragraphs, plot_image,
-    ratio, table, text,
+    GOALS_HEADER,
+    MISSING,
+    Result,
+    as_number,
+    get,
+    goal_row,
+    ms,
+    number,
+    paragraphs,
+    plot_image,
+    ratio,
+    table,
+    text,
 )
 
 
@@ -118,10 +129,10 @@ def _cpu_measures_explained(r: Result) -> str:
         "for the same two cores, and a decode step runs its ops on two OpenMP threads that wait "
         "for each other after every op, so whatever either loses stalls both. Two measures, on "
         "by default: copies into the slots take turns with the steps, at most `--copy-turn-ms` "
-        "per gap (services/gpu_worker/step_gate.py); and the two compute threads are bound one "
+        "per gap (services/gpu_worker/device/step_gate.py); and the two compute threads are bound one "
         "per core, so that a thread pushed aside by other work waits for its own core instead "
         "of sharing its partner's while the adapter fetch, at idle priority, holds the core it "
-        "left (services/gpu_worker/cpu_binding.py). A third is off by default: fetch turns, "
+        "left (services/gpu_worker/device/cpu_binding.py). A third is off by default: fetch turns, "
         "where the engine leaves the cores to a store fetch in flight for `--fetch-turn-ms` "
         "before each step, since an engine stepping back to back leaves an idle-priority fetch "
         "almost no CPU (step_gate.py); loads land sooner, the running streams pay for it. The "

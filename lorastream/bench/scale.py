@@ -57,9 +57,9 @@ from lorastream.bench.synthetic import (
     make_synthetic_adapter,
     resolve_model_checkpoint,
 )
-from lorastream.generation import SamplingParams
-from lorastream.store_client import StoreClient
-from lorastream.worker_client import WorkerClient
+from lorastream.core.generation import SamplingParams
+from lorastream.core.store_client import StoreClient
+from lorastream.core.worker_client import WorkerClient
 
 PEFT_NOTE = (
     "PEFT runs offline: every request is available at t=0 and batches are full, while lorastream "

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def make_synthetic_adapter(
 
 def resolve_model_checkpoint(model: str) -> Path:
     """The local checkpoint directory of a worker ``--model`` (resolved as the worker does)."""
-    from services.gpu_worker.config import WorkerSettings
-    from services.gpu_worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.service.config import WorkerSettings
 
     settings = WorkerSettings(model=model)
     return resolve_checkpoint(
@@ -107,7 +107,7 @@ def resolve_model_checkpoint(model: str) -> Path:
 
 def checkpoint_shape(model: str) -> BaseShape:
     """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
-    from services.gpu_worker.model.config import LlamaConfig
+    from lorastream.worker.model.config import LlamaConfig
 
     c = LlamaConfig.from_dir(resolve_model_checkpoint(model))
     return BaseShape(

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from lorastream.bench.machine import command_line, machine_info
-from lorastream.store_client import GRPC_OPTIONS, BytesSink, StoreClient
+from lorastream.core.store_client import GRPC_OPTIONS, BytesSink, StoreClient
 
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 CLIENTS = ("bare", "store", "verified")
@@ -93,8 +93,8 @@ def _run_bare_server(payload_bytes: int, ports: "mp.Queue[int]") -> None:
 
 
 def _run_store_server(cache_dir: str, ports: "mp.Queue[int]") -> None:
-    from services.adapter_store.config import StoreSettings
-    from services.adapter_store.server import create_server
+    from lorastream.store.config import StoreSettings
+    from lorastream.store.server import create_server
 
     settings = StoreSettings(port=0, cache_dir=Path(cache_dir))
     server, port, _ = create_server(settings)
@@ -139,8 +139,12 @@ def _measure(
 ) -> tuple[int, int, dict[int, dict[str, list[float]]]]:
     """(adapter bytes, rank, chunk size -> client -> bytes/s of each measured round)."""
     # Imported here: synthetic imports torch, which the spawned servers and clients do not need.
-    from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, adapter_nbytes
-    from lorastream.bench.synthetic import make_synthetic_adapter
+    from lorastream.bench.synthetic import (
+        ALL_LINEAR,
+        SMOLLM2_135M,
+        adapter_nbytes,
+        make_synthetic_adapter,
+    )
 
     rank = max(1, round(adapter_mb * 1e6 / adapter_nbytes(SMOLLM2_135M, 1, ALL_LINEAR)))
     ctx = mp.get_context("spawn")

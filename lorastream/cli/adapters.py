@@ -10,8 +10,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 
 from lorastream.cli.common import STORE_OPTION, TOKEN_OPTION, out, reported_errors
-from lorastream.manifest import AdapterManifest
-from lorastream.store_client import BytesSink, StoreClient
+from lorastream.core.manifest import AdapterManifest
+from lorastream.core.store_client import BytesSink, StoreClient
 
 app = typer.Typer(
     help="Preload, list, inspect, pin and delete adapters in the store.",
@@ -144,7 +144,7 @@ def pull(
     store: str = STORE_OPTION,
 ) -> None:
     """Stream an adapter from the store and write it as a PEFT directory."""
-    from lorastream.peft_writer import write_peft_dir
+    from lorastream.core.peft_writer import write_peft_dir
 
     with reported_errors(), StoreClient(store) as client:
         sink = BytesSink()

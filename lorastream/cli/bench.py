@@ -49,8 +49,12 @@ def transfer(
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Store stream vs a bare gRPC stream of the same bytes on loopback (goal: >= 0.8x)."""
-    from lorastream.bench.transfer import checked_chunk_sizes, parse_size, parse_sizes
-    from lorastream.bench.transfer import run_transfer_bench
+    from lorastream.bench.transfer import (
+        checked_chunk_sizes,
+        parse_size,
+        parse_sizes,
+        run_transfer_bench,
+    )
 
     try:
         single = parse_size(chunk_bytes)
@@ -78,7 +82,7 @@ def engine(
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
-    from lorastream.openmp import tune_openmp_waits
+    from lorastream.core.openmp import tune_openmp_waits
 
     tune_openmp_waits()  # as `worker serve` does, before torch loads
     from lorastream.bench.engine import run_engine_bench
@@ -100,7 +104,7 @@ def kernels(
     unmeasured on the CPU-only development machines)."""
     import torch
 
-    from kernels.bench import run_kernel_bench
+    from lorastream.kernels.bench import run_kernel_bench
 
     if not torch.cuda.is_available():
         console.print("[red]error[/]: this benchmark needs a CUDA GPU; none is available here")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import typer
 from rich.console import Console
 
-from lorastream.errors import LorastreamError
+from lorastream.core.errors import LorastreamError
 
 console = Console(stderr=True)
 out = Console()

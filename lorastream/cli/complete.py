@@ -32,8 +32,8 @@ def complete(
     worker: str = WORKER_OPTION,
 ) -> None:
     """Generate a completion from a worker. Greedy (temperature 0) stops at end-of-sequence."""
-    from lorastream.generation import PromptInput, SamplingParams
-    from lorastream.worker_client import WorkerClient
+    from lorastream.core.generation import PromptInput, SamplingParams
+    from lorastream.core.worker_client import WorkerClient
 
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,

@@ -49,8 +49,8 @@ def serve(
     log_level: str = typer.Option("INFO", help="Logging level."),
 ) -> None:
     """Serve HTTP until Ctrl-C. Settings also come from LORASTREAM_GATEWAY_* variables."""
-    from gateway.config import GatewaySettings
-    from gateway.server import serve as run
+    from lorastream.gateway.config import GatewaySettings
+    from lorastream.gateway.server import serve as run
 
     setup_logging(log_level)
     overrides: dict[str, Any] = {

@@ -5,8 +5,7 @@ from __future__ import annotations
 import typer
 
 from lorastream import __version__
-from lorastream.cli import adapters, bench, complete, store, worker
-from lorastream.cli import gateway
+from lorastream.cli import adapters, bench, complete, gateway, store, worker
 
 app = typer.Typer(
     name="lorastream",
@@ -58,7 +57,7 @@ def up(
 ) -> None:
     """Start the stack on this machine (the store, the workers, the gateway) until Ctrl-C."""
     from lorastream.cli.common import reported_errors, setup_logging
-    from lorastream.stack import Stack, StackConfig, examples, stack_adapters
+    from lorastream.stack.launcher import Stack, StackConfig, examples, stack_adapters
 
     setup_logging(log_level)
     with reported_errors():

@@ -42,8 +42,8 @@ def serve(
     log_level: str = typer.Option("INFO", help="Logging level."),
 ) -> None:
     """Serve the adapter store over gRPC until Ctrl-C."""
-    from services.adapter_store.config import StoreSettings
-    from services.adapter_store.server import serve as run
+    from lorastream.store.config import StoreSettings
+    from lorastream.store.server import serve as run
 
     setup_logging(log_level)
     overrides = {

@@ -118,11 +118,11 @@ def serve(
     log_level: str = typer.Option("INFO", help="Logging level."),
 ) -> None:
     """Serve generation over gRPC until Ctrl-C. Settings also come from LORASTREAM_WORKER_* vars."""
-    from lorastream.openmp import tune_openmp_waits
+    from lorastream.core.openmp import tune_openmp_waits
 
     tune_openmp_waits()  # before torch loads
-    from services.gpu_worker.config import WorkerSettings
-    from services.gpu_worker.server import serve as run
+    from lorastream.worker.service.config import WorkerSettings
+    from lorastream.worker.service.server import serve as run
 
     setup_logging(log_level)
     overrides = {

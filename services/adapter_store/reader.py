@@ -1,7 +1,7 @@
 """Chunked reads of a staged weights file, so a stream's memory stays flat.
 
 A validated weights file holds its tensors contiguously in manifest order (validation checks the
-tiling), which is exactly the stream's layout (``lorastream.stream_layout``): each chunk is one
+tiling), which is exactly the stream's layout (``lorastream.core.stream_layout``): each chunk is one
 ``os.pread`` of ``chunk_bytes`` (less at the end) that may run across tensor boundaries. Example
 with ``chunk_bytes=4``, tensor 0 of 10 bytes and tensor 1 of 4 bytes, resuming at (0, 6)::
 
@@ -19,11 +19,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from lorastream.checksum import crc32c
-from lorastream.errors import InvalidAdapter, InvalidArgument
-from lorastream.manifest import AdapterManifest, TensorChunk
-from lorastream.stream_layout import StreamLayout
-from services.adapter_store.staging import StagedAdapter
+from lorastream.core.checksum import crc32c
+from lorastream.core.errors import InvalidAdapter, InvalidArgument
+from lorastream.core.manifest import AdapterManifest, TensorChunk
+from lorastream.core.stream_layout import StreamLayout
+from lorastream.store.staging import StagedAdapter
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 8 << 20

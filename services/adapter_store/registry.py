@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorastream.errors import CapacityExhausted, InvalidArgument
+from lorastream.core.errors import CapacityExhausted, InvalidArgument
 
 log = logging.getLogger(__name__)
 

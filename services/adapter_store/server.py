@@ -9,21 +9,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from lorastream.grpc_service import add_servicer, serve_until_signalled
-from lorastream.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.egress import EgressLimiter
-from services.adapter_store.servicer import (
+from lorastream.core.grpc_service import add_servicer, serve_until_signalled
+from lorastream.core.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
+from lorastream.store.config import StoreSettings
+from lorastream.store.egress import EgressLimiter
+from lorastream.store.servicer import (
     OPERATOR_METHODS,
     SERVICE,
     SERVICE_NAME,
     AdapterStoreServicer,
 )
-from services.adapter_store.sources import SourceRegistry
-from services.adapter_store.sources.hub import HubSource
-from services.adapter_store.sources.local import LocalSource
-from services.adapter_store.sources.s3 import S3Source
-from services.adapter_store.store import AdapterStore
+from lorastream.store.sources import SourceRegistry
+from lorastream.store.sources.hub import HubSource
+from lorastream.store.sources.local import LocalSource
+from lorastream.store.sources.s3 import S3Source
+from lorastream.store.store import AdapterStore
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import grpc
 
-from lorastream import codec
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
-from lorastream.manifest import PreloadProgress
-from services.adapter_store.egress import EgressLimiter
-from services.adapter_store.store import AdapterStore
+from lorastream.core import codec
+from lorastream.core.manifest import PreloadProgress
+from lorastream.store.egress import EgressLimiter
+from lorastream.store.store import AdapterStore
 
 log = logging.getLogger(__name__)
 

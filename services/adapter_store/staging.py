@@ -25,17 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorastream.adapter_format import WEIGHTS_FILE
-from lorastream.errors import CapacityExhausted, InvalidAdapter
-from lorastream.manifest import AdapterManifest, PreloadProgress, TensorInfo
-from services.adapter_store.sources.base import AdapterSource, ResolvedSource
-from lorastream.adapter_validation import (
+from lorastream.core.adapter_format import WEIGHTS_FILE
+from lorastream.core.adapter_validation import (
     STAGED_FILES,
     StagedTensor,
     ValidatedAdapter,
     content_id,
     validate_adapter_dir,
 )
+from lorastream.core.errors import CapacityExhausted, InvalidAdapter
+from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorInfo
+from lorastream.store.sources.base import AdapterSource, ResolvedSource
 
 log = logging.getLogger(__name__)
 

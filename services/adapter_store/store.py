@@ -22,14 +22,14 @@ import threading
 import time
 from pathlib import Path
 
-from lorastream.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
-from lorastream.manifest import AdapterManifest, PreloadProgress
-from services.adapter_store.reader import StreamLease
-from services.adapter_store.registry import Registry, RegistryEntry, validate_name
-from services.adapter_store.sources import SourceRegistry
-from services.adapter_store.sources.base import AdapterSource
-from services.adapter_store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
-from lorastream.adapter_validation import DEFAULT_MAX_HEADER_BYTES
+from lorastream.core.adapter_validation import DEFAULT_MAX_HEADER_BYTES
+from lorastream.core.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
+from lorastream.core.manifest import AdapterManifest, PreloadProgress
+from lorastream.store.reader import StreamLease
+from lorastream.store.registry import Registry, RegistryEntry, validate_name
+from lorastream.store.sources import SourceRegistry
+from lorastream.store.sources.base import AdapterSource
+from lorastream.store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
 
 __all__ = ["AdapterStore", "StreamLease", "validate_name"]
 

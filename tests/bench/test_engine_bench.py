@@ -8,8 +8,8 @@ import torch
 
 from lorastream.bench.engine import read_ms, step_read_views
 from lorastream.bench.synthetic import ALL_LINEAR, BaseShape, adapter_nbytes
-from services.gpu_worker.lora.slots import LoraSlots
-from services.gpu_worker.model.config import LlamaConfig
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.config import LlamaConfig
 
 SHAPE = BaseShape(hidden=64, intermediate=160, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=16)

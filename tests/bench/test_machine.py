@@ -8,7 +8,10 @@ import sys
 import pytest
 
 from lorastream.bench.machine import (
-    command_line, cpu_model, machine_info, memory_read_bandwidth_gbs,
+    command_line,
+    cpu_model,
+    machine_info,
+    memory_read_bandwidth_gbs,
 )
 
 KEYS = {"cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",

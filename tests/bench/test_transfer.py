@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from lorastream.bench.transfer import checked_chunk_sizes, parse_size, parse_sizes
-from lorastream.bench.transfer import run_transfer_bench
+from lorastream.bench.transfer import (
+    checked_chunk_sizes,
+    parse_size,
+    parse_sizes,
+    run_transfer_bench,
+)
 from lorastream.cli.main import app
 
 

@@ -17,18 +17,18 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.app import create_app
-from gateway.config import GatewaySettings
-from gateway.state import GatewayState
-from lorastream.generation import PromptInput, SamplingParams
-from lorastream.store_client import StoreClient
-from lorastream.worker_client import WorkerClient
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server as create_store
-from services.gpu_worker.bootstrap import build_engine
-from services.gpu_worker.config import WorkerSettings
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.server import create_server as create_worker
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.store_client import StoreClient
+from lorastream.core.worker_client import WorkerClient
+from lorastream.gateway.app import create_app
+from lorastream.gateway.config import GatewaySettings
+from lorastream.gateway.state import GatewayState
+from lorastream.store.config import StoreSettings
+from lorastream.store.server import create_server as create_store
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service.bootstrap import build_engine
+from lorastream.worker.service.config import WorkerSettings
+from lorastream.worker.service.server import create_server as create_worker
 from tests.support.models import make_tiny_checkpoint
 from tests.worker.conftest import tiny_adapters  # noqa: F401 - a fixture, built on tiny_model
 

@@ -6,10 +6,10 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from gateway.app import create_app
-from gateway.config import GatewaySettings
 from lorastream.cli.main import app
-from lorastream.errors import InvalidArgument
+from lorastream.core.errors import InvalidArgument
+from lorastream.gateway.app import create_app
+from lorastream.gateway.config import GatewaySettings
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import discovery
-from gateway.config import GatewaySettings
-from gateway.discovery import TargetResolver, pick_addresses, resolve_target
-from gateway.metrics import GatewayMetrics
-from gateway.worker_pool import WorkerPool
+from lorastream.gateway import discovery
+from lorastream.gateway.config import GatewaySettings
+from lorastream.gateway.discovery import TargetResolver, pick_addresses, resolve_target
+from lorastream.gateway.metrics import GatewayMetrics
+from lorastream.gateway.worker_pool import WorkerPool
 from tests.gateway.conftest import Cluster, start_gateway, wait_until
 
 

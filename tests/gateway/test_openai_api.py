@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from lorastream.generation import PromptInput
+from lorastream.core.generation import PromptInput
 from tests.gateway.conftest import BASE, STORED_ADAPTERS, Cluster, worker_greedy
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]

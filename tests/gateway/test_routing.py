@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from gateway.errors import NoHealthyWorker
-from gateway.routing import Router, RouteReason, Tier, WorkerView, hrw_score
-from lorastream.errors import CapacityExhausted
+from lorastream.core.errors import CapacityExhausted
+from lorastream.gateway.errors import NoHealthyWorker
+from lorastream.gateway.routing import Router, RouteReason, Tier, WorkerView, hrw_score
 
 TARGETS = [f"10.0.0.{i}:50052" for i in range(1, 6)]
 

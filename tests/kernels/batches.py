@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.workloads import segment_lengths, token_slots_for
+from lorastream.kernels.workloads import segment_lengths, token_slots_for
 
 MIXED_RANKS = (4, 8, 16, 64)
 ODD_HIDDEN = 73  # 72 + 1: the last K tile is ragged

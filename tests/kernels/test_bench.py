@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.bench import main, run_kernel_bench
+from lorastream.kernels.bench import main, run_kernel_bench
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 

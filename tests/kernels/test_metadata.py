@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import SgmvMetadata
+from lorastream.kernels import SgmvMetadata
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""`import kernels` works without Triton, and kernel calls explain what is missing."""
+"""`import lorastream.kernels` works without Triton, and kernel calls explain what is missing."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ _SCRIPT = textwrap.dedent(
     import sys
     sys.modules["triton"] = None
     import torch
-    import kernels
+    from lorastream import kernels
 
-    assert "kernels._sgmv_triton" not in sys.modules
+    assert "lorastream.kernels._sgmv_triton" not in sys.modules
     x = torch.zeros(2, 16)
     lora_a = torch.zeros(1, 16, 16)
     slots = torch.zeros(2, dtype=torch.int32)

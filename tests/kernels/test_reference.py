@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import sgmv_expand_ref, sgmv_shrink_ref
+from lorastream.kernels import sgmv_expand_ref, sgmv_shrink_ref
 from tests.kernels.batches import make_batch
 
 

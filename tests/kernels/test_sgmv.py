@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import (
+from lorastream.kernels import (
     SgmvMetadata,
     sgmv_expand,
     sgmv_expand_ref,

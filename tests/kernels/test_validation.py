@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import SgmvMetadata, sgmv_expand, sgmv_expand_slices, sgmv_shrink
+from lorastream.kernels import SgmvMetadata, sgmv_expand, sgmv_expand_slices, sgmv_shrink
 
 T, K, S, R, N = 4, 32, 3, 16, 24
 

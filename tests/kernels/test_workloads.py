@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.workloads import POPULARITIES, segment_lengths, token_slots_for
+from lorastream.kernels.workloads import POPULARITIES, segment_lengths, token_slots_for
 
 
 @pytest.mark.parametrize(

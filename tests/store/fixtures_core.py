@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from lorastream.manifest import AdapterManifest
-from lorastream.stream_layout import StreamLayout
-from services.adapter_store.sources import SourceRegistry
-from services.adapter_store.sources.base import ProgressCallback, ResolvedSource
-from services.adapter_store.sources.local import LocalSource
-from services.adapter_store.store import AdapterStore
+from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.manifest import AdapterManifest
+from lorastream.core.stream_layout import StreamLayout
+from lorastream.store.sources import SourceRegistry
+from lorastream.store.sources.base import ProgressCallback, ResolvedSource
+from lorastream.store.sources.local import LocalSource
+from lorastream.store.store import AdapterStore
 from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_llama
 
 StoreFactory = Callable[..., AdapterStore]

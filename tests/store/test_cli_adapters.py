@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from lorastream.cli.main import app
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server
+from lorastream.store.config import StoreSettings
+from lorastream.store.server import create_server
 from tests.support.models import MLP, make_peft_adapter, make_tiny_llama
 
 runner = CliRunner()

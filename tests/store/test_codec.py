@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lorastream import codec
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
-from lorastream.checksum import crc32c
-from lorastream.manifest import AdapterManifest, TensorChunk, TensorInfo
+from lorastream.core import codec
+from lorastream.core.checksum import crc32c
+from lorastream.core.manifest import AdapterManifest, TensorChunk, TensorInfo
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.store_client import BytesSink, StoreClient
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.egress import EgressLimiter
-from services.adapter_store.server import create_server
+from lorastream.core.store_client import BytesSink, StoreClient
+from lorastream.store.config import StoreSettings
+from lorastream.store.egress import EgressLimiter
+from lorastream.store.server import create_server
 from tests.support.models import ALL_LINEAR, make_peft_adapter, make_tiny_llama
 
 

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from lorastream.errors import (
+from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
     InvalidArgument,
     SourceUnavailable,
     Unauthenticated,
 )
-from services.adapter_store.sources import SourceRegistry
-from services.adapter_store.sources.hub import SCRATCH_CACHE, HubSource, parse_hf_uri
-from services.adapter_store.store import AdapterStore
+from lorastream.store.sources import SourceRegistry
+from lorastream.store.sources.hub import SCRATCH_CACHE, HubSource, parse_hf_uri
+from lorastream.store.store import AdapterStore
 from tests.support.hub_server import HubServer
 
 pytestmark = pytest.mark.usefixtures("hf_env")

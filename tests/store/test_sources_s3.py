@@ -12,11 +12,16 @@ from pathlib import Path
 import boto3
 import pytest
 
-from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from lorastream.errors import AdapterNotFound, InvalidAdapter, InvalidArgument, SourceUnavailable
-from services.adapter_store.sources import SourceRegistry
-from services.adapter_store.sources.s3 import S3Source, parse_s3_uri
-from services.adapter_store.store import AdapterStore
+from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.errors import (
+    AdapterNotFound,
+    InvalidAdapter,
+    InvalidArgument,
+    SourceUnavailable,
+)
+from lorastream.store.sources import SourceRegistry
+from lorastream.store.sources.s3 import S3Source, parse_s3_uri
+from lorastream.store.store import AdapterStore
 from tests.support.s3_server import FailingS3Endpoint, MotoS3Server, upload_dir
 
 pytestmark = pytest.mark.usefixtures("aws_env")

@@ -19,9 +19,6 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from lorastream import errors
-from lorastream.checksum import crc32c
-from lorastream.adapter_format import WEIGHTS_FILE
 from lorastream.bench.synthetic import (
     ALL_LINEAR,
     SMOLLM2_135M,
@@ -29,8 +26,11 @@ from lorastream.bench.synthetic import (
     adapter_nbytes,
     make_synthetic_adapter,
 )
-from lorastream.manifest import PreloadProgress
-from lorastream.stream_layout import StreamLayout
+from lorastream.core import errors
+from lorastream.core.adapter_format import WEIGHTS_FILE
+from lorastream.core.checksum import crc32c
+from lorastream.core.manifest import PreloadProgress
+from lorastream.core.stream_layout import StreamLayout
 from tests.store.fixtures_core import (  # noqa: F401 - fixtures
     CountingLocalSource,
     StoreFactory,
@@ -478,10 +478,10 @@ def test_disk_full_during_staging_leaves_nothing_and_the_store_keeps_serving(
 _CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys
     from pathlib import Path
-    from lorastream.errors import CapacityExhausted
-    from services.adapter_store.sources import SourceRegistry
-    from services.adapter_store.sources.local import LocalSource
-    from services.adapter_store.store import AdapterStore
+    from lorastream.core.errors import CapacityExhausted
+    from lorastream.store.sources import SourceRegistry
+    from lorastream.store.sources.local import LocalSource
+    from lorastream.store.store import AdapterStore
 
     mode, cache, big, small = sys.argv[1:]
     store = AdapterStore(Path(cache), 1 << 30, SourceRegistry([LocalSource()]))

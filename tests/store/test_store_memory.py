@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from lorastream.bench.synthetic import SMOLLM2_135M, adapter_nbytes, make_synthetic_adapter
-from lorastream.store_client import StoreClient
+from lorastream.core.store_client import StoreClient
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STREAMS = 10

@@ -10,10 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file
 
-from lorastream import errors
-from lorastream.store_client import BytesSink, StoreClient
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server
+from lorastream.core import errors
+from lorastream.core.store_client import BytesSink, StoreClient
+from lorastream.store.config import StoreSettings
+from lorastream.store.server import create_server
 from tests.support.models import ALL_LINEAR, ATTENTION, make_peft_adapter, make_tiny_llama
 
 TOKEN = "s3cret"

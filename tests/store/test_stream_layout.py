@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorastream.manifest import AdapterManifest, TensorInfo
-from lorastream.stream_layout import StreamLayout
+from lorastream.core.manifest import AdapterManifest, TensorInfo
+from lorastream.core.stream_layout import StreamLayout
 
 
 def _layout(*sizes: int) -> StreamLayout:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lorastream import errors
-from lorastream.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from lorastream.adapter_validation import validate_adapter_dir
+from lorastream.core import errors
+from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_validation import validate_adapter_dir
 from tests.store.fixtures_core import (  # noqa: F401 - fixtures
     StoreFactory,
     assert_cache_clean,

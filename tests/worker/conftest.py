@@ -12,13 +12,13 @@ import grpc
 import pytest
 import torch
 
-from lorastream.generation import PromptInput, SamplingParams
-from lorastream.store_client import StoreClient
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server as create_store
-from services.gpu_worker.bootstrap import build_engine
-from services.gpu_worker.config import WorkerSettings
-from services.gpu_worker.engine import Engine
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.store_client import StoreClient
+from lorastream.store.config import StoreSettings
+from lorastream.store.server import create_server as create_store
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service.bootstrap import build_engine
+from lorastream.worker.service.config import WorkerSettings
 from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_checkpoint
 
 

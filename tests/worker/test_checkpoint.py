@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.errors import InvalidArgument, SourceUnavailable, Unauthenticated
-from services.gpu_worker.model.checkpoint import (
+from lorastream.core.errors import InvalidArgument, SourceUnavailable, Unauthenticated
+from lorastream.worker.model.checkpoint import (
     DEFAULT_MODEL,
     EMBEDDED_NAME,
     HUB_CACHE,
@@ -27,7 +27,7 @@ from services.gpu_worker.model.checkpoint import (
     embedded_gguf_path,
     resolve_checkpoint,
 )
-from services.gpu_worker.model.rope import rope_settings_from_config
+from lorastream.worker.model.rope import rope_settings_from_config
 from tests.support.hub_server import HubServer
 from tests.support.models import TINY_LLAMA, make_tiny_llama
 

@@ -19,13 +19,13 @@ import grpc
 import pytest
 import torch
 
-from lorastream import errors
-from lorastream.generation import PromptInput, SamplingParams
-from lorastream.grpc_service import serve_until_signalled
-from lorastream.stack import wait_serving
-from lorastream.worker_client import WorkerClient
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.operations import WorkerOperations
+from lorastream.core import errors
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.grpc_service import serve_until_signalled
+from lorastream.core.worker_client import WorkerClient
+from lorastream.stack.launcher import wait_serving
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import PROMPTS, EngineFactory
 
 

@@ -13,9 +13,9 @@ from typing import TypeVar
 import pytest
 import torch
 
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.cpu_binding import bind_team, release_thread, unbind_team
-from services.gpu_worker.device import loader_thread_init
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.device.cpu_binding import bind_team, release_thread, unbind_team
+from lorastream.worker.device.device import loader_thread_init
 from tests.worker.conftest import PROMPTS, EngineFactory
 
 T = TypeVar("T")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from lorastream.bench.synthetic import ALL_LINEAR, SMOLLM2_135M, make_synthetic_adapter
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.bootstrap import build_engine
-from services.gpu_worker.config import WorkerSettings
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.model.checkpoint import resolve_checkpoint
-from services.gpu_worker.operations import WorkerOperations
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.model.checkpoint import resolve_checkpoint
+from lorastream.worker.service.bootstrap import build_engine
+from lorastream.worker.service.config import WorkerSettings
+from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import peft_model, reference_greedy
 
 # Shared with test_checkpoint.py: the conversion (~35 s) happens once per machine.

@@ -16,8 +16,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lorastream.errors import InvalidArgument
-from services.gpu_worker.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from lorastream.core.errors import InvalidArgument
+from lorastream.worker.engine.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
 
 CORPUS = [
     "Héllo wörld, café crème brûlée. 中文测试，你好世界！",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lorastream import errors
-from lorastream.generation import FinishReason, PromptInput
-from services.gpu_worker.operations import WorkerOperations
-from services.gpu_worker.sampling import SamplingParams
+from lorastream.core import errors
+from lorastream.core.generation import FinishReason, PromptInput
+from lorastream.worker.engine.sampling import SamplingParams
+from lorastream.worker.service.operations import WorkerOperations
 from tests.support.models import make_peft_adapter, make_tiny_llama
 from tests.worker.conftest import PROMPTS, EngineFactory
 

@@ -7,19 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.generation import FinishReason, PromptInput
-from services.gpu_worker.kv_cache import KVCache
-from services.gpu_worker.loading.adapter_weights import adapter_weights
-from services.gpu_worker.loading.fetcher import AdapterFetcher
-from services.gpu_worker.lora.backend import LoraStep, TorchLoraBackend
-from services.gpu_worker.lora.slots import LoraSlots
-from services.gpu_worker.model.config import LlamaConfig
-from services.gpu_worker.model.forward_batch import ForwardBatch, PrefillSpan
-from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.model.weights import load_weights
-from services.gpu_worker.device import Device
-from services.gpu_worker.operations import WorkerOperations
-from services.gpu_worker.sampling import SamplingParams
+from lorastream.core.generation import FinishReason, PromptInput
+from lorastream.worker.device.device import Device
+from lorastream.worker.engine.sampling import SamplingParams
+from lorastream.worker.loading.adapter_weights import adapter_weights
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
+from lorastream.worker.model.kv_cache import KVCache
+from lorastream.worker.model.llama import LlamaModel
+from lorastream.worker.model.weights import load_weights
+from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, NEW_TOKENS, PROMPTS, EngineFactory, peft_model
 
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from lorastream import errors
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
+from lorastream.core import errors
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.loading.host_buffer import HostAdapterBuffer
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
 

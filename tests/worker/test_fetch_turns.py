@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.device import Device, LoadStream
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.step_gate import StepGate
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.device.device import Device, LoadStream
+from lorastream.worker.device.step_gate import StepGate
+from lorastream.worker.engine.engine import Engine
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, busy, greedy_tokens
 
 

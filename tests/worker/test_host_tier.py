@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.gpu_worker.device import Device, HostEvent
-from services.gpu_worker.loading.entry import AdapterEntry
-from services.gpu_worker.loading.host_arena import ALIGN, HostArena
-from services.gpu_worker.loading.host_tier import HostTier
-from services.gpu_worker.metrics import WorkerMetrics
+from lorastream.worker.device.device import Device, HostEvent
+from lorastream.worker.loading.entry import AdapterEntry
+from lorastream.worker.loading.host_arena import ALIGN, HostArena
+from lorastream.worker.loading.host_tier import HostTier
+from lorastream.worker.metrics import WorkerMetrics
 
 U = ALIGN  # one arena unit
 

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from services.gpu_worker.model.linear import Linear
+from lorastream.worker.model.linear import Linear
 from tests.worker.conftest import EngineFactory
 
 

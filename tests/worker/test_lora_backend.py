@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import sgmv_expand_ref, sgmv_shrink_ref
-from kernels.workloads import segment_lengths
-from services.gpu_worker.lora.backend import LoraStep, TorchLoraBackend
-from services.gpu_worker.lora.slots import LoraSlots, SlotInfo
-from services.gpu_worker.model.config import LlamaConfig
+from lorastream.kernels.reference import sgmv_expand_ref, sgmv_shrink_ref
+from lorastream.kernels.workloads import segment_lengths
+from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.slots import LoraSlots, SlotInfo
+from lorastream.worker.model.config import LlamaConfig
 
 RANKS = [4, 8, 16, 64, 8, 4, 16, 8]
 
@@ -156,8 +156,8 @@ def test_rows_already_in_slot_order_skip_the_gathers_and_match_the_reference(
 def test_an_adapter_reaches_its_slot_in_one_copy_per_module_and_matrix(
     tiny_adapters: dict[str, "Path"],
 ) -> None:
-    from services.gpu_worker.device import Device
-    from services.gpu_worker.loading.fetcher import AdapterFetcher
+    from lorastream.worker.device.device import Device
+    from lorastream.worker.loading.fetcher import AdapterFetcher
 
     buffer = AdapterFetcher(Device("cpu"), None).read_local("all", tiny_adapters["all-r64"])
     groups = buffer.groups()

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from lorastream.openmp import SPIN_COUNT, waits_actively
+from lorastream.core.openmp import SPIN_COUNT, waits_actively
 
 PROBE = (
-    "import os, sys; from lorastream.openmp import tune_openmp_waits; {before}"
+    "import os, sys; from lorastream.core.openmp import tune_openmp_waits; {before}"
     "tune_openmp_waits(); print(os.environ.get('GOMP_SPINCOUNT'))"
 )
 

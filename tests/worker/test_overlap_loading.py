@@ -10,12 +10,11 @@ import time
 
 import pytest
 
-from lorastream import errors
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
+from lorastream.core import errors
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.loading.host_buffer import HostAdapterBuffer
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, StoreStack, greedy_tokens
-
 
 
 def test_running_streams_keep_decoding_while_a_slow_load_is_in_progress(

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.gpu_worker.priority import loader_priority, lower_priority, starvation_warning
+from lorastream.worker.device.priority import loader_priority, lower_priority, starvation_warning
 
 
 def _in_thread(priority: str) -> tuple[int, int, int, int]:

@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from lorastream.errors import InvalidArgument
-from services.gpu_worker.model.rope import (
+from lorastream.core.errors import InvalidArgument
+from lorastream.worker.model.rope import (
     SUPPORTED_ROPE_TYPES,
     RotaryEmbedding,
     apply_rotary,

@@ -17,9 +17,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from lorastream.errors import InvalidArgument
-from services.gpu_worker import sampling
-from services.gpu_worker.sampling import (
+from lorastream.core.errors import InvalidArgument
+from lorastream.worker.engine import sampling
+from lorastream.worker.engine.sampling import (
     Sampler,
     SamplingParams,
     SamplingRow,

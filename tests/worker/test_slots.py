@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.gpu_worker.device import Device
-from services.gpu_worker.loading.adapter_weights import adapter_weights
-from services.gpu_worker.loading.fetcher import AdapterFetcher
-from services.gpu_worker.lora.slots import LoraSlots
-from services.gpu_worker.model.config import LlamaConfig
+from lorastream.worker.device.device import Device
+from lorastream.worker.loading.adapter_weights import adapter_weights
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.config import LlamaConfig
 
 Blocks = list[tuple[int, str, str, torch.Tensor]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from services.gpu_worker.server import freeze_startup_heap
+from lorastream.worker.service.server import freeze_startup_heap
 from tests.worker.conftest import EngineFactory
 
 

@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from lorastream.generation import PromptInput, SamplingParams
-from services.gpu_worker.device import Device, LoadStream
-from services.gpu_worker.step_gate import StepGate
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.device.device import Device, LoadStream
+from lorastream.worker.device.step_gate import StepGate
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, busy, greedy_tokens
 
 Interval = tuple[float, float]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.device import Device
-from services.gpu_worker.step_staging import StepStaging
+from lorastream.worker.device.device import Device
+from lorastream.worker.device.staging import StepStaging
 
 
 def test_staged_values_are_visible_through_the_views_and_arenas_alternate() -> None:

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.gpu_worker.kv_cache import KVCache
-from services.gpu_worker.lora.backend import LoraStep, TorchLoraBackend
-from services.gpu_worker.lora.slots import LoraSlots, SlotInfo
-from services.gpu_worker.model.config import LlamaConfig
-from services.gpu_worker.model.llama import LlamaModel
-from services.gpu_worker.model.weights import load_weights
-from services.gpu_worker.scheduler import StepPlan
-from services.gpu_worker.step_inputs import build_step_inputs
+from lorastream.worker.engine.scheduler import StepPlan
+from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.slots import LoraSlots, SlotInfo
+from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.kv_cache import KVCache
+from lorastream.worker.model.llama import LlamaModel
+from lorastream.worker.model.weights import load_weights
 from tests.support.models import make_tiny_checkpoint
 
 _READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -96,7 +96,7 @@ def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
 
 
 def test_the_guard_catches_a_read_back() -> None:
-    from services.gpu_worker.model.rope import RotaryEmbedding
+    from lorastream.worker.model.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(16, 10000.0, 64, None)
     with no_device_reads(), pytest.raises(AssertionError, match="forces a device sync"):

@@ -11,8 +11,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from lorastream.generation import PromptInput, SamplingParams  # noqa: E402
-from services.gpu_worker.operations import WorkerOperations  # noqa: E402
+from lorastream.core.generation import PromptInput, SamplingParams  # noqa: E402
+from lorastream.worker.service.operations import WorkerOperations  # noqa: E402
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory  # noqa: E402
 
 NEW_TOKENS = 6
@@ -52,8 +52,8 @@ def test_triton_backend_on_a_cpu_without_the_interpreter_is_refused_at_startup()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import torch\n"
-        "from lorastream.errors import InvalidArgument\n"
-        "from services.gpu_worker.lora.triton_backend import TritonLoraBackend\n"
+        "from lorastream.core.errors import InvalidArgument\n"
+        "from lorastream.worker.lora.triton_backend import TritonLoraBackend\n"
         "try:\n"
         "    TritonLoraBackend(torch.float32, torch.device('cpu'))\n"
         "except InvalidArgument as err:\n"

@@ -13,16 +13,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.testing import CliRunner
 
-from lorastream import errors
 from lorastream.cli.main import app
-from lorastream.generation import FinishReason, PromptInput, SamplingParams
-from lorastream.store_client import StoreClient
-from lorastream.worker_client import WorkerClient
-from services.adapter_store.config import StoreSettings
-from services.adapter_store.server import create_server as create_store
-from services.gpu_worker.config import WorkerSettings
-from services.gpu_worker.engine import Engine
-from services.gpu_worker.server import create_server as create_worker
+from lorastream.core import errors
+from lorastream.core.generation import FinishReason, PromptInput, SamplingParams
+from lorastream.core.store_client import StoreClient
+from lorastream.core.worker_client import WorkerClient
+from lorastream.store.config import StoreSettings
+from lorastream.store.server import create_server as create_store
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service.config import WorkerSettings
+from lorastream.worker.service.server import create_server as create_worker
 from tests.worker.conftest import NEW_TOKENS, PROMPTS
 
 
@@ -53,7 +53,7 @@ def stack(tiny_model: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> I
         model=str(tiny_model), served_model_name="tiny", port=0, store=store, max_loras=2,
         kv_cache_bytes=8 << 20, model_cache_dir=tmp_path / "models",
     )
-    from services.gpu_worker.bootstrap import build_engine
+    from lorastream.worker.service.bootstrap import build_engine
 
     server, port, engine = create_worker(settings, build_engine(settings, checkpoint=tiny_model))
     server.start()

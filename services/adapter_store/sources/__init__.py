@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from lorastream.errors import InvalidArgument
-from services.adapter_store.sources.base import AdapterSource
+from lorastream.core.errors import InvalidArgument
+from lorastream.store.sources.base import AdapterSource
 
 
 def _describe(scheme: str) -> str:

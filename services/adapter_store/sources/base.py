@@ -10,11 +10,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-
 from pathlib import Path
 
-from lorastream.adapter_format import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
-from lorastream.errors import InvalidAdapter
+from lorastream.core.adapter_format import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
+from lorastream.core.errors import InvalidAdapter
 
 # Called with the number of bytes just written; must be cheap and thread-safe.
 ProgressCallback = Callable[[int], None]

@@ -39,14 +39,14 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.hf_api import RepoFile
 
-from lorastream.errors import (
+from lorastream.core.errors import (
     AdapterNotFound,
     InvalidArgument,
     LorastreamError,
     SourceUnavailable,
     Unauthenticated,
 )
-from services.adapter_store.sources.base import (
+from lorastream.store.sources.base import (
     AdapterSource,
     ProgressCallback,
     ResolvedSource,

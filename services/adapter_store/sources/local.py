@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from lorastream.errors import AdapterNotFound, InvalidArgument, SourceUnavailable
-from services.adapter_store.sources.base import (
+from lorastream.core.errors import AdapterNotFound, InvalidArgument, SourceUnavailable
+from lorastream.store.sources.base import (
     AdapterSource,
     ProgressCallback,
     ResolvedSource,

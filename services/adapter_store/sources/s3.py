@@ -24,25 +24,27 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionError as BotoConnectionError,
     HTTPClientError,
     NoCredentialsError,
     ParamValidationError,
     PartialCredentialsError,
 )
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
 from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
-from lorastream.adapter_format import WEIGHTS_FILE
-from lorastream.errors import (
+from lorastream.core.adapter_format import WEIGHTS_FILE
+from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
     InvalidArgument,
     LorastreamError,
     SourceUnavailable,
 )
-from services.adapter_store.sources.base import (
+from lorastream.store.sources.base import (
     AdapterSource,
     ProgressCallback,
     RemoteFile,

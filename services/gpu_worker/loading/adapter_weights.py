@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lorastream.adapter_format import parse_lora_key
-from lorastream.errors import InvalidAdapter
-from lorastream.manifest import AdapterManifest
-from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
-from services.gpu_worker.model.config import LlamaConfig
+from lorastream.core.adapter_format import parse_lora_key
+from lorastream.core.errors import InvalidAdapter
+from lorastream.core.manifest import AdapterManifest
+from lorastream.worker.loading.host_buffer import HostAdapterBuffer
+from lorastream.worker.model.config import LlamaConfig
 
 
 @dataclass(frozen=True)

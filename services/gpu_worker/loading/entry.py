@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from lorastream.errors import LorastreamError
-from lorastream.manifest import AdapterManifest
-from services.gpu_worker.device import Event
-from services.gpu_worker.loading.adapter_weights import AdapterWeights
+from lorastream.core.errors import LorastreamError
+from lorastream.core.manifest import AdapterManifest
+from lorastream.worker.device.device import Event
+from lorastream.worker.loading.adapter_weights import AdapterWeights
 
 
 class Residency(Enum):

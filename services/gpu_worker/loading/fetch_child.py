@@ -1,7 +1,7 @@
 """The fetch process: streams adapters from the store into the worker's shared host memory.
 
-Started by :class:`~services.gpu_worker.loading.fetch_process.FetchProcess` as
-``python -m services.gpu_worker.loading.fetch_child --memory-fd M --conn-fd C --priority P``.
+Started by :class:`~lorastream.worker.loading.fetch_process.FetchProcess` as
+``python -m lorastream.worker.loading.fetch_child --memory-fd M --conn-fd C --priority P``.
 It lowers its own CPU priority first, before anything starts a thread, so that every thread of
 it -- gRPC's included -- runs at that priority. Then it serves jobs from the connection:
 
@@ -20,7 +20,7 @@ import argparse
 import mmap
 import os
 
-from services.gpu_worker.priority import lower_priority
+from lorastream.worker.device.priority import lower_priority
 
 
 def map_shared(fd: int, nbytes: int, prefault: bool) -> mmap.mmap:
@@ -41,9 +41,9 @@ def serve(memory_fd: int, memory_bytes: int, conn_fd: int, prefault: bool = Fals
 
     import numpy as np
 
-    from lorastream.errors import LorastreamError, SourceUnavailable
-    from lorastream.store_client import StoreClient
-    from services.gpu_worker.loading.landing import LandingBuffer, SlowSink
+    from lorastream.core.errors import LorastreamError, SourceUnavailable
+    from lorastream.core.store_client import StoreClient
+    from lorastream.worker.loading.landing import LandingBuffer, SlowSink
 
     log = logging.getLogger("lorastream.fetch")
     conn = Connection(conn_fd)

@@ -34,10 +34,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from lorastream.errors import LorastreamError, SourceUnavailable
-from lorastream.manifest import AdapterManifest
-from services.gpu_worker.device import Device
-from services.gpu_worker.loading.fetch_child import map_shared
+from lorastream.core.errors import LorastreamError, SourceUnavailable
+from lorastream.core.manifest import AdapterManifest
+from lorastream.worker.device.device import Device
+from lorastream.worker.loading.fetch_child import map_shared
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Child:
                  priority: str) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.gpu_worker.loading.fetch_child",
+            [sys.executable, "-m", "lorastream.worker.loading.fetch_child",
              "--memory-fd", str(memory.fd), "--memory-bytes", str(memory.nbytes),
              "--conn-fd", str(theirs.fileno()), "--priority", priority,
              *(["--prefault"] if memory.prefault else [])],

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from lorastream.adapter_validation import content_id, validate_adapter_dir
-from lorastream.errors import InvalidAdapter, InvalidArgument, SourceUnavailable
-from lorastream.manifest import AdapterManifest
-from lorastream.store_client import StoreClient
-from services.gpu_worker.device import Device
-from services.gpu_worker.loading.fetch_process import FetchProcess
-from services.gpu_worker.loading.host_buffer import HostAdapterBuffer
-from services.gpu_worker.loading.landing import SlowSink
+from lorastream.core.adapter_validation import content_id, validate_adapter_dir
+from lorastream.core.errors import InvalidAdapter, InvalidArgument, SourceUnavailable
+from lorastream.core.manifest import AdapterManifest
+from lorastream.core.store_client import StoreClient
+from lorastream.worker.device.device import Device
+from lorastream.worker.loading.fetch_process import FetchProcess
+from lorastream.worker.loading.host_buffer import HostAdapterBuffer
+from lorastream.worker.loading.landing import SlowSink
 
 log = logging.getLogger(__name__)
 

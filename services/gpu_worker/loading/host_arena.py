@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from services.gpu_worker.device import Device
+from lorastream.worker.device.device import Device
 
 ALIGN = 4096
 

@@ -1,6 +1,6 @@
 """One adapter's tensors in one host buffer (pinned on CUDA), written chunk by chunk in place.
 
-The layout and the landing of chunks are :mod:`~services.gpu_worker.loading.landing`'s (torch-free,
+The layout and the landing of chunks are :mod:`~lorastream.worker.loading.landing`'s (torch-free,
 shared with the fetch process); this class keeps the memory as a torch tensor and hands out the
 typed views the device copy reads: per tensor, and grouped so that each (module, A|B) is one
 ``[layers, r, in]`` block that reaches its slot in ONE copy (:meth:`groups`).
@@ -11,16 +11,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lorastream.adapter_format import parse_lora_key
-from lorastream.manifest import AdapterManifest
-from services.gpu_worker.device import Device
-from services.gpu_worker.loading.landing import LandingBuffer
+from lorastream.core.adapter_format import parse_lora_key
+from lorastream.core.manifest import AdapterManifest
+from lorastream.worker.device.device import Device
+from lorastream.worker.loading.landing import LandingBuffer
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class HostAdapterBuffer(LandingBuffer):
-    """A :class:`~lorastream.store_client.TensorSink` over one preallocated host buffer."""
+    """A :class:`~lorastream.core.store_client.TensorSink` over one preallocated host buffer."""
 
     def __init__(self, device: Device, storage: torch.Tensor | None = None) -> None:
         super().__init__()

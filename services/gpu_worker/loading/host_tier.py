@@ -16,10 +16,10 @@ from collections.abc import Iterable
 
 import torch
 
-from services.gpu_worker.device import Device
-from services.gpu_worker.loading.entry import AdapterEntry
-from services.gpu_worker.loading.host_arena import HostArena
-from services.gpu_worker.metrics import WorkerMetrics
+from lorastream.worker.device.device import Device
+from lorastream.worker.loading.entry import AdapterEntry
+from lorastream.worker.loading.host_arena import HostArena
+from lorastream.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where an adapter's bytes land in host memory, without torch: the layout and the sink.
 
 Imported by the fetch process (``fetch_child``), which must start fast and stay small, and by
-:class:`~services.gpu_worker.loading.host_buffer.HostAdapterBuffer`, which adds the torch views.
+:class:`~lorastream.worker.loading.host_buffer.HostAdapterBuffer`, which adds the torch views.
 
 Layout: tensor ``i`` of the manifest starts at ``offsets[i]`` (64-byte aligned so every dtype view
 is aligned) inside a single ``uint8`` buffer. Tensors are placed grouped by (module, A|B) in layer
@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from lorastream.adapter_format import parse_lora_key
-from lorastream.errors import SourceUnavailable
-from lorastream.manifest import AdapterManifest, TensorInfo
+from lorastream.core.adapter_format import parse_lora_key
+from lorastream.core.errors import SourceUnavailable
+from lorastream.core.manifest import AdapterManifest, TensorInfo
 
 ALIGN = 64
 
@@ -49,7 +49,7 @@ def host_nbytes(manifest: AdapterManifest) -> int:
 
 
 class LandingBuffer:
-    """A :class:`~lorastream.store_client.TensorSink`: chunks land at their offset in ``storage``
+    """A :class:`~lorastream.core.store_client.TensorSink`: chunks land at their offset in ``storage``
     (a ``[>= nbytes]`` uint8 array, e.g. a range of the host arena); no bytes object is joined.
 
     Subclasses that keep their memory in another type override :meth:`_reserved` and

@@ -28,23 +28,23 @@ from pathlib import Path
 
 import torch
 
-from lorastream.errors import (
+from lorastream.core.errors import (
     AdapterNotFound,
     CapacityExhausted,
     InvalidArgument,
     LorastreamError,
     SourceUnavailable,
 )
-from services.gpu_worker.cost_model import AdmissionCostModel
-from services.gpu_worker.device import COMPLETED, Device, Event, loader_thread_init
-from services.gpu_worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
-from services.gpu_worker.loading.entry import AdapterEntry, Residency
-from services.gpu_worker.loading.fetcher import AdapterFetcher
-from services.gpu_worker.loading.host_tier import HostTier
-from services.gpu_worker.loading.landing import host_nbytes
-from services.gpu_worker.lora.slots import LoraSlots
-from services.gpu_worker.metrics import WorkerMetrics
-from services.gpu_worker.model.config import LlamaConfig
+from lorastream.worker.device.device import COMPLETED, Device, Event, loader_thread_init
+from lorastream.worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
+from lorastream.worker.loading.cost_model import AdmissionCostModel
+from lorastream.worker.loading.entry import AdapterEntry, Residency
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.host_tier import HostTier
+from lorastream.worker.loading.landing import host_nbytes
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.metrics import WorkerMetrics
+from lorastream.worker.model.config import LlamaConfig
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.lora.slots import LoraSlots
-from services.gpu_worker.step_staging import Arena
+from lorastream.worker.device.staging import Arena
+from lorastream.worker.lora.slots import LoraSlots
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
 

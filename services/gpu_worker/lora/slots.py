@@ -22,8 +22,8 @@ from functools import partial
 
 import torch
 
-from lorastream.adapter_format import SUPPORTED_MODULES
-from services.gpu_worker.model.config import GATE_UP, QKV, LlamaConfig
+from lorastream.core.adapter_format import SUPPORTED_MODULES
+from lorastream.worker.model.config import GATE_UP, QKV, LlamaConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
 PIECE_BYTES = 1 << 20  # the most one copy operation moves (or one layer, if larger)

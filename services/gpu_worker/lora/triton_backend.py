@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import SgmvMetadata
-from kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
-from lorastream.errors import InvalidArgument
-from services.gpu_worker.lora.slots import LoraSlots
-from services.gpu_worker.step_staging import Arena
+from lorastream.core.errors import InvalidArgument
+from lorastream.kernels.metadata import SgmvMetadata
+from lorastream.kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
+from lorastream.worker.device.staging import Arena
+from lorastream.worker.lora.slots import LoraSlots
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.kv_cache import BLOCK_SIZE
-from services.gpu_worker.model.forward_batch import ForwardBatch
+from lorastream.worker.model.forward_batch import ForwardBatch
+from lorastream.worker.model.kv_cache import BLOCK_SIZE
 
 
 def write_kv(

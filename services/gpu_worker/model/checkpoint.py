@@ -31,7 +31,12 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from lorastream.errors import InvalidArgument, LorastreamError, SourceUnavailable, Unauthenticated
+from lorastream.core.errors import (
+    InvalidArgument,
+    LorastreamError,
+    SourceUnavailable,
+    Unauthenticated,
+)
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorastream.errors import InvalidArgument
+from lorastream.core.errors import InvalidArgument
 
 LLAMA_MODEL_TYPES = ("llama",)
 # Projections that read the same input: the model runs each group as one fused matmul, and the
@@ -61,7 +61,7 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], name: str = "") -> "LlamaConfig":
-        from services.gpu_worker.model.rope import rope_settings_from_config
+        from lorastream.worker.model.rope import rope_settings_from_config
 
         model_type = raw.get("model_type")
         if model_type not in LLAMA_MODEL_TYPES:

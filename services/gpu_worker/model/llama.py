@@ -14,12 +14,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.kv_cache import KVCache
-from services.gpu_worker.model.attention import paged_attention, write_kv
-from services.gpu_worker.model.config import GATE_UP, QKV, LlamaConfig
-from services.gpu_worker.model.forward_batch import ForwardBatch
-from services.gpu_worker.model.linear import Linear
-from services.gpu_worker.model.rope import RotaryEmbedding, apply_rotary
+from lorastream.worker.model.attention import paged_attention, write_kv
+from lorastream.worker.model.config import GATE_UP, QKV, LlamaConfig
+from lorastream.worker.model.forward_batch import ForwardBatch
+from lorastream.worker.model.kv_cache import KVCache
+from lorastream.worker.model.linear import Linear
+from lorastream.worker.model.rope import RotaryEmbedding, apply_rotary
 
 
 class LoraHook(Protocol):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lorastream.errors import InvalidArgument
+from lorastream.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from lorastream.errors import InvalidArgument
-from services.gpu_worker.model.config import LlamaConfig
-from services.gpu_worker.model.llama import LayerWeights, LlamaWeights
+from lorastream.core.errors import InvalidArgument
+from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.llama import LayerWeights, LlamaWeights
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,340 @@
+"""Validation of a staged PEFT LoRA directory, without loading a single tensor into torch.
+
+``adapter_config.json`` is parsed and refused when it asks for a LoRA variant lorastream does not
+serve (DoRA, per-layer ranks, biases, ...). ``adapter_model.safetensors`` is checked from its
+header alone (8-byte little-endian length, then JSON), with a size cap against header bombs:
+
+    file = [u64 n][n bytes of JSON header][data]
+    header = {"<key>": {"dtype": "F32", "shape": [r, in], "data_offsets": [begin, end]}, ...}
+
+Offsets are relative to the start of data; together they must tile the data exactly (no holes, no
+overlaps, nothing past the end), and every ``end - begin == prod(shape) * itemsize``. Keys must be
+LoRA A/B weights of supported projections; each (layer, module) has both A ``[r, in]`` and B
+``[out, r]`` with the config's ``r``. Then every tensor's raw bytes are hashed (sha256) in bounded
+chunks, so memory stays flat whatever the adapter's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorastream.core.adapter_format import (
+    CONFIG_FILE,
+    SUPPORTED_MODULES,
+    WEIGHTS_FILE,
+    parse_lora_key,
+    short_module_name,
+)
+from lorastream.core.errors import InvalidAdapter
+from lorastream.core.manifest import DTYPE_SIZES, TensorInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_HEADER_BYTES = 16 << 20
+_HASH_CHUNK = 1 << 20
+
+# PEFT's LoraConfig defaults for fields an older config may omit.
+_PEFT_DEFAULT_R = 8
+_PEFT_DEFAULT_ALPHA = 8.0
+
+
+@dataclass(frozen=True)
+class StagedTensor:
+    """A validated tensor and where its bytes start in the safetensors file (absolute offset)."""
+
+    info: TensorInfo
+    file_offset: int
+
+
+@dataclass(frozen=True)
+class ValidatedAdapter:
+    """What validation learned about an adapter: the content half of an AdapterManifest."""
+
+    base_model: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]  # short names present in the weights, sorted
+    tensors: tuple[StagedTensor, ...]  # in file order (ascending offset)
+
+
+@dataclass(frozen=True)
+class LoraConfigFields:
+    """The fields of adapter_config.json lorastream uses."""
+
+    base_model: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+
+
+# Config fields that switch on a LoRA variant lorastream cannot serve:
+# (key, "is it switched on?", what to tell the user).
+_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("use_dora", bool, "DoRA adapters (use_dora=true) are not supported; train a plain LoRA"),
+    ("rank_pattern", bool, "per-module ranks (rank_pattern) are not supported; use one r"),
+    ("alpha_pattern", bool, "per-module alphas (alpha_pattern) are not supported; use one alpha"),
+    ("bias", lambda v: v not in (None, "none"), "bias training is not supported; use bias='none'"),
+    ("lora_bias", bool, "lora_bias=true is not supported"),
+    ("modules_to_save", bool, "modules_to_save (fully trained extra modules) is not supported"),
+    ("layer_replication", bool, "layer_replication is not supported"),
+    ("trainable_token_indices", bool, "trainable_token_indices is not supported"),
+    ("target_parameters", bool, "target_parameters (LoRA on raw parameters) is not supported"),
+    ("use_qalora", bool, "QA-LoRA (use_qalora=true) is not supported"),
+    ("alora_invocation_tokens", bool, "activated LoRA (alora_invocation_tokens) is not supported"),
+)
+
+
+def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
+    """Parse and check ``adapter_config.json``; ``label`` names the adapter in error messages."""
+    try:
+        config = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidAdapter(f"{label}: {CONFIG_FILE} is not valid JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise InvalidAdapter(f"{label}: {CONFIG_FILE} must hold a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise InvalidAdapter(
+            f"{label}: peft_type is {peft_type!r}; lorastream serves only LoRA adapters "
+            "(peft_type 'LORA')"
+        )
+    for key, switched_on, message in _UNSUPPORTED:
+        if switched_on(config.get(key)):
+            raise InvalidAdapter(f"{label}: {message} ({key}={config[key]!r} in {CONFIG_FILE})")
+    rank = config.get("r", _PEFT_DEFAULT_R)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise InvalidAdapter(f"{label}: r must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise InvalidAdapter(f"{label}: lora_alpha must be a finite number, got {alpha!r}")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise InvalidAdapter(f"{label}: use_rslora must be true or false, got {use_rslora!r}")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unsupported = sorted({short_module_name(str(t)) for t in targets} - set(SUPPORTED_MODULES))
+        if unsupported:
+            raise InvalidAdapter(
+                f"{label}: target_modules include {', '.join(unsupported)}; lorastream adapts "
+                f"only {', '.join(SUPPORTED_MODULES)}"
+            )
+    base_model = config.get("base_model_name_or_path") or ""
+    if not isinstance(base_model, str):
+        raise InvalidAdapter(f"{label}: base_model_name_or_path must be a string or null")
+    return LoraConfigFields(base_model, rank, float(alpha), use_rslora)
+
+
+@dataclass(frozen=True)
+class _HeaderEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # relative to the start of data
+    end: int
+
+
+def read_safetensors_header(
+    path: Path, max_header_bytes: int, label: str
+) -> tuple[list[_HeaderEntry], int]:
+    """Parse and check a safetensors header; returns entries in file order and the data start."""
+    file_size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} is truncated ({file_size} bytes)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > max_header_bytes:
+            raise InvalidAdapter(
+                f"{label}: {WEIGHTS_FILE} declares a {header_len}-byte header, above the "
+                f"{max_header_bytes}-byte cap (corrupt file, or raise max_header_bytes)"
+            )
+        if 8 + header_len > file_size:
+            raise InvalidAdapter(
+                f"{label}: {WEIGHTS_FILE} is truncated: its header needs {header_len} bytes but "
+                f"the file has {file_size - 8} after the length prefix"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} header must be a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    entries = sorted(
+        (_header_entry(key, value, label) for key, value in header.items()),
+        key=lambda e: (e.begin, e.end),
+    )
+    _check_tiling(entries, file_size - data_start, label)
+    return entries, data_start
+
+
+def _header_entry(key: str, value: object, label: str) -> _HeaderEntry:
+    where = f"{label}: tensor {key}"
+    if not isinstance(value, dict):
+        raise InvalidAdapter(f"{where}: header entry must be an object")
+    dtype = value.get("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise InvalidAdapter(
+            f"{where} has dtype {dtype!r}; LoRA weights must be one of {', '.join(DTYPE_SIZES)}"
+        )
+    shape = value.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise InvalidAdapter(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    offsets = value.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise InvalidAdapter(f"{where}: data_offsets {offsets!r} must be [begin, end], begin<=end")
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise InvalidAdapter(
+            f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but "
+            f"{dtype} {shape} needs {expected}"
+        )
+    return _HeaderEntry(key, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_tiling(entries: list[_HeaderEntry], data_bytes: int, label: str) -> None:
+    """The tensors must cover the data exactly: contiguous, no overlap, nothing past the end."""
+    cursor = 0
+    for e in entries:
+        if e.end > data_bytes:
+            raise InvalidAdapter(
+                f"{label}: {WEIGHTS_FILE} is corrupt or truncated: tensor {e.key} ends at data "
+                f"offset {e.end}, past the {data_bytes} data bytes the file holds"
+            )
+        if e.begin != cursor:
+            what = "overlaps the previous tensor" if e.begin < cursor else "leaves a hole before it"
+            raise InvalidAdapter(
+                f"{label}: {WEIGHTS_FILE} is corrupt: tensor {e.key} at data offset {e.begin} "
+                f"{what} (expected {cursor})"
+            )
+        cursor = e.end
+    if cursor != data_bytes:
+        state = "truncated" if cursor > data_bytes else "followed by unindexed bytes"
+        raise InvalidAdapter(
+            f"{label}: {WEIGHTS_FILE} is {state}: the header indexes {cursor} data bytes, the "
+            f"file holds {data_bytes}"
+        )
+
+
+def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tuple[str, ...]:
+    """Every key a LoRA A/B of a supported module, pairs complete, ranks equal to ``rank``."""
+    pairs: dict[tuple[int, str], dict[str, _HeaderEntry]] = {}
+    for e in entries:
+        key = parse_lora_key(e.key)
+        if key is None or key.module not in SUPPORTED_MODULES:
+            module = key.module if key else e.key.split(".lora_")[0].rsplit(".", 1)[-1]
+            raise InvalidAdapter(
+                f"{label}: tensor {e.key} adapts {module!r}, which lorastream does not support; "
+                f"only the decoder projections {', '.join(SUPPORTED_MODULES)} can be adapted"
+            )
+        slot = pairs.setdefault((key.layer, key.module), {})
+        if key.ab in slot:
+            raise InvalidAdapter(f"{label}: tensors {slot[key.ab].key} and {e.key} are duplicates")
+        slot[key.ab] = e
+    if not pairs:
+        raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} holds no LoRA tensors")
+    for (layer, module), slot in sorted(pairs.items()):
+        where = f"{label}: layer {layer} {module}"
+        if set(slot) != {"A", "B"}:
+            missing = "B" if "A" in slot else "A"
+            raise InvalidAdapter(f"{where} has no lora_{missing} weight")
+        a, b = slot["A"], slot["B"]
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            raise InvalidAdapter(f"{where}: A {list(a.shape)} and B {list(b.shape)} must be 2-D")
+        if a.shape[0] != b.shape[1]:
+            raise InvalidAdapter(
+                f"{where}: rank mismatch: lora_A is {list(a.shape)} ([r, in]) but lora_B is "
+                f"{list(b.shape)} ([out, r])"
+            )
+        if a.shape[0] != rank:
+            raise InvalidAdapter(
+                f"{where} has rank {a.shape[0]} but {CONFIG_FILE} says r={rank}"
+            )
+    return tuple(sorted({module for _, module in pairs}))
+
+
+def _sha256_range(fd: int, start: int, length: int, label: str) -> str:
+    digest = hashlib.sha256()
+    done = 0
+    while done < length:
+        data = os.pread(fd, min(_HASH_CHUNK, length - done), start + done)
+        if not data:
+            raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} shrank while it was being validated")
+        digest.update(data)
+        done += len(data)
+    return digest.hexdigest()
+
+
+STAGED_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # the order the content id hashes them in
+
+
+def content_id(directory: Path) -> str:
+    """The content address of a PEFT directory: sha256 over STAGED_FILES in order, each as
+    ``name \\0 size \\0`` then its bytes. The store and the worker compute it alike."""
+    digest = hashlib.sha256()
+    for name in STAGED_FILES:
+        path = directory / name
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def validate_adapter_dir(
+    directory: Path, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, label: str = ""
+) -> ValidatedAdapter:
+    """Validate a PEFT LoRA directory and checksum its tensors; raises InvalidAdapter."""
+    label = label or str(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise InvalidAdapter(f"{label}: {path.name} is missing; expected a PEFT LoRA directory")
+    config = parse_adapter_config(config_path.read_bytes(), label)
+    entries, data_start = read_safetensors_header(weights_path, max_header_bytes, label)
+    targets = _check_lora_pairs(entries, config.rank, label)
+    fd = os.open(weights_path, os.O_RDONLY)
+    try:
+        tensors = tuple(
+            StagedTensor(
+                TensorInfo(
+                    name=e.key,
+                    dtype=e.dtype,
+                    shape=e.shape,
+                    nbytes=e.end - e.begin,
+                    checksum=_sha256_range(fd, data_start + e.begin, e.end - e.begin, label),
+                ),
+                file_offset=data_start + e.begin,
+            )
+            for e in entries
+        )
+    finally:
+        os.close(fd)
+    log.debug("%s: %d tensors, rank %d, targets %s", label, len(tensors), config.rank, targets)
+    return ValidatedAdapter(
+        base_model=config.base_model,
+        rank=config.rank,
+        alpha=config.alpha,
+        use_rslora=config.use_rslora,
+        target_modules=targets,
+        tensors=tensors,
+    )

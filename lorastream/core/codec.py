@@ -1,0 +1,383 @@
+"""The one codec between protobuf messages and lorastream's plain types.
+
+Servicers and clients call these functions; nothing else in the code base touches protobuf types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from lorastream.adapter_store.v1 import adapter_store_pb2 as store_pb2
+from lorastream.common.v1 import common_pb2
+from lorastream.core.generation import (
+    AdapterStatus,
+    FinishReason,
+    GenerationEvent,
+    PromptInput,
+    SamplingParams,
+    WorkerStats,
+)
+from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk, TensorInfo
+from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
+
+_DTYPE_TO_PB = {
+    "F32": common_pb2.DTYPE_FLOAT32,
+    "F16": common_pb2.DTYPE_FLOAT16,
+    "BF16": common_pb2.DTYPE_BFLOAT16,
+}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+_PHASE_TO_PB = {
+    "resolving": store_pb2.PRELOAD_PHASE_RESOLVING,
+    "downloading": store_pb2.PRELOAD_PHASE_DOWNLOADING,
+    "validating": store_pb2.PRELOAD_PHASE_VALIDATING,
+    "staging": store_pb2.PRELOAD_PHASE_STAGING,
+    "done": store_pb2.PRELOAD_PHASE_DONE,
+}
+_PHASE_FROM_PB = {v: k for k, v in _PHASE_TO_PB.items()}
+
+
+def tensor_info_to_pb(info: TensorInfo) -> common_pb2.TensorInfo:
+    return common_pb2.TensorInfo(
+        name=info.name,
+        dtype=_DTYPE_TO_PB[info.dtype],
+        shape=list(info.shape),
+        nbytes=info.nbytes,
+        checksum=info.checksum,
+    )
+
+
+def tensor_info_from_pb(msg: common_pb2.TensorInfo) -> TensorInfo:
+    return TensorInfo(
+        name=msg.name,
+        dtype=_DTYPE_FROM_PB[msg.dtype],
+        shape=tuple(msg.shape),
+        nbytes=msg.nbytes,
+        checksum=msg.checksum,
+    )
+
+
+def manifest_to_pb(m: AdapterManifest) -> common_pb2.AdapterManifest:
+    return common_pb2.AdapterManifest(
+        adapter_id=m.adapter_id,
+        name=m.name,
+        source_uri=m.source_uri,
+        revision=m.revision,
+        base_model=m.base_model,
+        rank=m.rank,
+        alpha=m.alpha,
+        use_rslora=m.use_rslora,
+        target_modules=list(m.target_modules),
+        tensors=[tensor_info_to_pb(t) for t in m.tensors],
+        total_bytes=m.total_bytes,
+        created_at=m.created_at,
+        pinned=m.pinned,
+        last_used_at=m.last_used_at,
+    )
+
+
+def manifest_from_pb(msg: common_pb2.AdapterManifest) -> AdapterManifest:
+    return AdapterManifest(
+        adapter_id=msg.adapter_id,
+        name=msg.name,
+        source_uri=msg.source_uri,
+        revision=msg.revision,
+        base_model=msg.base_model,
+        rank=msg.rank,
+        alpha=msg.alpha,
+        use_rslora=msg.use_rslora,
+        target_modules=tuple(msg.target_modules),
+        tensors=tuple(tensor_info_from_pb(t) for t in msg.tensors),
+        created_at=msg.created_at,
+        pinned=msg.pinned,
+        last_used_at=msg.last_used_at,
+    )
+
+
+def progress_to_pb(p: PreloadProgress) -> store_pb2.PreloadAdapterResponse:
+    msg = store_pb2.PreloadAdapterResponse(
+        phase=_PHASE_TO_PB.get(p.phase, store_pb2.PRELOAD_PHASE_UNSPECIFIED),
+        bytes_done=p.bytes_done,
+        bytes_total=p.bytes_total,
+        message=p.message,
+    )
+    if p.manifest is not None:
+        msg.manifest.CopyFrom(manifest_to_pb(p.manifest))
+    return msg
+
+
+def progress_from_pb(msg: store_pb2.PreloadAdapterResponse) -> PreloadProgress:
+    return PreloadProgress(
+        phase=_PHASE_FROM_PB.get(msg.phase, "unspecified"),
+        bytes_done=msg.bytes_done,
+        bytes_total=msg.bytes_total,
+        message=msg.message,
+        manifest=manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None,
+    )
+
+
+def chunk_to_pb(chunk: TensorChunk) -> store_pb2.StreamAdapterTensorsResponse:
+    return store_pb2.StreamAdapterTensorsResponse(
+        chunk=store_pb2.TensorChunk(
+            tensor_index=chunk.tensor_index,
+            offset=chunk.offset,
+            data=bytes(chunk.data),
+            crc32c=chunk.crc32c,
+        )
+    )
+
+
+def chunk_from_pb(msg: store_pb2.TensorChunk) -> TensorChunk:
+    return TensorChunk(
+        tensor_index=msg.tensor_index, offset=msg.offset, data=msg.data, crc32c=msg.crc32c
+    )
+
+
+# -- the chunk response on the wire ---------------------------------------------------------
+# A chunk is ``StreamAdapterTensorsResponse{chunk (2): TensorChunk{tensor_index (1),
+# offset (2), data (3), crc32c (4)}}``. Building that message through the Python protobuf runtime
+# copies the (1 MiB) payload twice and is the slowest step of a stream (about 1.4 ms/MiB, more
+# than gRPC's own cost), so the servicer sends these bytes instead: the same encoding protobuf
+# produces (tests/store/test_codec.py compares them byte for byte), with one copy of the payload.
+# Example, tensor 3, offset 0, data b"ab", crc 5:
+#   12 08 | 08 03 | 1a 02 61 62 | 20 05       (offset 0 is proto3's default: omitted)
+_WIRE_VARINT, _WIRE_LEN = 0, 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def encode_chunk_response(chunk: TensorChunk) -> bytes:
+    """``chunk_to_pb(chunk).SerializeToString()``, without the protobuf runtime's copies."""
+    if chunk.tensor_index < 0 or chunk.offset < 0 or not 0 <= chunk.crc32c < 1 << 32:
+        raise ValueError(f"chunk fields out of range: {chunk.tensor_index}, {chunk.offset}")
+    head = bytearray()
+    if chunk.tensor_index:
+        head += _tag(1, _WIRE_VARINT) + _varint(chunk.tensor_index)
+    if chunk.offset:
+        head += _tag(2, _WIRE_VARINT) + _varint(chunk.offset)
+    size = len(chunk.data)
+    if size:
+        head += _tag(3, _WIRE_LEN) + _varint(size)
+    tail = _tag(4, _WIRE_VARINT) + _varint(chunk.crc32c) if chunk.crc32c else b""
+    outer = _tag(2, _WIRE_LEN) + _varint(len(head) + size + len(tail))
+    return b"".join((outer, head, chunk.data, tail))
+
+
+def _read_varint(raw: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(raw: memoryview) -> Iterator[tuple[int, int | memoryview]]:
+    """(field number, value) pairs of one message: ints for varints, views for LEN fields.
+
+    Fixed-width fields are skipped (the chunk message has none); group wire types are refused.
+    """
+    pos = 0
+    while pos < len(raw):
+        key, pos = _read_varint(raw, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _WIRE_VARINT:
+            value, pos = _read_varint(raw, pos)
+            yield field, value
+        elif wire_type == _WIRE_LEN:
+            size, pos = _read_varint(raw, pos)
+            if pos + size > len(raw):
+                raise ValueError("length-delimited field runs past the message")
+            yield field, raw[pos : pos + size]
+            pos += size
+        elif wire_type in (1, 5):  # fixed64 / fixed32: unknown here, skipped
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+    if pos != len(raw):
+        raise ValueError("field runs past the message")
+
+
+def decode_stream_response(raw: bytes) -> AdapterManifest | TensorChunk:
+    """Parse one ``StreamAdapterTensorsResponse``: the manifest, or a chunk whose ``data`` is a
+    zero-copy view into ``raw`` (the protobuf runtime would copy the payload twice)."""
+    view = memoryview(raw)
+    payload: tuple[int, memoryview] | None = None
+    for field, value in _fields(view):
+        if field in (1, 2) and isinstance(value, memoryview):
+            payload = (field, value)  # a oneof: the last one wins, as in protobuf
+    if payload is None:
+        raise ValueError("stream response holds neither a manifest nor a chunk")
+    if payload[0] == 1:
+        return manifest_from_pb(common_pb2.AdapterManifest.FromString(payload[1].tobytes()))
+    index = offset = crc = 0
+    data: memoryview = view[0:0]
+    for field, value in _fields(payload[1]):
+        if field == 1 and isinstance(value, int):
+            index = value - (1 << 64) if value >= 1 << 63 else value
+        elif field == 2 and isinstance(value, int):
+            offset = value - (1 << 64) if value >= 1 << 63 else value
+        elif field == 3 and isinstance(value, memoryview):
+            data = value
+        elif field == 4 and isinstance(value, int):
+            crc = value & 0xFFFFFFFF
+    return TensorChunk(index, offset, data, crc)
+
+
+def serialize_response(message: object) -> bytes:
+    """Response serializer for servicers that may yield pre-encoded bytes."""
+    if isinstance(message, bytes):
+        return message
+    return message.SerializeToString()  # type: ignore[attr-defined]
+
+
+# -- the GPU worker's API -------------------------------------------------------------------
+_FINISH_TO_PB = {
+    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: worker_pb2.FINISH_REASON_CANCELLED,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_RESIDENCY_TO_PB = {
+    "remote": worker_pb2.RESIDENCY_REMOTE,
+    "loading": worker_pb2.RESIDENCY_LOADING,
+    "host": worker_pb2.RESIDENCY_HOST,
+    "device": worker_pb2.RESIDENCY_DEVICE,
+}
+_RESIDENCY_FROM_PB = {v: k for k, v in _RESIDENCY_TO_PB.items()}
+
+
+def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
+    msg = worker_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        max_tokens=p.max_tokens,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def sampling_from_pb(msg: worker_pb2.SamplingParams) -> SamplingParams:
+    """Proto defaults mean "unset": max_tokens 0 -> 0 (the server's default), top_p 0 -> 1."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        max_tokens=msg.max_tokens,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def generate_request_to_pb(
+    model: str, prompt: PromptInput, params: SamplingParams, request_id: str = ""
+) -> worker_pb2.GenerateRequest:
+    msg = worker_pb2.GenerateRequest(
+        request_id=request_id, model=model, sampling=sampling_to_pb(params)
+    )
+    if prompt.token_ids is not None:
+        msg.prompt_token_ids.ids.extend(prompt.token_ids)
+    elif prompt.messages is not None:
+        msg.messages.messages.extend(
+            worker_pb2.ChatMessage(role=role, content=content) for role, content in prompt.messages
+        )
+    else:
+        msg.prompt = prompt.text or ""
+    return msg
+
+
+def generate_request_from_pb(
+    msg: worker_pb2.GenerateRequest,
+) -> tuple[str, str, PromptInput, SamplingParams]:
+    """(request_id, model, prompt, sampling) of a Generate call."""
+    kind = msg.WhichOneof("input")
+    if kind == "prompt_token_ids":
+        prompt = PromptInput(token_ids=tuple(msg.prompt_token_ids.ids))
+    elif kind == "messages":
+        prompt = PromptInput(
+            messages=tuple((m.role, m.content) for m in msg.messages.messages)
+        )
+    else:
+        prompt = PromptInput(text=msg.prompt)
+    return msg.request_id, msg.model, prompt, sampling_from_pb(msg.sampling)
+
+
+def event_to_pb(e: GenerationEvent) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        token_ids=list(e.token_ids),
+        text=e.text,
+        finish_reason=(
+            _FINISH_TO_PB[e.finish_reason]
+            if e.finish_reason is not None
+            else worker_pb2.FINISH_REASON_UNSPECIFIED
+        ),
+        prompt_tokens=e.prompt_tokens,
+        completion_tokens=e.completion_tokens,
+    )
+
+
+def event_from_pb(msg: worker_pb2.GenerateResponse) -> GenerationEvent:
+    return GenerationEvent(
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+    )
+
+
+def adapter_status_to_pb(s: AdapterStatus) -> worker_pb2.AdapterStatus:
+    return worker_pb2.AdapterStatus(
+        name=s.name,
+        adapter_id=s.adapter_id,
+        residency=_RESIDENCY_TO_PB.get(s.residency, worker_pb2.RESIDENCY_UNSPECIFIED),
+        rank=s.rank,
+        nbytes=s.nbytes,
+        pinned=s.pinned,
+        references=s.references,
+        slot=s.slot,
+    )
+
+
+def adapter_status_from_pb(msg: worker_pb2.AdapterStatus) -> AdapterStatus:
+    return AdapterStatus(
+        name=msg.name,
+        adapter_id=msg.adapter_id,
+        residency=_RESIDENCY_FROM_PB.get(msg.residency, "unspecified"),
+        rank=msg.rank,
+        nbytes=msg.nbytes,
+        pinned=msg.pinned,
+        references=msg.references,
+        slot=msg.slot,
+    )
+
+
+def stats_to_pb(s: WorkerStats) -> worker_pb2.GetStatsResponse:
+    return worker_pb2.GetStatsResponse(**dataclasses.asdict(s))
+
+
+def stats_from_pb(msg: worker_pb2.GetStatsResponse) -> WorkerStats:
+    return WorkerStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)})

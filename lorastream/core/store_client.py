@@ -1,0 +1,243 @@
+"""Client of the adapter store, shared by the CLI, the worker and the gateway.
+
+The tensor stream lands in a :class:`TensorSink` chunk by chunk at each chunk's offset (no
+concatenation of bytes objects); every chunk's CRC-32C and every tensor's sha256 are verified, and a
+stream cut by a dead store resumes from the last verified (tensor, offset).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import grpc
+
+from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
+from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
+from lorastream.core import codec
+from lorastream.core.checksum import crc32c
+from lorastream.core.errors import InvalidAdapter, SourceUnavailable
+from lorastream.core.grpc_status import raise_from_rpc_error
+from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk
+from lorastream.core.stream_layout import StreamLayout
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+_STREAM_METHOD = (
+    "/" + pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name + "/StreamAdapterTensors"
+)
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class TensorSink(Protocol):
+    """Where streamed tensor bytes land."""
+
+    def begin(self, manifest: AdapterManifest) -> None:
+        """Called once per stream attempt with the manifest, before any chunk (allocate here)."""
+
+    def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
+        """Copy ``data`` into tensor ``tensor_index`` at byte ``offset``."""
+
+    def view(self, tensor_index: int) -> memoryview:
+        """The bytes of a completely received tensor, for checksum verification."""
+
+
+class BytesSink:
+    """A sink with one preallocated ``bytearray`` per tensor (the CLI's ``pull`` uses it)."""
+
+    def __init__(self) -> None:
+        self.manifest: AdapterManifest | None = None
+        self.buffers: list[bytearray] = []
+
+    def begin(self, manifest: AdapterManifest) -> None:
+        if self.manifest is None or self.manifest.adapter_id != manifest.adapter_id:
+            self.manifest = manifest
+            self.buffers = [bytearray(t.nbytes) for t in manifest.tensors]
+
+    def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
+        self.buffers[tensor_index][offset : offset + len(data)] = data
+
+    def view(self, tensor_index: int) -> memoryview:
+        return memoryview(self.buffers[tensor_index])
+
+
+class StoreClient:
+    """Blocking client of ``AdapterStoreService``; raises lorastream domain exceptions."""
+
+    def __init__(self, target: str, token: str | None = None, timeout: float = 30.0) -> None:
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.AdapterStoreServiceStub(self._channel)
+        # The tensor stream is decoded by the codec: chunk payloads stay zero-copy views.
+        self._stream_tensors = self._channel.unary_stream(
+            _STREAM_METHOD,
+            request_serializer=pb.StreamAdapterTensorsRequest.SerializeToString,
+            response_deserializer=codec.decode_stream_response,
+        )
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- operator calls ---------------------------------------------------------------------
+    def preload(
+        self, source_uri: str, name: str, *, pin: bool = False, force: bool = False
+    ) -> Iterator[PreloadProgress]:
+        request = pb.PreloadAdapterRequest(source_uri=source_uri, name=name, pin=pin, force=force)
+        try:
+            for event in self._stub.PreloadAdapter(request, metadata=self._metadata):
+                yield codec.progress_from_pb(event)
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+
+    def list(self) -> tuple[list[AdapterManifest], int, int]:
+        """All staged adapters, with the cache's bytes used and budget."""
+        reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
+        adapters = [codec.manifest_from_pb(m) for m in reply.adapters]
+        return adapters, reply.cache_bytes_used, reply.cache_bytes_budget
+
+    def describe(self, name: str) -> AdapterManifest:
+        reply = self._call(self._stub.DescribeAdapter, pb.DescribeAdapterRequest(name=name))
+        return codec.manifest_from_pb(reply.manifest)
+
+    def delete(self, name: str) -> None:
+        self._call(self._stub.DeleteAdapter, pb.DeleteAdapterRequest(name=name))
+
+    def pin(self, name: str) -> AdapterManifest:
+        reply = self._call(self._stub.PinAdapter, pb.PinAdapterRequest(name=name))
+        return codec.manifest_from_pb(reply.manifest)
+
+    def unpin(self, name: str) -> AdapterManifest:
+        reply = self._call(self._stub.UnpinAdapter, pb.UnpinAdapterRequest(name=name))
+        return codec.manifest_from_pb(reply.manifest)
+
+    def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return method(request, metadata=self._metadata, timeout=self._timeout)
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+
+    # -- tensor stream ----------------------------------------------------------------------
+    def iter_chunks(self, name: str, *, chunk_bytes: int = 0) -> Iterator[TensorChunk]:
+        """The raw chunk stream of ``name`` (CRC-32C checked, no landing, no resume)."""
+        request = pb.StreamAdapterTensorsRequest(name=name, chunk_bytes=chunk_bytes)
+        try:
+            for item in self._stream_tensors(request, metadata=self._metadata):
+                if isinstance(item, TensorChunk):
+                    chunk = item
+                    if crc32c(chunk.data) != chunk.crc32c:
+                        raise InvalidAdapter(
+                            f"CRC-32C mismatch in {name} tensor {chunk.tensor_index} at offset "
+                            f"{chunk.offset}: the stream was corrupted in transit"
+                        )
+                    yield chunk
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+
+    def stream_tensors(
+        self,
+        name: str,
+        sink: TensorSink,
+        *,
+        chunk_bytes: int = 0,
+        max_retries: int = 5,
+        retry_backoff: float = 0.2,
+    ) -> AdapterManifest:
+        """Stream every tensor of ``name`` into ``sink``, verified; resume after store failures.
+
+        Raises InvalidAdapter on a checksum mismatch, SourceUnavailable when the store stays away
+        for ``max_retries`` attempts, and the store's own errors (AdapterNotFound, ...) as they are.
+        """
+        position = (0, 0)  # next (tensor_index, offset) expected
+        manifest: AdapterManifest | None = None
+        layout: StreamLayout | None = None
+        attempt = 0
+        while True:
+            request = pb.StreamAdapterTensorsRequest(
+                name=name,
+                adapter_id=manifest.adapter_id if manifest else "",
+                start_tensor=position[0],
+                start_offset=position[1],
+                chunk_bytes=chunk_bytes,
+            )
+            try:
+                for item in self._stream_tensors(request, metadata=self._metadata):
+                    if isinstance(item, AdapterManifest):
+                        manifest = item
+                        layout = StreamLayout(manifest)
+                        sink.begin(manifest)
+                        position = layout.position(layout.flat(*position))
+                        continue
+                    if manifest is None or layout is None:
+                        raise InvalidAdapter(f"store sent a chunk of {name} before its manifest")
+                    position = self._land_chunk(manifest, layout, sink, item, position)
+                if manifest is None or position[0] < len(manifest.tensors):
+                    raise InvalidAdapter(
+                        f"store ended the stream of {name} early at tensor {position[0]}"
+                    )
+                return manifest
+            except grpc.RpcError as err:
+                if err.code() not in _RETRYABLE:
+                    raise_from_rpc_error(err)
+                attempt += 1
+                if attempt > max_retries:
+                    raise SourceUnavailable(
+                        f"adapter store {self.target} unreachable while streaming {name} "
+                        f"(gave up after {max_retries} retries at tensor {position[0]}, "
+                        f"offset {position[1]}): {err.details()}"
+                    ) from err
+                delay = retry_backoff * (2 ** (attempt - 1))
+                log.warning(
+                    "stream of %s interrupted at tensor %d offset %d (%s); retry %d in %.2fs",
+                    name, position[0], position[1], err.code().name, attempt, delay,
+                )
+                time.sleep(delay)
+
+    @staticmethod
+    def _land_chunk(
+        manifest: AdapterManifest,
+        layout: StreamLayout,
+        sink: TensorSink,
+        chunk: TensorChunk,
+        position: tuple[int, int],
+    ) -> tuple[int, int]:
+        """Verify ``chunk``, write its pieces into ``sink``; return the next expected position.
+
+        A tensor's sha256 is checked as soon as its last byte landed.
+        """
+        if (chunk.tensor_index, chunk.offset) != position:
+            raise InvalidAdapter(
+                f"store sent {manifest.name} tensor {chunk.tensor_index} offset {chunk.offset}, "
+                f"expected {position}"
+            )
+        if crc32c(chunk.data) != chunk.crc32c:
+            raise InvalidAdapter(
+                f"CRC-32C mismatch in {manifest.name} at tensor {chunk.tensor_index} offset "
+                f"{chunk.offset}: the stream was corrupted in transit"
+            )
+        try:
+            pieces = list(layout.split(chunk.tensor_index, chunk.offset, chunk.data))
+        except ValueError as err:
+            raise InvalidAdapter(f"store sent a bad chunk of {manifest.name}: {err}") from err
+        for index, offset, data in pieces:
+            sink.write(index, offset, data)
+            info = manifest.tensors[index]
+            if offset + len(data) == info.nbytes:
+                digest = hashlib.sha256(sink.view(index)).hexdigest()
+                if digest != info.checksum:
+                    raise InvalidAdapter(
+                        f"sha256 mismatch for {manifest.name} tensor {info.name}: the staged "
+                        "adapter is corrupt; delete and preload it again"
+                    )
+        return layout.position(layout.flat(chunk.tensor_index, chunk.offset) + len(chunk.data))

@@ -1,0 +1,80 @@
+"""Client of ``GpuWorkerService``, shared by the CLI and the gateway; raises domain errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from lorastream.core import codec
+from lorastream.core.generation import (
+    AdapterStatus,
+    GenerationEvent,
+    PromptInput,
+    SamplingParams,
+    WorkerStats,
+)
+from lorastream.core.grpc_status import raise_from_rpc_error
+from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
+from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+
+
+class WorkerClient:
+    def __init__(self, target: str, timeout: float = 30.0) -> None:
+        self.target = target
+        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._stub = pb_grpc.GpuWorkerServiceStub(self._channel)
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(
+        self,
+        model: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Stream the generation; closing the iterator early cancels the request."""
+        request = codec.generate_request_to_pb(model, prompt, params, request_id)
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for msg in call:
+                yield codec.event_from_pb(msg)
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+        finally:
+            call.cancel()
+
+    def load_adapter(self, name: str, local_path: str = "", pin: bool = False) -> AdapterStatus:
+        request = pb.LoadAdapterRequest(name=name, local_path=local_path, pin=pin)
+        reply = self._call(self._stub.LoadAdapter, request, timeout=600.0)
+        return codec.adapter_status_from_pb(reply.adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    def list_adapters(self) -> tuple[list[AdapterStatus], str]:
+        """Adapters on the worker, and its base model's served name."""
+        reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
+        return [codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
+
+    def stats(self) -> WorkerStats:
+        return codec.stats_from_pb(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout or self._timeout)
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)

@@ -1,0 +1,297 @@
+"""The one module that knows whether we run on CUDA or on the CPU.
+
+Everything above it (slot pool, adapter loader, scheduler) calls only this layer, so the same
+scheduling code runs — and is tested — on CPU-only machines.
+
+On CUDA:
+  * host buffers are pinned (page-locked), so host→device copies can be asynchronous;
+  * a dedicated *load stream* runs adapter copies while the compute stream keeps decoding;
+  * an :class:`Event` is a ``torch.cuda.Event`` recorded on a stream; ``query()`` never blocks.
+
+On the CPU (every machine here):
+  * host buffers are plain tensors (``pin_memory`` raises on the CPU build of torch);
+  * the load stream is ONE dedicated copy thread that runs submitted copies in submission order,
+    in turns between the decode steps (:class:`~lorastream.worker.device.step_gate.StepGate` says why;
+    the engine runs each step inside :meth:`Device.step`);
+  * an :class:`Event` is a host-side completion flag with the same ``query``/``wait`` calls.
+
+A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.
+
+On the CPU the loader threads compete with the step's matmul threads for the same cores (on a GPU
+they would not: copies are DMA). :func:`loader_thread_init` gives them the loader priority
+(SCHED_IDLE by default, ``priority.py`` says why), the CPU counterpart of a low-priority CUDA
+stream (decoding keeps the cores, loads use the gaps), and one intra-op thread
+(:func:`use_intra_op_threads` says why that matters).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from lorastream.worker.device.cpu_binding import bind_team, release_thread, unbind_team
+from lorastream.worker.device.priority import lower_priority
+from lorastream.worker.device.step_gate import StepGate
+
+log = logging.getLogger(__name__)
+
+
+def use_intra_op_threads(count: int) -> None:
+    """Run the calling thread's torch CPU ops on ``count`` intra-op (OpenMP) threads.
+
+    Why the worker cares: GNU OpenMP gives every thread that runs a parallel torch op a pool of
+    its own, and once the process holds more OpenMP threads than there are cores it stops
+    spin-waiting between parallel regions ("throttled" waits). A decode step runs hundreds of
+    small parallel ops (the LoRA matmuls); each then pays a futex wake-up. Measured on the default
+    model with 32 adapters: decode steps ~30% slower once a second thread had used torch with two
+    threads. So one thread of the process, the engine's, computes with several threads and every
+    other thread that touches torch (loaders, request handlers) calls this with 1.
+
+    torch adopts its process-wide count lazily, at a thread's first parallel op, and that would
+    undo a count set before it: ``get_num_threads`` makes that first adoption happen now.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
+def loader_thread_init(priority: str) -> None:
+    """Thread initializer of loader threads (store fetch, CPU copies): ``priority`` (``idle`` or
+    ``nice:N``), every CPU of the process (an engine thread bound to one core may start it), and
+    torch on one intra-op thread so that decoding keeps the only multi-threaded OpenMP pool."""
+    release_thread()
+    lower_priority(priority)
+    use_intra_op_threads(1)
+
+
+class Event:
+    """Completion of work on a stream. ``query`` never blocks; ``wait`` blocks the host."""
+
+    def query(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+
+class HostEvent(Event):
+    """A host-side completion flag (the CPU stand-in for ``torch.cuda.Event``)."""
+
+    def __init__(self, done: bool = False) -> None:
+        self._flag = threading.Event()
+        self.error: BaseException | None = None
+        if done:
+            self._flag.set()
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._flag.wait(timeout)
+
+
+class CudaEvent(Event):  # pragma: no cover - needs a GPU
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self.error: BaseException | None = None
+
+    @property
+    def raw(self) -> "torch.cuda.Event":
+        return self._event
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._event.synchronize()
+        return True
+
+
+COMPLETED = HostEvent(done=True)
+COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see step_gate.py)
+FETCH_TURN_S = 0.0  # on the CPU, each gap held open this long while a fetch is in flight
+
+
+CopyOps = Sequence[Callable[[], None]]  # operations that issue copies, run in order
+
+
+@dataclass
+class _Job:
+    ops: CopyOps
+    after: Event | None
+    done: HostEvent = field(default_factory=HostEvent)
+
+
+class LoadStream:
+    """Runs adapter copies off the compute path, in submission order.
+
+    ``submit(ops, after=ev)`` enqueues ``ops`` (callables that issue copies) to run in order once
+    ``ev`` completed, and returns an event that completes when their copies have landed.
+    ``after`` is how rule 2 of DESIGN.md is kept: a slot is overwritten only after the last step
+    that read it finished. On the CPU the operations run in turns of ``gate`` between steps.
+    """
+
+    def __init__(
+        self, device: torch.device, loader_priority: str = "nice:0", gate: StepGate | None = None
+    ) -> None:
+        self.device = device
+        self.loader_priority = loader_priority
+        self.gate = gate or StepGate(0.0)
+        self.copy_delay_s = 0.0  # test hook: sleep this long before every copy job
+        self._cuda = device.type == "cuda"
+        if self._cuda:  # pragma: no cover - needs a GPU
+            self._stream = torch.cuda.Stream(device=device)
+        else:
+            self._jobs: queue.Queue[_Job | None] = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="load-stream", daemon=True)
+            self._thread.start()
+
+    @property
+    def thread_id(self) -> int | None:
+        """The copy thread's native id on the CPU; None on CUDA, where there is no thread."""
+        return None if self._cuda else self._thread.native_id
+
+    def submit(self, ops: CopyOps, after: Event | None = None) -> Event:
+        if self._cuda:  # pragma: no cover - needs a GPU
+            if self.copy_delay_s:
+                time.sleep(self.copy_delay_s)
+            with torch.cuda.stream(self._stream):
+                if isinstance(after, CudaEvent):
+                    self._stream.wait_event(after.raw)
+                for op in ops:
+                    op()
+                return CudaEvent(self._stream)
+        job = _Job(ops, after)
+        self._jobs.put(job)
+        return job.done
+
+    def _run(self) -> None:
+        loader_thread_init(self.loader_priority)
+        while (job := self._jobs.get()) is not None:
+            try:
+                if job.after is not None:
+                    job.after.wait()
+                if self.copy_delay_s:
+                    time.sleep(self.copy_delay_s)
+                self._run_in_turns(job.ops, job.done)
+            except BaseException as exc:  # noqa: BLE001 - reported through the event
+                log.exception("copy on the load stream failed")
+                job.done.set(exc)
+
+    def _run_in_turns(self, ops: CopyOps, done: HostEvent) -> None:
+        """Run ``ops`` in turns of the gate (each ends once it copied for ``turn_s``) and set
+        ``done`` inside the last one, so an engine waiting for that turn sees the copy done."""
+        gate, began = self.gate, None
+        try:
+            for index, op in enumerate(ops, 1):
+                if began is None:
+                    gate.begin_turn()
+                    began = time.perf_counter()
+                op()
+                if index < len(ops) and time.perf_counter() - began >= gate.turn_s:
+                    gate.end_turn()
+                    began = None
+            done.set()
+        finally:
+            if began is not None:
+                gate.end_turn()
+
+    def close(self) -> None:
+        if not self._cuda:
+            self._jobs.put(None)
+            self._thread.join(timeout=5)
+
+
+class Device:
+    """Buffers, streams and events for one device."""
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        loader_priority: str = "nice:0",
+        copy_turn_s: float = COPY_TURN_S,
+        bind_compute: bool = True,
+        fetch_turn_s: float = FETCH_TURN_S,
+    ) -> None:
+        self.device = torch.device(device)
+        self.bind_compute = bind_compute  # on the CPU: compute threads one per core
+        self.is_cuda = self.device.type == "cuda"
+        self.loader_priority = loader_priority  # of loader threads (fetch, CPU copies)
+        # CPU copies take turns with the steps; CUDA copies are DMA beside them (no gate)
+        self.gate = StepGate(0.0 if self.is_cuda else copy_turn_s)
+        # CPU fetches get the cores between steps; CUDA's loaders have host cores of their own
+        self.fetch_turn_s = 0.0 if self.is_cuda else fetch_turn_s
+        self.load_stream = LoadStream(self.device, loader_priority, self.gate)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one step's compute: on the CPU, copies of the load stream wait for its end."""
+        with self.gate.step():
+            yield
+
+    def between_steps(self, fetching: bool = False) -> None:
+        """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch is
+        in flight and sequences run), leave the cores to the idle-priority loaders for
+        ``fetch_turn_s``; then a copy of the load stream waiting for this gap copies now (one
+        turn), so what it loads can join that step (``step_gate.py``)."""
+        if fetching and self.fetch_turn_s > 0:
+            self.gate.hold_gap(self.fetch_turn_s)
+        self.gate.give_turn()
+
+    def use_compute_threads(self, count: int) -> dict[int, int] | None:
+        """Make the calling thread the one that computes, on ``count`` intra-op threads; on the
+        CPU, bind them one per core (``cpu_binding.py`` says why and when). Returns
+        ``{thread id: cpu}`` of the bound threads, None if not bound."""
+        use_intra_op_threads(count)
+        if self.is_cuda or not self.bind_compute:
+            return None
+        return bind_team(count)
+
+    def release_compute_threads(self, bound: dict[int, int] | None) -> None:
+        """Undo :meth:`use_compute_threads`' binding (the engine's loop ended)."""
+        if bound:
+            unbind_team(bound)
+
+    def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        """A host staging buffer: pinned on CUDA (async H2D copies), plain on the CPU."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def pin_host(self, tensor: torch.Tensor) -> None:
+        """Page-lock host memory allocated elsewhere (a shared mapping), in place: on CUDA
+        (``cudaHostRegister``) so copies from it are asynchronous; nothing to do on the CPU."""
+        if self.is_cuda:  # pragma: no cover - needs a GPU
+            nbytes = tensor.numel() * tensor.element_size()
+            error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {error}")
+
+    def record_compute(self) -> Event:
+        """An event that completes when the work enqueued so far on the compute stream is done.
+
+        On the CPU a step has finished when the step call returns, so this is already complete.
+        """
+        if self.is_cuda:  # pragma: no cover - needs a GPU
+            return CudaEvent(torch.cuda.current_stream(self.device))
+        return COMPLETED
+
+    def compute_wait(self, event: Event) -> None:
+        """Make the compute stream wait for ``event`` (never a device-wide synchronize)."""
+        if self.is_cuda and isinstance(event, CudaEvent):  # pragma: no cover - needs a GPU
+            torch.cuda.current_stream(self.device).wait_event(event.raw)
+        elif not event.query():
+            # The scheduler only uses a slot whose event query()'d complete, so this is a bug.
+            raise RuntimeError("a step would read a device slot whose load has not completed")
+
+    def close(self) -> None:
+        self.load_stream.close()

@@ -1,0 +1,374 @@
+"""The engine wires model, KV cache, LoRA slots, adapter manager, scheduler and sampler together.
+
+Request threads call :meth:`Engine.submit` (validation, tokenization and the adapter lookup
+happen there, off the step loop, in :mod:`~lorastream.worker.engine.intake`) and read events from
+the returned :class:`RequestStream`. One engine thread runs the loop: take new requests and
+cancellations, schedule, run one forward step for the whole mixed batch, sample, stream tokens,
+retire finished sequences.
+
+The loop runs either on a thread of its own (:meth:`Engine.start`) or on the calling thread
+(:meth:`Engine.run`, :meth:`Engine.run_while`). The worker process and ``bench engine`` use the
+latter on the main thread, the one that loaded the model: on the CPU, torch's OpenMP pool of
+that thread is then the only multi-threaded one in the process (see
+:func:`~lorastream.worker.device.device.use_intra_op_threads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from lorastream.core.errors import LorastreamError, SourceUnavailable
+from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput
+from lorastream.worker.device.device import Device, Event, use_intra_op_threads
+from lorastream.worker.device.staging import StepStaging
+from lorastream.worker.engine.intake import RequestIntake
+from lorastream.worker.engine.sampling import Sampler, SamplingParams, SamplingRow
+from lorastream.worker.engine.scheduler import Scheduler, StepPlan
+from lorastream.worker.engine.sequence import RequestStream, Sequence
+from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.lora.backend import LoraBackend, LoraStep, staged_size
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.metrics import TierState
+from lorastream.worker.model.kv_cache import BLOCK_SIZE, KVCache
+from lorastream.worker.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineStats:
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    peak_running: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: object,
+        kv: KVCache,
+        slots: LoraSlots,
+        adapters: AdapterManager,
+        backend: LoraBackend,
+        device: Device,
+        *,
+        base_model_name: str,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int,
+        default_max_tokens: int,
+        prefetch_depth: int = 8,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.slots = slots
+        self.adapters = adapters
+        self.backend = backend
+        self.device = device
+        self.base_model_name = base_model_name
+        self.scheduler = Scheduler(
+            kv.allocator,
+            adapters,
+            max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens,
+            prefetch_depth=prefetch_depth if adapters.overlap else 0,
+        )
+        self.sampler = Sampler()
+        self.staging = StepStaging(device, capacity=16 * max_num_tokens + 4096)
+        self.intake = RequestIntake(
+            tokenizer, model.config, max_seq_len=max_seq_len, kv_blocks=kv.num_blocks,
+            default_max_tokens=default_max_tokens,
+        )
+        self.stats = EngineStats()
+        adapters.metrics.watch(self.metrics_state)
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._submit_lock = threading.Lock()  # submit vs stop: nothing queued after the drain
+        # The loop computes with the intra-op thread count of the thread that built the engine.
+        self.compute_threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self._loop_thread: threading.Thread | None = None  # set when the loop starts running
+        self.bound_threads: dict[int, int] | None = None  # compute thread -> its core, if bound
+        self._loop_done = threading.Event()
+        self._wind_down_lock = threading.Lock()
+        self._wound_down = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Run the loop on a thread of its own."""
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`stop` is called (from another thread
+        or a signal handler), then wind down: requests still in flight end with UNAVAILABLE."""
+        self._loop()
+        self._wind_down()
+
+    def run_while(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on a helper thread and the loop on this one; stop the engine when ``work``
+        returns or raises, and return its result (or raise its exception)."""
+        outcome: list[T] = []
+        failure: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                use_intra_op_threads(1)  # the loop's thread keeps the one multi-threaded pool
+                outcome.append(work())
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                failure.append(exc)
+            finally:
+                self.stop()
+
+        driver = threading.Thread(target=drive, name="engine-driver", daemon=True)
+        driver.start()
+        self.run()
+        driver.join()
+        if failure:
+            raise failure[0]
+        return outcome[0]
+
+    @property
+    def started(self) -> bool:
+        running = self._loop_thread is not None and not self._loop_done.is_set()
+        return self._thread.is_alive() or running
+
+    def stop(self) -> None:
+        """Stop the loop; requests still queued or running end with UNAVAILABLE (never hang).
+
+        Called on the loop's own thread (a signal handler while :meth:`run` runs), it only asks
+        the loop to end; :meth:`run` winds down when the loop has ended."""
+        with self._submit_lock:
+            self._stop.set()
+        self._wake.set()
+        if threading.current_thread() is self._loop_thread:
+            return
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        elif self._loop_thread is not None:
+            self._loop_done.wait(timeout=30)
+        self._wind_down()
+
+    def _wind_down(self) -> None:
+        """Fail what is left and release loaders and streams, once, after the loop ended."""
+        with self._wind_down_lock:
+            if self._wound_down:
+                return
+            if self._loop_thread is not None and not self._loop_done.is_set():
+                log.error("the engine loop did not stop within 30 s; requests in flight are left")
+            else:  # the loop is gone: its state is ours to wind down
+                self._intake()
+                gone = SourceUnavailable("the worker is shutting down; retry the request")
+                for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                    self._fail(seq, gone)
+            self._wound_down = True
+            self.adapters.close()
+            self.device.close()
+
+    def healthy_after_stop(self) -> bool:
+        """No leaked KV blocks or adapter references once no request is left (a test check)."""
+        if self.scheduler.has_work or not self._inbox.empty():
+            return True  # stopped with requests in flight: nothing to conclude
+        refs = sum(entry.refs for entry in self.adapters.entries())
+        return refs == 0 and self.kv.allocator.used_blocks == 0
+
+    def is_base_model(self, name: str) -> bool:
+        return name in ("", self.base_model_name)
+
+    # -- intake (request threads) -------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        return self.intake.tokenize(prompt)
+
+    def submit(
+        self,
+        model: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; raises domain errors for bad input (nothing queued)."""
+        seq = self.intake.sequence(
+            prompt, params,
+            lambda: None if self.is_base_model(model) else self.adapters.resolve(model),
+            request_id,
+        )
+        adapter = seq.adapter
+        with self._submit_lock:
+            if self._stop.is_set():
+                raise SourceUnavailable("the worker is shutting down; retry the request")
+            if adapter is not None:
+                self.adapters.acquire(adapter)
+                if self.adapters.overlap:  # start the store fetch now, not at the next step
+                    self.adapters.ensure_host(adapter)
+            self._inbox.put(seq)
+        self._wake.set()
+        return seq.stream
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        self._loop_thread = threading.current_thread()
+        try:
+            self.bound_threads = self.device.use_compute_threads(self.compute_threads)
+            self._loop_steps()
+        finally:
+            self.device.release_compute_threads(self.bound_threads)
+            self._loop_done.set()
+
+    def _loop_steps(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._intake()
+                self._drop_cancelled()
+                # with fetch turns, a fetch in flight gets the cores for a moment; then a slot
+                # copy ready since the last step lands (both on the CPU only; step_gate.py)
+                self.device.between_steps(bool(self.scheduler.running) and self.adapters.fetching)
+                plan = self.scheduler.schedule()
+                for seq, err in plan.failed:
+                    self._fail(seq, err)
+                if plan.empty:
+                    # Idle, or waiting on loads: poll loads every millisecond, else sleep.
+                    timeout = 0.001 if self.scheduler.has_work else None
+                    self._wake.wait(timeout)
+                    self._wake.clear()
+                    continue
+                with self.device.step():  # on the CPU, slot copies wait for its end
+                    self._step(plan)
+            except Exception:  # noqa: BLE001 - a bug must not kill the loop silently
+                log.exception("engine step failed; failing the running requests")
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, LorastreamError("internal error in the engine step"))
+
+    def _intake(self) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.cancelled:
+                self._retire(seq, FinishReason.CANCELLED, (), "")
+
+    def _step(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
+        load_events: dict[int, Event] = {}
+        for seq in plan.sequences:
+            entry = seq.adapter
+            if entry is None:
+                seq.slot = -1
+                continue
+            if entry.slot is None:  # referenced adapters are never evicted: this is a bug
+                raise RuntimeError(f"{seq.request_id} was scheduled but {entry.name} has no slot")
+            seq.slot = entry.slot
+            if entry.slot_event is not None:
+                load_events[entry.slot] = entry.slot_event
+        for event in load_events.values():  # rule 1: compute waits for the slot's copy
+            self.device.compute_wait(event)
+        rows = sum(1 for _ in plan.decode) + sum(chunk for _, chunk in plan.prefill)
+        inputs = build_step_inputs(
+            plan, self.staging, extra=staged_size(rows, self.slots.num_slots)
+        )
+        batch = inputs.batch
+        meta = self.backend.prepare(inputs.token_slots, self.slots, inputs.arena)
+        assert inputs.arena is not None
+        inputs.arena.flush()  # rule 3: one non-blocking copy of the step's metadata
+        lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
+        used_slots = set(load_events)
+        logits = self.model.forward(batch, self.kv, lora)  # [n, V]
+        self.adapters.mark_read(used_slots, self.device.record_compute())  # rule 2
+        tokens = self.sampler.sample(
+            logits, [SamplingRow(s.params, s.generator) for s in inputs.samplers]
+        ).tolist()  # the one device -> host transfer of the step
+        for seq, count in inputs.fed:
+            seq.num_computed += count
+        for seq, token in zip(inputs.samplers, tokens, strict=True):
+            self._emit(seq, int(token))
+        self.adapters.cost_model.observe_step(rows, time.perf_counter() - started)
+        self.stats.steps += 1
+        self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
+        self.stats.step_seconds += time.perf_counter() - started
+        self.stats.decode_tokens += len(plan.decode)
+        self.stats.prefill_tokens += sum(chunk for _, chunk in plan.prefill)
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        self.stats.generated_tokens += 1
+        reason: FinishReason | None = None
+        if token in seq.eos_ids or token in seq.params.stop_token_ids:
+            # The stop token is reported in token_ids but never rendered as text.
+            reason, text = FinishReason.STOP, seq.detokenizer.flush()
+        else:
+            step = seq.detokenizer.push(token)
+            text = step.delta
+            if step.stopped:
+                reason = FinishReason.STOP
+            elif seq.length >= seq.max_len:
+                reason, text = FinishReason.LENGTH, text + seq.detokenizer.flush()
+        if reason is None:
+            seq.stream.put(
+                GenerationEvent((token,), text, len(seq.prompt_ids), len(seq.output_ids))
+            )
+        else:
+            self._retire(seq, reason, (token,), text)
+
+    def _retire(
+        self, seq: Sequence, reason: FinishReason, tokens: tuple[int, ...], text: str
+    ) -> None:
+        self.scheduler.finish(seq)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+        self.stats.finished_requests += 1
+        seq.stream.put(
+            GenerationEvent(tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason)
+        )
+        seq.stream.put(None)
+
+    def _fail(self, seq: Sequence, err: LorastreamError) -> None:
+        self.scheduler.finish(seq)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+        seq.stream.put(err)
+
+    # -- introspection ------------------------------------------------------------------------
+    def metrics_state(self) -> TierState:
+        """What the Prometheus collector reports at scrape time."""
+        resident, resident_bytes = self.adapters.resident()
+        return TierState(
+            resident=resident,
+            resident_bytes=resident_bytes,
+            waiting_on_load=self.scheduler.waiting_on_loads(),
+            waiting=self.waiting,
+            running=self.running,
+            kv_tokens_used=self.kv.allocator.used_blocks * BLOCK_SIZE,
+        )
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting) + self._inbox.qsize()
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+

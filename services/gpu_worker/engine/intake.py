@@ -1,0 +1,102 @@
+"""Request intake, on the request threads: turn a prompt and sampling parameters into a
+:class:`Sequence` the scheduler can run, or raise a clear error (nothing is queued then).
+
+Checked here, before a request ever reaches the step loop: sampling parameters, token ids
+inside the vocabulary, a chat template for chat prompts, a non-empty prompt that fits the
+context, and a KV cache large enough for prompt + ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable
+
+from lorastream.core.errors import InvalidArgument
+from lorastream.core.generation import PromptInput
+from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
+from lorastream.worker.engine.sampling import SamplingParams, make_generator
+from lorastream.worker.engine.sequence import RequestStream, Sequence
+from lorastream.worker.loading.entry import AdapterEntry
+from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.kv_cache import BlockAllocator
+
+
+class RequestIntake:
+    def __init__(
+        self, tokenizer: object, config: LlamaConfig, *, max_seq_len: int, kv_blocks: int,
+        default_max_tokens: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = config.vocab_size
+        self.max_seq_len = min(max_seq_len, config.max_position_embeddings)
+        self.kv_blocks = kv_blocks
+        self.default_max_tokens = default_max_tokens
+        # End of sequence: the model's ids and the tokenizer's own, unless a request ignores EOS.
+        eos = set(config.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            eos.add(int(tok_eos))
+        self.eos_ids = frozenset(eos)
+
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        """Token ids of a prompt given as ids, chat messages (the model's chat template, with
+        the generation prompt) or plain text."""
+        tok = self.tokenizer
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary "
+                    f"0..{self.vocab_size - 1}"
+                )
+        elif prompt.messages is not None:
+            if getattr(tok, "chat_template", None) is None:
+                raise InvalidArgument("this model has no chat template; send a plain prompt")
+            messages = [{"role": r, "content": c} for r, c in prompt.messages]
+            ids = list(tok.apply_chat_template(  # type: ignore[attr-defined]
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            ))
+        else:
+            ids = list(tok(prompt.text or "").input_ids)  # type: ignore[operator]
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        return ids
+
+    def sequence(
+        self, prompt: PromptInput, params: SamplingParams,
+        resolve_adapter: Callable[[], AdapterEntry | None], request_id: str | None = None,
+    ) -> Sequence:
+        """A validated sequence for the request; raises domain errors for bad input. The
+        adapter is resolved (which may ask the store) only once the cheap checks passed."""
+        if params.max_tokens == 0:  # unset on the wire: this worker's default
+            params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
+        params.validate(self.vocab_size)
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_seq_len:
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens; this worker's context is {self.max_seq_len} "
+                "tokens (prompt + completion): shorten the prompt"
+            )
+        max_len = min(len(ids) + params.max_tokens, self.max_seq_len)
+        need = BlockAllocator.blocks_for(max_len)
+        if need > self.kv_blocks:  # no retry can help: a client error, not a busy server
+            raise InvalidArgument(
+                f"the request needs {need} KV cache blocks (prompt + max_tokens) but the whole "
+                f"cache has {self.kv_blocks}; lower max_tokens, or start the worker with a "
+                "larger --kv-cache-bytes"
+            )
+        adapter = resolve_adapter()
+        stream = RequestStream(request_id or uuid.uuid4().hex)
+        return Sequence(
+            request_id=stream.request_id,
+            prompt_ids=ids,
+            params=params,
+            adapter=adapter,
+            stream=stream,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop),
+            generator=make_generator(params.seed),
+            max_len=max_len,
+            eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+        )

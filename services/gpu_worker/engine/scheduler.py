@@ -1,0 +1,153 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequences:
+1. one decode token for every running sequence past its prompt;
+2. the next prompt chunk of running sequences still prefilling (chunked prefill);
+3. newly admitted waiting sequences, in arrival order, whose adapter is ready in a slot and
+   whose whole KV reservation (prompt + max tokens) fits. A request whose adapter is still
+   loading keeps its place and is skipped for now, so it never blocks the ones behind it
+   (no head-of-line blocking); when its load lands it is first in line again (no starvation).
+   A request that does not fit the KV cache stops admission, so big requests are not starved
+   by small ones behind them. When a load the next waiting requests need will land sooner than
+   the extra prefill step it would otherwise cost, new prefills are held for it (briefly; see
+   ``cost_model.py``), so they are prefilled together.
+
+Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
+adapters fetched and placed in free (or idle) slots while the batch keeps decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from lorastream.core.errors import LorastreamError
+from lorastream.worker.engine.sequence import Sequence
+from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.model.kv_cache import BlockAllocator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk)
+    failed: list[tuple[Sequence, LorastreamError]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decode + [seq for seq, _ in self.prefill]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        adapters: AdapterManager,
+        *,
+        max_batch_size: int,
+        max_num_tokens: int,
+        prefetch_depth: int,
+    ) -> None:
+        self.allocator = allocator
+        self.adapters = adapters
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.prefetch_depth = prefetch_depth
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def waiting_on_loads(self) -> int:
+        return sum(
+            1 for seq in self.waiting
+            if seq.adapter is not None and not self.adapters.ready(seq.adapter)
+        )
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_tokens
+        for seq in self.running:
+            if not seq.prefilling and budget > 0:
+                plan.decode.append(seq)
+                budget -= 1
+        for seq in self.running:
+            if seq.prefilling and budget > 0:
+                chunk = min(seq.remaining_prompt, budget)
+                plan.prefill.append((seq, chunk))
+                budget -= chunk
+        self._admit(plan, budget)
+        self._prefetch()
+        return plan
+
+    def _hold_for_loads(self) -> bool:
+        """Ask the cost model whether to hold new prefills for loads about to land."""
+        loading = []
+        for seq in list(self.waiting)[: self.prefetch_depth]:
+            entry = seq.adapter
+            if entry is not None and entry.error is None and not self.adapters.ready(entry):
+                loading.append(self.adapters.eta(entry))
+        return self.adapters.cost_model.should_hold(loading)
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        if self.waiting and self._hold_for_loads():
+            return
+        self.adapters.cost_model.released()
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(admitted) >= self.max_batch_size:
+                break
+            if seq.adapter is not None:
+                if seq.adapter.error is not None:
+                    plan.failed.append((seq, seq.adapter.error))
+                    self.waiting.remove(seq)
+                    continue
+                if not self.adapters.place(seq.adapter):
+                    if seq.adapter.error is not None:
+                        plan.failed.append((seq, seq.adapter.error))
+                        self.waiting.remove(seq)
+                    continue  # still loading: keep its place, look at the next one
+            if not self.allocator.can_allocate(seq.max_len):
+                break  # wait for finishing sequences to free blocks
+            seq.blocks = self.allocator.allocate(seq.max_len)
+            chunk = min(seq.remaining_prompt, budget)
+            plan.prefill.append((seq, chunk))
+            budget -= chunk
+            admitted.append(seq)
+            self.waiting.remove(seq)
+        self.running.extend(admitted)
+
+    def _prefetch(self) -> None:
+        """Start loads for the adapters of the next waiting requests (bounded by slots)."""
+        seen: set[str] = set()
+        for seq in self.waiting:
+            if len(seen) >= self.prefetch_depth:
+                break
+            entry = seq.adapter
+            if entry is None or entry.adapter_id in seen or entry.error is not None:
+                continue
+            seen.add(entry.adapter_id)
+            if not self.adapters.ready(entry):
+                self.adapters.place(entry)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take ``seq`` out (running or waiting) and free its blocks. The engine releases refs."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []

@@ -1,0 +1,86 @@
+"""One generation request as the engine tracks it, and the stream its events go back through."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lorastream.core.errors import LorastreamError
+from lorastream.core.generation import GenerationEvent
+from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
+from lorastream.worker.engine.sampling import SamplingParams
+from lorastream.worker.loading.entry import AdapterEntry
+
+
+class RequestStream:
+    """The consumer side of a request: events, then the end (or the error that ended it)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.SimpleQueue[GenerationEvent | LorastreamError | None] = (
+            queue.SimpleQueue()
+        )
+        self.cancelled = threading.Event()
+
+    def put(self, item: GenerationEvent | LorastreamError | None) -> None:
+        self._queue.put(item)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request (the client went away)."""
+        self.cancelled.set()
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        item = self._queue.get()
+        if item is None:
+            raise StopIteration
+        if isinstance(item, LorastreamError):
+            raise item
+        return item
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-side state of one request. Only the engine thread mutates it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterEntry | None
+    stream: RequestStream
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    max_len: int  # prompt + generated tokens never exceed this (context or max_tokens)
+    eos_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    blocks: list[int] = field(default_factory=list)
+    slot: int = -1  # LoRA slot while running, -1 for the base model
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def remaining_prompt(self) -> int:
+        return len(self.prompt_ids) - self.num_computed
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stream.cancelled.is_set()

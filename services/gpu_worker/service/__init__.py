@@ -1,0 +1,2 @@
+"""The worker's service edge: settings, bootstrap, the gRPC server and servicer, and the
+operations they call."""

@@ -1,0 +1,132 @@
+"""Build a ready :class:`Engine` from :class:`WorkerSettings` (the one place that does)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from lorastream.core.errors import InvalidArgument
+from lorastream.core.openmp import waits_actively
+from lorastream.worker.device.device import Device
+from lorastream.worker.device.priority import starvation_warning
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.lora.backend import LoraBackend, TorchLoraBackend
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.checkpoint import resolve_checkpoint
+from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.kv_cache import KVCache
+from lorastream.worker.model.llama import LlamaModel
+from lorastream.worker.model.weights import load_weights
+from lorastream.worker.service.config import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"--device {spec}: CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[spec]
+
+
+def make_backend(name: str, dtype: torch.dtype, device: torch.device) -> LoraBackend:
+    if name == "torch":
+        return TorchLoraBackend(dtype, device)
+    if name == "triton":
+        from lorastream.worker.lora.triton_backend import TritonLoraBackend
+
+        return TritonLoraBackend(dtype, device)
+    raise InvalidArgument(f"unknown --lora-backend {name!r}; use torch or triton")
+
+
+def make_fetch_process(settings: WorkerSettings, device: Device) -> FetchProcess | None:
+    """The fetch process ``--fetch-process`` asks for, with the host budget as shared memory;
+    None for fetches on the worker's own threads (off, no store, or no ``memfd`` here)."""
+    if not settings.fetch_process or not settings.store:
+        return None
+    if not SharedHostMemory.supported():
+        log.warning("no memfd_create on this platform: store fetches run in the worker")
+        return None
+    began = time.perf_counter()
+    memory = SharedHostMemory(device, settings.host_cache_bytes, settings.host_memory_prefault)
+    if settings.host_memory_prefault:
+        log.info("host adapter memory: %.1f GiB taken and mapped in %.1f s",
+                 settings.host_cache_bytes / 2**30, time.perf_counter() - began)
+    return FetchProcess(memory, settings.store, settings.store_token,
+                        threads=settings.fetch_threads, priority=settings.loader_priority_spec)
+
+
+def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> Engine:
+    """Load the base model and allocate every budget; the engine is not started."""
+    started = time.perf_counter()
+    torch_device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, torch_device)
+    checkpoint = checkpoint or resolve_checkpoint(
+        settings.model,
+        cache_dir=settings.model_cache_dir,
+        hf_endpoint=settings.hf_endpoint,
+        hf_token=settings.hf_token,
+    )
+    config = LlamaConfig.from_dir(checkpoint, name=settings.base_model_name)
+    model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    device = Device(torch_device, loader_priority=settings.loader_priority_spec,
+                    copy_turn_s=settings.copy_turn_ms / 1000,
+                    fetch_turn_s=settings.fetch_turn_ms / 1000,
+                    bind_compute=settings.bind_compute_threads)
+    warning = starvation_warning(device.loader_priority, waits_actively())
+    if warning and not device.is_cuda:
+        log.warning(warning)
+    kv = KVCache(
+        config.num_layers, config.num_kv_heads, config.head_dim,
+        settings.kv_cache_bytes, dtype, torch_device,
+    )
+    slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device)
+    fetcher = AdapterFetcher(
+        device, settings.store, settings.store_token, make_fetch_process(settings, device)
+    )
+    adapters = AdapterManager(
+        config, slots, device, fetcher, settings.host_cache_bytes,
+        overlap=settings.lora_overlap_loading, fetch_threads=settings.fetch_threads,
+    )
+    engine = Engine(
+        model,
+        tokenizer,
+        kv,
+        slots,
+        adapters,
+        make_backend(settings.lora_backend, dtype, torch_device),
+        device,
+        base_model_name=settings.base_model_name,
+        max_batch_size=settings.max_batch_size,
+        max_num_tokens=settings.max_num_tokens,
+        max_seq_len=settings.max_seq_len,
+        default_max_tokens=settings.default_max_tokens,
+        prefetch_depth=settings.prefetch_depth,
+    )
+    log.info(
+        "engine ready in %.1fs: %s on %s (%s), %d layers; KV cache %d tokens (%.0f MB); "
+        "%d LoRA slots of rank <= %d (%.0f MB); backend %s; overlap loading %s",
+        time.perf_counter() - started, settings.base_model_name, torch_device,
+        str(dtype).removeprefix("torch."), config.num_layers, kv.capacity_tokens, kv.nbytes / 1e6,
+        settings.max_loras, settings.max_lora_rank, slots.nbytes / 1e6, settings.lora_backend,
+        "on" if settings.lora_overlap_loading else "off",
+    )
+    return engine

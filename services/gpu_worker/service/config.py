@@ -1,0 +1,165 @@
+"""GPU worker configuration: the one place the worker reads its environment.
+
+Every field is a ``lorastream worker serve`` flag and an environment variable
+``LORASTREAM_WORKER_<FIELD>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from lorastream.worker.device.priority import loader_priority
+
+
+def _default_model_cache() -> Path:
+    return Path.home() / ".cache" / "lorastream" / "models"
+
+
+class WorkerSettings(BaseSettings):
+    """Settings of one GPU worker process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LORASTREAM_WORKER_", extra="ignore", populate_by_name=True
+    )
+
+    model: str = Field(
+        "default",
+        description="'default' (the embedded SmolLM2-135M-Instruct), an HF checkpoint dir, or a hub id.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name requests use for the base model [default: the --model value]."
+    )
+    model_cache_dir: Path = Field(
+        default_factory=_default_model_cache,
+        description="Where the embedded default model is converted to safetensors once.",
+    )
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(50052, description="gRPC port; 0 picks a free one.")
+    store: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_STORE", "LORASTREAM_STORE"),
+        description="Adapter store HOST:PORT; without it only local adapters can be loaded.",
+    )
+    store_token: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_STORE_TOKEN", "LORASTREAM_TOKEN"),
+        description="Bearer token for the store (reads need none).",
+    )
+    hf_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_HF_ENDPOINT", "HF_ENDPOINT"),
+        description="Hugging Face Hub endpoint for --model HUB_ID (a mirror, or a test server).",
+    )
+    hf_token: str | None = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_HF_TOKEN", "HF_TOKEN"),
+        description="Token for private Hub models.",
+    )
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="'auto': float32 on CPU, bfloat16 on CUDA."
+    )
+    max_loras: int = Field(8, gt=0, description="Device adapter slots.")
+    max_lora_rank: int = Field(64, gt=0, description="Largest adapter rank a slot holds.")
+    max_batch_size: int = Field(32, gt=0, description="Most sequences in one step.")
+    max_num_tokens: int = Field(
+        512, gt=0, description="Token budget of one step (prefill chunks + decode tokens)."
+    )
+    max_seq_len: int = Field(2048, gt=0, description="Longest prompt + completion.")
+    kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget.")
+    host_cache_bytes: int = Field(
+        4 << 30,
+        gt=0,
+        description="Host-memory budget for adapters (LRU over unused ones): one buffer of this "
+        "size, allocated at start (pinned on CUDA; on the CPU its pages are taken as adapters "
+        "land unless --host-memory-prefault) and reused, so loads never allocate.",
+    )
+    host_memory_prefault: bool = Field(
+        True,
+        description="With the fetch process: take and map every page of the host budget when "
+        "the worker starts (MAP_POPULATE; ~0.75 s per GiB here), so that landing an adapter "
+        "never faults a page in and zeroes it on the cores decoding uses: half the fetch's CPU "
+        "for an adapter landing in fresh memory. The budget is then resident from the start, "
+        "as pinned memory is on CUDA. Off: pages are taken as adapters land.",
+    )
+    default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
+    loader_priority: Literal["idle", "nice"] = Field(
+        "idle",
+        description="CPU priority of the adapter loaders (store fetches, CPU copies into the "
+        "slots). idle: SCHED_IDLE, they run only on CPU time decoding leaves; nice: at "
+        "--loader-nice, for a box whose cores never idle (see services/gpu_worker/device/priority.py).",
+    )
+    loader_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Nice increment of the adapter loaders with --loader-priority nice; 0 "
+        "leaves them at the worker's priority.",
+    )
+    fetch_threads: int = Field(
+        1,
+        gt=0,
+        description="Adapter fetches from the store at once. One by default: fetches share "
+        "the store's link, so running them side by side only delays the first (two cold "
+        "adapters fetched together both arrive at 2T; one after the other, at T and 2T).",
+    )
+    fetch_process: bool = Field(
+        True,
+        description="Run store fetches in a process of their own, which lands the bytes in the "
+        "host memory it shares with the worker: its threads, gRPC's included, run at the loader "
+        "priority and never hold the worker's GIL. Off: on threads inside the worker.",
+    )
+    copy_turn_ms: float = Field(
+        20.0,
+        ge=0,
+        description="On the CPU: how long the copies of adapters into the slots may run between "
+        "two decode steps; they never run during one (a memcpy beside a step slows it ~40%). A "
+        "load then adds at most this much before each step until it is done (a 78 MB rank-64 "
+        "adapter of the default model: one turn of ~13 ms). 0: copies run beside the steps at "
+        "the loader priority. No effect on CUDA (copies are DMA).",
+    )
+    fetch_turn_ms: float = Field(
+        0.0,
+        ge=0,
+        description="On the CPU: while a store fetch is in flight and sequences run, the "
+        "engine leaves the cores to the idle-priority loaders for this long before each step. "
+        "An engine stepping back to back otherwise starves them: a rank-64 adapter of the "
+        "default model took 2.5-3.2 s to load with 4 streams decoding, 0.8-1.2 s with 2 ms "
+        "turns, at the price of the running streams' ITL p99 during loads (1.14x -> 1.23x of "
+        "without loads, docs/worker.md). 0 (the default): loaders get only what decoding "
+        "leaves. No effect on CUDA.",
+    )
+    bind_compute_threads: bool = Field(
+        True,
+        description="On the CPU: bind the engine's compute threads one per core when there is "
+        "one thread per CPU of the process (a thread pushed off its core by other work then "
+        "waits for it rather than sharing its partner's core while a SCHED_IDLE loader holds "
+        "the one it left). Off: the kernel places them. No effect on CUDA.",
+    )
+    prefetch_depth: int = Field(
+        8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
+    )
+    lora_overlap_loading: bool = Field(
+        True, description="Load adapters on the load stream while decoding (off: load before the step)."
+    )
+    lora_backend: Literal["torch", "triton"] = Field(
+        "torch", description="LoRA delta implementation (triton needs CUDA)."
+    )
+    max_workers: int = Field(32, gt=0, description="gRPC thread pool size.")
+    metrics_port: int | None = Field(
+        None, ge=0, description="Serve Prometheus metrics over HTTP on this port (0: any free)."
+    )
+
+    @property
+    def loader_priority_spec(self) -> str:
+        """``idle`` or ``nice:N``: what :func:`~lorastream.worker.device.priority.lower_priority`
+        takes."""
+        return loader_priority(self.loader_priority, self.loader_nice)
+
+    @property
+    def base_model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,60 @@
+"""Thin gRPC servicer of the GPU worker: convert the request, call the core, convert the reply."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from lorastream.core import codec
+from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
+from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service.operations import WorkerOperations
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GpuWorkerService"]
+SERVICE_NAME = SERVICE.full_name
+
+
+class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._ops = WorkerOperations(engine)
+
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        request_id, model, prompt, params = codec.generate_request_from_pb(request)
+        stream = self._engine.submit(model, prompt, params, request_id or None)
+        # The client going away (or the deadline passing) cancels the request at once.
+        context.add_callback(stream.cancel)
+        for event in stream:
+            yield codec.event_to_pb(event)
+
+    def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        status = self._ops.load_adapter(request.name, request.local_path, request.pin)
+        return pb.LoadAdapterResponse(adapter=codec.adapter_status_to_pb(status))
+
+    def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        self._ops.unload_adapter(request.name)
+        return pb.UnloadAdapterResponse()
+
+    def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse(
+            adapters=[codec.adapter_status_to_pb(s) for s in self._ops.list_adapters()],
+            base_model=self._engine.base_model_name,
+        )
+
+    def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.ServicerContext
+    ) -> pb.GetStatsResponse:
+        return codec.stats_to_pb(self._ops.stats())
