@@ -2,15 +2,19 @@
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 naming the field (a
 silently ignored ``n=3`` or ``logprobs`` would hand the client something it did not ask for);
-unknown fields are ignored, as vLLM does, so vendor extensions do not break clients.
+each refusal is a field validator, so the error's ``param`` names the field. LoRAX's
+``adapter_id`` is honoured like ``model`` (never ignored: a request naming an adapter must not be
+answered by the base model). Other unknown fields are ignored, as vLLM does, so vendor extensions
+do not break clients.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
+from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import PromptInput, SamplingParams
 
 _INT32_MAX = 2**31 - 1
@@ -49,6 +53,10 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    adapter_id: str | None = Field(
+        None, min_length=1, description="LoRAX's name for the adapter: honoured like `model`."
+    )
+    adapter_source: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -70,6 +78,29 @@ class _GenerationRequest(BaseModel):
         if value:
             raise ValueError("logit_bias is not supported; leave it unset")
         return value
+
+    @field_validator("adapter_source")
+    @classmethod
+    def _no_adapter_source(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError(
+                "adapter_source is not supported: register the adapter with the store "
+                "(`lorastream adapters preload` or POST /v1/adapters), then name it by "
+                "adapter_id or model"
+            )
+        return value
+
+    def target(self, base_model: str | None) -> str:
+        """The adapter (or base model) this request names: ``adapter_id`` wins over a ``model``
+        that names the base model or the same adapter; a conflicting pair is refused."""
+        if self.adapter_id is None or self.adapter_id == self.model:
+            return self.model
+        if base_model is not None and self.model == base_model:
+            return self.adapter_id
+        raise InvalidArgument(
+            f"adapter_id {self.adapter_id!r} and model {self.model!r} name different models; "
+            "send one of them, or set model to the base model's id"
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -114,16 +145,12 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("the prompt is empty")
         return value
 
-    @model_validator(mode="after")
-    def _supported(self) -> CompletionRequest:
-        unsupported = {
-            "echo": self.echo, "suffix": self.suffix, "logprobs": self.logprobs,
-            "best_of": self.best_of not in (None, 1),
-        }
-        for name, value in unsupported.items():
-            if value:
-                raise ValueError(f"{name} is not supported by this server; leave it unset")
-        return self
+    @field_validator("echo", "suffix", "logprobs", "best_of")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and not (info.field_name == "best_of" and value == 1):
+            raise ValueError(f"{info.field_name} is not supported by this server; leave it unset")
+        return value
 
     def prompt_input(self) -> PromptInput:
         prompt = self.prompt
@@ -166,20 +193,39 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=_INT32_MAX)
     logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs is not supported by this server; leave it unset")
-        if self.tools:
-            raise ValueError("tools are not supported by this server; leave it unset")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        for message in self.messages:
+    @field_validator("messages")
+    @classmethod
+    def _text_only(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        for message in value:
             message.text()  # raises on non-text parts
-        return self
+        return value
+
+    @field_validator("logprobs", "top_logprobs", "tools")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value not in (False, []):
+            raise ValueError(f"{info.field_name} is not supported by this server; leave it unset")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value not in (None, "none"):
+            raise ValueError("tools are not supported by this server, so tool_choice can only be "
+                             "'none'; leave it unset")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return value
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -83,15 +83,17 @@ async def _generate(
     state = gateway_state(request)
     arrived_at = time.perf_counter()
     prompt_param = "messages" if chat else "prompt"
-    builder = ResponseBuilder(body.model, chat)
+    try:
+        model = body.target(state.pool.base_model)
+    except LorastreamError as exc:
+        raise ApiError(400, str(exc), param="adapter_id", code="invalid_value") from exc
+    builder = ResponseBuilder(model, chat)
     headers = {"x-request-id": builder.id}
     try:
         params = body.sampling(0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
         # max_tokens 0 means "the worker's default" on the wire: check the rest.
         dataclasses.replace(params, max_tokens=params.max_tokens or 1).validate(_ANY_VOCAB)
-        start = state.dispatcher.start(
-            body.model, body.prompt_input(), params, builder.id, arrived_at
-        )
+        start = state.dispatcher.start(model, body.prompt_input(), params, builder.id, arrived_at)
         if not body.stream:
             done = await unless_disconnected(request, _collect(start))
             return JSONResponse(builder.response(done), headers=headers)
@@ -99,7 +101,7 @@ async def _generate(
     except LorastreamError as exc:
         error = api_error(exc, prompt_param)
         if error.status == 404:
-            error.param = "model"
+            error.param = "adapter_id" if body.adapter_id else "model"
         raise error from exc
     return StreamingResponse(
         _stream(request, generation, builder, body.include_usage),

@@ -40,7 +40,7 @@ def _error(response: object) -> dict[str, object]:
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": -1}', 400, "seed", ""),
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": [""]}', 400, "stop",
          "empty"),
-        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true}', 400, None,
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo",
          "echo"),
         ("/v1/chat/completions",
          b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages",

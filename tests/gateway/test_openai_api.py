@@ -138,7 +138,12 @@ def test_an_unknown_model_is_a_not_found_error(cluster: Cluster, stream: bool) -
         ({"top_p": 0}, "top_p"),
         ({"n": 2}, "n"),
         ({"stop": ["x"] * 17}, "stop"),
-        ({"logprobs": 2}, None),
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "!"}, "suffix"),
+        ({"extra_body": {"adapter_source": "hub"}}, "adapter_source"),
+        ({"extra_body": {"adapter_id": "mlp-r8"}}, "adapter_id"),  # model names another adapter
         ({"prompt": "x" * 3000}, "prompt"),  # longer than the 2048-token context
     ],
 )
@@ -152,6 +157,63 @@ def test_bad_parameters_are_bad_request_errors_naming_the_field(
     assert isinstance(error, dict) and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
     assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # alone, too: never silently ignored
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 3}, "n"),
+    ],
+)
+def test_unsupported_chat_fields_are_refused_naming_the_field(
+    cluster: Cluster, params: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        cluster.gateway.openai().chat.completions.create(
+            model="attn-r4", messages=CHAT, max_tokens=2, **params  # type: ignore[arg-type]
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+
+
+def test_tool_choice_none_and_logprobs_false_are_accepted(cluster: Cluster) -> None:
+    reply = cluster.gateway.openai().chat.completions.create(
+        model="attn-r4", messages=CHAT, max_tokens=2, tool_choice="none",  # type: ignore[arg-type]
+        logprobs=False,
+    )
+    assert reply.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("model", [BASE, "attn-r4"])
+def test_loraxs_adapter_id_is_honoured_like_model(cluster: Cluster, model: str) -> None:
+    """LoRAX clients name the adapter in ``adapter_id``: the adapter answers, never the base."""
+    client = cluster.gateway.openai()
+    reply = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0,
+        extra_body={"adapter_id": "attn-r4"},
+    )
+    text, tokens = worker_greedy(cluster.workers[0].target, "attn-r4",
+                                 PromptInput(text="The capital of France is"), 12)
+    base_text, _ = worker_greedy(cluster.workers[0].target, BASE,
+                                 PromptInput(text="The capital of France is"), 12)
+    assert text != base_text  # the comparison can tell the adapter from the base model
+    assert (reply.choices[0].text, reply.model) == (text, "attn-r4")
+
+
+def test_an_unknown_adapter_id_is_not_found_naming_adapter_id(cluster: Cluster) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        cluster.gateway.openai().completions.create(
+            model=BASE, prompt="x", max_tokens=2, extra_body={"adapter_id": "ghost"}
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and (error["param"], error["code"]) == (
+        "adapter_id", "model_not_found")
 
 
 def test_chat_refuses_non_text_content_and_unsupported_features(cluster: Cluster) -> None:
