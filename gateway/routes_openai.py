@@ -91,7 +91,7 @@ async def _generate(
     headers = {"x-request-id": builder.id}
     try:
         params = body.sampling(0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
-        # max_tokens 0 means "the worker's default" on the wire: check the rest.
+        # max_tokens 0 means "the worker's default" (sent unset on the wire): check the rest.
         dataclasses.replace(params, max_tokens=params.max_tokens or 1).validate(_ANY_VOCAB)
         start = state.dispatcher.start(model, body.prompt_input(), params, builder.id, arrived_at)
         if not body.stream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,10 +23,17 @@ MAPPED = {
 
 @pytest.fixture(scope="module")
 def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for folder in MAPPED:
+        shutil.copytree(REPO / folder, src / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(REPO)],
+         "--wheel-dir", str(out), str(src)],
         check=True, capture_output=True, timeout=240,
     )
     (wheel,) = out.glob("lorastream-*.whl")

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from lorastream.adapter_store.v1 import adapter_store_pb2 as store_pb2
 from lorastream.common.v1 import common_pb2
+from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import (
     AdapterStatus,
     FinishReason,
@@ -268,23 +269,33 @@ def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
-        max_tokens=p.max_tokens,
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.max_tokens:  # 0 in the plain type: the server's default, sent as unset
+        msg.max_tokens = p.max_tokens
     return msg
 
 
 def sampling_from_pb(msg: worker_pb2.SamplingParams) -> SamplingParams:
-    """Proto defaults mean "unset": max_tokens 0 -> 0 (the server's default), top_p 0 -> 1."""
+    """Proto defaults mean "unset": max_tokens unset -> 0 (the server's default), top_p 0 -> 1.
+
+    An explicit ``max_tokens`` below 1 is refused here, at the edge: read as "unset" it would
+    generate the server's default number of tokens for a client that asked for none.
+    """
+    if msg.HasField("max_tokens") and msg.max_tokens < 1:
+        raise InvalidArgument(
+            f"max_tokens must be >= 1, got {msg.max_tokens}; leave it unset for the server's "
+            "default"
+        )
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         top_k=msg.top_k,
-        max_tokens=msg.max_tokens,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 0,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

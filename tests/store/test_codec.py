@@ -7,7 +7,10 @@ import pytest
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.core import codec
 from lorastream.core.checksum import crc32c
+from lorastream.core.errors import InvalidArgument
+from lorastream.core.generation import SamplingParams
 from lorastream.core.manifest import AdapterManifest, TensorChunk, TensorInfo
+from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
 
 
 @pytest.mark.parametrize(
@@ -89,3 +92,23 @@ def _manifest() -> AdapterManifest:
 def test_manifest_round_trips_through_protobuf() -> None:
     manifest = _manifest()
     assert codec.manifest_from_pb(codec.manifest_to_pb(manifest)) == manifest
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "on_the_wire", "decoded"),
+    [(0, None, 0), (1, 1, 1), (300, 300, 300)],
+    ids=["default-is-unset", "one", "many"],
+)
+def test_max_tokens_travels_with_presence(
+    max_tokens: int, on_the_wire: int | None, decoded: int
+) -> None:
+    msg = codec.sampling_to_pb(SamplingParams(max_tokens=max_tokens))
+    assert (msg.max_tokens if msg.HasField("max_tokens") else None) == on_the_wire
+    assert codec.sampling_from_pb(msg).max_tokens == decoded
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_an_explicit_max_tokens_below_1_is_refused(value: int) -> None:
+    msg = worker_pb2.SamplingParams(max_tokens=value)
+    with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
+        codec.sampling_from_pb(msg)

@@ -113,6 +113,27 @@ def test_errors_map_to_status_codes_and_the_worker_keeps_serving(
     assert _generate(stack.worker, "tiny")[0]
 
 
+def test_an_explicit_max_tokens_0_over_grpc_is_refused_not_read_as_unset(stack: Stack) -> None:
+    """A raw client (no WorkerClient) that sets max_tokens 0 gets INVALID_ARGUMENT, not 256
+    tokens; leaving it unset still means the worker's default."""
+    from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
+    from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
+
+    def request(**sampling: object) -> pb.GenerateRequest:
+        msg = pb.GenerateRequest(model="tiny", sampling=pb.SamplingParams(**sampling))
+        msg.prompt_token_ids.ids.extend(PROMPTS[0])
+        return msg
+
+    with grpc.insecure_channel(stack.worker) as channel:
+        stub = pb_grpc.GpuWorkerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request(max_tokens=0)))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_tokens" in (caught.value.details() or "")
+        replies = list(stub.Generate(request(max_tokens=3, ignore_eos=True)))
+        assert sum(len(r.token_ids) for r in replies) == 3
+
+
 def test_a_name_replaced_in_the_store_is_served_with_its_new_weights(
     stack: Stack, tiny_adapters: dict[str, Path], reference: dict[tuple[str, int], list[int]]
 ) -> None:
@@ -183,3 +204,22 @@ def test_complete_cli_prints_json_with_the_generated_tokens(stack: Stack) -> Non
         "complete", "--worker", stack.worker, "--model", "ghost", "--prompt", "Hello",
     ])
     assert missing.exit_code == 1 and "AdapterNotFound" in missing.output
+
+
+@pytest.mark.parametrize("role", ["store", "worker"])
+def test_a_second_server_on_a_port_in_use_fails_naming_the_port(
+    stack: Stack, tmp_path: Path, role: str
+) -> None:
+    target = stack.store if role == "store" else stack.worker
+    port = int(target.rsplit(":", 1)[1])
+    with pytest.raises(errors.InvalidArgument, match=rf"127\.0\.0\.1:{port}: address in use"):
+        if role == "store":
+            create_store(StoreSettings(host="127.0.0.1", port=port, cache_dir=tmp_path / "second"))
+        else:
+            create_worker(
+                WorkerSettings(host="127.0.0.1", port=port, model_cache_dir=tmp_path / "m"),
+                stack.engine, start_engine=False,
+            )
+    with grpc.insecure_channel(target) as channel:  # the first one still serves
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
