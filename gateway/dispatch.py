@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from lorastream.core.errors import Cancelled, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, SamplingParams
-from lorastream.gateway.errors import ClientGone, WorkerFailed
+from lorastream.gateway.errors import ClientGone, WorkerFailed, WorkerUnavailable
 from lorastream.gateway.metrics import GatewayMetrics
 from lorastream.gateway.routing import RouteDecision, Router
 from lorastream.gateway.worker_channel import GenerationCall
@@ -151,7 +151,7 @@ class Dispatcher:
             generation = Generation(self._pool, self._metrics, decision, call, model, arrived_at)
             try:
                 await generation.first()
-            except (SourceUnavailable, Cancelled) as exc:
+            except (SourceUnavailable, Cancelled, WorkerUnavailable) as exc:
                 await generation.aclose()
                 if not await self._pool.confirm_down(decision.target):
                     raise

@@ -21,5 +21,10 @@ class WorkerFailed(LorastreamError):
     """A worker answered with an error the gateway cannot attribute to the request."""
 
 
+class WorkerUnavailable(WorkerFailed):
+    """A worker could not be reached, or its connection broke mid-request (killed, restarting):
+    the worker itself, not an adapter source behind it."""
+
+
 class ClientGone(LorastreamError):
     """The HTTP client disconnected; its worker request was cancelled."""

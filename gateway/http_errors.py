@@ -11,6 +11,7 @@
 | no healthy worker; the store or a source unreachable | 503 | service_unavailable |
 | a worker did not answer within the deadline | 504 | timeout |
 | a worker failed unexpectedly | 502 | worker_error |
+| a worker went away mid-request (killed, restarting) | 502 | worker_error / worker_unavailable |
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from lorastream.core import errors
-from lorastream.gateway.errors import ClientGone, NoHealthyWorker, UpstreamTimeout, WorkerFailed
+from lorastream.gateway.errors import (
+    ClientGone,
+    NoHealthyWorker,
+    UpstreamTimeout,
+    WorkerFailed,
+    WorkerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ _TABLE: dict[type[BaseException], tuple[int, str, str | None]] = {
     errors.Cancelled: (503, "service_unavailable", "cancelled"),
     ClientGone: (499, "invalid_request_error", "client_closed_request"),
     UpstreamTimeout: (504, "timeout", "timeout"),
+    WorkerUnavailable: (502, "worker_error", "worker_unavailable"),
     WorkerFailed: (502, "worker_error", None),
 }
 

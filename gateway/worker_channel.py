@@ -8,14 +8,15 @@ RPC at once. Protobuf messages are built and read only here and in ``lorastream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import enum
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorastream.core import codec
-from lorastream.core.errors import LorastreamError
+from lorastream.core.errors import LorastreamError, ServerUnreachable
 from lorastream.core.generation import (
     AdapterStatus,
     GenerationEvent,
@@ -24,7 +25,7 @@ from lorastream.core.generation import (
     WorkerStats,
 )
 from lorastream.core.grpc_status import raise_from_rpc_error
-from lorastream.gateway.errors import UpstreamTimeout, WorkerFailed
+from lorastream.gateway.errors import UpstreamTimeout, WorkerFailed, WorkerUnavailable
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 
@@ -45,6 +46,8 @@ def raise_domain_error(err: grpc.RpcError, target: str) -> NoReturn:
         raise UpstreamTimeout(f"worker {target} did not answer in time: {err.details()}") from err
     try:
         raise_from_rpc_error(err)
+    except ServerUnreachable as exc:
+        raise WorkerUnavailable(f"worker {target} is unreachable or went away: {exc}") from err
     except LorastreamError:
         raise
     except grpc.RpcError:
@@ -52,6 +55,18 @@ def raise_domain_error(err: grpc.RpcError, target: str) -> NoReturn:
     name = code.name if code is not None else "UNKNOWN"
     details = err.details() if hasattr(err, "details") else str(err)
     raise WorkerFailed(f"worker {target} failed ({name}): {details}") from err
+
+
+class Probe(enum.Enum):
+    """What one health check of a worker found."""
+
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"  # answered, but draining or not ready
+    UNREACHABLE = "unreachable"  # no connection: dead, or not started
+    SLOW = "slow"  # connected, but no answer in time: busy, not dead
+
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class GenerationCall:
@@ -112,11 +127,32 @@ class AsyncWorkerClient:
 
     async def healthy(self, timeout: float) -> bool:
         """True when the worker answers SERVING on gRPC health within ``timeout``."""
+        return await self.probe(timeout) is Probe.SERVING
+
+    async def probe(self, timeout: float) -> Probe:
+        """One gRPC health check; a deadline passed on a live connection is SLOW, not dead."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError as err:
+            slow = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED and (
+                self._channel.get_state() is grpc.ChannelConnectivity.READY
+            )
+            return Probe.SLOW if slow else Probe.UNREACHABLE
+        return Probe.SERVING if reply.status == _SERVING else Probe.NOT_SERVING
+
+    async def watch_health(self) -> AsyncIterator[bool]:
+        """Serving or not, each time the worker's health changes (gRPC health ``Watch``).
+
+        The worker pushes changes on one open stream, so a busy worker never looks dead; the
+        stream breaks (RpcError, or it ends) as soon as the connection does: a killed worker is
+        known at once. No thread is held on the worker while the stream is open.
+        """
+        call = self._health.Watch(health_pb2.HealthCheckRequest())
+        try:
+            async for reply in call:
+                yield reply.status == _SERVING
+        finally:
+            call.cancel()
 
     async def list_adapters(self) -> tuple[list[AdapterStatus], str]:
         """Adapters on the worker, and its base model's served name."""

@@ -1,9 +1,18 @@
-"""The gateway's picture of its workers: health, resident adapters, load; refreshed by polling.
+"""The gateway's picture of its workers: health, resident adapters, load.
 
-Every ``poll_interval_s`` each worker gets a gRPC health check and, when healthy, a
-``ListAdapters`` and a ``GetStats``. Between polls the pool adds what it did itself: requests in
-flight per worker, and "recently routed here" hints (an adapter just sent to a worker is treated
-as loading there until a poll shows where it really is, or the hint expires).
+**Health comes from the connection, not from a probe's latency.** Each worker has one open gRPC
+health ``Watch`` stream: the worker pushes SERVING / NOT_SERVING (draining) as it changes, and a
+killed or unreachable worker breaks the stream at once, so it is marked down within about a
+second; a worker too busy to answer a probe quickly stays healthy (a false "unhealthy" turned
+overload into 503s). The stream is reopened with a short backoff (0.2 s growing to 1 s) while the
+worker is down. A hung worker whose connection stays up is not detected this way; its requests
+end at the request deadline (504).
+
+Every ``poll_interval_s`` each healthy worker gets a ``ListAdapters`` and a ``GetStats``; a poll
+that fails or is slow keeps the last picture and changes no health. Between polls the pool adds
+what it did itself: requests in flight per worker, and "recently routed here" hints (an adapter
+just sent to a worker is treated as loading there until a poll shows where it really is, or the
+hint expires).
 
 With a resolver (``lorastream.gateway.discovery``) the set of workers follows DNS: every
 ``resolve_interval_s`` the configured names are resolved again; new addresses join, vanished ones
@@ -22,9 +31,11 @@ from lorastream.core.generation import AdapterStatus, WorkerStats
 from lorastream.gateway.discovery import TargetResolver
 from lorastream.gateway.metrics import GatewayMetrics
 from lorastream.gateway.routing import TIER_OF_RESIDENCY, Tier, WorkerView
-from lorastream.gateway.worker_channel import AsyncWorkerClient
+from lorastream.gateway.worker_channel import AsyncWorkerClient, Probe
 
 log = logging.getLogger(__name__)
+
+WATCH_BACKOFF_S = (0.2, 1.0)  # first and longest wait before reopening a broken health stream
 
 
 @dataclass
@@ -40,6 +51,8 @@ class WorkerState:
     inflight: int = 0  # requests this gateway has open on the worker now
     hints: dict[str, float] = field(default_factory=dict)  # adapter -> monotonic routing time
     last_poll: float = 0.0  # monotonic time of the last successful poll
+    watch: asyncio.Task[None] | None = None  # the health Watch stream's task
+    health_known: asyncio.Event | None = None  # set once the stream gave its first answer
 
     @property
     def target(self) -> str:
@@ -121,9 +134,11 @@ class WorkerPool:
             self._metrics.worker_queue.labels(target).set(worker.load)
 
     async def confirm_down(self, target: str) -> bool:
-        """Health-check ``target`` now; mark it unhealthy and return True when it fails."""
+        """Health-check ``target`` now (a request to it just failed); mark it unhealthy and
+        return True when it is unreachable or not serving. A slow answer is not "down"."""
         worker = self.get(target)
-        if await worker.client.healthy(self._health_timeout_s):
+        probe = await worker.client.probe(self._health_timeout_s)
+        if probe in (Probe.SERVING, Probe.SLOW):
             return False
         self._set_health(worker, False)
         return True
@@ -143,6 +158,7 @@ class WorkerPool:
         for target in [t for t in self.workers if t not in targets]:
             log.info("worker %s left; retiring it once its requests finish", target)
             self._retiring[target] = self.workers.pop(target)
+            self._stop_watch(self._retiring[target])
             for gauge in (self._metrics.worker_healthy, self._metrics.worker_queue):
                 with contextlib.suppress(KeyError):  # a worker never polled has no sample
                     gauge.remove(target)
@@ -157,10 +173,62 @@ class WorkerPool:
         for target, worker in list(self._retiring.items()):
             if worker.inflight == 0:
                 del self._retiring[target]
+                self._stop_watch(worker)
                 await worker.client.close()
+
+    # -- health ---------------------------------------------------------------------------
+    async def watch_all(self) -> None:
+        """Open a health stream to every worker that has none; wait (up to the health timeout)
+        for the first answer of the streams opened for the first time."""
+        first: list[asyncio.Event] = []
+        for worker in self.workers.values():
+            if worker.watch is None or worker.watch.done():
+                if worker.health_known is None:
+                    worker.health_known = asyncio.Event()
+                    first.append(worker.health_known)
+                worker.watch = asyncio.create_task(
+                    self._watch(worker), name=f"health-watch {worker.target}"
+                )
+        if first:
+            waits = [asyncio.create_task(event.wait()) for event in first]
+            _, pending = await asyncio.wait(waits, timeout=self._health_timeout_s)
+            for task in pending:
+                task.cancel()
+
+    async def _watch(self, worker: WorkerState) -> None:
+        backoff = WATCH_BACKOFF_S[0]
+        while True:
+            try:
+                async for serving in worker.client.watch_health():
+                    backoff = WATCH_BACKOFF_S[0]
+                    self._set_health(worker, serving)
+                    self._known(worker)
+                reason = "the worker ended its health stream"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure of the stream means "down"
+                reason = getattr(exc, "details", lambda: str(exc))() or type(exc).__name__
+            if worker.healthy:
+                log.warning("worker %s: health stream broke (%s)", worker.target, reason)
+            self._set_health(worker, False)
+            self._known(worker)
+            await asyncio.sleep(backoff)
+            backoff = min(WATCH_BACKOFF_S[1], backoff * 2)
+
+    @staticmethod
+    def _known(worker: WorkerState) -> None:
+        if worker.health_known is not None:
+            worker.health_known.set()
+
+    @staticmethod
+    def _stop_watch(worker: WorkerState) -> None:
+        if worker.watch is not None:
+            worker.watch.cancel()
+            worker.watch = None
 
     # -- polling ----------------------------------------------------------------------------
     async def poll_once(self) -> None:
+        await self.watch_all()
         await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
         bases = {w.base_model for w in self.workers.values() if w.healthy and w.base_model}
         if len(bases) > 1:
@@ -181,26 +249,25 @@ class WorkerPool:
 
     async def close(self) -> None:
         workers = [*self.workers.values(), *self._retiring.values()]
+        for worker in workers:
+            self._stop_watch(worker)
         await asyncio.gather(*(w.client.close() for w in workers))
 
     async def _poll(self, worker: WorkerState) -> None:
-        client = worker.client
-        if not await client.healthy(self._health_timeout_s):
-            self._set_health(worker, False)
+        """Adapters and load of a healthy worker; health itself is the health stream's."""
+        if not worker.healthy:
             return
+        client = worker.client
         try:
             (adapters, base_model), stats = await asyncio.gather(
                 client.list_adapters(), client.stats()
             )
-        except Exception as exc:  # noqa: BLE001 - any failure means "not serving right now"
-            log.warning("worker %s passed its health check but failed a poll: %s",
-                        worker.target, exc)
-            self._set_health(worker, False)
+        except Exception as exc:  # noqa: BLE001 - keep the last picture; the stream owns health
+            log.info("worker %s: poll failed (%s); keeping its last picture", worker.target, exc)
             return
         worker.adapters, worker.base_model, worker.stats = adapters, base_model, stats
         worker.polled_load = stats.waiting_requests + stats.running_requests
         worker.last_poll = time.monotonic()
-        self._set_health(worker, True)
         self._metrics.worker_queue.labels(worker.target).set(worker.load)
 
     def _set_health(self, worker: WorkerState, healthy: bool) -> None:

@@ -27,6 +27,14 @@ class SourceUnavailable(LorastreamError):
     """A remote source (S3, the Hub, the store) cannot be reached or keeps failing after retries."""
 
 
+class ServerUnreachable(SourceUnavailable):
+    """The server itself could not be reached, or the connection to it broke mid-call.
+
+    Unlike its parent, which a server reports about a source behind it, this one comes from the
+    transport: nothing answered. For a worker, the store is its adapter source, hence the parent.
+    """
+
+
 class CapacityExhausted(LorastreamError):
     """A budget is full: disk cache, host memory, device slots, KV cache or the waiting queue."""
 

@@ -39,6 +39,12 @@ _EXCEPTIONS: dict[grpc.StatusCode, type[errors.LorastreamError]] = {
 }
 
 
+# Trailing metadata on every status a server's interceptor sends for a domain error: a client can
+# then tell "the server said UNAVAILABLE" (a source behind it is down) from a transport failure
+# (the server itself is unreachable or went away), which carries no such key.
+DOMAIN_ERROR_KEY = "lorastream-error"
+
+
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _CODES:
@@ -51,7 +57,17 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     if code is grpc.StatusCode.INTERNAL:
         log.exception("internal error in RPC")
         context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+    context.set_trailing_metadata(((DOMAIN_ERROR_KEY, type(exc).__name__),))
     context.abort(code, str(exc))
+
+
+def reported_by_server(err: grpc.RpcError) -> bool:
+    """True when ``err`` is a status a lorastream server sent for a domain error."""
+    try:
+        metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - a call that never reached a server has none
+        return False
+    return any(key == DOMAIN_ERROR_KEY for key, _ in (metadata or ()))
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
@@ -95,8 +111,10 @@ def raise_from_rpc_error(err: grpc.RpcError) -> None:
     exc_type = _EXCEPTIONS.get(code) if code is not None else None
     if exc_type is None:
         raise err
-    if code is grpc.StatusCode.UNAVAILABLE and details and "failed to connect" in details.lower():
-        details = f"cannot reach the server: {details}"
+    if code is grpc.StatusCode.UNAVAILABLE and not reported_by_server(err):
+        raise errors.ServerUnreachable(
+            f"cannot reach the server, or the connection to it broke: {details}"
+        ) from err
     raise exc_type(details) from err
 
 

@@ -158,7 +158,10 @@ def cluster_factory(
     """Builds clusters (store with adapters, N workers, the gateway); all stopped at the end."""
     stoppers: list[Callable[[], None]] = []
 
-    def make(workers: int = 2, **gateway_overrides: object) -> Cluster:
+    def make(
+        workers: int = 2, worker_overrides: dict[str, Any] | None = None,
+        **gateway_overrides: object,
+    ) -> Cluster:
         root = tmp_path_factory.mktemp("cluster")
         store_server, store_port, _ = create_store(StoreSettings(port=0, cache_dir=root / "store"))
         store_server.start()
@@ -173,6 +176,7 @@ def cluster_factory(
             settings = WorkerSettings(
                 model=str(tiny_model), served_model_name=BASE, port=0, store=store, max_loras=2,
                 kv_cache_bytes=16 << 20, model_cache_dir=root / f"models-{i}",
+                **(worker_overrides or {}),
             )
             handle = WorkerHandle(settings, build_engine(settings, checkpoint=tiny_model))
             handle.start()

@@ -3,13 +3,16 @@ and comes back when healthy."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
+from lorastream.gateway.worker_channel import AsyncWorkerClient, Probe
 from tests.gateway.conftest import BASE, Cluster, ClusterFactory, wait_until
 
 
@@ -86,6 +89,9 @@ def test_a_killed_worker_fails_only_its_in_flight_requests_and_comes_back_when_h
     home.kill()
     drainer.join(timeout=10)
     assert in_flight_error, "the stream on the dead worker should end with an error"
+    (error,) = in_flight_error  # names the worker, not an adapter source
+    assert isinstance(error, openai.APIError) and isinstance(error.body, dict), error
+    assert error.body.get("code") == "worker_unavailable", error.body
 
     # New requests, sent at once (before any poll noticed), all succeed on the other worker.
     moved = cluster.finished_counts()
@@ -120,20 +126,63 @@ def test_health_is_503_and_requests_get_503_while_no_worker_is_healthy(
     assert _complete(cluster, BASE).status_code == 200
 
 
-def test_requests_sent_to_a_dead_worker_before_a_poll_noticed_are_retried_elsewhere(
+def test_a_worker_killed_between_polls_is_known_down_at_once_and_no_request_fails(
     cluster_factory: ClusterFactory,
 ) -> None:
+    """Health comes from the connection (a health Watch stream), not from polls: with polls a
+    minute apart the gateway still knows within a second, and requests go to the other worker
+    (at most one that raced the stream is retried there)."""
     cluster = cluster_factory(workers=2, poll_interval_s=60)  # only the first poll happens
     before = cluster.finished_counts()
     assert _complete(cluster, "attn-r4").status_code == 200
     home = cluster.worker(next(t for t, n in cluster.serving(before).items() if n == 1))
     other = next(w for w in cluster.workers if w is not home)
     home.kill()
+    assert wait_until(lambda: _healthy_workers(cluster) == {other.target}, 1.5)
     moved = cluster.finished_counts()
     statuses = [_complete(cluster, "attn-r4").status_code for _ in range(4)]
     assert statuses == [200] * 4
     assert cluster.serving(moved)[other.target] == 4
-    with cluster.gateway.http() as http:
-        metrics = http.get("/metrics").text
-    # Only the first request tried the dead worker: it was marked down right then.
-    assert f'lorastream_gateway_worker_retries_total{{worker="{home.target}"}} 1.0' in metrics
+    retries = cluster.gateway.state.metrics.retries.labels(home.target)._value.get()
+    assert retries <= 1
+    home.start()  # back on the same port: known again without a poll
+    assert wait_until(lambda: _healthy_workers(cluster) == {home.target, other.target}, 3)
+
+
+def test_a_worker_too_busy_to_answer_a_health_check_stays_healthy(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """Two gRPC threads, both held by long streams: a health check gets no thread and times out
+    (a poll-based gateway marked such a worker down and answered 503), yet the gateway keeps the
+    worker healthy, and the requests it sends meanwhile are served once a thread frees up."""
+    cluster = cluster_factory(workers=1, worker_overrides={"max_workers": 2})
+    (worker,) = cluster.workers
+    client = cluster.gateway.openai()
+    streams = [
+        client.completions.create(model="attn-r4", prompt="Hi", max_tokens=1800, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+        for _ in range(2)
+    ]
+    for stream in streams:
+        next(iter(stream))
+
+    async def probe() -> Probe:
+        probe_client = AsyncWorkerClient(worker.target)
+        try:
+            return await probe_client.probe(0.3)
+        finally:
+            await probe_client.close()
+
+    try:
+        assert asyncio.run(probe()) is Probe.SLOW  # the worker is busy, not dead
+        seen = set()
+        deadline = time.monotonic() + 1.5  # 15 polls at 0.1 s, each with a 0.5 s health timeout
+        while time.monotonic() < deadline:
+            seen.add(frozenset(_healthy_workers(cluster)))
+            time.sleep(0.05)
+        assert seen == {frozenset({worker.target})}
+        assert _health(cluster).status_code == 200
+    finally:
+        for stream in streams:
+            stream.close()
+    assert _complete(cluster, BASE).status_code == 200

@@ -80,7 +80,7 @@ def test_errors_print_one_clear_line_and_exit_1(store: str, args: list[str], mes
 def test_unreachable_store_is_a_clear_error() -> None:
     result = runner.invoke(app, ["adapters", "ls", "--store", "127.0.0.1:1"])
     assert result.exit_code == 1
-    assert "SourceUnavailable" in result.output
+    assert "ServerUnreachable" in result.output and "cannot reach the server" in result.output
 
 
 def test_help_explains_every_adapters_command() -> None:
