@@ -19,6 +19,7 @@ from lorastream.core.generation import (
     SamplingParams,
     WorkerStats,
 )
+from lorastream.core.listing import MAX_PAGE_SIZE, AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk, TensorInfo
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
 
@@ -392,3 +393,34 @@ def stats_to_pb(s: WorkerStats) -> worker_pb2.GetStatsResponse:
 
 def stats_from_pb(msg: worker_pb2.GetStatsResponse) -> WorkerStats:
     return WorkerStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)})
+
+
+# -- listings -------------------------------------------------------------------------------------
+_PINNED_TO_PB = {
+    None: store_pb2.PINNED_FILTER_UNSPECIFIED,
+    True: store_pb2.PINNED_FILTER_PINNED,
+    False: store_pb2.PINNED_FILTER_UNPINNED,
+}
+_PINNED_FROM_PB = {v: k for k, v in _PINNED_TO_PB.items()}
+
+
+def list_request_to_pb(
+    where: AdapterFilter, page_token: str = "", page_size: int = 0
+) -> store_pb2.ListAdaptersRequest:
+    return store_pb2.ListAdaptersRequest(
+        page_size=page_size, page_token=page_token, name_prefix=where.prefix,
+        pinned=_PINNED_TO_PB[where.pinned], source_prefix=where.source_prefix,
+    )
+
+
+def list_request_from_pb(msg: store_pb2.ListAdaptersRequest) -> tuple[AdapterFilter, str, int]:
+    """(filter, the name after which the page starts, page size capped at MAX_PAGE_SIZE)."""
+    if msg.page_size < 0:
+        raise InvalidArgument(f"page_size must be >= 0, got {msg.page_size}")
+    if msg.pinned not in _PINNED_FROM_PB:
+        raise InvalidArgument(f"unknown pinned filter {msg.pinned}")
+    where = AdapterFilter(
+        prefix=msg.name_prefix, pinned=_PINNED_FROM_PB[msg.pinned],
+        source_prefix=msg.source_prefix,
+    )
+    return where, msg.page_token, min(msg.page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)

@@ -21,6 +21,7 @@ from lorastream.core import codec
 from lorastream.core.checksum import crc32c
 from lorastream.core.errors import InvalidAdapter, SourceUnavailable
 from lorastream.core.grpc_status import raise_from_rpc_error
+from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk
 from lorastream.core.stream_layout import StreamLayout
 
@@ -101,11 +102,31 @@ class StoreClient:
         except grpc.RpcError as err:
             raise_from_rpc_error(err)
 
-    def list(self) -> tuple[list[AdapterManifest], int, int]:
-        """All staged adapters, with the cache's bytes used and budget."""
-        reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
-        adapters = [codec.manifest_from_pb(m) for m in reply.adapters]
-        return adapters, reply.cache_bytes_used, reply.cache_bytes_budget
+    def list(
+        self, where: AdapterFilter = AdapterFilter()
+    ) -> tuple[list[AdapterManifest], int, int]:
+        """Every staged adapter matching ``where`` (all pages), with the cache's bytes used and
+        budget."""
+        adapters: list[AdapterManifest] = []
+        used = budget = 0
+        for page, used, budget in self.pages(where):
+            adapters += page
+        return adapters, used, budget
+
+    def pages(
+        self, where: AdapterFilter = AdapterFilter(), page_size: int = 0
+    ) -> Iterator[tuple[list[AdapterManifest], int, int]]:
+        """Staged adapters matching ``where`` a page at a time (0: the store's largest page),
+        each with the cache's bytes used and budget."""
+        token = ""
+        while True:
+            request = codec.list_request_to_pb(where, token, page_size)
+            reply = self._call(self._stub.ListAdapters, request)
+            adapters = [codec.manifest_from_pb(m) for m in reply.adapters]
+            yield adapters, reply.cache_bytes_used, reply.cache_bytes_budget
+            token = reply.next_page_token
+            if not token:
+                return
 
     def describe(self, name: str) -> AdapterManifest:
         reply = self._call(self._stub.DescribeAdapter, pb.DescribeAdapterRequest(name=name))

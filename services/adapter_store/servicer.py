@@ -68,10 +68,16 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
     def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> pb.ListAdaptersResponse:
+        where, after, page_size = codec.list_request_from_pb(request)
+        page = self._store.list(where, after, page_size + 1)  # one more: is there a next page?
+        more = len(page) > page_size
+        page = page[:page_size]
         return pb.ListAdaptersResponse(
-            adapters=[codec.manifest_to_pb(m) for m in self._store.list()],
+            adapters=[codec.manifest_to_pb(m) for m in page],
             cache_bytes_used=self._store.bytes_used,
             cache_bytes_budget=self._store.bytes_budget,
+            next_page_token=page[-1].name if more else "",
+            total_size=self._store.count(where),
         )
 
     def DescribeAdapter(

@@ -7,7 +7,7 @@ Lifecycle of a preload of ``uri`` as ``name``::
 
     resolve (source) -> reserve estimated bytes (evict LRU if needed) -> download into cache/tmp
     -> validate + hash (staging.Stager.prepare) -> [lock] fit actual bytes, rename into
-    cache/adapters/<id>, register name, save registry [unlock] -> done
+    cache/adapters/<id>, register the name (one registry transaction) [unlock] -> done
 
 Two preloads of the same URI share one download (a :class:`SharedDownload`): the second waits
 for the first's result and sees its progress events. A :class:`StreamLease` pins a content id's
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from lorastream.core.adapter_validation import DEFAULT_MAX_HEADER_BYTES
 from lorastream.core.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
+from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress
 from lorastream.store.reader import StreamLease
 from lorastream.store.registry import Registry, RegistryEntry, validate_name
@@ -72,20 +73,17 @@ class AdapterStore:
                 continue
             self._staged[adapter_id] = staged
             self._registry.sizes[adapter_id] = staged.size_bytes
-        entries = self._registry.entries
-        lost = [n for n, e in entries.items() if e.adapter_id not in self._staged]
+        lost = [e.name for e in self._registry.entries() if e.adapter_id not in self._staged]
         for name in lost:
             log.warning("adapter %s lost its staged files; preload it again", name)
-            del entries[name]
+        self._registry.delete(lost)
         for adapter_id in list(self._staged):
             if not self._registry.is_referenced(adapter_id):
                 log.warning("removing staged adapter %s that no name refers to", adapter_id[:12])
                 self._drop_files(adapter_id)
-        if lost:
-            self._registry.save()
         log.info(
             "adapter store at %s: %d names, %d bytes of %d",
-            self._stager.cache_dir, len(entries), self._registry.bytes_used, self._budget,
+            self._stager.cache_dir, len(self._registry), self._registry.bytes_used, self._budget,
         )
 
     # -- queries ----------------------------------------------------------------------------
@@ -98,10 +96,18 @@ class AdapterStore:
     def bytes_budget(self) -> int:
         return self._budget
 
-    def list(self) -> list[AdapterManifest]:
+    def list(
+        self, where: AdapterFilter = AdapterFilter(), after: str = "", limit: int | None = None
+    ) -> list[AdapterManifest]:
+        """Manifests of the names matching ``where``, in name order: those after ``after``, at
+        most ``limit`` (pages: pass the last name of one page as ``after`` of the next)."""
         with self._lock:
-            entries = self._registry.entries
-            return [self._manifest_of(entries[name]) for name in sorted(entries)]
+            return [self._manifest_of(e) for e in self._registry.entries(where, after, limit)]
+
+    def count(self, where: AdapterFilter = AdapterFilter()) -> int:
+        """How many names match ``where``."""
+        with self._lock:
+            return self._registry.count(where)
 
     def describe(self, name: str) -> AdapterManifest:
         with self._lock:
@@ -112,12 +118,7 @@ class AdapterStore:
         """Forget ``name`` now; its files go when no other name and no stream uses them."""
         with self._lock:
             entry = self._entry(name)
-            del self._registry.entries[name]
-            try:
-                self._registry.save()
-            except BaseException:
-                self._registry.entries[name] = entry
-                raise
+            self._registry.delete([name])
             self._collect(entry.adapter_id)
         log.info("deleted adapter %s", name)
 
@@ -131,8 +132,8 @@ class AdapterStore:
         with self._lock:
             entry = self._entry(name)
             if entry.pinned != pinned:
+                self._registry.set_pinned(name, pinned)
                 entry.pinned = pinned
-                self._registry.save()
             return self._manifest_of(entry)
 
     def preload(
@@ -153,7 +154,7 @@ class AdapterStore:
         emit: ProgressFn = progress or (lambda _event: None)
         source = self._sources.for_uri(uri)
         with self._lock:
-            existing = self._registry.entries.get(name)
+            existing = self._registry.get(name)
             if existing is not None and not force:
                 if existing.source_uri != uri:
                     raise AlreadyExists(
@@ -206,7 +207,7 @@ class AdapterStore:
             self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + 1
             entry.last_used_at = time.time()
             try:
-                self._registry.save()
+                self._registry.touch(name, entry.last_used_at)
             except Exception:  # noqa: BLE001 - a stale last-use time must not fail a stream
                 log.warning("could not record the last use of %s", name, exc_info=True)
             manifest = self._manifest_of(entry)
@@ -215,7 +216,7 @@ class AdapterStore:
     # -- internals (callers hold self._lock unless noted) -----------------------------------
     def _entry(self, name: str) -> RegistryEntry:
         validate_name(name)
-        entry = self._registry.entries.get(name)
+        entry = self._registry.get(name)
         if entry is None:
             raise AdapterNotFound(f"no adapter named {name!r}; preload it first (adapters ls)")
         return entry
@@ -285,18 +286,16 @@ class AdapterStore:
         )
         if not plan:
             return
-        for adapter_id in plan:
-            names = self._registry.names_of(adapter_id)
+        evicted = {aid: self._registry.names_of(aid) for aid in plan}
+        self._registry.delete(name for names in evicted.values() for name in names)
+        for adapter_id, names in evicted.items():
             log.info("evicting %s (%s) to make room", adapter_id[:12], ", ".join(names))
-            for name in names:
-                del self._registry.entries[name]
             self._drop_files(adapter_id)
-        self._registry.save()
 
     def _register(
         self, name: str, uri: str, revision: str, staged: StagedAdapter, *, pin: bool, force: bool
     ) -> AdapterManifest:
-        old = self._registry.entries.get(name)
+        old = self._registry.get(name)
         if old is not None and not force and old.source_uri != uri:
             raise AlreadyExists(
                 f"adapter {name} was staged from {old.source_uri} meanwhile; preload with force "
@@ -312,15 +311,7 @@ class AdapterStore:
             last_used_at=now,
             pinned=pin or (old.pinned if old is not None else False),
         )
-        self._registry.entries[name] = entry
-        try:
-            self._registry.save()
-        except BaseException:
-            if old is None:
-                del self._registry.entries[name]
-            else:
-                self._registry.entries[name] = old
-            raise
+        self._registry.put(entry)
         if old is not None and old.adapter_id != staged.adapter_id:
             self._collect(old.adapter_id)
         return self._manifest_of(entry)

@@ -25,45 +25,47 @@ _sym_db = _symbol_database.Default()
 from lorastream.common.v1 import common_pb2 as lorastream_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/lorastream/adapter_store/v1/adapter_store.proto\x12\x1blorastream.adapter_store.v1\x1a!lorastream/common/v1/common.proto\"U\n\x15PreloadAdapterRequest\x12\x12\n\nsource_uri\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"\xc5\x01\n\x16PreloadAdapterResponse\x12\x38\n\x05phase\x18\x01 \x01(\x0e\x32).lorastream.adapter_store.v1.PreloadPhase\x12\x12\n\nbytes_done\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x37\n\x08manifest\x18\x05 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"\x15\n\x13ListAdaptersRequest\"\x85\x01\n\x14ListAdaptersResponse\x12\x37\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32%.lorastream.common.v1.AdapterManifest\x12\x18\n\x10\x63\x61\x63he_bytes_used\x18\x02 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_bytes_budget\x18\x03 \x01(\x03\"&\n\x16\x44\x65scribeAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"R\n\x17\x44\x65scribeAdapterResponse\x12\x37\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteAdapterResponse\"!\n\x11PinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"M\n\x12PinAdapterResponse\x12\x37\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"#\n\x13UnpinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"O\n\x14UnpinAdapterResponse\x12\x37\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"\x80\x01\n\x1bStreamAdapterTensorsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x14\n\x0cstart_tensor\x18\x03 \x01(\x05\x12\x14\n\x0cstart_offset\x18\x04 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x05\"Q\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\"\x9f\x01\n\x1cStreamAdapterTensorsResponse\x12\x39\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifestH\x00\x12\x39\n\x05\x63hunk\x18\x02 \x01(\x0b\x32(.lorastream.adapter_store.v1.TensorChunkH\x00\x42\t\n\x07payload*\xba\x01\n\x0cPreloadPhase\x12\x1d\n\x19PRELOAD_PHASE_UNSPECIFIED\x10\x00\x12\x1b\n\x17PRELOAD_PHASE_RESOLVING\x10\x01\x12\x1d\n\x19PRELOAD_PHASE_DOWNLOADING\x10\x02\x12\x1c\n\x18PRELOAD_PHASE_VALIDATING\x10\x03\x12\x19\n\x15PRELOAD_PHASE_STAGING\x10\x04\x12\x16\n\x12PRELOAD_PHASE_DONE\x10\x05\x32\xf1\x06\n\x13\x41\x64\x61pterStoreService\x12{\n\x0ePreloadAdapter\x12\x32.lorastream.adapter_store.v1.PreloadAdapterRequest\x1a\x33.lorastream.adapter_store.v1.PreloadAdapterResponse0\x01\x12s\n\x0cListAdapters\x12\x30.lorastream.adapter_store.v1.ListAdaptersRequest\x1a\x31.lorastream.adapter_store.v1.ListAdaptersResponse\x12|\n\x0f\x44\x65scribeAdapter\x12\x33.lorastream.adapter_store.v1.DescribeAdapterRequest\x1a\x34.lorastream.adapter_store.v1.DescribeAdapterResponse\x12v\n\rDeleteAdapter\x12\x31.lorastream.adapter_store.v1.DeleteAdapterRequest\x1a\x32.lorastream.adapter_store.v1.DeleteAdapterResponse\x12m\n\nPinAdapter\x12..lorastream.adapter_store.v1.PinAdapterRequest\x1a/.lorastream.adapter_store.v1.PinAdapterResponse\x12s\n\x0cUnpinAdapter\x12\x30.lorastream.adapter_store.v1.UnpinAdapterRequest\x1a\x31.lorastream.adapter_store.v1.UnpinAdapterResponse\x12\x8d\x01\n\x14StreamAdapterTensors\x12\x38.lorastream.adapter_store.v1.StreamAdapterTensorsRequest\x1a\x39.lorastream.adapter_store.v1.StreamAdapterTensorsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n/lorastream/adapter_store/v1/adapter_store.proto\x12\x1blorastream.adapter_store.v1\x1a!lorastream/common/v1/common.proto\"U\n\x15PreloadAdapterRequest\x12\x12\n\nsource_uri\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"\xc5\x01\n\x16PreloadAdapterResponse\x12\x38\n\x05phase\x18\x01 \x01(\x0e\x32).lorastream.adapter_store.v1.PreloadPhase\x12\x12\n\nbytes_done\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x37\n\x08manifest\x18\x05 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"\xa3\x01\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x13\n\x0bname_prefix\x18\x03 \x01(\t\x12\x39\n\x06pinned\x18\x04 \x01(\x0e\x32).lorastream.adapter_store.v1.PinnedFilter\x12\x15\n\rsource_prefix\x18\x05 \x01(\t\"\xb2\x01\n\x14ListAdaptersResponse\x12\x37\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32%.lorastream.common.v1.AdapterManifest\x12\x18\n\x10\x63\x61\x63he_bytes_used\x18\x02 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_bytes_budget\x18\x03 \x01(\x03\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t\x12\x12\n\ntotal_size\x18\x05 \x01(\x03\"&\n\x16\x44\x65scribeAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"R\n\x17\x44\x65scribeAdapterResponse\x12\x37\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15\x44\x65leteAdapterResponse\"!\n\x11PinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"M\n\x12PinAdapterResponse\x12\x37\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"#\n\x13UnpinAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"O\n\x14UnpinAdapterResponse\x12\x37\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifest\"\x80\x01\n\x1bStreamAdapterTensorsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x14\n\x0cstart_tensor\x18\x03 \x01(\x05\x12\x14\n\x0cstart_offset\x18\x04 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x05\"Q\n\x0bTensorChunk\x12\x14\n\x0ctensor_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\r\"\x9f\x01\n\x1cStreamAdapterTensorsResponse\x12\x39\n\x08manifest\x18\x01 \x01(\x0b\x32%.lorastream.common.v1.AdapterManifestH\x00\x12\x39\n\x05\x63hunk\x18\x02 \x01(\x0b\x32(.lorastream.adapter_store.v1.TensorChunkH\x00\x42\t\n\x07payload*\xba\x01\n\x0cPreloadPhase\x12\x1d\n\x19PRELOAD_PHASE_UNSPECIFIED\x10\x00\x12\x1b\n\x17PRELOAD_PHASE_RESOLVING\x10\x01\x12\x1d\n\x19PRELOAD_PHASE_DOWNLOADING\x10\x02\x12\x1c\n\x18PRELOAD_PHASE_VALIDATING\x10\x03\x12\x19\n\x15PRELOAD_PHASE_STAGING\x10\x04\x12\x16\n\x12PRELOAD_PHASE_DONE\x10\x05*c\n\x0cPinnedFilter\x12\x1d\n\x19PINNED_FILTER_UNSPECIFIED\x10\x00\x12\x18\n\x14PINNED_FILTER_PINNED\x10\x01\x12\x1a\n\x16PINNED_FILTER_UNPINNED\x10\x02\x32\xf1\x06\n\x13\x41\x64\x61pterStoreService\x12{\n\x0ePreloadAdapter\x12\x32.lorastream.adapter_store.v1.PreloadAdapterRequest\x1a\x33.lorastream.adapter_store.v1.PreloadAdapterResponse0\x01\x12s\n\x0cListAdapters\x12\x30.lorastream.adapter_store.v1.ListAdaptersRequest\x1a\x31.lorastream.adapter_store.v1.ListAdaptersResponse\x12|\n\x0f\x44\x65scribeAdapter\x12\x33.lorastream.adapter_store.v1.DescribeAdapterRequest\x1a\x34.lorastream.adapter_store.v1.DescribeAdapterResponse\x12v\n\rDeleteAdapter\x12\x31.lorastream.adapter_store.v1.DeleteAdapterRequest\x1a\x32.lorastream.adapter_store.v1.DeleteAdapterResponse\x12m\n\nPinAdapter\x12..lorastream.adapter_store.v1.PinAdapterRequest\x1a/.lorastream.adapter_store.v1.PinAdapterResponse\x12s\n\x0cUnpinAdapter\x12\x30.lorastream.adapter_store.v1.UnpinAdapterRequest\x1a\x31.lorastream.adapter_store.v1.UnpinAdapterResponse\x12\x8d\x01\n\x14StreamAdapterTensors\x12\x38.lorastream.adapter_store.v1.StreamAdapterTensorsRequest\x1a\x39.lorastream.adapter_store.v1.StreamAdapterTensorsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorastream.adapter_store.v1.adapter_store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRELOADPHASE']._serialized_start=1357
-  _globals['_PRELOADPHASE']._serialized_end=1543
+  _globals['_PRELOADPHASE']._serialized_start=1545
+  _globals['_PRELOADPHASE']._serialized_end=1731
+  _globals['_PINNEDFILTER']._serialized_start=1733
+  _globals['_PINNEDFILTER']._serialized_end=1832
   _globals['_PRELOADADAPTERREQUEST']._serialized_start=115
   _globals['_PRELOADADAPTERREQUEST']._serialized_end=200
   _globals['_PRELOADADAPTERRESPONSE']._serialized_start=203
   _globals['_PRELOADADAPTERRESPONSE']._serialized_end=400
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=402
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=423
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=426
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=559
-  _globals['_DESCRIBEADAPTERREQUEST']._serialized_start=561
-  _globals['_DESCRIBEADAPTERREQUEST']._serialized_end=599
-  _globals['_DESCRIBEADAPTERRESPONSE']._serialized_start=601
-  _globals['_DESCRIBEADAPTERRESPONSE']._serialized_end=683
-  _globals['_DELETEADAPTERREQUEST']._serialized_start=685
-  _globals['_DELETEADAPTERREQUEST']._serialized_end=721
-  _globals['_DELETEADAPTERRESPONSE']._serialized_start=723
-  _globals['_DELETEADAPTERRESPONSE']._serialized_end=746
-  _globals['_PINADAPTERREQUEST']._serialized_start=748
-  _globals['_PINADAPTERREQUEST']._serialized_end=781
-  _globals['_PINADAPTERRESPONSE']._serialized_start=783
-  _globals['_PINADAPTERRESPONSE']._serialized_end=860
-  _globals['_UNPINADAPTERREQUEST']._serialized_start=862
-  _globals['_UNPINADAPTERREQUEST']._serialized_end=897
-  _globals['_UNPINADAPTERRESPONSE']._serialized_start=899
-  _globals['_UNPINADAPTERRESPONSE']._serialized_end=978
-  _globals['_STREAMADAPTERTENSORSREQUEST']._serialized_start=981
-  _globals['_STREAMADAPTERTENSORSREQUEST']._serialized_end=1109
-  _globals['_TENSORCHUNK']._serialized_start=1111
-  _globals['_TENSORCHUNK']._serialized_end=1192
-  _globals['_STREAMADAPTERTENSORSRESPONSE']._serialized_start=1195
-  _globals['_STREAMADAPTERTENSORSRESPONSE']._serialized_end=1354
-  _globals['_ADAPTERSTORESERVICE']._serialized_start=1546
-  _globals['_ADAPTERSTORESERVICE']._serialized_end=2427
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=403
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=566
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=569
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=747
+  _globals['_DESCRIBEADAPTERREQUEST']._serialized_start=749
+  _globals['_DESCRIBEADAPTERREQUEST']._serialized_end=787
+  _globals['_DESCRIBEADAPTERRESPONSE']._serialized_start=789
+  _globals['_DESCRIBEADAPTERRESPONSE']._serialized_end=871
+  _globals['_DELETEADAPTERREQUEST']._serialized_start=873
+  _globals['_DELETEADAPTERREQUEST']._serialized_end=909
+  _globals['_DELETEADAPTERRESPONSE']._serialized_start=911
+  _globals['_DELETEADAPTERRESPONSE']._serialized_end=934
+  _globals['_PINADAPTERREQUEST']._serialized_start=936
+  _globals['_PINADAPTERREQUEST']._serialized_end=969
+  _globals['_PINADAPTERRESPONSE']._serialized_start=971
+  _globals['_PINADAPTERRESPONSE']._serialized_end=1048
+  _globals['_UNPINADAPTERREQUEST']._serialized_start=1050
+  _globals['_UNPINADAPTERREQUEST']._serialized_end=1085
+  _globals['_UNPINADAPTERRESPONSE']._serialized_start=1087
+  _globals['_UNPINADAPTERRESPONSE']._serialized_end=1166
+  _globals['_STREAMADAPTERTENSORSREQUEST']._serialized_start=1169
+  _globals['_STREAMADAPTERTENSORSREQUEST']._serialized_end=1297
+  _globals['_TENSORCHUNK']._serialized_start=1299
+  _globals['_TENSORCHUNK']._serialized_end=1380
+  _globals['_STREAMADAPTERTENSORSRESPONSE']._serialized_start=1383
+  _globals['_STREAMADAPTERTENSORSRESPONSE']._serialized_end=1542
+  _globals['_ADAPTERSTORESERVICE']._serialized_start=1835
+  _globals['_ADAPTERSTORESERVICE']._serialized_end=2716
 # @@protoc_insertion_point(module_scope)

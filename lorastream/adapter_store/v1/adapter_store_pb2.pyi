@@ -16,12 +16,21 @@ class PreloadPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRELOAD_PHASE_VALIDATING: _ClassVar[PreloadPhase]
     PRELOAD_PHASE_STAGING: _ClassVar[PreloadPhase]
     PRELOAD_PHASE_DONE: _ClassVar[PreloadPhase]
+
+class PinnedFilter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PINNED_FILTER_UNSPECIFIED: _ClassVar[PinnedFilter]
+    PINNED_FILTER_PINNED: _ClassVar[PinnedFilter]
+    PINNED_FILTER_UNPINNED: _ClassVar[PinnedFilter]
 PRELOAD_PHASE_UNSPECIFIED: PreloadPhase
 PRELOAD_PHASE_RESOLVING: PreloadPhase
 PRELOAD_PHASE_DOWNLOADING: PreloadPhase
 PRELOAD_PHASE_VALIDATING: PreloadPhase
 PRELOAD_PHASE_STAGING: PreloadPhase
 PRELOAD_PHASE_DONE: PreloadPhase
+PINNED_FILTER_UNSPECIFIED: PinnedFilter
+PINNED_FILTER_PINNED: PinnedFilter
+PINNED_FILTER_UNPINNED: PinnedFilter
 
 class PreloadAdapterRequest(_message.Message):
     __slots__ = ("source_uri", "name", "pin", "force")
@@ -50,18 +59,32 @@ class PreloadAdapterResponse(_message.Message):
     def __init__(self, phase: _Optional[_Union[PreloadPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token", "name_prefix", "pinned", "source_prefix")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NAME_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    name_prefix: str
+    pinned: PinnedFilter
+    source_prefix: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., name_prefix: _Optional[str] = ..., pinned: _Optional[_Union[PinnedFilter, str]] = ..., source_prefix: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters", "cache_bytes_used", "cache_bytes_budget")
+    __slots__ = ("adapters", "cache_bytes_used", "cache_bytes_budget", "next_page_token", "total_size")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterManifest]
     cache_bytes_used: int
     cache_bytes_budget: int
-    def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterManifest, _Mapping]]] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_budget: _Optional[int] = ...) -> None: ...
+    next_page_token: str
+    total_size: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_common_pb2.AdapterManifest, _Mapping]]] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_budget: _Optional[int] = ..., next_page_token: _Optional[str] = ..., total_size: _Optional[int] = ...) -> None: ...
 
 class DescribeAdapterRequest(_message.Message):
     __slots__ = ("name",)

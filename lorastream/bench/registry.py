@@ -1,0 +1,102 @@
+"""Registration cost against the number of names already registered.
+
+For each count N the store's registry (SQLite, WAL, ``synchronous=FULL``) is filled with N names
+in one transaction, then ``registrations`` more names are registered one at a time, each its own
+durable transaction, as a preload does. In the same run the previous scheme is measured as the
+baseline: the whole name table rewritten as JSON, fsynced and renamed into place on every
+registration (what ``registry.json`` did), at the same N. The goal: registration cost independent
+of N (the 100k-adapter registry of issue 25), so the largest N's median over the smallest N's
+stays near 1, while the JSON baseline grows with N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lorastream.bench.machine import command_line, machine_info
+from lorastream.store.registry import Registry, RegistryEntry
+
+DEFAULT_COUNTS = (100, 1_000, 10_000, 100_000)
+
+
+def _entry(i: int) -> RegistryEntry:
+    name = f"customer-{i:07d}/adapter"
+    now = time.time()
+    return RegistryEntry(name, f"{i:064x}", f"s3://adapters/{name}", "etag", now, now, False)
+
+
+def _timed(register: Callable[[int], None], first: int, count: int) -> list[float]:
+    """Milliseconds of each of ``count`` registrations, names ``first`` onwards."""
+    samples = []
+    for i in range(first, first + count):
+        start = time.perf_counter()
+        register(i)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def _json_rewrite(directory: Path, names: dict[str, dict[str, object]]) -> Callable[[int], None]:
+    """The previous registry: every registration rewrites, fsyncs and renames the whole file."""
+    path = directory / "registry.json"
+
+    def register(i: int) -> None:
+        entry = _entry(i)
+        names[entry.name] = vars(entry)
+        temp = path.with_name(".registry.json.tmp")
+        with temp.open("w") as f:
+            json.dump({"format": 1, "names": sorted(names.values(), key=lambda e: e["name"])}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+
+    return register
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "p50_ms": round(statistics.median(ordered), 3),
+        "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 3),
+        "mean_ms": round(statistics.fmean(ordered), 3),
+    }
+
+
+def run_registry_bench(
+    counts: tuple[int, ...] = DEFAULT_COUNTS,
+    registrations: int = 200,
+    json_registrations: int = 20,
+    work_dir: Path | None = None,
+) -> dict[str, object]:
+    """Per-registration latency at each count, SQLite registry against the JSON baseline."""
+    points = []
+    for n in counts:
+        with tempfile.TemporaryDirectory(dir=work_dir, prefix="registry-bench-") as tmp:
+            directory = Path(tmp)
+            registry = Registry(directory)
+            registry.put_many(_entry(i) for i in range(n))
+            sqlite = _timed(lambda i: registry.put(_entry(i)), n, registrations)
+            registry.close()
+            table = {e.name: vars(e) for e in map(_entry, range(n))}
+            baseline = _timed(_json_rewrite(directory, table), n, json_registrations)
+        points.append({"names": n, "sqlite": _summary(sqlite), "json_rewrite": _summary(baseline),
+                       "sqlite_samples": len(sqlite), "json_samples": len(baseline)})
+    first, last = points[0], points[-1]
+    growth = last["sqlite"]["p50_ms"] / first["sqlite"]["p50_ms"]  # type: ignore[index]
+    json_growth = last["json_rewrite"]["p50_ms"] / first["json_rewrite"]["p50_ms"]  # type: ignore[index]
+    return {
+        "benchmark": "registry",
+        "command": command_line(),
+        "counts": list(counts),
+        "sqlite_p50_growth": round(growth, 2),
+        "json_rewrite_p50_growth": round(json_growth, 2),
+        "goal": f"sqlite p50 at {last['names']} names <= 2x its p50 at {first['names']}",
+        "goal_met": growth <= 2.0,
+        "points": points,
+        "machine": machine_info(bandwidth=False),
+    }
