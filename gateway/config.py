@@ -1,8 +1,10 @@
 """HTTP gateway configuration: the one place the gateway reads its environment.
 
-Every field is a ``lorastream gateway serve`` flag and an environment variable
-``LORASTREAM_GATEWAY_<FIELD>``. ``LORASTREAM_GATEWAY_WORKERS`` takes a comma-separated list
-(``host:50052,host:50053``) or a JSON list.
+Every field is an environment variable ``LORASTREAM_GATEWAY_<FIELD>`` and, unless marked
+``CliSuppress`` (tokens, kept out of process listings), a ``lorastream gateway serve`` flag
+generated from it (lorastream/cli/settings_flags.py: name, default and help come from here).
+``LORASTREAM_GATEWAY_WORKERS`` takes a comma-separated list (``host:50052,host:50053``) or a JSON
+list; the flag is repeated (``--worker host:50052 --worker host:50053``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from typing import Annotated
 
 from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSuppress, NoDecode, SettingsConfigDict
 
 
 class GatewaySettings(BaseSettings):
@@ -37,7 +39,7 @@ class GatewaySettings(BaseSettings):
         description="Bearer token required on the operator endpoints (/v1/adapters...); "
         "without one they are open.",
     )
-    store_token: str | None = Field(
+    store_token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_GATEWAY_STORE_TOKEN", "LORASTREAM_TOKEN"),
         description="Bearer token the gateway sends to the store's operator calls "
@@ -94,7 +96,12 @@ class GatewaySettings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                return json.loads(text)
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(
+                        f"expected a JSON list or comma-separated HOST:PORT targets ({exc})"
+                    ) from None
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorastream.core.errors import AdapterNotFound, LorastreamError
 from lorastream.core.generation import AdapterStatus
-from lorastream.core.manifest import AdapterManifest, PreloadProgress
-from lorastream.gateway.catalog import manifest_json, residency_row, residency_summary, status_json
+from lorastream.core.manifest import AdapterManifest, PreloadProgress, manifest_json
+from lorastream.gateway.catalog import residency_row, residency_summary, status_json
 from lorastream.gateway.errors import UpstreamTimeout
 from lorastream.gateway.http_errors import ApiError, api_error
 from lorastream.gateway.openai_responses import SSE_DONE, sse

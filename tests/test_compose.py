@@ -352,9 +352,10 @@ def test_dockerfile_runs_as_a_non_root_user_from_python_311_slim() -> None:
     assert users and users[-1] not in ("root", "0")
 
 
-def test_dockerfile_installs_the_locked_versions_and_cpu_torch() -> None:
+def test_dockerfile_installs_the_runtime_lock_and_cpu_torch() -> None:
     runs = " ".join(arg for kw, arg in dockerfile_instructions() if kw == "RUN")
-    assert "--constraint requirements.lock" in runs
+    assert "--requirement requirements.lock" in runs
+    assert all("requirements-dev.lock" not in arg for _, arg in dockerfile_instructions())
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in runs
     assert "pip install --no-deps ." in runs
 

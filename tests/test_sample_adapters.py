@@ -17,6 +17,7 @@ import pytest
 
 from lorastream.core.adapter_validation import validate_adapter_dir
 from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.stack.launcher import SAMPLE_QUESTION
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.model.checkpoint import resolve_checkpoint
 from lorastream.worker.service.bootstrap import build_engine
@@ -80,7 +81,7 @@ def answers(engine: Engine) -> dict[tuple[str, str], str]:
             model, PromptInput(messages=(("user", q),)), SamplingParams(max_tokens=NEW_TOKENS)
         )
         for model in ("default", "shout", "french")
-        for q in QUESTIONS
+        for q in (*QUESTIONS, SAMPLE_QUESTION)
     }
     engine.start()
     return {
@@ -143,3 +144,12 @@ def test_the_french_dataset_is_deterministic_and_excludes_the_held_out_questions
     assert first != script.french_examples(4, 200)
     held_out = set(script.load_templates()["held_out"])
     assert not held_out & {ex.question for ex in first}
+
+
+def test_the_question_lorastream_up_prints_gets_a_right_answer_from_each_model(
+    answers: dict[tuple[str, str], str],
+) -> None:
+    base, shout, french = (answers[(m, SAMPLE_QUESTION)] for m in ("default", "shout", "french"))
+    assert "Paris" in base and upper_fraction(base) < 0.3, base
+    assert "PARIS" in shout and upper_fraction(shout) >= 0.8, shout
+    assert "Paris" in french and len(french_words(french)) >= 2, french

@@ -5,6 +5,7 @@ client, then a clean stop on SIGINT."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,23 @@ from lorastream.stack.launcher import (
 from tests.support.models import make_peft_adapter, make_tiny_checkpoint
 
 
+def printed_commands(lines: list[str]) -> list[str]:
+    """The shell commands in `lorastream up`'s output: indented lines, and heredoc blocks."""
+    commands: list[str] = []
+    heredoc: list[str] | None = None
+    for line in (line.rstrip("\n") for line in lines):
+        if heredoc is not None:
+            heredoc.append(line)
+            if line == "EOF":
+                commands.append("\n".join(heredoc))
+                heredoc = None
+        elif line.endswith("<<'EOF'"):
+            heredoc = [line]
+        elif line.startswith("  "):
+            commands.append(line.strip())
+    return commands
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -48,6 +66,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
     store_port, worker_port, gateway_port = _free_ports(3)
     env_home = {"HOME": str(tmp_path / "home")}  # caches under tmp_path, not the user's
+    (tmp_path / "home").mkdir()
     import os
 
     proc = subprocess.Popen(
@@ -69,6 +88,12 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
             if line.startswith("Ctrl-C stops everything"):
                 break
         assert any("--model demo" in line for line in lines), "".join(lines)
+        for command in printed_commands(lines):  # each as printed, in a new shell
+            ran = subprocess.run(
+                ["bash", "-c", command], cwd=tmp_path / "home", capture_output=True, text=True,
+                env={"PATH": "/usr/bin:/bin", **env_home}, timeout=120,
+            )
+            assert ran.returncode == 0 and '"error"' not in ran.stdout, (command, ran)
         result = CliRunner().invoke(app, [
             "complete", "--worker", f"localhost:{worker_port}", "--model", "demo",
             "--prompt", "Hello", "--max-tokens", "5", "--json",
@@ -80,7 +105,8 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         assert any(f"curl {gateway}/v1/chat/completions" in line for line in lines)
         assert httpx.get(f"{gateway}/health").status_code == 200
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
-        assert {m.id for m in client.models.list()} == {str(model), "demo"}
+        # the printed operator examples registered my-adapter
+        assert {m.id for m in client.models.list()} == {str(model), "demo", "my-adapter"}
         reply = client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
         )
@@ -120,5 +146,42 @@ def test_the_examples_show_each_sample_adapter_on_the_same_question() -> None:
     assert "shout (answers in UPPER CASE)" in text and "french (answers in French)" in text
     for name in ("shout", "french", "default"):
         assert f"--model {name} --chat --prompt '{SAMPLE_QUESTION}'" in text
-    assert text.count(f'"model": "shout", "messages": [{{"role": "user", "content": '
-                      f'"{SAMPLE_QUESTION}"') == 1
+        assert text.count(f'"model": "{name}", "messages": [{{"role": "user", "content": '
+                          f'"{SAMPLE_QUESTION}"') == 1
+
+
+def test_the_examples_are_greedy_and_name_only_absolute_paths() -> None:
+    stack = Stack(StackConfig(adapters=stack_adapters("default", [], samples=True)))
+    commands = printed_commands(examples(stack, "default").splitlines())
+    requests = [c for c in commands
+                if c.startswith("curl") and ('"prompt"' in c or '"messages"' in c)]
+    assert len(requests) == 4  # three chat questions and one streamed completion
+    assert all(re.search(r'"temperature": 0[,}]', c) for c in requests), requests
+    (client,) = [c for c in commands if "OpenAI(" in c]
+    assert "temperature=0," in client
+    preload = next(c for c in commands if " adapters preload " in c).split()
+    assert Path(preload[preload.index("preload") + 1]).is_absolute()
+
+
+@pytest.mark.parametrize("spec", ["demo=./adapters/demo", "demo=adapters/demo"])
+def test_a_relative_adapter_path_is_registered_as_an_absolute_one(
+    spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert parse_adapter_specs([spec]) == {"demo": str(tmp_path / "adapters" / "demo")}
+
+
+@pytest.mark.parametrize("role", ["store", "worker", "gateway"])
+def test_up_refuses_a_port_in_use_before_starting_anything(role: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        others = iter(_free_ports(2))
+        ports = {name: port if name == role else next(others) for name in ("store", "worker")}
+        ports["gateway"] = port if role == "gateway" else _free_ports(1)[0]
+        stack = Stack(StackConfig(store_port=ports["store"], worker_port=ports["worker"],
+                                  gateway_port=ports["gateway"]))
+        with pytest.raises(InvalidArgument, match=rf"{role}\b.* port {port} is in use"):
+            stack.start()
+    assert stack.processes == []

@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import typer
+from rich import box
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from lorastream.cli.common import STORE_OPTION, TOKEN_OPTION, out, reported_errors
-from lorastream.core.manifest import AdapterManifest
+from lorastream.core.local_paths import absolute_source
+from lorastream.core.manifest import manifest_json
 from lorastream.core.store_client import BytesSink, StoreClient
 
 app = typer.Typer(
@@ -20,31 +22,11 @@ app = typer.Typer(
 )
 
 
-def _manifest_dict(m: AdapterManifest) -> dict[str, object]:
-    return {
-        "name": m.name,
-        "adapter_id": m.adapter_id,
-        "source_uri": m.source_uri,
-        "revision": m.revision,
-        "base_model": m.base_model,
-        "rank": m.rank,
-        "alpha": m.alpha,
-        "use_rslora": m.use_rslora,
-        "target_modules": list(m.target_modules),
-        "total_bytes": m.total_bytes,
-        "pinned": m.pinned,
-        "tensors": [
-            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
-             "sha256": t.checksum}
-            for t in m.tensors
-        ],
-    }
-
-
 @app.command("preload")
 def preload(
     uri: str = typer.Argument(
-        ..., help="s3://bucket/prefix, hf://org/repo[@revision], file:///abs/path or a local path."
+        ..., help="s3://bucket/prefix, hf://org/repo[@revision], file:///abs/path or a local "
+        "path (a relative one is taken from the current directory)."
     ),
     name: str = typer.Option(..., "--name", help="Name requests will use for this adapter."),
     pin: bool = typer.Option(False, "--pin", help="Never evict it from the store's cache."),
@@ -62,7 +44,7 @@ def preload(
     ) as bar:
         task = bar.add_task(f"{name}: resolving", total=None)
         manifest = None
-        for event in client.preload(uri, name, pin=pin, force=force):
+        for event in client.preload(absolute_source(uri), name, pin=pin, force=force):
             bar.update(
                 task,
                 description=f"{name}: {event.phase}",
@@ -89,17 +71,27 @@ def ls(
         adapters, used, budget = client.list()
     if as_json:
         out.print_json(json.dumps({
-            "adapters": [_manifest_dict(m) | {"tensors": len(m.tensors)} for m in adapters],
+            "adapters": [manifest_json(m) for m in adapters],
             "cache_bytes_used": used,
             "cache_bytes_budget": budget,
         }))
         return
-    table = Table(title=f"adapters ({used / 1e6:.1f} MB of {budget / 1e9:.1f} GB)")
-    for col in ("name", "id", "rank", "alpha", "modules", "MB", "pinned", "source"):
-        table.add_column(col)
+    # Names and URIs fold (wrap inside a word) instead of being cut with an ellipsis, so every
+    # character stays readable at 80 columns; modules drop their "_proj" suffix (q k v o ...).
+    table = Table(title=f"adapters ({used / 1e6:.1f} MB of {budget / 1e9:.1f} GB)",
+                  box=box.SIMPLE_HEAD, expand=True)
+    table.add_column("name", overflow="fold", ratio=3)
+    table.add_column("id", no_wrap=True)
+    table.add_column("rank", justify="right", no_wrap=True)
+    table.add_column("alpha", justify="right", no_wrap=True)
+    table.add_column("modules", overflow="fold", ratio=2, min_width=6)
+    table.add_column("MB", justify="right", no_wrap=True)
+    table.add_column("pin", no_wrap=True)
+    table.add_column("source", overflow="fold", ratio=4)
     for m in adapters:
         table.add_row(
-            m.name, m.adapter_id[:12], str(m.rank), f"{m.alpha:g}", ",".join(m.target_modules),
+            m.name, m.adapter_id[:8], str(m.rank), f"{m.alpha:g}",
+            " ".join(t.removesuffix("_proj") for t in m.target_modules),
             f"{m.total_bytes / 1e6:.1f}", "yes" if m.pinned else "", m.source_uri,
         )
     out.print(table)
@@ -110,7 +102,7 @@ def describe(name: str, store: str = STORE_OPTION) -> None:
     """Print an adapter's manifest as JSON."""
     with reported_errors(), StoreClient(store) as client:
         manifest = client.describe(name)
-    out.print_json(json.dumps(_manifest_dict(manifest)))
+    out.print_json(json.dumps(manifest_json(manifest, tensors=True)))
 
 
 @app.command("rm")

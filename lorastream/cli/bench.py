@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -21,6 +22,22 @@ OUTPUT_OPTION = typer.Option(
 )
 
 
+# The `bench` extra of pyproject.toml (in requirements-dev.lock), which `make up` does not install.
+BENCH_MODULES = ("peft", "psutil", "tqdm", "matplotlib")
+
+
+def require_bench_extra() -> None:
+    """Exit with one clear line when the benchmark dependencies are not installed."""
+    missing = [m for m in BENCH_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        console.print(
+            f"[red]error[/]: lorastream bench needs the bench dependencies (missing: "
+            f"{', '.join(missing)}); install them with `make bench` or "
+            "`pip install -r requirements-dev.lock` (or: pip install 'lorastream[bench]')"
+        )
+        raise typer.Exit(2)
+
+
 def _print_result(result: dict[str, object], output: Path | None) -> None:
     """Print the result JSON; with ``--output``, also write it to that file."""
     text = json.dumps(result)
@@ -28,6 +45,35 @@ def _print_result(result: dict[str, object], output: Path | None) -> None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=2) + "\n")
     out.print_json(text)
+
+
+@app.command("registry")
+def registry(
+    counts: str = typer.Option(
+        "100,1000,10000,100000", help="Numbers of names already registered, comma-separated."
+    ),
+    registrations: int = typer.Option(
+        200, min=1, help="Registrations timed at each count (each a durable transaction)."
+    ),
+    json_registrations: int = typer.Option(
+        20, min=1, help="Registrations timed for the JSON-rewrite baseline at each count."
+    ),
+    output: Path | None = OUTPUT_OPTION,
+) -> None:
+    """Registration cost against the number of names: the store's SQLite registry beside the
+    JSON file it replaced (rewritten whole on every registration), in the same run."""
+    require_bench_extra()
+    from lorastream.bench.registry import run_registry_bench
+
+    try:
+        parsed = tuple(int(c) for c in counts.split(","))
+    except ValueError:
+        console.print(f"[red]error[/]: --counts {counts!r}: give integers separated by commas")
+        raise typer.Exit(2) from None
+    if not parsed or min(parsed) < 1:
+        console.print("[red]error[/]: --counts: every count must be >= 1")
+        raise typer.Exit(2)
+    _print_result(run_registry_bench(parsed, registrations, json_registrations), output)
 
 
 @app.command("transfer")
@@ -49,6 +95,7 @@ def transfer(
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Store stream vs a bare gRPC stream of the same bytes on loopback (goal: >= 0.8x)."""
+    require_bench_extra()
     from lorastream.bench.transfer import (
         checked_chunk_sizes,
         parse_size,
@@ -71,7 +118,9 @@ def transfer(
 
 @app.command("engine")
 def engine(
-    model: str = typer.Option("default", help="Base model: default, a checkpoint dir or Hub id."),
+    model: str = typer.Option(
+        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+    ),
     adapters: int = typer.Option(32, help="Distinct adapters in the batch."),
     rank: int = typer.Option(16, help="Rank of every adapter (all linear projections)."),
     prompts: int = typer.Option(32, help="Concurrent prompts (the batch)."),
@@ -82,6 +131,7 @@ def engine(
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
+    require_bench_extra()
     from lorastream.core.openmp import tune_openmp_waits
 
     tune_openmp_waits()  # as `worker serve` does, before torch loads
@@ -140,6 +190,7 @@ def serve(
 ) -> None:
     """Poisson trace over cold adapters with overlapped loading on, then off (goals: TTFT p50
     on <= 0.5x off; running streams' ITL p99 during loads <= 1.2x without loads)."""
+    require_bench_extra()
     from lorastream.bench.serve import ServeConfig, run_serve_bench
 
     setup_logging(log_level)
@@ -176,7 +227,9 @@ def scale(
     peft_batch: int = typer.Option(
         32, help="PEFT's static mixed-adapter batch size (default: the worker's max batch)."
     ),
-    model: str = typer.Option("default", help="Base model: default, a checkpoint dir or Hub id."),
+    model: str = typer.Option(
+        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+    ),
     seed: int = typer.Option(0, help="Seed of the trace and of the synthetic adapters."),
     repeats: int = typer.Option(
         2, min=1, help="Rounds over all counts, taking turns; each count reports its best round."
@@ -186,6 +239,7 @@ def scale(
 ) -> None:
     """Throughput and TTFT of one zipf workload over 10, 100 and 1000 adapters in the store, and
     HF+PEFT on the same requests (goal: <= 10% throughput loss from the least to the most)."""
+    require_bench_extra()
     from lorastream.bench.harness import adapter_picker
     from lorastream.bench.scale import ScaleConfig, run_scale_bench
 
@@ -222,6 +276,7 @@ def report(
 ) -> None:
     """Write the benchmark page (tables, goal verdicts, plots, commands, machine) from the result
     JSONs; a missing result is shown as not run."""
+    require_bench_extra()
     from lorastream.bench.report import write_report
 
     setup_logging(log_level)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import shlex
+from collections.abc import Iterable, Iterator
+from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from lorastream.core.errors import LorastreamError
 
@@ -22,6 +25,28 @@ TOKEN_OPTION = typer.Option(
     "--token",
     envvar="LORASTREAM_TOKEN",
     help="Bearer token for operator calls (when the server was started with one).",
+)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def refuse(problems: Iterable[str]) -> NoReturn:
+    """Report what is wrong with the command line or the environment, one line each, and exit 2
+    (a usage error's code) instead of a traceback."""
+    for problem in problems:
+        console.print(f"[bold red]error[/]: {escape(problem)}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _log_level(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        refuse([f"--log-level {shlex.quote(value)}: expected one of {', '.join(LOG_LEVELS)}"])
+    return value.upper()
+
+
+LOG_LEVEL_OPTION = typer.Option(
+    "INFO", "--log-level", metavar="[" + "|".join(LOG_LEVELS) + "]", callback=_log_level,
+    help="Logging level (any case).",
 )
 
 
@@ -39,5 +64,7 @@ def reported_errors() -> Iterator[None]:
     try:
         yield
     except LorastreamError as exc:
-        console.print(f"[bold red]error[/] ({type(exc).__name__}): {exc}")
+        console.print(
+            f"[bold red]error[/] ({type(exc).__name__}): {escape(str(exc))}", soft_wrap=True
+        )
         raise typer.Exit(1) from None

@@ -38,7 +38,9 @@ def up(
         "default", help="Base model: default (embedded SmolLM2-135M-Instruct), a dir or Hub id."
     ),
     adapter: list[str] = typer.Option(
-        [], "--adapter", help="NAME=URI to register in the store at start (repeatable)."
+        [], "--adapter",
+        help="NAME=URI to register in the store at start (repeatable); URI is s3://, hf://, or a "
+        "local PEFT directory (a relative path is taken from the current directory).",
     ),
     samples: bool = typer.Option(
         True, "--samples/--no-samples",

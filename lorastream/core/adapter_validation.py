@@ -35,7 +35,7 @@ from lorastream.core.adapter_format import (
     short_module_name,
 )
 from lorastream.core.errors import InvalidAdapter
-from lorastream.core.manifest import DTYPE_SIZES, TensorInfo
+from lorastream.core.manifest import DTYPE_SIZES, AdapterManifest, TensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,35 @@ class ValidatedAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]  # short names present in the weights, sorted
     tensors: tuple[StagedTensor, ...]  # in file order (ascending offset)
+
+    def manifest(
+        self,
+        *,
+        adapter_id: str,
+        name: str,
+        source_uri: str,
+        revision: str = "",
+        created_at: float = 0.0,
+        pinned: bool = False,
+        last_used_at: float = 0.0,
+    ) -> AdapterManifest:
+        """The manifest of this content under a name: the one place a manifest is built from
+        what validation learned (the store's staged adapters, the worker's local paths)."""
+        return AdapterManifest(
+            adapter_id=adapter_id,
+            name=name,
+            source_uri=source_uri,
+            revision=revision,
+            base_model=self.base_model,
+            rank=self.rank,
+            alpha=self.alpha,
+            use_rslora=self.use_rslora,
+            target_modules=self.target_modules,
+            tensors=tuple(t.info for t in self.tensors),
+            created_at=created_at,
+            pinned=pinned,
+            last_used_at=last_used_at,
+        )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""Register a servicer from its protobuf service descriptor.
+"""The gRPC server side both services share: build, bind, serve until signalled.
 
-Equivalent to the generated ``add_<Service>Servicer_to_server``, with one difference: a handler may
-yield pre-encoded response bytes (see ``codec.encode_chunk_response``) as well as messages.
+``create_grpc_server`` is the one bootstrap of the adapter store and the GPU worker: the servicer,
+gRPC health (SERVING) and reflection, message limits, and a bind that refuses a port in use.
+``add_servicer`` is equivalent to the generated ``add_<Service>Servicer_to_server``, with one
+difference: a handler may yield pre-encoded response bytes (see ``codec.encode_chunk_response``)
+as well as messages.
 """
 
 from __future__ import annotations
@@ -9,15 +12,64 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent import futures
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from lorastream.core.codec import serialize_response
+from lorastream.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [
+    # Messages carry up to 4 MiB of tensor bytes plus framing.
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.max_receive_message_length", 16 << 20),
+    # grpc sets SO_REUSEPORT by default on Linux: a second server on a port in use would bind
+    # without error and the kernel would split connections between the two processes.
+    ("grpc.so_reuseport", 0),
+]
+
+
+def create_grpc_server(
+    servicer: object,
+    service: ServiceDescriptor,
+    *,
+    host: str,
+    port: int,
+    executor: futures.ThreadPoolExecutor,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> tuple[grpc.Server, int]:
+    """A server (not started) with ``servicer``, health (SERVING, overall and for ``service``)
+    and reflection, bound to ``host:port`` (0: any free port); returns it with its bound port.
+
+    Raises InvalidArgument naming the address when it cannot be bound (a port in use)."""
+    server = grpc.server(executor, interceptors=list(interceptors), options=SERVER_OPTIONS)
+    add_servicer(server, servicer, service)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", service.full_name):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc >= 1.5x raises where older versions returned 0
+        bound = 0
+    if bound == 0:
+        raise InvalidArgument(
+            f"cannot listen on {address}: address in use (is another lorastream server or "
+            "`lorastream up` running?) or not an address of this host; stop the other server "
+            "or pick another --port/--host"
+        )
+    return server, bound
 
 
 def add_servicer(server: grpc.Server, servicer: object, service: ServiceDescriptor) -> None:

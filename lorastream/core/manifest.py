@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 # safetensors dtype string -> bytes per element. Only floating dtypes are valid LoRA weights.
 DTYPE_SIZES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
@@ -53,6 +54,35 @@ class AdapterManifest:
 
     def replace(self, **changes: object) -> "AdapterManifest":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def manifest_json(m: AdapterManifest, *, tensors: bool = False) -> dict[str, Any]:
+    """An adapter as JSON: the one shape of the gateway's HTTP API and ``lorastream adapters``
+    (docs/gateway.md, docs/store.md). ``tensors`` is the tensor count; with ``tensors=True`` the
+    tensors themselves follow under ``tensor_list`` (``lorastream adapters describe``)."""
+    doc: dict[str, Any] = {
+        "name": m.name,
+        "adapter_id": m.adapter_id,
+        "source": m.source_uri,
+        "revision": m.revision,
+        "base_model": m.base_model,
+        "rank": m.rank,
+        "alpha": m.alpha,
+        "use_rslora": m.use_rslora,
+        "target_modules": list(m.target_modules),
+        "bytes": m.total_bytes,
+        "tensors": len(m.tensors),
+        "pinned": m.pinned,
+        "created": int(m.created_at),
+        "last_used": int(m.last_used_at),
+    }
+    if tensors:
+        doc["tensor_list"] = [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+             "checksum": t.checksum}
+            for t in m.tensors
+        ]
+    return doc
 
 
 @dataclass

@@ -8,8 +8,12 @@ workers, then the store, each with a graceful SIGINT first.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +26,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorastream.core.errors import InvalidArgument, SourceUnavailable
+from lorastream.core.local_paths import absolute_source
 from lorastream.core.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -46,7 +51,10 @@ SAMPLE_ADAPTERS = {
     "shout": "answers in UPPER CASE",
     "french": "answers in French",
 }
-SAMPLE_QUESTION = "What is the capital of Italy?"  # held out from both training sets
+# A question the base model and both samples answer right, each its own way (greedy, checked on the
+# default model): "The capital of France is Paris." / "THE CAPITAL OF FRANCE IS PARIS." /
+# "La capitale de la France est Paris." (tests/test_sample_adapters.py).
+SAMPLE_QUESTION = "What is the capital of France?"
 
 
 def sample_adapters() -> dict[str, str]:
@@ -68,14 +76,27 @@ def stack_adapters(model: str, specs: list[str], samples: bool) -> dict[str, str
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, str]:
-    """``NAME=URI`` pairs; InvalidArgument on anything else."""
+    """``NAME=URI`` pairs (a relative local path made absolute from here); InvalidArgument on
+    anything else."""
     adapters: dict[str, str] = {}
     for spec in specs:
         name, sep, uri = spec.partition("=")
         if not sep or not name or not uri:
             raise InvalidArgument(f"--adapter {spec!r}: expected NAME=URI, e.g. support=s3://b/a")
-        adapters[name] = uri
+        adapters[name] = absolute_source(uri)
     return adapters
+
+
+def cli_command() -> str:
+    """How a new shell runs this lorastream: ``lorastream`` when that is what PATH finds, else
+    the script's full path (the venv is usually not on PATH: `make up` does not activate it)."""
+    script = Path(sys.executable).parent / "lorastream"
+    if not script.is_file():
+        return f"{shlex.quote(sys.executable)} -m lorastream.cli.main"
+    found = shutil.which("lorastream")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "lorastream"
+    return shlex.quote(str(script))
 
 
 def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -144,8 +165,29 @@ class Stack:
         self.processes.append((name, process))
         return process
 
+    def check_ports_free(self) -> None:
+        """InvalidArgument naming the first port something already listens on: a second
+        `lorastream up` must not start children that fail one by one, nor mistake the first
+        stack's answers for its own."""
+        c = self.config
+        ports = [("store", c.store_port, "--store-port")]
+        ports += [(f"worker {i}", c.worker_port + i, "--worker-port") for i in range(c.workers)]
+        ports.append(("gateway", c.gateway_port, "--port"))
+        for what, port, flag in ports:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                # as the servers do: a port with only closed connections lingering is free
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError as err:
+                    raise InvalidArgument(
+                        f"the {what} port {port} is in use (is another `lorastream up` "
+                        f"running?): {err.strerror}; stop it or pass {flag} with a free port"
+                    ) from None
+
     def start(self) -> None:
         c = self.config
+        self.check_ports_free()
         token_args = ["--token", c.token] if c.token else []
         store = self._spawn(
             "adapter store", ["store", "serve", "--port", str(c.store_port), *token_args]
@@ -195,12 +237,16 @@ class Stack:
 
 
 def examples(stack: Stack, model: str) -> str:
+    """What `lorastream up` prints: commands that run as printed in a new shell, all greedy
+    (temperature 0), so the base model and each sample adapter answer the same question in their
+    own, repeatable way."""
     worker = stack.workers[0]
     adapter = next(iter(stack.config.adapters), model)
     shipped = sample_adapters()
     samples = [name for name, uri in stack.config.adapters.items() if shipped.get(name) == uri]
     question = SAMPLE_QUESTION if samples else "Hello!"
     api = f"{stack.gateway}/v1"
+    cli = cli_command()
     lines = [
         f"lorastream is up: gateway {stack.gateway}, store {stack.store}, "
         f"workers {', '.join(stack.workers)}.",
@@ -210,41 +256,56 @@ def examples(stack: Stack, model: str) -> str:
             f"{name} ({SAMPLE_ADAPTERS[name]})" for name in samples
         ) + f". Ask the same question with model = {', '.join(samples)} or {model}:")
     lines += [
-        "Try the OpenAI API (model = an adapter name, or the base model):",
+        "Try the OpenAI API (model = an adapter name, or the base model; temperature 0 is "
+        "greedy):",
         f"  curl {api}/models",
     ]
-    for name in samples or [adapter]:
+    for name in [*samples, model] if samples else [adapter]:
         lines.append(
             f"  curl {api}/chat/completions -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
-            f"\"content\": \"{question}\"}}], \"max_tokens\": 32}}'"
+            f"\"content\": \"{question}\"}}], \"max_tokens\": 32, \"temperature\": 0}}'"
         )
     lines += [
         f"  curl -N {api}/completions -H 'Content-Type: application/json' -d "
         f"'{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", "
-        f"\"max_tokens\": 16, \"stream\": true}}'",
-        "The official openai client (paste into a shell):",
-        f"{sys.executable} - <<'EOF'",
+        f"\"max_tokens\": 16, \"temperature\": 0, \"stream\": true}}'",
+    ]
+    client_lines = [
+        f"{shlex.quote(sys.executable)} - <<'EOF'",
         "from openai import OpenAI",
         f"client = OpenAI(base_url=\"{api}\", api_key=\"unused\")",
-        f"reply = client.chat.completions.create(model=\"{adapter}\", max_tokens=32,",
+        f"reply = client.chat.completions.create(model=\"{adapter}\", max_tokens=32, "
+        "temperature=0,",
         f"    messages=[{{\"role\": \"user\", \"content\": \"{question}\"}}])",
         "print(reply.choices[0].message.content)",
         "EOF",
-        "Or a worker directly:",
-        f"  lorastream complete --worker {worker} --model {model} --chat --prompt '{question}'",
+    ]
+    if importlib.util.find_spec("openai") is None:
+        lines += ["The official openai client (not a lorastream dependency: install it once, "
+                  "then paste the rest into a shell):",
+                  f"  {shlex.quote(sys.executable)} -m pip install openai", *client_lines]
+    else:
+        lines += ["The official openai client (paste into a shell):", *client_lines]
+    lines += [
+        "Or a worker directly (greedy unless --temperature):",
+        f"  {cli} complete --worker {worker} --model {model} --chat --prompt '{question}'",
     ]
     for name in stack.config.adapters:
         lines.append(
-            f"  lorastream complete --worker {worker} --model {name} --chat --prompt '{question}'"
+            f"  {cli} complete --worker {worker} --model {name} --chat --prompt '{question}'"
         )
+    sample_dir = SAMPLES_DIR / "french"
     lines += [
-        "Operators (add -H 'Authorization: Bearer <token>' when LORASTREAM_TOKEN is set):",
+        "Operators: register an adapter (any PEFT LoRA directory, s3:// or hf:// URI; here a "
+        "copy of a sample) and list them. With LORASTREAM_TOKEN set, add "
+        "-H 'Authorization: Bearer <token>' to curl:",
         f"  curl {api}/adapters -H 'Content-Type: application/json' "
-        "-d '{\"name\": \"my-adapter\", \"source\": \"/abs/path/to/peft-adapter\"}'",
+        f"-d '{{\"name\": \"my-adapter\", \"source\": \"{sample_dir}\"}}'",
         f"  curl {api}/adapters",
-        f"  lorastream adapters preload ./my-peft-adapter --name my-adapter --store {stack.store}",
-        f"  lorastream adapters ls --store {stack.store}",
+        f"  {cli} adapters preload {shlex.quote(str(sample_dir))} --name my-adapter "
+        f"--store {stack.store}",
+        f"  {cli} adapters ls --store {stack.store}",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)

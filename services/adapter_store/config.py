@@ -1,8 +1,10 @@
 """Adapter store configuration: the one place the store reads its environment.
 
-Every field can be set by a CLI flag (``lorastream store serve --help``) or an environment variable
-``LORASTREAM_STORE_<FIELD>``; the Hub and S3 settings also honour the standard variables those
-ecosystems use (``HF_ENDPOINT``, ``HF_TOKEN``, ``AWS_ENDPOINT_URL``).
+Every field is an environment variable ``LORASTREAM_STORE_<FIELD>`` and, unless marked
+``CliSuppress`` (a token or a test hook), a ``lorastream store serve`` flag generated from it
+(lorastream/cli/settings_flags.py: name, default and help come from here); the Hub and S3 settings
+also honour the standard variables those ecosystems use (``HF_ENDPOINT``, ``HF_TOKEN``,
+``AWS_ENDPOINT_URL``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -48,7 +50,7 @@ class StoreSettings(BaseSettings):
         0.0,
         ge=0,
         description="Cap on the bytes per second (MB/s, 1e6) all streams send together; "
-        "0: no cap. Keeps adapter streams from saturating a shared NIC.",
+        "0: no cap. Keeps adapter streams from saturating a shared NIC (125: a 1 Gb/s link).",
     )
     egress_burst_bytes: int = Field(
         0,
@@ -57,7 +59,7 @@ class StoreSettings(BaseSettings):
         "behind may catch up at once (a token bucket's depth; a real link drains the socket "
         "send buffer while the store is off the CPU). 0: every chunk waits for its own slot.",
     )
-    stream_chunk_delay_s: float = Field(
+    stream_chunk_delay_s: CliSuppress[float] = Field(
         0.0, ge=0, description="Test hook: sleep this long before sending each stream chunk."
     )
     token: str | None = Field(
@@ -70,7 +72,7 @@ class StoreSettings(BaseSettings):
         validation_alias=AliasChoices("LORASTREAM_STORE_HF_ENDPOINT", "HF_ENDPOINT"),
         description="Hugging Face Hub endpoint (a mirror, or a test server).",
     )
-    hf_token: str | None = Field(
+    hf_token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_STORE_HF_TOKEN", "HF_TOKEN"),
         description="Token for private Hub repos.",
@@ -78,7 +80,7 @@ class StoreSettings(BaseSettings):
     s3_endpoint_url: str | None = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_STORE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"),
-        description="S3-compatible endpoint (MinIO, R2); None uses AWS.",
+        description="S3-compatible endpoint (MinIO, R2); unset: AWS.",
     )
     s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts of one S3 download.")
     s3_max_attempts: int = Field(5, gt=0, description="botocore retry attempts per S3 call.")

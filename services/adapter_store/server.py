@@ -6,19 +6,12 @@ import logging
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from lorastream.core.grpc_service import add_servicer, serve_until_signalled
+from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
 from lorastream.core.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
 from lorastream.store.config import StoreSettings
 from lorastream.store.egress import EgressLimiter
-from lorastream.store.servicer import (
-    OPERATOR_METHODS,
-    SERVICE,
-    SERVICE_NAME,
-    AdapterStoreServicer,
-)
+from lorastream.store.servicer import OPERATOR_METHODS, SERVICE, AdapterStoreServicer
 from lorastream.store.sources import SourceRegistry
 from lorastream.store.sources.hub import HubSource
 from lorastream.store.sources.local import LocalSource
@@ -26,13 +19,6 @@ from lorastream.store.sources.s3 import S3Source
 from lorastream.store.store import AdapterStore
 
 log = logging.getLogger(__name__)
-
-# Messages carry up to 4 MiB of tensor bytes plus framing.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 16 << 20),
-    ("grpc.max_receive_message_length", 16 << 20),
-]
-
 
 def build_store(settings: StoreSettings) -> AdapterStore:
     """The store core with every source wired from the settings."""
@@ -60,14 +46,6 @@ def create_server(
 ) -> tuple[grpc.Server, int, AdapterStore]:
     """Create (not start) the store server; returns it with its bound port and its core."""
     store = store or build_store(settings)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="store"),
-        interceptors=[
-            BearerTokenInterceptor(settings.token, OPERATOR_METHODS),
-            ErrorMappingInterceptor(),
-        ],
-        options=GRPC_OPTIONS,
-    )
     egress = (
         EgressLimiter(settings.egress_limit_mbps * 1e6, settings.egress_burst_bytes)
         if settings.egress_limit_mbps else None
@@ -75,17 +53,16 @@ def create_server(
     servicer = AdapterStoreServicer(
         store, settings.chunk_bytes, settings.stream_chunk_delay_s, egress
     )
-    add_servicer(server, servicer, SERVICE)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    server, port = create_grpc_server(
+        servicer, SERVICE, host=settings.host, port=settings.port,
+        executor=futures.ThreadPoolExecutor(
+            max_workers=settings.max_workers, thread_name_prefix="store"
+        ),
+        interceptors=[
+            BearerTokenInterceptor(settings.token, OPERATOR_METHODS),
+            ErrorMappingInterceptor(),
+        ],
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port} (port in use?)")
     return server, port, store
 
 

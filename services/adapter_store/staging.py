@@ -77,21 +77,9 @@ class StagedAdapter:
         pinned: bool,
         last_used_at: float,
     ) -> AdapterManifest:
-        c = self.content
-        return AdapterManifest(
-            adapter_id=self.adapter_id,
-            name=name,
-            source_uri=source_uri,
-            revision=revision,
-            base_model=c.base_model,
-            rank=c.rank,
-            alpha=c.alpha,
-            use_rslora=c.use_rslora,
-            target_modules=c.target_modules,
-            tensors=tuple(t.info for t in c.tensors),
-            created_at=created_at,
-            pinned=pinned,
-            last_used_at=last_used_at,
+        return self.content.manifest(
+            adapter_id=self.adapter_id, name=name, source_uri=source_uri, revision=revision,
+            created_at=created_at, pinned=pinned, last_used_at=last_used_at,
         )
 
 

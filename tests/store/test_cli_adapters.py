@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,10 @@ from lorastream.store.server import create_server
 from tests.support.models import MLP, make_peft_adapter, make_tiny_llama
 
 runner = CliRunner()
+# The adapter JSON of the gateway's HTTP API (docs/gateway.md), which the CLI prints too.
+MANIFEST_KEYS = {"name", "adapter_id", "source", "revision", "base_model", "rank", "alpha",
+                 "use_rslora", "target_modules", "bytes", "tensors", "pinned", "created",
+                 "last_used"}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,8 @@ def test_preload_ls_describe_pull_rm_round_trip(store: str, adapter: Path, tmp_p
     assert [a["name"] for a in listed["adapters"]] == ["mlp"]
     described = json.loads(_run("adapters", "describe", "mlp", "--store", store))
     assert described["rank"] == 8 and described["use_rslora"] is True
+    assert described.keys() - {"tensor_list"} == listed["adapters"][0].keys() == MANIFEST_KEYS
+    assert len(described["tensor_list"]) == described["tensors"] > 0
     _run("adapters", "pull", "mlp", "--out", str(tmp_path / "pulled"), "--store", store)
     pulled = load_file(str(tmp_path / "pulled" / "adapter_model.safetensors"))
     original = load_file(str(adapter / "adapter_model.safetensors"))
@@ -87,3 +96,39 @@ def test_help_explains_every_adapters_command() -> None:
     out = _run("adapters", "--help")
     for command in ("preload", "ls", "describe", "rm", "pin", "unpin", "pull"):
         assert command in out
+
+
+def test_preload_takes_a_relative_path_from_the_current_directory(
+    store: str, adapter: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(adapter.parent)
+    _run("adapters", "preload", adapter.name, "--name", "rel", "--store", store, "--token", "t")
+    (listed,) = json.loads(_run("adapters", "ls", "--json", "--store", store))["adapters"]
+    assert listed["source"] == str(adapter.resolve())
+
+
+def test_ls_folds_long_names_and_sources_into_80_columns(
+    store: str, adapter: Path, tmp_path: Path
+) -> None:
+    deep = tmp_path / "a-directory-with-a-long-name" / "and-another-one-below-it" / adapter.name
+    deep.parent.mkdir(parents=True)
+    deep.symlink_to(adapter)
+    name = "customer-support/en-v3-with-a-rather-long-adapter-name"
+    _run("adapters", "preload", str(deep), "--name", name, "--store", store, "--token", "t")
+    listing = subprocess.run(
+        [sys.executable, "-m", "lorastream.cli.main", "adapters", "ls", "--store", store],
+        env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True, check=True,
+        timeout=60,
+    ).stdout
+    lines = listing.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in listing
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["name", "id"])
+    starts = {word: lines[header].index(f" {word} ") + 1 for word in ("name", "id", "source")}
+    rows = lines[header + 2:]  # below the header's rule
+
+    def column(first: int, end: int | None) -> str:
+        return "".join(line[first:end].strip() for line in rows)
+
+    assert column(starts["name"], starts["id"]) == name
+    assert column(starts["source"], None) == str(deep)

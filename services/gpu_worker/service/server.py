@@ -7,23 +7,16 @@ import logging
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from lorastream.core.grpc_service import add_servicer, serve_until_signalled
+from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
 from lorastream.core.grpc_status import ErrorMappingInterceptor
 from lorastream.worker.device.device import use_intra_op_threads
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
-from lorastream.worker.service.servicer import SERVICE, SERVICE_NAME, GpuWorkerServicer
+from lorastream.worker.service.servicer import SERVICE, GpuWorkerServicer
 
 log = logging.getLogger(__name__)
-
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 16 << 20),
-    ("grpc.max_receive_message_length", 16 << 20),
-]
 
 
 def create_server(
@@ -33,29 +26,18 @@ def create_server(
     ``start_engine`` is False (the caller runs the loop); returns the server, its port, the
     engine."""
     engine = engine or build_engine(settings)
-    if start_engine and not engine.started:
-        engine.start()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
+    server, port = create_grpc_server(
+        GpuWorkerServicer(engine), SERVICE, host=settings.host, port=settings.port,
+        executor=futures.ThreadPoolExecutor(
             max_workers=settings.max_workers,
             thread_name_prefix="worker",
             initializer=use_intra_op_threads,  # request threads leave the cores to the engine
             initargs=(1,),
         ),
         interceptors=[ErrorMappingInterceptor()],
-        options=GRPC_OPTIONS,
     )
-    add_servicer(server, GpuWorkerServicer(engine), SERVICE)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port} (port in use?)")
+    if start_engine and not engine.started:  # after the bind: a port in use starts nothing
+        engine.start()
     return server, port, engine
 
 
