@@ -66,6 +66,7 @@ bench: install-dev gemma
 	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
 	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
+	$(LORASTREAM) bench registry --output $(BENCH_RESULTS)/registry.json
 	$(MAKE) bench-report
 
 bench-report: install-dev

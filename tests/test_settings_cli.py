@@ -192,6 +192,13 @@ def test_a_refused_flag_is_one_line_naming_it_its_value_and_what_was_expected(
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), result.output
 
 
+def test_up_refuses_a_bad_log_level_in_one_line_before_starting_anything() -> None:
+    result = CliRunner().invoke(app, ["up", "--log-level", "verbose"], terminal_width=80)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        "error: --log-level verbose: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+
+
 @pytest.mark.parametrize(
     ("service", "variable", "value", "expected"),
     [

@@ -95,7 +95,8 @@ def run_registry_bench(
         "counts": list(counts),
         "sqlite_p50_growth": round(growth, 2),
         "json_rewrite_p50_growth": round(json_growth, 2),
-        "goal": f"sqlite p50 at {last['names']} names <= 2x its p50 at {first['names']}",
+        # the largest count's median registration over the smallest count's
+        "goal": "sqlite_p50_growth <= 2",
         "goal_met": growth <= 2.0,
         "points": points,
         "machine": machine_info(bandwidth=False),

@@ -1,8 +1,8 @@
 """``lorastream bench report``: the benchmark page, generated from the result JSONs.
 
-Reads whichever of ``transfer.json``, ``engine.json``, ``serve.json`` and ``scale.json`` exist in
-a results directory, draws the plots and writes one markdown page: headline, goals, machine, then
-one section per benchmark (its exact command, tables, goal verdicts, plot and explanation). A
+Reads whichever of ``transfer.json``, ``engine*.json``, ``serve.json``, ``scale.json`` and
+``registry.json`` exist in a results directory, draws the plots and writes one markdown page:
+headline, goals, machine, then one section per benchmark (its exact command, tables, goal verdicts, plot and explanation). A
 missing result gives a "not run" section with the command that produces it. No figure on the page
 is typed by hand: each is read or computed from the JSONs."""
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from lorastream.bench import plots as plot
 from lorastream.bench import report_sections as sections
-from lorastream.bench import report_serve
+from lorastream.bench import report_registry, report_serve
 from lorastream.bench.report_format import (
     GOALS_HEADER,
     MISSING,
@@ -56,6 +56,11 @@ BENCHES = (
     Bench("engine", "Engine: many adapters vs base only vs HF + PEFT (engine)",
           "lorastream bench engine --repeats 2 --output {results}/engine.json",
           sections.engine_section, sections.engine_goals),
+    Bench("engine-gemma3-270m",
+          "Engine on Gemma 3 270M: many adapters vs base only vs HF + PEFT (engine-gemma3-270m)",
+          "lorastream bench engine --model gemma3-270m --repeats 2 "
+          "--output {results}/engine-gemma3-270m.json",
+          sections.engine_gemma_section, sections.engine_goals),
     Bench("serve", "Serving cold adapters: overlapped loading on vs off (serve)",
           "lorastream bench serve --output {results}/serve.json",
           report_serve.serve_section, report_serve.serve_goals,
@@ -63,6 +68,9 @@ BENCHES = (
     Bench("scale", "Scale: from tens to a thousand adapters, and HF + PEFT (scale)",
           "lorastream bench scale --output {results}/scale.json",
           sections.scale_section, sections.scale_goals, (("scale", plot.scale_plot),)),
+    Bench("registry", "Store registry: registration cost against the number of names (registry)",
+          "lorastream bench registry --output {results}/registry.json",
+          report_registry.registry_section, report_registry.registry_goals),
 )
 REPORT_COMMAND = "lorastream bench report --results {results} --out {out}"
 # Machine fields that must agree for results to be comparable (date and bandwidth may vary).
@@ -152,11 +160,19 @@ def render_page(
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
+ENGINE_MODELS = (("engine", "the default model (SmolLM2-135M)"),
+                 ("engine-gemma3-270m", "Gemma 3 270M"))
+
+
 def _headline(results: Mapping[str, Result | None]) -> str:
+    engines = [_engine_headline(results.get(name), shown) for name, shown in ENGINE_MODELS]
     scale = results.get("scale")
     if scale is None:
-        return ("The scale benchmark (lorastream against HF transformers + PEFT, and throughput "
-                "as adapters multiply) has not been run; see its section below.")
+        return "\n".join([
+            "- The scale benchmark (lorastream against HF transformers + PEFT, and throughput "
+            "as adapters multiply) has not been run; see its section below.",
+            *(line for line in engines if line),
+        ])
     runs = sorted((r for r in scale.get("runs") or [] if isinstance(r, Mapping)),
                   key=lambda r: r.get("adapters") or 0)
     low, high = (runs[0], runs[-1]) if runs else ({}, {})
@@ -181,7 +197,22 @@ def _headline(results: Mapping[str, Result | None]) -> str:
         f"{number(high.get('throughput_req_s'), 2)} req/s, TTFT p50 "
         f"{ms(get(low, 'ttft_ms', 'p50'))} → {ms(get(high, 'ttft_ms', 'p50'))} ms."
     )
-    return "\n".join(lines)
+    return "\n".join(lines + [line for line in engines if line])
+
+
+def _engine_headline(r: Result | None, model: str) -> str:
+    """One line of the engine benchmark on ``model``; empty when it has not run."""
+    if r is None:
+        return ""
+    peft = (f", **{ratio(r.get('multi_vs_peft'))} HF transformers + PEFT** "
+            f"({number(r.get('peft_mixed_batch_decode_tok_s'))} tok/s)"
+            if "multi_vs_peft" in r else "")
+    return (
+        f"- Decode on {model} with {text(r.get('distinct_adapters_per_step', r.get('adapters')))} "
+        f"distinct adapters in the batch: {number(r.get('engine_multi_adapter_decode_tok_s'))} "
+        f"tok/s, **{ratio(r.get('multi_vs_base'))} the base model alone** "
+        f"({number(r.get('engine_base_only_decode_tok_s'))} tok/s){peft}."
+    )
 
 
 def _goals(results: Mapping[str, Result | None]) -> str:

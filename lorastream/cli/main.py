@@ -6,6 +6,10 @@ import typer
 
 from lorastream import __version__
 from lorastream.cli import adapters, bench, complete, gateway, store, worker
+from lorastream.cli.common import LOG_LEVEL_OPTION
+from lorastream.stack.launcher import StackConfig
+
+STACK = StackConfig()  # the defaults of `up`, declared once (lorastream/stack/launcher.py)
 
 app = typer.Typer(
     name="lorastream",
@@ -35,7 +39,9 @@ def version() -> None:
 @app.command("up")
 def up(
     model: str = typer.Option(
-        "default", help="Base model: default (embedded SmolLM2-135M-Instruct), a dir or Hub id."
+        STACK.model,
+        help="Base model: default (embedded SmolLM2-135M-Instruct), gemma3-270m, a checkpoint "
+        "directory or a Hub id.",
     ),
     adapter: list[str] = typer.Option(
         [], "--adapter",
@@ -47,15 +53,17 @@ def up(
         help="With no --adapter on the default model, register the two sample adapters: "
         "shout (answers in UPPER CASE) and french (answers in French).",
     ),
-    workers: int = typer.Option(1, min=1, help="GPU workers to start."),
-    store_port: int = typer.Option(50051, help="Adapter store port."),
-    worker_port: int = typer.Option(50052, help="First worker port (workers count up from it)."),
-    port: int = typer.Option(8000, help="HTTP gateway port (the OpenAI API)."),
+    workers: int = typer.Option(STACK.workers, min=1, help="GPU workers to start."),
+    store_port: int = typer.Option(STACK.store_port, help="Adapter store port."),
+    worker_port: int = typer.Option(
+        STACK.worker_port, help="First worker port (workers count up from it)."
+    ),
+    port: int = typer.Option(STACK.gateway_port, help="HTTP gateway port (the OpenAI API)."),
     token: str | None = typer.Option(
         None, envvar="LORASTREAM_TOKEN",
         help="Operator bearer token of the store and the gateway (none: open).",
     ),
-    log_level: str = typer.Option("INFO", help="Logging level of every part."),
+    log_level: str = LOG_LEVEL_OPTION,
 ) -> None:
     """Start the stack on this machine (the store, the workers, the gateway) until Ctrl-C."""
     from lorastream.cli.common import reported_errors, setup_logging

@@ -33,7 +33,8 @@ def _samples(base: float, n: int = 40) -> list[float]:
 
 
 def renderer_inputs() -> dict[str, dict[str, Any]]:
-    """Made-up results of the four benchmarks, in the shapes the benchmarks write."""
+    """Made-up results of the five benchmarks (the engine's on two models), in the shapes the
+    benchmarks write."""
     point = {"chunk_bytes": 1 << 20, "bare_mb_s": 1200.0, "store_mb_s": 1020.0,
              "verified_mb_s": 600.0, "store_vs_bare": 0.85, "verified_vs_bare": 0.5}
     transfer = {
@@ -120,7 +121,13 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                  "throughput_req_s": 1.1, "throughput_tok_s": 35.2, "note": "PEFT runs offline."},
         "lorastream_vs_peft": 3.09, "machine": _machine("def5678"),
     }
-    return {"transfer": transfer, "engine": engine, "serve": serve, "scale": scale}
+    gemma = {**engine, "command": "lorastream bench engine --model gemma3-270m --repeats 2",
+             "model": "gemma3-270m", "engine_multi_adapter_decode_tok_s": 90.0,
+             "engine_base_only_decode_tok_s": 100.0, "multi_vs_base": 0.9,
+             "peft_mixed_batch_decode_tok_s": 40.0, "multi_vs_peft": 2.25,
+             "adapter_bytes_per_step_mb": 486.0}
+    return {"transfer": transfer, "engine": engine, "serve": serve, "scale": scale,
+            "engine-gemma3-270m": gemma}
 
 
 def _write(results: Path, inputs: dict[str, dict[str, Any]]) -> None:
@@ -158,11 +165,28 @@ def test_report_computes_verdicts_met_and_not_met() -> None:
     assert rows["store stream / bare gRPC at 1M chunks"].endswith("| 0.85× | ≥ 0.8 | met |")
     assert rows["engine decode, multi-adapter / base only"].endswith("| **not met** |")
     assert rows["engine decode, multi-adapter / HF + PEFT"].endswith("| met |")
+    assert rows["engine decode on gemma3-270m, multi-adapter / base only"].endswith(
+        "| 0.90× | ≥ 0.85 | met |")
+    assert rows["engine decode on gemma3-270m, multi-adapter / HF + PEFT"].endswith(
+        "| 2.25× | ≥ 2.5 | **not met** |")
     assert rows["serve TTFT p50, overlap on / off"].endswith("| 0.33× | ≤ 0.5 | met |")
     assert rows["scale throughput loss, 10 → 1000 adapters"].endswith(
         "| 15.0% | ≤ 10% | **not met** |")
     assert "**3.09× the throughput of HF transformers + PEFT**" in page
     assert "**Note:** the results come from different lorastream commits." in page
+
+
+def test_the_page_shows_the_engine_on_both_embedded_models() -> None:
+    page = render_page(renderer_inputs(), {})
+    headline = page[page.index("## Headline") : page.index("## Goals")]
+    assert ("- Decode on the default model (SmolLM2-135M) with 32 distinct adapters in the batch: "
+            "163.4 tok/s, **0.73× the base model alone** (224.0 tok/s), **3.38× HF transformers "
+            "+ PEFT** (48.4 tok/s).") in headline
+    assert "- Decode on Gemma 3 270M with 32 distinct adapters in the batch: 90.0 tok/s" in headline
+    gemma = page[page.index("(engine-gemma3-270m)") :]
+    assert "lorastream bench engine --model gemma3-270m --repeats 2" in gemma
+    assert "Model gemma3-270m; 32 adapters" in gemma
+    _assert_no_leaks(page)
 
 
 def test_engine_section_computes_the_bandwidth_ceiling_from_its_json() -> None:
@@ -201,8 +225,8 @@ def test_missing_results_are_not_run_with_the_command_that_makes_them(tmp_path: 
     _write(results, {"transfer": renderer_inputs()["transfer"]})
     out = write_report(results, tmp_path / "BENCHMARKS.md", plots_dir=tmp_path / "png")
     page = out.read_text()
-    assert page.count("Not run: no ") == 3
-    for name in ("engine", "serve", "scale"):
+    assert page.count("Not run: no ") == 5
+    for name in ("engine", "engine-gemma3-270m", "serve", "scale", "registry"):
         assert f"--output {results.as_posix()}/{name}.json" in page
     assert "has not been run" in page  # the headline without a scale result
     assert (tmp_path / "png" / "transfer.png").exists()
@@ -344,4 +368,19 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     assert "threads placed by the kernel" not in render_page({"serve": older}, {})
     oldest = {k: v for k, v in older.items() if k != "copies_beside_steps"}
     assert "leave the decode its cores" not in render_page({"serve": oldest}, {})
+    _assert_no_leaks(page)
+
+
+def test_the_registry_section_shows_both_schemes_and_its_goal(tmp_path: Path) -> None:
+    point = {"names": 100, "sqlite": {"p50_ms": 0.25, "p99_ms": 0.4},
+             "json_rewrite": {"p50_ms": 1.3, "p99_ms": 1.4}}
+    large = {"names": 100000, "sqlite": {"p50_ms": 0.2, "p99_ms": 3.0},
+             "json_rewrite": {"p50_ms": 736.4, "p99_ms": 1064.1}}
+    registry = {"command": "lorastream bench registry", "points": [point, large],
+                "sqlite_p50_growth": 0.8, "json_rewrite_p50_growth": 566.5,
+                "goal": "sqlite_p50_growth <= 2"}
+    page = render_page({"registry": registry}, {})
+    assert "| 100,000 | 0.200 | 3.000 | 736.4 | 1,064.1 |" in page
+    assert "| store registration p50 growth, 100 → 100,000 names | 0.80× | ≤ 2 | met |" in page
+    assert "changes 0.80×; the JSON rewrite's grows 566×" in page
     _assert_no_leaks(page)
