@@ -1,0 +1,126 @@
+"""Imports point down: every module of the one import root imports only from its own layer or
+below (docs/design.md, "Layers"), function-local imports included."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# import name -> repository folder (setup.py's PACKAGE_DIRS)
+FOLDERS = {
+    "lorastream": REPO / "lorastream",
+    "lorastream.store": REPO / "services" / "adapter_store",
+    "lorastream.worker": REPO / "services" / "gpu_worker",
+    "lorastream.gateway": REPO / "gateway",
+    "lorastream.kernels": REPO / "kernels",
+}
+# Lowest first. A module may import its own layer and the layers below.
+LAYERS = (
+    ("lorastream.core", "lorastream.common", "lorastream.adapter_store", "lorastream.gpu_worker"),
+    ("lorastream.kernels",),
+    ("lorastream.store", "lorastream.worker"),
+    ("lorastream.gateway",),
+    ("lorastream.stack",),
+    ("lorastream.bench",),
+    ("lorastream.cli",),
+)
+# Inside the worker: the service edge on top, the device layer at the bottom.
+WORKER_LAYERS = (
+    ("device", "metrics"),
+    ("model",),
+    ("lora",),
+    ("loading",),
+    ("engine",),
+    ("service",),
+)
+
+
+def _rank(name: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
+    for rank, members in enumerate(layers):
+        if any(name == m or name.startswith(f"{m}.") for m in members):
+            return rank
+    return None
+
+
+def _modules() -> Iterator[tuple[str, Path]]:
+    for package, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            if package == "lorastream" and parts and f"lorastream.{parts[0]}" in FOLDERS:
+                continue  # a mapped package seen through a link, if any
+            yield ".".join([package, *parts]), path
+
+
+def _imports(path: Path) -> Iterator[tuple[str, int]]:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, node.lineno
+        elif isinstance(node, ast.Import):
+            yield from ((alias.name, node.lineno) for alias in node.names)
+
+
+MODULES = dict(_modules())
+
+
+def _upward(name: str, path: Path) -> list[str]:
+    found = []
+    mine = _rank(name, LAYERS)
+    worker = name.split(".")[2] if name.startswith("lorastream.worker.") else None
+    for target, line in _imports(path):
+        if not target.startswith("lorastream"):
+            continue
+        theirs = _rank(target, LAYERS)
+        if mine is not None and theirs is not None and theirs > mine:
+            found.append(f"{name}:{line} imports {target} (a layer above)")
+        if mine == theirs == _rank("lorastream.store", LAYERS) and (
+            name.split(".")[1] != target.split(".")[1]
+        ):
+            found.append(f"{name}:{line} imports {target} (the other service)")
+        if worker and target.startswith("lorastream.worker."):
+            a = _rank(worker, WORKER_LAYERS)
+            b = _rank(target.split(".")[2], WORKER_LAYERS)
+            if a is not None and b is not None and b > a:
+                found.append(f"{name}:{line} imports {target} (a worker layer above)")
+    return found
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert len(MODULES) > 100
+    unplaced = [n for n in MODULES if n != "lorastream" and _rank(n, LAYERS) is None]
+    assert unplaced == []
+
+
+@pytest.mark.parametrize("layer", [members[0] for members in LAYERS])
+def test_imports_point_down(layer: str) -> None:
+    members = next(m for m in LAYERS if m[0] == layer)
+    found = [
+        problem
+        for name, path in MODULES.items()
+        if _rank(name, (members,)) is not None
+        for problem in _upward(name, path)
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "problem"),
+    [
+        ("lorastream.core.codec", "from lorastream.worker.engine import engine", "a layer above"),
+        ("lorastream.worker.model.x", "def f():\n    import lorastream.gateway.app\n",
+         "a layer above"),
+        ("lorastream.worker.device.x", "from lorastream.worker.engine.engine import Engine",
+         "a worker layer above"),
+        ("lorastream.store.x", "from lorastream.worker.model import config", "the other service"),
+    ],
+)
+def test_the_check_finds_an_import_that_points_up(
+    tmp_path: Path, name: str, source: str, problem: str
+) -> None:
+    path = tmp_path / "module.py"
+    path.write_text(source)
+    (found,) = _upward(name, path)
+    assert problem in found
