@@ -25,7 +25,6 @@ import torch
 
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.synthetic import (
-    ALL_LINEAR,
     SMOLLM2_135M,
     adapter_nbytes,
     checkpoint_shape,
@@ -125,9 +124,14 @@ def run_engine_bench(
             for i in range(adapters)
         ]
         engine = build_engine(settings, checkpoint=checkpoint)
+        # Through the chat template; a base model without one (gemma3-270m) gets the plain text.
+        chat = getattr(engine.tokenizer, "chat_template", None) is not None
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(prompts)]
         ids = [
-            tuple(engine.tokenize(PromptInput(messages=(("user", QUESTIONS[i % len(QUESTIONS)]),))))
-            for i in range(prompts)
+            tuple(engine.tokenize(
+                PromptInput(messages=(("user", q),)) if chat else PromptInput(text=q)
+            ))
+            for q in questions
         ]
 
         def measure() -> tuple[float, float]:
@@ -167,7 +171,7 @@ def run_engine_bench(
             else None
         )
     machine = machine_info()  # after the runs: its bandwidth probe must not disturb them
-    step_bytes = distinct * adapter_nbytes(shape, rank, ALL_LINEAR)
+    step_bytes = distinct * adapter_nbytes(shape, rank, shape.modules)
     result: dict[str, object] = {
         "benchmark": "engine",
         "command": command_line(),

@@ -29,9 +29,15 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
 
 
 def pad_token(config: object) -> int:
-    """The pad id for ``generate``: the model's eos id (a Llama has no pad token), else 0."""
-    eos = getattr(config, "eos_token_id", None)
-    return eos if isinstance(eos, int) else 0
+    """The pad id for ``generate``: the model's pad id (Gemma, Phi-3 have one), else its eos id
+    (a Llama has no pad token; the first of a list), else 0."""
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def fetch_peft_dirs(store: str, names: list[str], out_root: Path) -> dict[str, Path]:

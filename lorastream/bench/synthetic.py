@@ -14,7 +14,7 @@ from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 
 @dataclass(frozen=True)
 class BaseShape:
-    """The projection sizes of a Llama-family base model."""
+    """The projection sizes of a base model, and the names of its adaptable projections."""
 
     hidden: int
     intermediate: int
@@ -22,19 +22,31 @@ class BaseShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # The modules at the q/k/v and gate/up inputs (Phi-3 fuses each into one).
+    qkv_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up_modules: tuple[str, ...] = ("gate_proj", "up_proj")
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """module -> (in_features, out_features)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = {"q_proj": q, "k_proj": kv, "v_proj": kv, "qkv_proj": q + 2 * kv,
+                 "gate_proj": self.intermediate, "up_proj": self.intermediate,
+                 "gate_up_proj": 2 * self.intermediate}
         return {
-            "q_proj": (self.hidden, q),
-            "k_proj": (self.hidden, kv),
-            "v_proj": (self.hidden, kv),
+            **{m: (self.hidden, parts[m]) for m in self.qkv_modules},
             "o_proj": (q, self.hidden),
-            "gate_proj": (self.hidden, self.intermediate),
-            "up_proj": (self.hidden, self.intermediate),
+            **{m: (self.hidden, parts[m]) for m in self.gate_up_modules},
             "down_proj": (self.intermediate, self.hidden),
         }
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every adaptable projection (what ``target_modules="all-linear"`` adapts)."""
+        return tuple(self.module_shapes())
+
+    @property
+    def attention_modules(self) -> tuple[str, ...]:
+        return (*self.qkv_modules, "o_proj")
 
 
 # SmolLM2-135M-Instruct, the embedded default model.
@@ -54,20 +66,22 @@ def make_synthetic_adapter(
     *,
     rank: int = 16,
     alpha: float = 32.0,
-    targets: tuple[str, ...] = ALL_LINEAR,
+    targets: tuple[str, ...] | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     std: float = 0.02,
     base_model: str | None = None,
 ) -> Path:
-    """Write a PEFT LoRA directory with random A and B (B non-zero) of the base's real shapes."""
+    """Write a PEFT LoRA directory with random A and B (B non-zero) of the base's real shapes;
+    ``targets`` defaults to every adaptable projection of ``shape``."""
+    targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(shape.num_layers):
         for module, (fan_in, fan_out) in shape.module_shapes().items():
             if module not in targets:
                 continue
-            group = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            group = "self_attn" if module in shape.attention_modules else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
             a = torch.randn(rank, fan_in, generator=gen) * std  # [r, in]
             b = torch.randn(fan_out, rank, generator=gen) * std  # [out, r]
@@ -107,9 +121,10 @@ def resolve_model_checkpoint(model: str) -> Path:
 
 def checkpoint_shape(model: str) -> BaseShape:
     """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
-    from lorastream.worker.model.config import LlamaConfig
+    from lorastream.worker.model.config import ModelConfig
 
-    c = LlamaConfig.from_dir(resolve_model_checkpoint(model))
+    c = ModelConfig.from_dir(resolve_model_checkpoint(model))
     return BaseShape(
-        c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+        c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+        qkv_modules=c.qkv_modules, gate_up_modules=c.gate_up_modules,
     )

@@ -14,10 +14,13 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "pytorch_model.bin")
 
-# Short names of the projections lorastream can adapt, in the order the worker lays them out.
+# Short names of the projections lorastream can adapt in some supported model family (the
+# worker checks an adapter against its own base model's family): Phi-3 fuses q/k/v into
+# qkv_proj and gate/up into gate_up_proj.
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+FUSED_MODULES = ("qkv_proj", "gate_up_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + FUSED_MODULES
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\."

@@ -1,23 +1,32 @@
-"""The engine benchmark's read probe: it reads exactly the bytes a multi-adapter decode step
-reads, which is what the page's bandwidth ceiling is computed from."""
+"""The engine benchmark: its read probe reads exactly the bytes a multi-adapter decode step reads
+(what the page's bandwidth ceiling is computed from), and its synthetic adapters fit a base model
+of any family."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from lorastream.bench.engine import read_ms, step_read_views
-from lorastream.bench.synthetic import ALL_LINEAR, BaseShape, adapter_nbytes
+from lorastream.bench.synthetic import (
+    ALL_LINEAR,
+    BaseShape,
+    adapter_nbytes,
+    checkpoint_shape,
+    make_synthetic_adapter,
+)
 from lorastream.worker.lora.slots import LoraSlots
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 
 SHAPE = BaseShape(hidden=64, intermediate=160, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=16)
 
 
-def _config() -> LlamaConfig:
+def _config() -> ModelConfig:
     s = SHAPE
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=32, hidden_size=s.hidden, intermediate_size=s.intermediate,
         num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
         head_dim=s.head_dim, rms_norm_eps=1e-5, max_position_embeddings=64,
@@ -41,3 +50,24 @@ def test_read_times_are_sampled_in_milliseconds() -> None:
     views = [torch.ones(1 << 20)]  # 4 MB
     times = read_ms(views, samples=3, pause_s=0.0)
     assert len(times) == 3 and all(0 < t < 5_000 for t in times)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+def test_synthetic_adapters_fit_a_base_of_another_family(family: str, tmp_path: Path) -> None:
+    """``bench engine --model DIR`` makes its adapters from the checkpoint's own projections
+    (Phi-3's fused qkv_proj / gate_up_proj, Gemma's head_dim); the store and worker take them."""
+    from lorastream.core.adapter_validation import validate_adapter_dir
+    from lorastream.worker.device.device import Device
+    from lorastream.worker.loading.adapter_weights import adapter_weights
+    from lorastream.worker.loading.fetcher import AdapterFetcher
+    from tests.support.models import FAMILY_TARGETS, make_tiny_family
+
+    checkpoint = make_tiny_family(family, tmp_path / "model")
+    shape = checkpoint_shape(str(checkpoint))
+    attention, mlp = FAMILY_TARGETS[family]
+    assert shape.modules == (*attention[:-1], "o_proj", *mlp[:-1], "down_proj")
+    adapter = make_synthetic_adapter(tmp_path / "adapter", shape, rank=4)
+    assert set(validate_adapter_dir(adapter).target_modules) == set(shape.modules)
+    buffer = AdapterFetcher(Device("cpu"), None).read_local("a", adapter)
+    weights = adapter_weights(buffer, ModelConfig.from_dir(checkpoint), 4)
+    assert weights.nbytes == adapter_nbytes(shape, 4, shape.modules)

@@ -1,4 +1,5 @@
-"""Tiny random Llama checkpoints and PEFT adapters made by the tests (no hub downloads)."""
+"""Tiny random checkpoints (Llama, and every other supported family) and PEFT adapters made by
+the tests (no hub downloads)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,85 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0, **overrides: object) -> P
     make_tiny_llama(out_dir, seed=seed, **overrides)
     vocab = int(overrides.get("vocab_size", TINY_LLAMA["vocab_size"]))  # type: ignore[arg-type]
     return save_tiny_tokenizer(out_dir, vocab)
+
+
+# -- other model families ----------------------------------------------------------------------
+# Per family, a tiny config that switches on what the family changes: GQA (4 heads, 2 KV heads),
+# a head_dim other than hidden / heads where the family allows it, a sliding window (6) shorter
+# than the test prompts, soft-capping, biases, tied and untied embeddings.
+WINDOW = 6
+_FAMILY_BASE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
+)
+FAMILY_CONFIGS: dict[str, dict[str, object]] = {
+    "llama": dict(tie_word_embeddings=False),
+    "mistral": dict(sliding_window=WINDOW, tie_word_embeddings=False),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                  tie_word_embeddings=True),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=3.0, final_logit_softcapping=4.0,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention"],
+                        final_logit_softcapping=4.0, tie_word_embeddings=True),
+    "phi3": dict(sliding_window=WINDOW, tie_word_embeddings=False),
+}
+# The PEFT target names of each family's attention and MLP projections.
+FAMILY_TARGETS: dict[str, tuple[list[str], list[str]]] = {
+    family: (ATTENTION, MLP) for family in FAMILY_CONFIGS
+}
+FAMILY_TARGETS["phi3"] = (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])
+
+
+def make_tiny_family(family: str, out_dir: Path, seed: int = 0, **overrides: object) -> Path:
+    """Save a random ``family`` CausalLM with a tokenizer (a complete checkpoint) to ``out_dir``.
+
+    Norm weights and biases are randomised too (HF initialises them to 1 / 0, or 0 for Gemma's
+    ``1 + w``), so a norm or bias applied wrongly, or not at all, changes the output.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **{**_FAMILY_BASE, **FAMILY_CONFIGS[family], **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return save_tiny_tokenizer(out_dir, int(config.vocab_size))
+
+
+def make_family_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    rank: int,
+    targets: list[str] | str,
+    use_rslora: bool = False,
+    seed: int = 1,
+    b_std: float = 0.2,
+) -> Path:
+    """A PEFT LoRA adapter (random, non-zero B) for a checkpoint of any family."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora,
+        lora_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, b_std)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -17,15 +17,13 @@ import pytest
 import torch
 
 from lorastream.core.errors import InvalidArgument, SourceUnavailable, Unauthenticated
-from lorastream.worker.model.checkpoint import (
+from lorastream.worker.model.checkpoint import HUB_CACHE, check_checkpoint_dir, resolve_checkpoint
+from lorastream.worker.model.embedded import (
     DEFAULT_MODEL,
     EMBEDDED_NAME,
-    HUB_CACHE,
-    check_checkpoint_dir,
     convert_default_model,
     converted_dir_name,
     embedded_gguf_path,
-    resolve_checkpoint,
 )
 from lorastream.worker.model.rope import rope_settings_from_config
 from tests.support.hub_server import HubServer
@@ -118,6 +116,7 @@ ACCEPTED = {
     "sentencepiece": Edit(remove=("tokenizer.json",), write={"tokenizer.model": b"spm"}),
     "pickle-beside-safetensors": Edit(write={"pytorch_model.bin": b"\x80\x04not unpickled"}),
     "llama-architecture": Edit(config={"model_type": "x", "architectures": ["LlamaForCausalLM"]}),
+    "mistral": Edit(config={"model_type": "mistral", "architectures": ["MistralForCausalLM"]}),
 }
 BROKEN = {
     "missing-config": (Edit(remove=("config.json",)), "no config.json"),
@@ -139,11 +138,11 @@ BROKEN = {
         Edit(write={"model.safetensors.index.json": b"[]"}),
         "malformed safetensors index",
     ),
-    "mistral": (
-        Edit(config={"model_type": "mistral", "architectures": ["MistralForCausalLM"]}),
-        "model_type 'mistral' .*Llama-architecture checkpoints only",
+    "gpt2": (
+        Edit(config={"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}),
+        "model_type 'gpt2' .*not supported; the worker serves these families: llama, mistral, "
+        "qwen2, qwen3, gemma2, gemma3_text, phi3",
     ),
-    "gpt2": (Edit(config={"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}), "gpt2"),
     "missing-tokenizer": (Edit(remove=("tokenizer.json",)), "no tokenizer; .*tokenizer.json"),
     "sentencepiece-without-config": (
         Edit(remove=("tokenizer.json", "tokenizer_config.json"), write={"tokenizer.model": b""}),

@@ -71,7 +71,7 @@ def test_adapters_that_do_not_fit_are_refused_before_a_slot(
     path = {**foreign_adapters, **tiny_adapters}[adapter]
     with pytest.raises(errors.InvalidAdapter, match=message):
         WorkerOperations(engine).load_adapter("bad", str(path))
-    assert engine.adapters.slots_used == 0
+    assert engine.adapters.usage().slots_used == 0
     _still_serves(engine)
 
 
@@ -140,8 +140,8 @@ def test_a_cancelled_request_leaves_at_once_and_releases_its_slot_references_and
     deadline = time.monotonic() + 5
     while engine.running and time.monotonic() < deadline:
         time.sleep(0.01)
-    entry = next(e for e in engine.adapters.entries() if e.name == "mlp-r8")
-    assert entry.refs == 0 and engine.kv.allocator.used_blocks == 0
+    assert engine.adapters.status("mlp-r8").references == 0
+    assert engine.kv.allocator.used_blocks == 0
     _still_serves(engine, "mlp-r8")
 
 
@@ -161,7 +161,7 @@ def test_stopping_ends_every_request_in_flight_with_a_clear_error(
     with pytest.raises(errors.SourceUnavailable, match="shutting down"):
         engine.submit("tiny", _prompt(), params)
     assert engine.healthy_after_stop()
-    assert all(e.refs == 0 for e in engine.adapters.entries())
+    assert engine.adapters.usage().references == 0
 
 
 def test_new_requests_join_a_running_batch(engine_factory: EngineFactory) -> None:

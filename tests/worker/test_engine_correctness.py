@@ -14,10 +14,10 @@ from lorastream.worker.loading.adapter_weights import adapter_weights
 from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache
-from lorastream.worker.model.llama import LlamaModel
+from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, NEW_TOKENS, PROMPTS, EngineFactory, peft_model
@@ -61,10 +61,10 @@ def test_one_mixed_batch_of_every_adapter_and_the_base_gives_peft_greedy_tokens(
 @pytest.fixture(scope="module")
 def model_and_slots(
     tiny_model: Path, tiny_adapters: dict[str, Path]
-) -> tuple[LlamaModel, LoraSlots, dict[str, int]]:
-    config = LlamaConfig.from_dir(tiny_model)
+) -> tuple[DecoderModel, LoraSlots, dict[str, int]]:
+    config = ModelConfig.from_dir(tiny_model)
     cpu = torch.device("cpu")
-    model = LlamaModel(config, load_weights(tiny_model, config, torch.float32, cpu), cpu)
+    model = DecoderModel(config, load_weights(tiny_model, config, torch.float32, cpu), cpu)
     slots = LoraSlots(config, len(ADAPTERS) + 1, 64, torch.float32, cpu)
     fetcher = AdapterFetcher(Device("cpu"), None)
     slot_of = {}
@@ -79,7 +79,7 @@ def model_and_slots(
 
 @pytest.mark.parametrize("chunk", [None, 3], ids=["whole-prompt", "chunked-prefill"])
 def test_mixed_batch_logits_agree_with_peft_within_fp32_tolerance(
-    model_and_slots: tuple[LlamaModel, LoraSlots, dict[str, int]],
+    model_and_slots: tuple[DecoderModel, LoraSlots, dict[str, int]],
     tiny_model: Path,
     tiny_adapters: dict[str, Path],
     chunk: int | None,

@@ -122,10 +122,10 @@ def test_a_fetch_process_that_dies_fails_its_fetch_clearly_and_a_new_one_takes_o
     first_pid = process.pid
     stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])),
                            SamplingParams(max_tokens=4))
-    entry = None
+    state = None
     deadline = time.monotonic() + 30
-    while (entry is None or not entry.fetching) and time.monotonic() < deadline:
-        entry = next((e for e in engine.adapters.entries() if e.name == "all-r64"), None)
+    while (state is None or not state.fetching) and time.monotonic() < deadline:
+        state = engine.adapters.inspect("all-r64")
         time.sleep(0.01)
     time.sleep(0.2)
     os.kill(first_pid, signal.SIGKILL)
@@ -135,4 +135,4 @@ def test_a_fetch_process_that_dies_fails_its_fetch_clearly_and_a_new_one_takes_o
     store.restart()
     assert greedy_tokens(engine, "all-r64", 2) == reference[("all-r64", 2)]  # retried, fetched anew
     assert process.pid != first_pid
-    assert engine.adapters.slots_used <= engine.slots.num_slots
+    assert engine.adapters.usage().slots_used <= engine.slots.num_slots

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,20 +11,20 @@ from lorastream.kernels.reference import sgmv_expand_ref, sgmv_shrink_ref
 from lorastream.kernels.workloads import segment_lengths
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots, SlotInfo
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 
 RANKS = [4, 8, 16, 64, 8, 4, 16, 8]
 
 
-def _config(hidden: int) -> LlamaConfig:
-    return LlamaConfig(
+def _config(hidden: int) -> ModelConfig:
+    return ModelConfig(
         vocab_size=32, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=1,
         num_heads=2, num_kv_heads=1, head_dim=hidden // 2, rms_norm_eps=1e-5,
         max_position_embeddings=64, tie_word_embeddings=False, rope_theta=1e4,
     )
 
 
-def _slots(config: LlamaConfig, seed: int) -> LoraSlots:
+def _slots(config: ModelConfig, seed: int) -> LoraSlots:
     gen = torch.Generator().manual_seed(seed)
     slots = LoraSlots(config, len(RANKS), 64, torch.float32, torch.device("cpu"))
     for s, rank in enumerate(RANKS):
@@ -209,3 +211,46 @@ def test_projections_of_one_input_share_one_shrink_and_match_one_by_one(
     torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-6)
     assert torch.equal(grouped[3], before[3])  # the base-model row gets no delta
     assert not torch.allclose(grouped[:3], before[:3])  # the adapter rows do
+
+
+@pytest.mark.parametrize(
+    ("popularity", "tokens", "base_rows", "layout"),
+    [("distinct", 5, 3, "slot-major"), ("skewed", 40, 4, "grouped")],
+)
+def test_phi3s_fused_targets_get_one_delta_over_the_whole_fused_output(
+    popularity: str, tokens: int, base_rows: int, layout: str
+) -> None:
+    """Phi-3 adapts qkv_proj [H -> q + 2 kv] and gate_up_proj [H -> 2 I] as single modules."""
+    config = dataclasses.replace(
+        _config(64), qkv_modules=("qkv_proj",), gate_up_modules=("gate_up_proj",)
+    )
+    shapes = config.module_shapes()
+    assert shapes == {"qkv_proj": (64, 128), "o_proj": (64, 64), "gate_up_proj": (64, 256),
+                      "down_proj": (128, 64)}
+    assert config.shared_input_groups() == ()
+    gen = torch.Generator().manual_seed(5)
+    slots = LoraSlots(config, len(RANKS), 64, torch.float32, torch.device("cpu"))
+    fused = frozenset({"qkv_proj", "gate_up_proj"})
+    for s, rank in enumerate(RANKS):
+        for module in fused:
+            slots.a[module][0, s, :rank].normal_(0, 0.1, generator=gen)
+            slots.b[module][0, s, :, :rank].normal_(0, 0.1, generator=gen)
+        slots.table[s] = SlotInfo(f"id{s}", rank, 0.5 + s, fused)
+    token_slots = _token_slots(popularity, tokens, base_rows, seed=tokens)
+    backend = TorchLoraBackend(torch.float32, torch.device("cpu"))
+    meta = backend.prepare(token_slots, slots)
+    assert meta is not None and meta.slot_major == (layout == "slot-major")
+    t_slots = torch.tensor(token_slots, dtype=torch.int32)
+    ranks = torch.tensor([info.rank for info in slots.table], dtype=torch.int32)
+    scalings = torch.tensor([info.scaling for info in slots.table])
+    for module in sorted(fused):
+        fan_in, fan_out = shapes[module]
+        x = torch.randn(len(token_slots), fan_in, generator=gen)
+        out = torch.zeros(len(token_slots), fan_out)
+        LoraStep(slots, backend, meta).add(0, module, x, out, 0)
+        h = sgmv_shrink_ref(x, slots.a[module][0], t_slots, ranks)
+        expected = sgmv_expand_ref(
+            h, slots.b[module][0], t_slots, ranks, scalings, torch.zeros_like(out)
+        )
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert out.abs().sum() > 0

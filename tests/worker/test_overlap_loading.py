@@ -52,21 +52,25 @@ def test_an_adapter_is_fetched_and_copied_from_the_requests_arrival_not_the_next
     engine = engine_factory(store=store.target, start=False, lora_overlap_loading=overlap)
     stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])),
                            SamplingParams(max_tokens=12))
-    entry = next(e for e in engine.adapters.entries() if e.name == "all-r64")
+    adapter_id = engine.adapters.resolve("all-r64")
     deadline = time.monotonic() + 30
-    while overlap and not engine.adapters.ready(entry) and time.monotonic() < deadline:
+    while overlap and not engine.adapters.ready(adapter_id) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.stats.steps == 0  # no step has run: the engine loop is not even started
+    state = engine.adapters.inspect("all-r64")
+    assert state is not None
     if overlap:  # fetched into its host range and copied into a slot, from submit alone
-        assert engine.adapters.ready(entry)
+        assert engine.adapters.ready(adapter_id)
         arena = engine.adapters.host.arena
-        assert entry.host_offset is not None and entry.weights is not None
+        assert state.host_offset is not None and state.on_host and state.block_addresses
         begin = arena.buffer.data_ptr()
-        for *_, block in entry.weights.blocks:
-            assert begin <= block.data_ptr() < begin + arena.capacity
+        for address in state.block_addresses:
+            assert begin <= address < begin + arena.capacity
     else:  # without overlap, loads happen inside the step, so nothing started
         time.sleep(0.2)
-        assert entry.weights is None and not entry.fetching and entry.slot is None
+        state = engine.adapters.inspect("all-r64")
+        assert state is not None
+        assert not state.on_host and not state.fetching and state.slot is None
     engine.start()
     assert [t for event in stream for t in event.token_ids] == reference[("all-r64", 0)]
 
@@ -137,10 +141,11 @@ def test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_l
     deadline = time.monotonic() + 10
     while (engine.running or engine.waiting) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert all(entry.refs == 0 for entry in engine.adapters.entries())
+    usage = engine.adapters.usage()
+    assert usage.references == 0
     assert engine.kv.allocator.used_blocks == 0
-    assert engine.adapters.slots_used <= 2
-    assert engine.adapters.host_bytes_used <= 600_000
+    assert usage.slots_used <= 2
+    assert usage.host_bytes_used <= 600_000
 
 
 def _landed_chunks(engine: Engine, name: str, writes: list[tuple[int, int]]) -> int:
@@ -149,11 +154,11 @@ def _landed_chunks(engine: Engine, name: str, writes: list[tuple[int, int]]) -> 
     it runs in the fetch process."""
     if engine.adapters.fetcher.landing_memory is None:
         return len(writes)
-    entry = next((e for e in engine.adapters.entries() if e.name == name), None)
-    if entry is None or entry.host_offset is None:
+    state = engine.adapters.inspect(name)
+    if state is None or state.host_offset is None:
         return 0
-    landed = engine.adapters.host.storage(entry)
-    return int(landed.view(-1, 4096).any(dim=1).sum()) if landed is not None else 0
+    landed = engine.adapters.host.arena.view(state.host_offset, state.host_bytes)
+    return int(landed.view(-1, 4096).any(dim=1).sum())
 
 
 @pytest.mark.parametrize("fetch_process", [False, True])
@@ -208,8 +213,8 @@ def test_a_store_that_stays_dead_fails_that_adapters_requests_clearly(
         list(stream)
     assert greedy_tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # others keep serving
     assert greedy_tokens(engine, "tiny", 1) == reference[("base", 1)]
-    entry = next(e for e in engine.adapters.entries() if e.name == "all-r64")
-    assert entry.refs == 0 and entry.slot is None
+    state = engine.adapters.status("all-r64")
+    assert state.references == 0 and state.slot == -1
 
 
 
@@ -264,11 +269,15 @@ def test_fetches_share_the_link_one_at_a_time_unless_configured_otherwise(
     params = SamplingParams(max_tokens=4)
     first = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[0])), params)
     second = engine.submit("all-r16-rslora", PromptInput(token_ids=tuple(PROMPTS[1])), params)
-    entries = {e.name: e for e in engine.adapters.entries()}
+    names = ("all-r64", "all-r16-rslora")
+
+    def on_host() -> list[bool]:
+        return [getattr(engine.adapters.inspect(n), "on_host", False) for n in names]
+
     deadline = time.monotonic() + 60
-    while any(e.weights is None for e in entries.values()) and time.monotonic() < deadline:
+    while not all(on_host()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert all(e.weights is not None for e in entries.values())
+    assert all(on_host())
     runs = [name for i, name in enumerate(writes) if i == 0 or writes[i - 1] != name]
     if fetch_threads == 1:
         assert runs == ["all-r64", "all-r16-rslora"]  # one after the other, in order

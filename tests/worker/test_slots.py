@@ -12,13 +12,13 @@ from lorastream.worker.device.device import Device
 from lorastream.worker.loading.adapter_weights import adapter_weights
 from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.lora.slots import LoraSlots
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 
 Blocks = list[tuple[int, str, str, torch.Tensor]]
 
 
 def _blocks(tiny_model: Path, path: Path, first_layer_only: bool) -> tuple[int, float, Blocks]:
-    config = LlamaConfig.from_dir(tiny_model)
+    config = ModelConfig.from_dir(tiny_model)
     buffer = AdapterFetcher(Device("cpu"), None).read_local(path.name, path)
     w = adapter_weights(buffer, config, 64)
     blocks = list(w.blocks)
@@ -39,7 +39,7 @@ def _blocks(tiny_model: Path, path: Path, first_layer_only: bool) -> tuple[int, 
 def test_a_reused_slot_holds_only_the_new_adapter(
     tiny_model: Path, tiny_adapters: dict[str, Path], old: str, new: str, first_layer_only: bool
 ) -> None:
-    config = LlamaConfig.from_dir(tiny_model)
+    config = ModelConfig.from_dir(tiny_model)
     reused = LoraSlots(config, 3, 64, torch.float32, torch.device("cpu"))
     fresh = LoraSlots(config, 3, 64, torch.float32, torch.device("cpu"))
     for slots in (reused, fresh):  # a neighbour slot that must stay as it is

@@ -1,4 +1,4 @@
-"""DESIGN rule 3: nothing on the step path reads a device tensor back to the host.
+"""docs/design.md rule 3: nothing on the step path reads a device tensor back to the host.
 
 On CUDA such a read (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``int(t)``) forces a
 host-device sync and stalls the step. These machines have no GPU, so the test forbids every such
@@ -17,9 +17,9 @@ from lorastream.worker.engine.scheduler import StepPlan
 from lorastream.worker.engine.step_inputs import build_step_inputs
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots, SlotInfo
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.kv_cache import KVCache
-from lorastream.worker.model.llama import LlamaModel
+from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.weights import load_weights
 from tests.support.models import make_tiny_checkpoint
 
@@ -71,9 +71,9 @@ def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
 ) -> None:
     checkpoint = make_tiny_checkpoint(tmp_path / "m", rope_scaling=rope_scaling,
                                       max_position_embeddings=128)
-    config = LlamaConfig.from_dir(checkpoint)
+    config = ModelConfig.from_dir(checkpoint)
     cpu = torch.device("cpu")
-    model = LlamaModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu)
+    model = DecoderModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu)
     model.rope.cos_sin(torch.arange(200))  # grow the tables beyond the step (as a long run would)
     kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20, torch.float32, cpu)
     slots = LoraSlots(config, 2, 8, torch.float32, cpu)

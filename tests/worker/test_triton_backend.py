@@ -45,6 +45,38 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(
         assert tokens == reference[("base" if name == "tiny" else name, i)][:NEW_TOKENS]
 
 
+def test_triton_backend_serves_phi3s_fused_targets_as_peft_does(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """qkv_proj and gate_up_proj: one LoRA over a fused projection's whole output."""
+    pytest.importorskip("triton")
+    from lorastream.worker.service.bootstrap import build_engine
+    from lorastream.worker.service.config import WorkerSettings
+    from tests.support import families
+
+    case = families.make_family_case("phi3", tmp_path_factory.mktemp("phi3"))
+    engine = build_engine(WorkerSettings(
+        model=str(case.checkpoint), served_model_name=families.BASE, max_loras=3,
+        max_lora_rank=16, kv_cache_bytes=1 << 20, lora_backend="triton",
+        model_cache_dir=tmp_path_factory.mktemp("models"),
+    ), checkpoint=case.checkpoint)
+    ops = WorkerOperations(engine)
+    for name, path in case.adapters.items():
+        ops.load_adapter(name, str(path))
+    streams = {
+        (name, i): engine.submit(name, PromptInput(token_ids=tuple(p)),
+                                 SamplingParams(max_tokens=NEW_TOKENS))
+        for name in [families.BASE, *case.adapters] for i, p in enumerate(families.PROMPTS[:2])
+    }
+    engine.start()
+    try:
+        for (name, i), stream in streams.items():
+            tokens = [t for e in stream for t in e.token_ids]
+            assert tokens == case.reference[(name, i)][:NEW_TOKENS], (name, i)
+    finally:
+        engine.stop()
+
+
 def test_triton_backend_on_a_cpu_without_the_interpreter_is_refused_at_startup() -> None:
     import subprocess
     import sys

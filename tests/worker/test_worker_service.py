@@ -164,7 +164,7 @@ def test_a_client_going_away_cancels_its_request(stack: Stack) -> None:
     while (engine.running or engine.waiting) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.running == 0 and engine.kv.allocator.used_blocks == 0
-    assert all(e.refs == 0 for e in engine.adapters.entries())
+    assert engine.adapters.usage().references == 0
 
 
 def test_health_and_reflection_are_served(stack: Stack) -> None:
@@ -221,5 +221,7 @@ def test_a_second_server_on_a_port_in_use_fails_naming_the_port(
                 stack.engine, start_engine=False,
             )
     with grpc.insecure_channel(target) as channel:  # the first one still serves
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -138,8 +138,8 @@ class LoadStream:
 
     ``submit(ops, after=ev)`` enqueues ``ops`` (callables that issue copies) to run in order once
     ``ev`` completed, and returns an event that completes when their copies have landed.
-    ``after`` is how rule 2 of DESIGN.md is kept: a slot is overwritten only after the last step
-    that read it finished. On the CPU the operations run in turns of ``gate`` between steps.
+    ``after`` is how rule 2 of docs/design.md is kept: a slot is overwritten only after the last
+    step that read it finished. On the CPU the operations run in turns of ``gate`` between steps.
     """
 
     def __init__(

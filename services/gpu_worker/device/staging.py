@@ -1,4 +1,4 @@
-"""Preallocated staging for the per-step metadata (DESIGN rule 3).
+"""Preallocated staging for the per-step metadata (docs/design.md rule 3).
 
 Every small tensor a step needs (token ids, positions, cache slots, block tables, LoRA layout
 rows, scales) is written into one host buffer -- pinned on CUDA -- and reaches the device in ONE

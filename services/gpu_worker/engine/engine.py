@@ -27,7 +27,7 @@ import torch
 
 from lorastream.core.errors import LorastreamError, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput
-from lorastream.worker.device.device import Device, Event, use_intra_op_threads
+from lorastream.worker.device.device import Device, use_intra_op_threads
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.intake import RequestIntake
 from lorastream.worker.engine.sampling import Sampler, SamplingParams, SamplingRow
@@ -38,8 +38,8 @@ from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, LoraStep, staged_size
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import TierState
+from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.kv_cache import BLOCK_SIZE, KVCache
-from lorastream.worker.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: object,
         kv: KVCache,
         slots: LoraSlots,
@@ -188,7 +188,7 @@ class Engine:
         """No leaked KV blocks or adapter references once no request is left (a test check)."""
         if self.scheduler.has_work or not self._inbox.empty():
             return True  # stopped with requests in flight: nothing to conclude
-        refs = sum(entry.refs for entry in self.adapters.entries())
+        refs = self.adapters.usage().references
         return refs == 0 and self.kv.allocator.used_blocks == 0
 
     def is_base_model(self, name: str) -> bool:
@@ -211,14 +211,11 @@ class Engine:
             lambda: None if self.is_base_model(model) else self.adapters.resolve(model),
             request_id,
         )
-        adapter = seq.adapter
         with self._submit_lock:
             if self._stop.is_set():
                 raise SourceUnavailable("the worker is shutting down; retry the request")
-            if adapter is not None:
-                self.adapters.acquire(adapter)
-                if self.adapters.overlap:  # start the store fetch now, not at the next step
-                    self.adapters.ensure_host(adapter)
+            if seq.adapter_id is not None:  # with overlap, its fetch starts now, not at a step
+                self.adapters.acquire(seq.adapter_id)
             self._inbox.put(seq)
         self._wake.set()
         return seq.stream
@@ -271,18 +268,11 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
-        load_events: dict[int, Event] = {}
-        for seq in plan.sequences:
-            entry = seq.adapter
-            if entry is None:
-                seq.slot = -1
-                continue
-            if entry.slot is None:  # referenced adapters are never evicted: this is a bug
-                raise RuntimeError(f"{seq.request_id} was scheduled but {entry.name} has no slot")
-            seq.slot = entry.slot
-            if entry.slot_event is not None:
-                load_events[entry.slot] = entry.slot_event
-        for event in load_events.values():  # rule 1: compute waits for the slot's copy
+        sequences = plan.sequences
+        adapters = self.adapters.prepare_step([seq.adapter_id for seq in sequences])
+        for seq, slot in zip(sequences, adapters.slots, strict=True):
+            seq.slot = slot
+        for event in adapters.load_events:  # rule 1: compute waits for the slot's copy
             self.device.compute_wait(event)
         rows = sum(1 for _ in plan.decode) + sum(chunk for _, chunk in plan.prefill)
         inputs = build_step_inputs(
@@ -293,9 +283,8 @@ class Engine:
         assert inputs.arena is not None
         inputs.arena.flush()  # rule 3: one non-blocking copy of the step's metadata
         lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
-        used_slots = set(load_events)
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]
-        self.adapters.mark_read(used_slots, self.device.record_compute())  # rule 2
+        self.adapters.mark_read(adapters, self.device.record_compute())  # rule 2
         tokens = self.sampler.sample(
             logits, [SamplingRow(s.params, s.generator) for s in inputs.samplers]
         ).tolist()  # the one device -> host transfer of the step
@@ -303,7 +292,7 @@ class Engine:
             seq.num_computed += count
         for seq, token in zip(inputs.samplers, tokens, strict=True):
             self._emit(seq, int(token))
-        self.adapters.cost_model.observe_step(rows, time.perf_counter() - started)
+        self.adapters.observe_step(rows, time.perf_counter() - started)
         self.stats.steps += 1
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
         self.stats.step_seconds += time.perf_counter() - started
@@ -337,8 +326,8 @@ class Engine:
         self, seq: Sequence, reason: FinishReason, tokens: tuple[int, ...], text: str
     ) -> None:
         self.scheduler.finish(seq)
-        if seq.adapter is not None:
-            self.adapters.release(seq.adapter)
+        if seq.adapter_id is not None:
+            self.adapters.release(seq.adapter_id)
         self.stats.finished_requests += 1
         seq.stream.put(
             GenerationEvent(tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason)
@@ -347,17 +336,17 @@ class Engine:
 
     def _fail(self, seq: Sequence, err: LorastreamError) -> None:
         self.scheduler.finish(seq)
-        if seq.adapter is not None:
-            self.adapters.release(seq.adapter)
+        if seq.adapter_id is not None:
+            self.adapters.release(seq.adapter_id)
         seq.stream.put(err)
 
     # -- introspection ------------------------------------------------------------------------
     def metrics_state(self) -> TierState:
         """What the Prometheus collector reports at scrape time."""
-        resident, resident_bytes = self.adapters.resident()
+        usage = self.adapters.usage()
         return TierState(
-            resident=resident,
-            resident_bytes=resident_bytes,
+            resident=usage.resident,
+            resident_bytes=usage.resident_bytes,
             waiting_on_load=self.scheduler.waiting_on_loads(),
             waiting=self.waiting,
             running=self.running,

@@ -17,17 +17,17 @@ from lorastream.core.generation import PromptInput
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
 from lorastream.worker.engine.sampling import SamplingParams, make_generator
 from lorastream.worker.engine.sequence import RequestStream, Sequence
-from lorastream.worker.loading.entry import AdapterEntry
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.kv_cache import BlockAllocator
 
 
 class RequestIntake:
     def __init__(
-        self, tokenizer: object, config: LlamaConfig, *, max_seq_len: int, kv_blocks: int,
+        self, tokenizer: object, config: ModelConfig, *, max_seq_len: int, kv_blocks: int,
         default_max_tokens: int,
     ) -> None:
         self.tokenizer = tokenizer
+        self.model_name = config.name or "the base model"
         self.vocab_size = config.vocab_size
         self.max_seq_len = min(max_seq_len, config.max_position_embeddings)
         self.kv_blocks = kv_blocks
@@ -52,8 +52,11 @@ class RequestIntake:
                     f"0..{self.vocab_size - 1}"
                 )
         elif prompt.messages is not None:
-            if getattr(tok, "chat_template", None) is None:
-                raise InvalidArgument("this model has no chat template; send a plain prompt")
+            if getattr(tok, "chat_template", None) is None:  # a base model, e.g. gemma3-270m
+                raise InvalidArgument(
+                    f"{self.model_name} has no chat template (a base model): chat messages "
+                    "cannot be formatted for it; use completions (a plain prompt) instead"
+                )
             messages = [{"role": r, "content": c} for r, c in prompt.messages]
             ids = list(tok.apply_chat_template(  # type: ignore[attr-defined]
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -66,10 +69,11 @@ class RequestIntake:
 
     def sequence(
         self, prompt: PromptInput, params: SamplingParams,
-        resolve_adapter: Callable[[], AdapterEntry | None], request_id: str | None = None,
+        resolve_adapter: Callable[[], str | None], request_id: str | None = None,
     ) -> Sequence:
         """A validated sequence for the request; raises domain errors for bad input. The
-        adapter is resolved (which may ask the store) only once the cheap checks passed."""
+        adapter is resolved to its content id (which may ask the store) only once the cheap
+        checks passed."""
         if params.max_tokens == 0:  # unset on the wire: this worker's default
             params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         params.validate(self.vocab_size)
@@ -87,13 +91,13 @@ class RequestIntake:
                 f"cache has {self.kv_blocks}; lower max_tokens, or start the worker with a "
                 "larger --kv-cache-bytes"
             )
-        adapter = resolve_adapter()
+        adapter_id = resolve_adapter()
         stream = RequestStream(request_id or uuid.uuid4().hex)
         return Sequence(
             request_id=stream.request_id,
             prompt_ids=ids,
             params=params,
-            adapter=adapter,
+            adapter_id=adapter_id,
             stream=stream,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop),
             generator=make_generator(params.seed),

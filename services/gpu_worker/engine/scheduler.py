@@ -14,6 +14,9 @@ Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequenc
 
 Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
 adapters fetched and placed in free (or idle) slots while the batch keeps decoding.
+
+Sequences carry only their adapter's id; every question about an adapter goes to the adapter
+manager, which owns their state.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class Scheduler:
     def waiting_on_loads(self) -> int:
         return sum(
             1 for seq in self.waiting
-            if seq.adapter is not None and not self.adapters.ready(seq.adapter)
+            if seq.adapter_id is not None and not self.adapters.ready(seq.adapter_id)
         )
 
     def schedule(self) -> StepPlan:
@@ -92,32 +95,25 @@ class Scheduler:
         self._prefetch()
         return plan
 
-    def _hold_for_loads(self) -> bool:
-        """Ask the cost model whether to hold new prefills for loads about to land."""
-        loading = []
-        for seq in list(self.waiting)[: self.prefetch_depth]:
-            entry = seq.adapter
-            if entry is not None and entry.error is None and not self.adapters.ready(entry):
-                loading.append(self.adapters.eta(entry))
-        return self.adapters.cost_model.should_hold(loading)
-
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        if self.waiting and self._hold_for_loads():
+        next_adapters = [
+            seq.adapter_id for seq in list(self.waiting)[: self.prefetch_depth]
+            if seq.adapter_id is not None
+        ]
+        if self.adapters.hold_for_loads(next_adapters):
             return
-        self.adapters.cost_model.released()
         admitted: list[Sequence] = []
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_batch_size:
                 break
-            if seq.adapter is not None:
-                if seq.adapter.error is not None:
-                    plan.failed.append((seq, seq.adapter.error))
+            if seq.adapter_id is not None:
+                try:
+                    placed = self.adapters.place(seq.adapter_id)
+                except LorastreamError as err:  # its adapter cannot be loaded (rule 5)
+                    plan.failed.append((seq, err))
                     self.waiting.remove(seq)
                     continue
-                if not self.adapters.place(seq.adapter):
-                    if seq.adapter.error is not None:
-                        plan.failed.append((seq, seq.adapter.error))
-                        self.waiting.remove(seq)
+                if not placed:
                     continue  # still loading: keep its place, look at the next one
             if not self.allocator.can_allocate(seq.max_len):
                 break  # wait for finishing sequences to free blocks
@@ -131,16 +127,11 @@ class Scheduler:
 
     def _prefetch(self) -> None:
         """Start loads for the adapters of the next waiting requests (bounded by slots)."""
-        seen: set[str] = set()
-        for seq in self.waiting:
-            if len(seen) >= self.prefetch_depth:
-                break
-            entry = seq.adapter
-            if entry is None or entry.adapter_id in seen or entry.error is not None:
-                continue
-            seen.add(entry.adapter_id)
-            if not self.adapters.ready(entry):
-                self.adapters.place(entry)
+        if self.prefetch_depth:
+            self.adapters.prefetch(
+                (seq.adapter_id for seq in self.waiting if seq.adapter_id is not None),
+                self.prefetch_depth,
+            )
 
     def finish(self, seq: Sequence) -> None:
         """Take ``seq`` out (running or waiting) and free its blocks. The engine releases refs."""

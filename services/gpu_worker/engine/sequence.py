@@ -13,7 +13,6 @@ from lorastream.core.errors import LorastreamError
 from lorastream.core.generation import GenerationEvent
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
 from lorastream.worker.engine.sampling import SamplingParams
-from lorastream.worker.loading.entry import AdapterEntry
 
 
 class RequestStream:
@@ -52,7 +51,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    adapter: AdapterEntry | None
+    adapter_id: str | None  # its adapter's content id (resolved once, at intake); None: base
     stream: RequestStream
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None

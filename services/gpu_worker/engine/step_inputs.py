@@ -1,6 +1,6 @@
 """Turn a :class:`StepPlan` into the step's tensors, all built on the host.
 
-Nothing here reads a device tensor (DESIGN rule 3): token ids, positions, cache slots, block
+Nothing here reads a device tensor (docs/design.md rule 3): token ids, positions, cache slots, block
 tables and LoRA slots come from the sequences' host-side state. With a :class:`StepStaging`
 they are written into its preallocated (pinned) arena, which the engine flushes to the device
 in one non-blocking copy; without one (tests), plain host tensors are made.

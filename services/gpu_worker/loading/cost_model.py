@@ -1,4 +1,4 @@
-"""When to hold new prefills for a load about to land (DESIGN "Scheduling around loads").
+"""When to hold new prefills for a load about to land (docs/design.md, "Scheduling around loads").
 
 Admitting a ready request now and the loading one later costs two prefill steps; waiting for the
 load and prefilling both together costs one step plus the wait. With a step costing

@@ -1,4 +1,8 @@
-"""One adapter as the worker knows it, across tiers (the adapter manager's record)."""
+"""One adapter as the worker knows it, across tiers: the adapter manager's record.
+
+Only ``loading/`` reads or writes it; the rest of the worker holds adapter ids and asks the
+manager (``tests/worker/test_adapter_state_owned.py`` checks).
+"""
 
 from __future__ import annotations
 

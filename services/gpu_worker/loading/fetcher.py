@@ -107,17 +107,8 @@ class AdapterFetcher:
         if not path.is_dir():
             raise InvalidArgument(f"{path} is not a directory; expected a PEFT LoRA directory")
         validated = validate_adapter_dir(path, label=f"{name} ({path})")
-        manifest = AdapterManifest(
-            adapter_id=content_id(path),
-            name=name,
-            source_uri=path.resolve().as_uri(),
-            revision="",
-            base_model=validated.base_model,
-            rank=validated.rank,
-            alpha=validated.alpha,
-            use_rslora=validated.use_rslora,
-            target_modules=validated.target_modules,
-            tensors=tuple(t.info for t in validated.tensors),
+        manifest = validated.manifest(
+            adapter_id=content_id(path), name=name, source_uri=path.resolve().as_uri(),
             created_at=time.time(),
         )
         buffer = HostAdapterBuffer(self._device)

@@ -1,19 +1,33 @@
 """The worker's adapters across tiers: store -> host buffer -> device slot.
 
-Adapters are keyed by content id (DESIGN "Identity"); names map to ids. Each adapter counts the
-queued and running requests that need it (``refs``); only unpinned adapters at zero references
-are evicted, from the host tier (LRU within ``host_budget``) or from a slot (LRU).
+Adapters are keyed by content id (docs/design.md, "Identity"); names map to ids. The manager owns
+every adapter's state. The rest of the worker holds only adapter ids (a name is resolved to its id
+once, when the request arrives, as in SGLang's lora registry) and asks through these calls:
 
-Thread model: gRPC threads resolve names and take references, fetch threads land host buffers
+- request threads: :meth:`resolve` a name, :meth:`acquire` a reference for a queued request
+  (with overlap, its fetch starts there), which the engine gives back (:meth:`release`) when
+  the request ends;
+- the scheduler: :meth:`place` (admission), :meth:`prefetch`, :meth:`hold_for_loads`,
+  :meth:`ready`;
+- the engine, once per step (as vLLM's ``set_active_adapters``): :meth:`prepare_step` gives the
+  step its slots and the copies to wait on, :meth:`mark_read` records its compute event,
+  :meth:`observe_step` its cost;
+- operator calls: :meth:`load` (blocking: it waits on the fetch's end and the copy's event),
+  :meth:`unload`, :meth:`status`, :meth:`statuses`, :meth:`usage`.
+
+Each adapter counts the queued and running requests that need it (references); only unpinned
+adapters at zero references are evicted, from the host tier (LRU within ``host_budget``,
+``host_tier.py``) or from a slot (LRU, ``device_tier.py``).
+
+Thread model: request threads resolve names and take references, fetch threads land host buffers
 (or wait while the fetch process lands them), the engine loop places adapters into slots and
-releases references. One lock guards the state; no fetch, copy or store call runs under it.
+releases references, operator threads wait for loads. One lock guards the state; a condition on
+it wakes the waiters when a fetch ends or a reference drops. No fetch, copy or store call runs
+under it.
 
-The rules of DESIGN.md kept here:
-1. a slot is usable only once its load event completed (:meth:`ready`, a non-blocking query);
-2. a slot is overwritten only after the last step that read it: the copy is submitted to the load
-   stream ``after`` that step's compute event (:meth:`mark_read` records it);
+The rules of docs/design.md kept here (1 and 2 in ``device_tier.py``):
 4. references, not guesses, decide eviction;
-5. an adapter that cannot be loaded fails its requests with its error (:attr:`AdapterEntry.error`);
+5. an adapter that cannot be loaded fails its requests with its error (:meth:`place` raises it);
 6. an adapter is checked against the base model on the host (``adapter_weights``) before a slot.
 """
 
@@ -22,29 +36,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import torch
 
 from lorastream.core.errors import (
     AdapterNotFound,
     CapacityExhausted,
     InvalidArgument,
-    LorastreamError,
     SourceUnavailable,
 )
-from lorastream.worker.device.device import COMPLETED, Device, Event, loader_thread_init
-from lorastream.worker.loading.adapter_weights import AdapterWeights, adapter_weights, check_fits
+from lorastream.core.generation import AdapterStatus
+from lorastream.worker.device.device import Device, Event, loader_thread_init
+from lorastream.worker.loading.adapter_weights import adapter_weights, check_fits
 from lorastream.worker.loading.cost_model import AdmissionCostModel
-from lorastream.worker.loading.entry import AdapterEntry, Residency
+from lorastream.worker.loading.device_tier import DeviceTier, StepAdapters
+from lorastream.worker.loading.entry import AdapterEntry
 from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.host_loader import HostLoader
 from lorastream.worker.loading.host_tier import HostTier
 from lorastream.worker.loading.landing import host_nbytes
+from lorastream.worker.loading.status import (
+    AdapterSnapshot,
+    TierUsage,
+    adapter_status,
+    adapter_statuses,
+    snapshot,
+    tier_usage,
+)
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +74,7 @@ log = logging.getLogger(__name__)
 class AdapterManager:
     def __init__(
         self,
-        config: LlamaConfig,
+        config: ModelConfig,
         slots: LoraSlots,
         device: Device,
         fetcher: AdapterFetcher,
@@ -64,23 +86,26 @@ class AdapterManager:
     ) -> None:
         self.config = config
         self.slots = slots
-        self.device = device
         self.fetcher = fetcher
         self.host_budget = host_budget
         self.overlap = overlap
         self.metrics = metrics or WorkerMetrics()
         self.host = HostTier(device, host_budget, self.metrics, fetcher.landing_memory)
-        self.cost_model = AdmissionCostModel()
+        self._cost_model = AdmissionCostModel()
+        self._device_tier = DeviceTier(slots, device, self.metrics, self._cost_model)
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # a fetch ended, a reference dropped
         self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
         self._names: dict[str, str] = {}  # name -> adapter_id
-        self._slot_read: list[Event] = [COMPLETED] * slots.num_slots  # rule 2
-        self._fetches = 0  # store fetches in flight (entries with ``fetching`` set)
         self._pool = ThreadPoolExecutor(
             fetch_threads,
             thread_name_prefix="adapter-fetch",
             initializer=loader_thread_init,
             initargs=(device.loader_priority,),
+        )
+        self._loader = HostLoader(
+            self._entries, self._changed, self.host, fetcher, config, slots.max_rank,
+            self.metrics, self._cost_model, self._pool if overlap else None, self._place,
         )
 
     def close(self) -> None:
@@ -88,13 +113,17 @@ class AdapterManager:
         self.fetcher.close()
 
     # -- names ------------------------------------------------------------------------------
-    def resolve(self, name: str) -> AdapterEntry:
-        """The entry for ``name``: its current content per the store, or a local registration.
+    def resolve(self, name: str) -> str:
+        """The content id ``name`` stands for: its current content per the store, or a local
+        registration.
 
         Called from request threads. The store is asked every time, so a name re-registered
         with new weights maps to its new content id; when the store cannot be reached, an
         adapter this worker already holds keeps serving (logged).
         """
+        return self._resolve(name).adapter_id
+
+    def _resolve(self, name: str) -> AdapterEntry:
         with self._lock:
             known = self._entries.get(self._names.get(name, ""))
             if known is not None and (known.local_path is not None or known.pinned):
@@ -122,7 +151,7 @@ class AdapterManager:
             self._names[name] = manifest.adapter_id
             return entry
 
-    def register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:
+    def _register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:
         """Read, check and keep a local PEFT directory under ``name`` (blocking)."""
         buffer = self.fetcher.read_local(name, path)
         assert buffer.manifest is not None
@@ -149,187 +178,184 @@ class AdapterManager:
             return entry
 
     # -- references ---------------------------------------------------------------------------
-    def acquire(self, entry: AdapterEntry) -> None:
+    def acquire(self, adapter_id: str) -> None:
+        """Take a reference for a queued request; with overlap, start its store fetch now, not
+        at the next step."""
+        entry = self._acquire(adapter_id)
+        if self.overlap:
+            self._loader.ensure(entry)
+
+    def _acquire(self, adapter_id: str) -> AdapterEntry:
         with self._lock:
+            entry = self._entries.get(adapter_id)
+            if entry is None:
+                raise AdapterNotFound(
+                    f"adapter {adapter_id} was unloaded from this worker as the request "
+                    "arrived; retry the request"
+                )
             if entry.refs == 0 and entry.error is not None:
                 entry.error = None  # a new request retries a failed load
             entry.refs += 1
             entry.last_used = time.monotonic()
             m = self.metrics
-            if entry.residency is Residency.DEVICE:
+            if self._device_tier.ready(entry):
                 m.hits.labels("device").inc()
             else:
                 m.misses.labels("device").inc()
                 (m.hits if entry.weights is not None else m.misses).labels("host").inc()
+            return entry
 
-    def release(self, entry: AdapterEntry) -> None:
+    def release(self, adapter_id: str) -> None:
         with self._lock:
+            entry = self._entries[adapter_id]  # referenced adapters are never forgotten
             entry.refs -= 1
             assert entry.refs >= 0, f"reference count of {entry.name} went negative"
             entry.last_used = time.monotonic()
+            self._changed.notify_all()  # its host bytes may be what a waiting load needs
 
     # -- tiers --------------------------------------------------------------------------------
-    def ensure_host(self, entry: AdapterEntry) -> None:
-        """Start fetching ``entry`` into host memory unless it is there or on its way.
+    def ready(self, adapter_id: str) -> bool:
+        """True when the adapter sits in a slot whose copy completed (never blocks)."""
+        with self._lock:
+            entry = self._entries.get(adapter_id)
+            return entry is not None and self._device_tier.ready(entry)
 
-        Without overlap the fetch runs here, in the caller's thread.
+    def place(self, adapter_id: str) -> bool:
+        """Make progress towards the adapter being in a slot; True once it is ready there.
+
+        Raises the adapter's error when it cannot be loaded: its requests fail with it (rule 5).
         """
-        with self._lock:
-            if entry.weights is not None or entry.fetching or entry.error is not None:
-                return
-            if entry.local_path is not None:
-                entry.error = AdapterNotFound(
-                    f"adapter {entry.name} was evicted from this worker; load it again"
-                )
-                return
-            need = host_nbytes(entry.manifest)
-            if need > self.host_budget:
-                entry.error = CapacityExhausted(
-                    f"adapter {entry.name} needs {need} bytes of host memory, more than the "
-                    f"whole host budget ({self.host_budget}); raise --host-cache-bytes"
-                )
-                return
-            if not self.host.reserve(self._entries.values(), entry, need):
-                return  # every byte is held by adapters in use: wait, retried at the next step
-            entry.fetching = True
-            self._fetches += 1
-            entry.fetch_started = time.perf_counter()
-            storage = self.host.storage(entry)
-        if self.overlap:
-            self._pool.submit(self._fetch, entry, storage)
-        else:
-            self._fetch(entry, storage)
-
-    def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
-        try:
-            started = time.perf_counter()
-            buffer = self.fetcher.fetch(entry.name, entry.adapter_id, storage)
-            elapsed = time.perf_counter() - started
-            self.metrics.fetch_seconds.observe(elapsed)
-            self.cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
-            self.metrics.host_landing_seconds.observe(buffer.landing_seconds)
-            assert buffer.manifest is not None
-            weights = adapter_weights(buffer, self.config, self.slots.max_rank)
-            with self._lock:
-                entry.weights = weights  # its bytes were reserved when the fetch began
-        except LorastreamError as err:
-            self._fail(entry, err)
-        except Exception as err:  # noqa: BLE001 - any failure fails the adapter, never the worker
-            log.exception("fetching %s failed", entry.name)
-            self._fail(entry, SourceUnavailable(f"fetching adapter {entry.name} failed: {err!r}"))
-        finally:
-            with self._lock:
-                entry.fetching = False
-                self._fetches -= 1
-                if entry.weights is None:
-                    self.host.drop(entry)  # release the reservation
-                waited_for = entry.refs > 0 and entry.error is None
-        if self.overlap and waited_for:
-            self.place(entry)  # start the copy into a slot now, not at the next step
-
-    def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
-        log.warning("adapter %s cannot be loaded: %s", entry.name, err)
-        self.metrics.load_failures.inc()
-        with self._lock:
-            entry.error = err
-
-    def ready(self, entry: AdapterEntry) -> bool:
-        """True when ``entry`` sits in a slot whose copy completed (never blocks)."""
-        with self._lock:
-            return entry.slot is not None and (entry.slot_event is None or entry.slot_event.query())
-
-    def place(self, entry: AdapterEntry) -> bool:
-        """Make progress towards ``entry`` being in a slot; True once it is ready.
-
-        Starts the host fetch if needed, then takes a free slot or the least recently used idle
-        one and submits the copy on the load stream after the last step that read that slot.
-        Without overlap it waits for the fetch and the copy.
-        """
-        if self.ready(entry):
+        entry = self._entry(adapter_id)
+        self._raise_error(entry)
+        if self._place(entry):
             return True
-        self.ensure_host(entry)
+        self._raise_error(entry)
+        return False
+
+    def _place(self, entry: AdapterEntry) -> bool:
+        """Starts the host fetch if needed, then takes a free slot or the least recently used
+        idle one and submits the copy on the load stream after the last step that read that
+        slot. Without overlap it waits for the fetch and the copy."""
         with self._lock:
-            if entry.error is not None or entry.weights is None or entry.slot is not None:
-                event = entry.slot_event
-            else:
-                slot = self._free_slot()
-                if slot is None:
+            if self._device_tier.ready(entry):
+                return True
+        self._loader.ensure(entry)
+        with self._lock:
+            weights = entry.weights
+            if entry.error is None and weights is not None and entry.slot is None:
+                if not self._device_tier.claim(self._entries.values(), entry, weights):
                     return False
-                weights = entry.weights
-                entry.slot = slot
-                entry.copy_started = time.perf_counter()
-                self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
-                event = self.device.load_stream.submit(
-                    self._copy_ops(slot, weights), after=self._slot_read[slot]
-                )
-                entry.slot_event = event
+            event = entry.slot_event
         if event is not None and not self.overlap:
             event.wait()
         if event is not None and event.query() and getattr(event, "error", None) is not None:
-            self._fail(entry, SourceUnavailable(f"copying {entry.name} to the device failed"))
+            failed = SourceUnavailable(f"copying {entry.name} to the device failed")
+            self._loader.fail(entry, failed)
             with self._lock:
-                self._evict_slot(entry)
-        return self.ready(entry) and entry.error is None
-
-    def _copy_ops(self, slot: int, weights: AdapterWeights) -> list[Callable[[], None]]:
-        """The load-stream job: zero ``slot`` and copy the adapter in, timed from its first
-        operation to its last (on the CPU that includes the steps between its turns)."""
-        started = 0.0
-
-        def start() -> None:
-            nonlocal started
-            started = time.perf_counter()
-
-        def observe() -> None:
-            elapsed = time.perf_counter() - started
-            self.metrics.device_copy_seconds.observe(elapsed)
-            self.cost_model.observe_copy(weights.nbytes, elapsed)
-
-        ops = self.slots.write_ops(
-            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
-        )
-        return [start, *ops, observe]
-
-    def _free_slot(self) -> int | None:
-        """An empty slot, or the LRU slot of an idle unpinned adapter (evicted) (lock held)."""
-        occupants = {e.slot: e for e in self._entries.values() if e.slot is not None}
-        for slot in range(self.slots.num_slots):
-            if slot not in occupants:
-                return slot
-        idle = [e for e in occupants.values() if e.refs == 0 and not e.pinned]
-        if not idle:
-            return None
-        victim = min(idle, key=lambda e: e.last_used)
-        slot = victim.slot
-        log.debug("evicting %s from slot %s", victim.name, slot)
-        self.metrics.evictions.labels("device").inc()
-        self._evict_slot(victim)
-        return slot
-
-    def _evict_slot(self, entry: AdapterEntry) -> None:
-        if entry.slot is not None:
-            self.slots.clear(entry.slot)
-        entry.slot, entry.slot_event = None, None
-
-    def eta(self, entry: AdapterEntry) -> float | None:
-        """Expected seconds until ``entry`` is usable in a slot; None when no load is under way."""
-        now, nbytes = time.perf_counter(), entry.manifest.total_bytes
+                self._device_tier.evict(entry)
         with self._lock:
-            if entry.fetching:
-                return self.cost_model.eta(nbytes, entry.fetch_started, True, now)
-            if entry.slot is not None and entry.slot_event is not None:
-                if entry.slot_event.query():
-                    return 0.0
-                return self.cost_model.eta(nbytes, entry.copy_started, False, now)
+            return self._device_tier.ready(entry) and entry.error is None
+
+    def prefetch(self, adapter_ids: Iterable[str], limit: int) -> None:
+        """Start loads for the first ``limit`` distinct adapters of ``adapter_ids`` (the next
+        waiting requests') that are not failed, into free or idle slots."""
+        seen: set[str] = set()
+        for adapter_id in adapter_ids:
+            if len(seen) >= limit:
+                break
+            with self._lock:
+                entry = self._entries.get(adapter_id)
+                if entry is None or adapter_id in seen or entry.error is not None:
+                    continue
+                ready = self._device_tier.ready(entry)
+            seen.add(adapter_id)
+            if not ready:
+                self._place(entry)
+
+    def hold_for_loads(self, adapter_ids: Iterable[str]) -> bool:
+        """Hold new prefills this step for loads about to land? ``adapter_ids``: the adapters
+        of the next waiting requests; ``cost_model.py`` decides."""
+        now = time.perf_counter()
+        with self._lock:
+            entries = [self._entries.get(adapter_id) for adapter_id in adapter_ids]
+            etas = [
+                self._eta(e, now) for e in entries
+                if e is not None and e.error is None and not self._device_tier.ready(e)
+            ]
+        if etas and self._cost_model.should_hold(etas):
+            return True
+        self._cost_model.released()
+        return False
+
+    def _eta(self, entry: AdapterEntry, now: float) -> float | None:
+        """Expected seconds until ``entry`` is usable in a slot; None when no load is under way
+        (lock held)."""
+        nbytes = entry.manifest.total_bytes
+        if entry.fetching:
+            return self._cost_model.eta(nbytes, entry.fetch_started, True, now)
+        if entry.slot is not None and entry.slot_event is not None:
+            if entry.slot_event.query():
+                return 0.0
+            return self._cost_model.eta(nbytes, entry.copy_started, False, now)
         return None
 
-    def mark_read(self, slot_ids: set[int], event: Event) -> None:
-        """Record that the step behind ``event`` read ``slot_ids`` (DESIGN rule 2)."""
+    # -- the step -----------------------------------------------------------------------------
+    def prepare_step(self, adapter_ids: Sequence[str | None]) -> StepAdapters:
+        """The slot of each of a step's sequences (``adapter_ids``, None for the base model) and
+        the copies its compute stream must wait on (rule 1). Every adapter must be placed."""
+        with self._lock:  # a referenced adapter is never forgotten: a KeyError is a bug
+            return self._device_tier.step(
+                [None if adapter_id is None else self._entries[adapter_id]
+                 for adapter_id in adapter_ids]
+            )
+
+    def mark_read(self, step: StepAdapters, event: Event) -> None:
+        """Record that the step behind ``event`` read its slots (rule 2)."""
         with self._lock:
-            for slot in slot_ids:
-                self._slot_read[slot] = event
+            self._device_tier.mark_read(step.read, event)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step of ``tokens`` took ``seconds``: the cost model's step cost."""
+        self._cost_model.observe_step(tokens, seconds)
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
+        return self._loader.fetching
 
     # -- operator calls -------------------------------------------------------------------------
+    def load(
+        self, name: str, local_path: Path | None, pin: bool, timeout_s: float
+    ) -> AdapterStatus:
+        """Bring ``name`` into host memory and, if a slot is free, onto the device; its status.
+
+        Blocks the calling (operator) thread: it waits for the fetch to end and for the copy's
+        event, never polls. When every slot is held by adapters in use, the host tier is enough.
+        """
+        if local_path is not None:
+            entry = self._register_local(name, local_path, pin)
+        else:
+            entry = self._resolve(name)
+            if pin:
+                with self._lock:
+                    entry.pinned = True
+        entry = self._acquire(entry.adapter_id)  # keep it from being evicted while we wait
+        try:
+            deadline = time.monotonic() + timeout_s
+            self._loader.wait(entry, deadline, f"loading {name} took over {timeout_s:.0f}s")
+            while not self._place(entry):
+                with self._lock:
+                    self._raise_error(entry)
+                    copy = entry.slot_event if entry.slot is not None else None
+                remaining = deadline - time.monotonic()
+                if copy is None or remaining <= 0:
+                    break  # every slot is held by adapters in use: the host tier is enough
+                copy.wait(remaining)
+        finally:
+            self.release(entry.adapter_id)
+        with self._lock:
+            return adapter_status(name, entry)
+
     def unload(self, name: str) -> None:
         with self._lock:
             adapter_id = self._names.pop(name, None)
@@ -347,48 +373,42 @@ class AdapterManager:
                 raise InvalidArgument(
                     f"adapter {name} is being loaded on this worker; retry once it is resident"
                 )
-            self._evict_slot(entry)
+            self._device_tier.evict(entry)
             self.host.drop(entry)
             entry.pinned = False
             if entry.adapter_id not in self._names.values():
                 del self._entries[entry.adapter_id]
+            self._changed.notify_all()
 
-    def entries(self) -> list[AdapterEntry]:
+    def status(self, name: str) -> AdapterStatus:
         with self._lock:
-            return sorted(self._entries.values(), key=lambda e: e.name)
+            entry = self._entries.get(self._names.get(name, ""))
+            if entry is None:
+                raise AdapterNotFound(f"adapter {name!r} is not loaded on this worker")
+            return adapter_status(name, entry)
 
-    def names_of(self, entry: AdapterEntry) -> list[str]:
+    def statuses(self) -> list[AdapterStatus]:
+        """One status per name (an adapter known under two names is listed twice)."""
         with self._lock:
-            return sorted(n for n, aid in self._names.items() if aid == entry.adapter_id)
+            return adapter_statuses(self._entries.values(), self._names)
 
-    @property
-    def host_bytes_used(self) -> int:
+    def usage(self) -> TierUsage:
         with self._lock:
-            return sum(e.host_bytes for e in self._entries.values())
+            return tier_usage(self._entries.values(), self.host_budget)
 
-    @property
-    def slots_used(self) -> int:
+    def inspect(self, name: str) -> AdapterSnapshot | None:
+        """The internal state of the adapter ``name`` stands for, as plain values (tests)."""
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.slot is not None)
+            entry = self._entries.get(self._names.get(name, ""))
+            return None if entry is None else snapshot(entry)
 
-    def resident(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(tier -> adapters, tier -> bytes) for the host and device tiers."""
+    # -- helpers ------------------------------------------------------------------------------
+    def _entry(self, adapter_id: str) -> AdapterEntry:
         with self._lock:
-            entries = list(self._entries.values())
-        on_host = [e for e in entries if e.weights is not None]
-        on_device = [e for e in entries if e.residency is Residency.DEVICE]
-        return (
-            {"host": len(on_host), "device": len(on_device)},
-            {"host": sum(e.host_bytes for e in on_host),
-             "device": sum(e.manifest.total_bytes for e in on_device)},
-        )
+            return self._entries[adapter_id]  # referenced adapters are never forgotten
 
-    @property
-    def fetching(self) -> bool:
-        """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
-        return self._fetches > 0
-
-    @property
-    def loading(self) -> int:
+    def _raise_error(self, entry: AdapterEntry) -> None:
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.residency is Residency.LOADING)
+            error = entry.error
+        if error is not None:
+            raise error

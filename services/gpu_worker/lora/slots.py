@@ -1,13 +1,14 @@
 """Device storage for the adapters of a running batch: ``num_slots`` slots of rank up to R.
 
-Per adapted module ``m`` (q, k, v, o, gate, up, down)::
+Per adaptable module ``m`` of the base model (``ModelConfig.lora_targets``: q, k, v, o, gate,
+up, down for most families; Phi-3's fused qkv_proj, o_proj, gate_up_proj, down_proj)::
 
     a[m]: [num_layers, S, R, in_m]     lora_A of slot s in rows :rank_s, zeros beyond
     b[m]: [num_layers, S, out_m, R]    lora_B of slot s in columns :rank_s, zeros beyond
 
 The A of projections that read the same input (q/k/v, gate/up) are views of one tensor per
 group, ``a_groups[(q, k, v)]: [num_layers, S, 3 R, in]``, so one matmul shrinks that input for
-every projection of the group.
+every projection of the group; a module alone at its input has a group of its own.
 
 (the ``A[S, R, K]`` / ``B[S, N, R]`` layout the SGMV kernels take, one layer at a time).
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
@@ -22,13 +23,10 @@ from functools import partial
 
 import torch
 
-from lorastream.core.adapter_format import SUPPORTED_MODULES
-from lorastream.worker.model.config import GATE_UP, QKV, LlamaConfig
+from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
 PIECE_BYTES = 1 << 20  # the most one copy operation moves (or one layer, if larger)
-# Projections that read the same input (the base model fuses them too): their A share storage.
-SHARED_INPUT_GROUPS: tuple[tuple[str, ...], ...] = (QKV, GATE_UP)
 
 
 @dataclass
@@ -46,7 +44,7 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 class LoraSlots:
     def __init__(
         self,
-        config: LlamaConfig,
+        config: ModelConfig,
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
@@ -61,8 +59,10 @@ class LoraSlots:
         # a_groups[group]: [L, S, G * R, in], the A of G modules that read the same input, so
         # that one matmul shrinks it for all of them; a[m] is a view of its part, [L, S, R, in].
         self.a_groups: dict[tuple[str, ...], torch.Tensor] = {}
-        grouped = {m for group in SHARED_INPUT_GROUPS for m in group}
-        groups = [*SHARED_INPUT_GROUPS, *((m,) for m in shapes if m not in grouped)]
+        # Projections that read the same input (the base model fuses them too) share A storage.
+        shared = config.shared_input_groups()
+        grouped = {m for group in shared for m in group}
+        groups = [*shared, *((m,) for m in shapes if m not in grouped)]
         for group in groups:
             fan_in = shapes[group[0]][0]
             assert all(shapes[m][0] == fan_in for m in group), f"{group} read different inputs"
@@ -124,7 +124,7 @@ class LoraSlots:
         covered: dict[tuple[str, str], set[int]] = {}
         for layer, module, ab, block in blocks:
             covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
-        for module in SUPPORTED_MODULES:
+        for module in self.a:
             a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
             for ab, rows in (("A", a), ("B", b)):
                 layers = covered.get((module, ab), set())

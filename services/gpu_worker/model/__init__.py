@@ -1,1 +1,2 @@
-"""The Llama model the GPU worker runs: rotary embeddings, checkpoints, weights, forward pass."""
+"""The decoder the GPU worker runs, for every supported model family: configs and families,
+rotary embeddings, checkpoints, weights, attention over the paged KV cache, forward pass."""

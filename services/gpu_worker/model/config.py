@@ -1,4 +1,20 @@
-"""The shape of a Llama-family base model, read from an HF ``config.json``."""
+"""The shape and numerics of a decoder-only base model, read from an HF ``config.json``.
+
+One :class:`ModelConfig` describes every supported family: its fields default to Llama, and a
+family (``model/families/``) sets only the knobs in which it differs (biases, q/k norms, Gemma's
+norms and soft-capping, sliding windows, fused projections). The decoder, the KV cache, the LoRA
+slots and adapter checks read this dataclass alone, never the family.
+
+Adaptable projections sit at four *sites* of a layer, each one fused matmul of the base model::
+
+    qkv:     h [T, H]      -> [T, q + 2 kv]   q_proj | k_proj | v_proj   (Phi-3: qkv_proj)
+    o:       attn [T, q]   -> [T, H]          o_proj
+    gate_up: h [T, H]      -> [T, 2 I]        gate_proj | up_proj        (Phi-3: gate_up_proj)
+    down:    act [T, I]    -> [T, H]          down_proj
+
+A LoRA target is a checkpoint module name at a site, with the column its output starts at.
+Modules that share a site read the same input, so the slots keep their A side by side.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +25,25 @@ from typing import Any
 
 from lorastream.core.errors import InvalidArgument
 
-LLAMA_MODEL_TYPES = ("llama",)
-# Projections that read the same input: the model runs each group as one fused matmul, and the
-# LoRA slots keep the group's A side by side so that one matmul shrinks that input for all.
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
+SITES = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a Llama decoder; derived sizes in properties."""
+class LoraTarget:
+    """An adaptable projection: checkpoint module name, site, first output column, sizes."""
+
+    module: str
+    site: str
+    col: int
+    fan_in: int
+    fan_out: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder; derived sizes in properties. Defaults are Llama's."""
 
     vocab_size: int
     hidden_size: int
@@ -32,8 +57,25 @@ class LlamaConfig:
     tie_word_embeddings: bool
     rope_theta: float
     rope_scaling: dict[str, Any] | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
+    family: str = "llama"  # the model_type it was read as
+    # Checkpoint module names fused at the qkv and gate_up sites (also their LoRA targets).
+    qkv_modules: tuple[str, ...] = QKV
+    gate_up_modules: tuple[str, ...] = GATE_UP
+    qkv_bias: bool = False  # q/k/v projections carry a bias
+    o_bias: bool = False
+    mlp_bias: bool = False  # gate/up/down carry a bias
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    norm_plus_one: bool = False  # Gemma's RMSNorm: (x̂ * (1 + w)) in fp32, then cast
+    sandwich_norms: bool = False  # Gemma: norms after attention and around the MLP too
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    activation: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale ** -2 (None: head_dim)
+    attn_softcap: float | None = None  # scores = c * tanh(scores / c)
+    final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window, None = global
+    # RoPE of the sliding layers when it differs from the global one (Gemma 3).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
@@ -46,56 +88,76 @@ class LlamaConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (keys at p - j < window), None for global attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def is_local(self, layer: int) -> bool:
+        """True when ``layer`` uses the sliding layers' RoPE (it has a window and one is set)."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
+    def site_width(self, site: str) -> int:
+        """Output features of a site's fused matmul."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"qkv": self.q_size + 2 * self.kv_size, "o": h, "gate_up": 2 * i, "down": h}[site]
+
+    def lora_targets(self) -> tuple[LoraTarget, ...]:
+        """Every adaptable projection, in site order."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        parts = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
+        targets: list[LoraTarget] = []
+        for site, modules, fan_in in (
+            ("qkv", self.qkv_modules, h), ("gate_up", self.gate_up_modules, h)
+        ):
+            widths = [self.site_width(site)] if len(modules) == 1 else [parts[m] for m in modules]
+            col = 0
+            for module, width in zip(modules, widths, strict=True):
+                targets.append(LoraTarget(module, site, col, fan_in, width))
+                col += width
+        targets.insert(len(self.qkv_modules), LoraTarget("o_proj", "o", 0, q, h))
+        targets.append(LoraTarget("down_proj", "down", 0, i, h))
+        return tuple(targets)
+
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """Adaptable projection -> (in_features, out_features)."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_size),
-            "k_proj": (h, self.kv_size),
-            "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
+        return {t.module: (t.fan_in, t.fan_out) for t in self.lora_targets()}
+
+    def shared_input_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Projections that read the same input (sites with more than one module)."""
+        groups = (self.qkv_modules, self.gate_up_modules)
+        return tuple(g for g in groups if len(g) > 1)
+
+    def describe(self) -> str:
+        """``tiny (model_type 'qwen3')``: the base model and its family, for error messages."""
+        return f"{self.name or 'the base model'} (model_type {self.family!r})"
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], name: str = "") -> "LlamaConfig":
-        from lorastream.worker.model.rope import rope_settings_from_config
+    def from_dict(cls, raw: dict[str, Any], name: str = "") -> ModelConfig:
+        """Read ``config.json`` through its family; InvalidArgument for what is not supported."""
+        from lorastream.worker.model.families import family_of
 
-        model_type = raw.get("model_type")
-        if model_type not in LLAMA_MODEL_TYPES:
+        family = family_of(raw, name or "config.json")
+        try:
+            fields = family.read(raw)
+        except (KeyError, TypeError, ValueError) as err:
             raise InvalidArgument(
-                f"{name or 'model'}: model_type {model_type!r} is not supported; lorastream "
-                f"serves Llama-family checkpoints (model_type {', '.join(LLAMA_MODEL_TYPES)})"
+                f"{name or 'config.json'}: not a usable {family.model_type} config ({err!r}); "
+                "save the checkpoint with transformers' save_pretrained"
+            ) from err
+        config = cls(**fields, name=name)
+        if config.layer_windows and len(config.layer_windows) != config.num_layers:
+            raise InvalidArgument(
+                f"{name or 'config.json'}: layer_types has {len(config.layer_windows)} entries "
+                f"for {config.num_layers} layers"
             )
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise InvalidArgument(f"{name}: attention_bias/mlp_bias checkpoints are not supported")
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_theta, rope_scaling = rope_settings_from_config(raw)
-        return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name,
-        )
+        return config
 
     @classmethod
-    def from_dir(cls, checkpoint: Path, name: str = "") -> "LlamaConfig":
+    def from_dir(cls, checkpoint: Path, name: str = "") -> ModelConfig:
         raw = json.loads((checkpoint / "config.json").read_text())
         generation = checkpoint / "generation_config.json"
         if generation.is_file():  # generation_config's eos list wins, as in transformers
@@ -103,4 +165,3 @@ class LlamaConfig:
             if eos is not None:
                 raw = {**raw, "eos_token_id": eos}
         return cls.from_dict(raw, name or checkpoint.name)
-

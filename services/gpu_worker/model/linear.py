@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,13 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    """A bias-free projection: ``linear(x)`` = ``x @ weight.T`` for x [T, K] -> [T, N]."""
+    """A projection: ``linear(x)`` = ``x @ weight.T (+ bias)`` for x [T, K] -> [T, N]."""
 
-    def __init__(self, weight: torch.Tensor, prepack: bool = True) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True
+    ) -> None:
         self.out_features = weight.shape[0]
+        self.bias = bias  # [N] or None
         self._packed: torch.Tensor | None = None
         if prepack and _can_prepack(weight):
             try:
@@ -52,7 +56,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self._packed is None:
             assert self.weight is not None
+            if self.bias is not None:
+                return F.linear(x, self.weight, self.bias)
             return x @ self.weight.T
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -1,4 +1,4 @@
-"""Rotary position embeddings for a flattened batch, with the scaling schemes HF Llama configs use.
+"""Rotary position embeddings for a flattened batch, with the scaling schemes HF configs use.
 
 Semantics (one token ``t`` of head dim ``D``, rotary dim ``d = int(D * partial_rotary_factor)``)::
 

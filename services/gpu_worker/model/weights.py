@@ -1,4 +1,10 @@
-"""Load an HF Llama checkpoint's safetensors into :class:`LlamaWeights` (fused q/k/v, gate/up)."""
+"""Load an HF checkpoint's safetensors into :class:`DecoderWeights` (fused q/k/v, gate/up).
+
+Which tensors a layer has follows from the :class:`ModelConfig` alone (module names, biases,
+q/k norms, Gemma's extra norms). The checkpoint must hold exactly those, of the config's shapes:
+a missing tensor, a wrong shape, or a tensor the config does not explain (a bias the family has
+not, a q_norm in a model without one) is refused with the tensor named, before the model exists.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,13 @@ import torch
 from safetensors import safe_open
 
 from lorastream.core.errors import InvalidArgument
-from lorastream.worker.model.config import LlamaConfig
-from lorastream.worker.model.llama import LayerWeights, LlamaWeights
+from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.decoder import DecoderWeights, LayerWeights
 
 log = logging.getLogger(__name__)
+
+_SITE_PREFIX = {"qkv": "self_attn", "o": "self_attn", "gate_up": "mlp", "down": "mlp"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
 
 def _shards(checkpoint: Path) -> list[Path]:
@@ -37,55 +46,97 @@ def load_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(
-    checkpoint: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device
-) -> LlamaWeights:
-    state = load_state(checkpoint)
-    used: set[str] = set()
+class _Reader:
+    """Takes tensors out of a checkpoint's state, checking names and shapes."""
 
-    def take(name: str) -> torch.Tensor:
-        tensor = state.get(name)
+    def __init__(
+        self, checkpoint: Path, state: dict[str, torch.Tensor], config: ModelConfig,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.checkpoint, self.state, self.config = checkpoint, state, config
+        self.dtype, self.device = dtype, device
+        self.used: set[str] = set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.state.get(name)
         if tensor is None:
-            raise InvalidArgument(f"{checkpoint}: weight {name} is missing from the checkpoint")
-        used.add(name)
-        return tensor.to(device=device, dtype=dtype)
-
-    def expect(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+            raise InvalidArgument(
+                f"{self.checkpoint}: weight {name} is missing from the checkpoint, but "
+                f"config.json ({self._family()}) implies it {list(shape)}"
+            )
         if tuple(tensor.shape) != shape:
             raise InvalidArgument(
-                f"{checkpoint}: {name} is {list(tensor.shape)}, config.json implies {list(shape)}"
+                f"{self.checkpoint}: {name} is {list(tensor.shape)}, config.json "
+                f"({self._family()}) implies {list(shape)}"
             )
-        return tensor
+        self.used.add(name)
+        return tensor.to(device=self.device, dtype=self.dtype)
 
-    c = config
-    h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    def maybe(self, present: bool, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.take(name, shape) if present else None
+
+    def site(self, layer: int, site: str, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A site's projections fused in column order: weight [N, K], bias [N] or None."""
+        prefix = f"model.layers.{layer}.{_SITE_PREFIX[site]}."
+        weights, biases = [], []
+        for t in self.config.lora_targets():
+            if t.site != site:
+                continue
+            weights.append(self.take(f"{prefix}{t.module}.weight", (t.fan_out, t.fan_in)))
+            if bias:
+                biases.append(self.take(f"{prefix}{t.module}.bias", (t.fan_out,)))
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
+        return weight, (torch.cat(biases) if biases else None)
+
+    def refuse_unexpected(self) -> None:
+        unexpected = sorted(
+            k for k in set(self.state) - self.used if not k.endswith(_IGNORED_SUFFIXES)
+        )
+        if unexpected:
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise InvalidArgument(
+                f"{self.checkpoint}: tensor {unexpected[0]}{more} is in the checkpoint but "
+                f"config.json ({self._family()}) has no such weight; the checkpoint and its "
+                "config.json disagree (save both with the same save_pretrained)"
+            )
+
+    def _family(self) -> str:
+        return f"model_type {self.config.family}"
+
+
+def load_weights(
+    checkpoint: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> DecoderWeights:
+    reader = _Reader(checkpoint, load_state(checkpoint), config, dtype, device)
+    c, take, maybe = config, reader.take, reader.maybe
+    h, d = (c.hidden_size,), (c.head_dim,)
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        wq = expect(take(p + "self_attn.q_proj.weight"), (q, h), p + "q_proj")
-        wk = expect(take(p + "self_attn.k_proj.weight"), (kv, h), p + "k_proj")
-        wv = expect(take(p + "self_attn.v_proj.weight"), (kv, h), p + "v_proj")
-        gate = expect(take(p + "mlp.gate_proj.weight"), (inter, h), p + "gate_proj")
-        up = expect(take(p + "mlp.up_proj.weight"), (inter, h), p + "up_proj")
-        layers.append(
-            LayerWeights(
-                attn_norm=take(p + "input_layernorm.weight"),
-                wqkv=torch.cat([wq, wk, wv]).contiguous(),
-                wo=expect(take(p + "self_attn.o_proj.weight"), (h, q), p + "o_proj"),
-                mlp_norm=take(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([gate, up]).contiguous(),
-                w_down=expect(take(p + "mlp.down_proj.weight"), (h, inter), p + "down_proj"),
-            )
-        )
-    embed = expect(take("model.embed_tokens.weight"), (c.vocab_size, h), "embed_tokens")
-    if c.tie_word_embeddings or "lm_head.weight" not in state:
+        wqkv, b_qkv = reader.site(i, "qkv", c.qkv_bias)
+        wo, b_o = reader.site(i, "o", c.o_bias)
+        w_gate_up, b_gate_up = reader.site(i, "gate_up", c.mlp_bias)
+        w_down, b_down = reader.site(i, "down", c.mlp_bias)
+        # Llama's post_attention_layernorm is the MLP's pre-norm; Gemma's is on attention's output.
+        sandwich = c.sandwich_norms
+        mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+        layers.append(LayerWeights(
+            attn_norm=take(p + "input_layernorm.weight", h),
+            wqkv=wqkv, wo=wo, w_gate_up=w_gate_up, w_down=w_down,
+            b_qkv=b_qkv, b_o=b_o, b_gate_up=b_gate_up, b_down=b_down,
+            mlp_norm=take(f"{p}{mlp_norm}.weight", h),
+            q_norm=maybe(c.qk_norm, p + "self_attn.q_norm.weight", d),
+            k_norm=maybe(c.qk_norm, p + "self_attn.k_norm.weight", d),
+            post_attn_norm=maybe(sandwich, p + "post_attention_layernorm.weight", h),
+            post_mlp_norm=maybe(sandwich, p + "post_feedforward_layernorm.weight", h),
+        ))
+    embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+    if c.tie_word_embeddings:
         lm_head = embed
-        used.add("lm_head.weight")
+        reader.used.add("lm_head.weight")  # a tied checkpoint may store the copy too
     else:
-        lm_head = expect(take("lm_head.weight"), (c.vocab_size, h), "lm_head")
-    norm = take("model.norm.weight")
-    unused = sorted(set(state) - used - {"lm_head.weight"})
-    unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]
-    if unused:
-        log.warning("%s: %d checkpoint tensors unused, e.g. %s", checkpoint, len(unused), unused[:3])
-    return LlamaWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+        lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))
+    norm = take("model.norm.weight", h)
+    reader.refuse_unexpected()
+    log.info("%s: %s weights loaded (%d layers)", checkpoint, c.family, c.num_layers)
+    return DecoderWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

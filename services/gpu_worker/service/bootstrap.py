@@ -20,9 +20,9 @@ from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.checkpoint import resolve_checkpoint
-from lorastream.worker.model.config import LlamaConfig
+from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.kv_cache import KVCache
-from lorastream.worker.model.llama import LlamaModel
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.config import WorkerSettings
 
@@ -84,8 +84,11 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         hf_endpoint=settings.hf_endpoint,
         hf_token=settings.hf_token,
     )
-    config = LlamaConfig.from_dir(checkpoint, name=settings.base_model_name)
-    model = LlamaModel(config, load_weights(checkpoint, config, dtype, torch_device), torch_device)
+    # Config and every weight are checked before anything is allocated or started: a checkpoint
+    # that disagrees with its config.json stops the worker here, naming the tensor.
+    config = ModelConfig.from_dir(checkpoint, name=settings.base_model_name)
+    weights = load_weights(checkpoint, config, dtype, torch_device)
+    model = DecoderModel(config, weights, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     device = Device(torch_device, loader_priority=settings.loader_priority_spec,
                     copy_turn_s=settings.copy_turn_ms / 1000,
@@ -122,9 +125,9 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         prefetch_depth=settings.prefetch_depth,
     )
     log.info(
-        "engine ready in %.1fs: %s on %s (%s), %d layers; KV cache %d tokens (%.0f MB); "
+        "engine ready in %.1fs: %s (%s) on %s (%s), %d layers; KV cache %d tokens (%.0f MB); "
         "%d LoRA slots of rank <= %d (%.0f MB); backend %s; overlap loading %s",
-        time.perf_counter() - started, settings.base_model_name, torch_device,
+        time.perf_counter() - started, settings.base_model_name, config.family, torch_device,
         str(dtype).removeprefix("torch."), config.num_layers, kv.capacity_tokens, kv.nbytes / 1e6,
         settings.max_loras, settings.max_lora_rank, slots.nbytes / 1e6, settings.lora_backend,
         "on" if settings.lora_overlap_loading else "off",

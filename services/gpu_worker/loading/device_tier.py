@@ -1,0 +1,135 @@
+"""The device tier: which adapter sits in which slot, the copies into slots, and what a step
+needs from them.
+
+The rules of docs/design.md kept here:
+1. a slot is usable only once its copy completed: :meth:`DeviceTier.ready` asks the copy's event
+   without blocking, and :meth:`DeviceTier.step` hands the step the events its compute stream
+   must wait on;
+2. a slot is overwritten only after the last step that read it: the copy is submitted to the load
+   stream ``after`` that step's compute event (:meth:`DeviceTier.mark_read` records it);
+4. only an unpinned adapter at zero references is evicted from its slot (LRU).
+
+The adapter manager calls every method here with its lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from lorastream.worker.device.device import COMPLETED, Device, Event
+from lorastream.worker.loading.adapter_weights import AdapterWeights
+from lorastream.worker.loading.cost_model import AdmissionCostModel
+from lorastream.worker.loading.entry import AdapterEntry
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepAdapters:
+    """What one step needs from the adapters (:meth:`AdapterManager.prepare_step`).
+
+    Example: sequences for adapters ``a`` (slot 2, copy landed two steps ago), none, ``b``
+    (slot 0, copied since the last step) give ``slots [2, -1, 0]``, ``load_events`` the events of
+    both copies and ``read {0, 2}``.
+    """
+
+    slots: list[int]  # per sequence of the step, in order: its slot, -1 for the base model
+    load_events: list[Event]  # rule 1: the compute stream waits on these before the step
+    read: frozenset[int]  # the slots the step reads (rule 2: recorded with its compute event)
+
+
+class DeviceTier:
+    def __init__(self, slots: LoraSlots, device: Device, metrics: WorkerMetrics,
+                 cost_model: AdmissionCostModel) -> None:
+        self.slots = slots
+        self.device = device
+        self.metrics = metrics
+        self.cost_model = cost_model
+        self._slot_read: list[Event] = [COMPLETED] * slots.num_slots  # rule 2
+
+    @staticmethod
+    def ready(entry: AdapterEntry) -> bool:
+        """True when ``entry`` sits in a slot whose copy completed (never blocks)."""
+        return entry.slot is not None and (entry.slot_event is None or entry.slot_event.query())
+
+    def claim(self, entries: Iterable[AdapterEntry], entry: AdapterEntry,
+              weights: AdapterWeights) -> bool:
+        """Take a free slot, or the least recently used idle one, for ``entry`` and submit the
+        copy of ``weights`` into it on the load stream, after the last step that read the slot.
+        False when every slot holds an adapter in use or pinned."""
+        slot = self._free_slot(entries)
+        if slot is None:
+            return False
+        entry.slot = slot
+        entry.copy_started = time.perf_counter()
+        self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
+        entry.slot_event = self.device.load_stream.submit(
+            self._copy_ops(slot, weights), after=self._slot_read[slot]
+        )
+        return True
+
+    def evict(self, entry: AdapterEntry) -> None:
+        if entry.slot is not None:
+            self.slots.clear(entry.slot)
+        entry.slot, entry.slot_event = None, None
+
+    def step(self, entries: Sequence[AdapterEntry | None]) -> StepAdapters:
+        """The slots of a step's sequences (``entries``, None for the base model) and the copies
+        the step must wait for."""
+        slots: list[int] = []
+        load_events: dict[int, Event] = {}
+        for entry in entries:
+            if entry is None:
+                slots.append(-1)
+                continue
+            if entry.slot is None:  # referenced adapters are never evicted: this is a bug
+                raise RuntimeError(f"{entry.name} was scheduled for a step but has no slot")
+            slots.append(entry.slot)
+            if entry.slot_event is not None:
+                load_events[entry.slot] = entry.slot_event
+        return StepAdapters(slots, list(load_events.values()), frozenset(load_events))
+
+    def mark_read(self, slot_ids: Iterable[int], event: Event) -> None:
+        """Record that the step behind ``event`` read ``slot_ids`` (rule 2)."""
+        for slot in slot_ids:
+            self._slot_read[slot] = event
+
+    def _copy_ops(self, slot: int, weights: AdapterWeights) -> list[Callable[[], None]]:
+        """The load-stream job: zero ``slot`` and copy the adapter in, timed from its first
+        operation to its last (on the CPU that includes the steps between its turns)."""
+        started = 0.0
+
+        def start() -> None:
+            nonlocal started
+            started = time.perf_counter()
+
+        def observe() -> None:
+            elapsed = time.perf_counter() - started
+            self.metrics.device_copy_seconds.observe(elapsed)
+            self.cost_model.observe_copy(weights.nbytes, elapsed)
+
+        ops = self.slots.write_ops(
+            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
+        )
+        return [start, *ops, observe]
+
+    def _free_slot(self, entries: Iterable[AdapterEntry]) -> int | None:
+        """An empty slot, or the LRU slot of an idle unpinned adapter (evicted)."""
+        occupants = {e.slot: e for e in entries if e.slot is not None}
+        for slot in range(self.slots.num_slots):
+            if slot not in occupants:
+                return slot
+        idle = [e for e in occupants.values() if e.refs == 0 and not e.pinned]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda e: e.last_used)
+        slot = victim.slot
+        log.debug("evicting %s from slot %s", victim.name, slot)
+        self.metrics.evictions.labels("device").inc()
+        self.evict(victim)
+        return slot

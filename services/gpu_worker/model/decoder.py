@@ -1,0 +1,257 @@
+"""One decoder for every family, over a flat batch of tokens, with a paged KV cache and a LoRA hook.
+
+As in gpt-fast, q/k/v and gate/up are fused into one matmul each; the LoRA hook adds each
+adapted projection's delta into its slice of the fused output, for every token of the batch at
+once (``lora.add``), so the base model and all adapters of a mixed batch run in one pass.
+What a family changes is in :class:`ModelConfig` (see ``families/``); numerics follow HF
+transformers op for op: RMSNorm in fp32 (Llama ``w * x̂``, Gemma ``x̂ * (1 + w)``), rotate-half
+RoPE, the configured gated activation, soft-capping as ``c * tanh(x / c)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from lorastream.worker.model.attention import paged_attention, write_kv
+from lorastream.worker.model.config import SITES, ModelConfig
+from lorastream.worker.model.forward_batch import ForwardBatch
+from lorastream.worker.model.kv_cache import KVCache
+from lorastream.worker.model.linear import Linear
+from lorastream.worker.model.rope import RotaryEmbedding, apply_rotary
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+class LoraHook(Protocol):
+    """Adds LoRA deltas of one step; built per step by the engine (None: base model only)."""
+
+    def add(
+        self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int
+    ) -> None:
+        """out[:, col:col+N] += delta of ``module`` in ``layer`` for x [T, in] (per token)."""
+
+    def add_group(
+        self, layer: int, modules: tuple[str, ...], x: torch.Tensor, out: torch.Tensor,
+        cols: tuple[int, ...],
+    ) -> None:
+        """:meth:`add` for each of ``modules`` (which all read ``x``) at its column."""
+
+
+@dataclass
+class LayerWeights:
+    """One layer's weights as loaded; :class:`DecoderModel` takes the projections over (as
+    :class:`Linear`) and sets them to None here, so no second copy stays in memory. Optional
+    tensors are None when the config has no such part."""
+
+    attn_norm: torch.Tensor  # [H]
+    wqkv: torch.Tensor | None  # [q + 2 kv, H]
+    wo: torch.Tensor | None  # [H, q]
+    mlp_norm: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor | None  # [2 I, H]
+    w_down: torch.Tensor | None  # [H, I]
+    b_qkv: torch.Tensor | None = None  # [q + 2 kv]
+    b_o: torch.Tensor | None = None  # [H]
+    b_gate_up: torch.Tensor | None = None  # [2 I]
+    b_down: torch.Tensor | None = None  # [H]
+    q_norm: torch.Tensor | None = None  # [d]
+    k_norm: torch.Tensor | None = None  # [d]
+    post_attn_norm: torch.Tensor | None = None  # [H] (Gemma: on the attention output)
+    post_mlp_norm: torch.Tensor | None = None  # [H] (Gemma: on the MLP output)
+
+
+@dataclass
+class DecoderWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+
+
+class RMSNorm:
+    """HF's RMSNorm over the last dim, x̂ = x / rms(x) in fp32: ``w * x̂.to(dtype)`` (Llama,
+    Qwen) or, with ``plus_one``, ``(x̂ * (1 + w)).to(dtype)`` in fp32 (Gemma)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, plus_one: bool) -> None:
+        self.eps = eps
+        self.plus_one = plus_one
+        self.weight = 1.0 + weight.float() if plus_one else weight  # [D]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x32 * self.weight).to(dtype)
+        return self.weight * x32.to(dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+@dataclass
+class _Layer:
+    """What one layer runs besides its projections: norms and attention options."""
+
+    attn_norm: RMSNorm
+    mlp_norm: RMSNorm
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    post_attn_norm: RMSNorm | None
+    post_mlp_norm: RMSNorm | None
+    local_rope: bool  # the sliding layers' RoPE (Gemma 3)
+    window: int | None  # sliding window, None: global attention
+
+
+class DecoderModel:
+    """Inference-only decoder; ``forward`` returns logits of ``batch.logit_rows``."""
+
+    def __init__(self, config: ModelConfig, weights: DecoderWeights, device: torch.device) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = weights.embed.dtype
+        self.rope = self._rope(config.rope_theta, config.rope_scaling)
+        self.local_rope = (
+            self._rope(config.local_rope_theta, config.local_rope_scaling)
+            if config.local_rope_theta is not None else None
+        )
+        self.scale = config.attn_scale
+        self.activation = ACTIVATIONS[config.activation]
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype, device=device)
+            if config.scale_embeddings else None
+        )
+        targets = config.lora_targets()
+        self.lora_sites = {  # site -> (modules, their first columns in the site's output)
+            site: (
+                tuple(t.module for t in targets if t.site == site),
+                tuple(t.col for t in targets if t.site == site),
+            )
+            for site in SITES
+        }
+        # The projections, each prepared once for fast products (see linear.py).
+        self.proj: list[tuple[Linear, Linear, Linear, Linear]] = []
+        self.layers: list[_Layer] = []
+        for i, lw in enumerate(weights.layers):
+            assert lw.wqkv is not None and lw.wo is not None
+            assert lw.w_gate_up is not None and lw.w_down is not None
+            self.proj.append((
+                Linear(lw.wqkv, lw.b_qkv), Linear(lw.wo, lw.b_o),
+                Linear(lw.w_gate_up, lw.b_gate_up), Linear(lw.w_down, lw.b_down),
+            ))
+            lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
+            self.layers.append(self._layer(i, lw))
+        self.final_norm = self._norm(weights.norm)
+        self.lm_head = Linear(weights.lm_head)  # tied: the embedding stays for the lookup
+
+    def _rope(self, theta: float, scaling: dict[str, Any] | None) -> RotaryEmbedding:
+        c = self.config
+        return RotaryEmbedding(
+            head_dim=c.head_dim, rope_theta=theta,
+            max_position_embeddings=c.max_position_embeddings, rope_scaling=scaling,
+            device=self.device,
+        )
+
+    def _norm(self, weight: torch.Tensor) -> RMSNorm:
+        return RMSNorm(weight, self.config.rms_norm_eps, self.config.norm_plus_one)
+
+    def _optional_norm(self, weight: torch.Tensor | None) -> RMSNorm | None:
+        return None if weight is None else self._norm(weight)
+
+    def _layer(self, i: int, lw: LayerWeights) -> _Layer:
+        c = self.config
+        return _Layer(
+            attn_norm=self._norm(lw.attn_norm),
+            mlp_norm=self._norm(lw.mlp_norm),
+            q_norm=self._optional_norm(lw.q_norm),
+            k_norm=self._optional_norm(lw.k_norm),
+            post_attn_norm=self._optional_norm(lw.post_attn_norm),
+            post_mlp_norm=self._optional_norm(lw.post_mlp_norm),
+            local_rope=c.is_local(i),
+            window=c.window(i),
+        )
+
+    def _lora(
+        self, lora: LoraHook, layer: int, site: str, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        modules, cols = self.lora_sites[site]
+        if len(modules) == 1:
+            lora.add(layer, modules[0], x, out, cols[0])
+        else:
+            lora.add_group(layer, modules, x, out, cols)
+
+    def _cos_sin(
+        self, rope: RotaryEmbedding, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, d] each
+        cos, sin = rope.cos_sin(
+            batch.positions, batch.seq_lens, max_position=batch.max_position,
+            longest=batch.longest,
+        )
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, lora: LoraHook | None = None
+    ) -> torch.Tensor:  # [n, V] float32
+        c, w = self.config, self.weights
+        q_size, kv_size, inter = c.q_size, c.kv_size, c.intermediate_size
+        t = batch.num_tokens
+        x = w.embed[batch.input_ids]  # [T, H]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope_tables = {False: self._cos_sin(self.rope, batch)}
+        if self.local_rope is not None:
+            rope_tables[True] = self._cos_sin(self.local_rope, batch)
+        for i, layer in enumerate(self.layers):
+            wqkv, wo, w_gate_up, w_down = self.proj[i]
+            h = layer.attn_norm(x)
+            qkv = wqkv(h)  # [T, q + 2 kv]
+            if lora is not None:
+                self._lora(lora, i, "qkv", h, qkv)
+            q = qkv[:, :q_size].view(t, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(t, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(t, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            cos, sin = rope_tables[layer.local_rope]
+            q, k = apply_rotary(q, k, cos, sin)
+            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
+            attn = paged_attention(
+                q, kv.k[i], kv.v[i], k, v, batch, self.scale, window=layer.window,
+                softcap=c.attn_softcap,
+            )
+            attn = attn.reshape(t, q_size)  # [T, q]
+            o = wo(attn)  # [T, H]
+            if lora is not None:
+                self._lora(lora, i, "o", attn, o)
+            if layer.post_attn_norm is not None:
+                o = layer.post_attn_norm(o)
+            x = x + o
+            h = layer.mlp_norm(x)
+            gate_up = w_gate_up(h)  # [T, 2 I]
+            if lora is not None:
+                self._lora(lora, i, "gate_up", h, gate_up)
+            act = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
+            down = w_down(act)  # [T, H]
+            if lora is not None:
+                self._lora(lora, i, "down", act, down)
+            if layer.post_mlp_norm is not None:
+                down = layer.post_mlp_norm(down)
+            x = x + down
+        rows = self.final_norm(x[batch.logit_rows])  # [n, H]
+        logits = self.lm_head(rows)  # [n, V]
+        if c.final_softcap is not None:
+            logits = soft_cap(logits, c.final_softcap)
+        return logits.float()
