@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lorastream import __version__
+from lorastream.core.auth import refuse_open_bind
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.store_client import StoreClient
+from lorastream.core.tls import ClientTLS
 from lorastream.gateway import routes_adapters, routes_openai
 from lorastream.gateway.body_limit import BodyLimit
 from lorastream.gateway.config import GatewaySettings
@@ -57,13 +59,18 @@ class RequestCounter:
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-def build_state(settings: GatewaySettings, metrics: GatewayMetrics) -> GatewayState:
-    """Every component, wired (call inside the event loop: it opens grpc.aio channels)."""
+def build_state(
+    settings: GatewaySettings, metrics: GatewayMetrics, worker_tls: ClientTLS | None = None,
+    store_tls: ClientTLS | None = None,
+) -> GatewayState:
+    """Every component, wired (call inside the event loop: it opens grpc.aio channels); the
+    channels to the workers and to the store are over TLS when given one."""
     resolver = TargetResolver(settings.workers) if settings.resolve_interval_s > 0 else None
     pool = WorkerPool(
         settings.workers, metrics, rpc_timeout_s=settings.rpc_timeout_s,
         health_timeout_s=settings.health_timeout_s, hint_ttl_s=settings.routing_hint_ttl_s,
-        resolver=resolver, resolve_interval_s=settings.resolve_interval_s,
+        resolver=resolver, resolve_interval_s=settings.resolve_interval_s, tls=worker_tls,
+        token=settings.effective_worker_token,
     )
     router = Router(settings.spill_threshold, settings.max_requests_per_worker)
     return GatewayState(
@@ -73,7 +80,7 @@ def build_state(settings: GatewaySettings, metrics: GatewayMetrics) -> GatewaySt
         router=router,
         dispatcher=Dispatcher(pool, router, metrics, settings.request_timeout_s),
         store=StoreClient(settings.store, settings.effective_store_token,
-                          timeout=settings.rpc_timeout_s),
+                          timeout=settings.rpc_timeout_s, tls=store_tls),
         started_at=int(time.time()),
     )
 
@@ -81,14 +88,32 @@ def build_state(settings: GatewaySettings, metrics: GatewayMetrics) -> GatewaySt
 def create_app(settings: GatewaySettings) -> FastAPI:
     if not settings.workers:
         raise InvalidArgument("the gateway needs at least one worker: pass --worker HOST:PORT")
+    refuse_open_bind(
+        settings.host, bool(settings.token), settings.insecure_no_auth, "gateway",
+        "LORASTREAM_GATEWAY_TOKEN (or --token-file)",
+    )
     metrics = GatewayMetrics()
+    # read and checked now: a wrong certificate path stops the gateway before it serves
+    worker_tls = ClientTLS.from_files(
+        settings.worker_tls_ca, settings.worker_tls_client_cert, settings.worker_tls_client_key,
+        prefix="--worker-",
+    )
+    store_tls = ClientTLS.from_files(
+        settings.store_tls_ca, settings.store_tls_client_cert, settings.store_tls_client_key,
+        prefix="--store-",
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = build_state(settings, metrics)
+        state = build_state(settings, metrics, worker_tls, store_tls)
         app.state.gateway = state
         if not settings.token:
-            log.warning("no --token: the operator endpoints (/v1/adapters) are open to anyone")
+            log.warning("no operate token: the operator endpoints (/v1/adapters) are open to "
+                        "anyone who reaches the gateway")
+        log.info("gateway auth: operator endpoints %s, OpenAI endpoints %s",
+                 "need the operate token" if settings.token else "open",
+                 f"need one of {len(settings.api_keys)} API keys" if settings.api_keys
+                 else "open")
         await state.pool.refresh_targets()
         await state.pool.poll_once()  # /health is right from the first request
         poller = asyncio.create_task(state.pool.run(settings.poll_interval_s))

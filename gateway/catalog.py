@@ -19,9 +19,12 @@ def base_model_object(name: str, created: int) -> dict[str, Any]:
             "root": name, "parent": None}
 
 
-def adapter_model_object(m: AdapterManifest, base_model: str | None) -> dict[str, Any]:
-    """An adapter as an OpenAI model object; its metadata under ``metadata``."""
-    return {
+def adapter_model_object(
+    m: AdapterManifest, base_model: str | None, show_source: bool = False
+) -> dict[str, Any]:
+    """An adapter as an OpenAI model object; its metadata under ``metadata``, with its source
+    URI only when ``show_source`` (an operator asks: a path or bucket is not for every client)."""
+    model: dict[str, Any] = {
         "id": m.name,
         "object": "model",
         "created": int(m.created_at),
@@ -40,6 +43,9 @@ def adapter_model_object(m: AdapterManifest, base_model: str | None) -> dict[str
             "bytes": m.total_bytes,
         },
     }
+    if not show_source:
+        del model["metadata"]["source"]
+    return model
 
 
 def status_json(status: AdapterStatus) -> dict[str, Any]:

@@ -10,10 +10,14 @@ list; the flag is repeated (``--worker host:50052 --worker host:50053``).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, NoDecode, SettingsConfigDict
+
+from lorastream.core.auth import read_token_file, read_token_list_file
+from lorastream.core.errors import InvalidArgument
 
 
 class GatewaySettings(BaseSettings):
@@ -25,6 +29,16 @@ class GatewaySettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 to serve other hosts.")
     port: int = Field(8000, ge=0, description="HTTP port; 0 picks a free one.")
+    tls_cert: Path | None = Field(
+        None,
+        description="Serve HTTPS with this certificate (PEM; with its chain); needs --tls-key.",
+    )
+    tls_key: Path | None = Field(None, description="Private key (PEM) of --tls-cert.")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="Mutual TLS: accept only clients presenting a certificate signed by this CA "
+        "(PEM); others are refused at the handshake.",
+    )
     store: str = Field(
         "localhost:50051",
         validation_alias=AliasChoices("LORASTREAM_GATEWAY_STORE", "LORASTREAM_STORE"),
@@ -33,17 +47,63 @@ class GatewaySettings(BaseSettings):
     workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="GPU worker HOST:PORT targets (at least one)."
     )
-    token: str | None = Field(
+    worker_tls_ca: Path | None = Field(
+        None,
+        description="Connect to the workers over TLS, trusting this CA (PEM).",
+    )
+    worker_tls_client_cert: Path | None = Field(
+        None,
+        description="Mutual TLS: the certificate (PEM) this process presents to the workers; "
+        "needs --worker-tls-client-key.",
+    )
+    worker_tls_client_key: Path | None = Field(
+        None, description="Private key (PEM) of --worker-tls-client-cert."
+    )
+    store_tls_ca: Path | None = Field(
+        None,
+        description="Connect to the store over TLS, trusting this CA (PEM).",
+    )
+    store_tls_client_cert: Path | None = Field(
+        None,
+        description="Mutual TLS: the certificate (PEM) this process presents to the store; "
+        "needs --store-tls-client-key.",
+    )
+    store_tls_client_key: Path | None = Field(
+        None, description="Private key (PEM) of --store-tls-client-cert."
+    )
+    token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_GATEWAY_TOKEN", "LORASTREAM_TOKEN"),
-        description="Bearer token required on the operator endpoints (/v1/adapters...); "
-        "without one they are open.",
+        description="Operate-scope bearer token required on the operator endpoints "
+        "(/v1/adapters...) and shown adapter sources in /v1/models; without one they are open.",
+    )
+    token_file: Path | None = Field(
+        None, description="File holding the operate token (first line) [instead of the variable]."
     )
     store_token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_GATEWAY_STORE_TOKEN", "LORASTREAM_TOKEN"),
         description="Bearer token the gateway sends to the store's operator calls "
         "[default: the gateway token].",
+    )
+    worker_token: CliSuppress[str | None] = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_GATEWAY_WORKER_TOKEN", "LORASTREAM_TOKEN"),
+        description="Operate token the gateway sends to the workers (load, unload) "
+        "[default: the gateway token].",
+    )
+    api_keys: CliSuppress[Annotated[list[str], NoDecode]] = Field(
+        default_factory=list,
+        description="Inference API keys (comma-separated): with any, the OpenAI endpoints need "
+        "'Authorization: Bearer <key>' with one of them (or the operate token).",
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File of inference API keys, one a line (# comments skipped)."
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="Serve a non-loopback --host with no operate token (anyone reaching it may "
+        "stage and delete adapters). Off: such a gateway refuses to start.",
     )
     resolve_interval_s: float = Field(
         5.0,
@@ -115,6 +175,32 @@ class GatewaySettings(BaseSettings):
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"worker {target!r} is not HOST:PORT")
         return value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_api_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _tokens_from_files(self) -> "GatewaySettings":
+        """``token`` and ``api_keys`` from their files when the variables leave them unset."""
+        try:
+            if not self.token and self.token_file is not None:
+                self.token = read_token_file(self.token_file, "token_file")
+            if self.api_keys_file is not None:
+                self.api_keys = [
+                    *self.api_keys, *read_token_list_file(self.api_keys_file, "api_keys_file")
+                ]
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def effective_worker_token(self) -> str | None:
+        """The token sent to the workers: its own, else the gateway's."""
+        return self.worker_token or self.token
 
     @property
     def effective_store_token(self) -> str | None:

@@ -80,3 +80,12 @@ class TargetResolver:
                             self._last.get(target, [target]))
             found += self._last.get(target, [target])
         return list(dict.fromkeys(found))
+
+    def name_of(self, address: str) -> str | None:
+        """The host name ``address`` was last resolved from (None: an address given as is): the
+        name a worker's TLS certificate is checked against."""
+        for target, addresses in self._last.items():
+            host = split_target(target)[0]
+            if address in addresses and not is_ip_literal(host):
+                return host
+        return None

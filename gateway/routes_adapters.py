@@ -1,13 +1,13 @@
 """Operator endpoints: preload, list, describe, delete adapters, and push them into workers.
 
-All need ``Authorization: Bearer <token>`` when the gateway has a token. Names may contain
+All need ``Authorization: Bearer <token>`` with the operate token when the gateway has one
+(lorastream/gateway/auth.py). Names may contain
 ``/`` (``support/en-v3``), hence the ``:path`` parameters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorastream.core.errors import AdapterNotFound, LorastreamError
 from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, manifest_json
+from lorastream.gateway.auth import require_operator
 from lorastream.gateway.catalog import residency_row, residency_summary, status_json
 from lorastream.gateway.errors import UpstreamTimeout
 from lorastream.gateway.http_errors import ApiError, api_error
@@ -26,22 +27,6 @@ from lorastream.gateway.openai_responses import SSE_DONE, sse
 from lorastream.gateway.state import GatewayState, gateway_state
 
 log = logging.getLogger(__name__)
-
-
-def require_operator(request: Request) -> None:
-    """401 unless the request carries the gateway's bearer token (when one is configured)."""
-    token = gateway_state(request).settings.token
-    if not token:
-        return
-    header = request.headers.get("authorization")
-    if header is None:
-        raise ApiError(401, "this operator endpoint needs 'Authorization: Bearer <token>' with "
-                       "the gateway's --token", "authentication_error", code="missing_api_key")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                             token.encode()):
-        raise ApiError(401, "the bearer token is wrong: use the gateway's --token",
-                       "authentication_error", code="invalid_api_key")
 
 
 router = APIRouter(prefix="/v1/adapters", dependencies=[Depends(require_operator)])

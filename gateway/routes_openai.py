@@ -8,10 +8,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorastream.core.errors import AdapterNotFound, LorastreamError
+from lorastream.gateway.auth import is_operator, require_api_key
 from lorastream.gateway.catalog import adapter_model_object, base_model_object
 from lorastream.gateway.client_watch import on_disconnect, unless_disconnected
 from lorastream.gateway.dispatch import Generation
@@ -32,7 +33,7 @@ from lorastream.gateway.state import gateway_state
 
 log = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 # Sampling parameters are range-checked here before any worker sees them; the vocabulary is the
 # worker's business (stop_token_ids beyond it are refused there).
@@ -54,12 +55,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """The base model and every adapter in the store, with the adapter's metadata."""
+    """The base model and every adapter in the store, with the adapter's metadata (its source
+    only to the operate token)."""
     state = gateway_state(request)
     manifests, _, _ = await state.in_thread(state.store.list)
     base = state.pool.base_model
     data = [base_model_object(base, state.started_at)] if base else []
-    data += [adapter_model_object(m, base) for m in sorted(manifests, key=lambda m: m.name)]
+    operator = is_operator(request)
+    data += [adapter_model_object(m, base, operator)
+             for m in sorted(manifests, key=lambda m: m.name)]
     return {"object": "list", "data": data}
 
 
@@ -74,7 +78,7 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     except AdapterNotFound as exc:
         raise ApiError(404, f"the model {model!r} does not exist: {exc}", param="model",
                        code="model_not_found") from exc
-    return adapter_model_object(manifest, base)
+    return adapter_model_object(manifest, base, is_operator(request))
 
 
 async def _generate(

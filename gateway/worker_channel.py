@@ -25,6 +25,7 @@ from lorastream.core.generation import (
     WorkerStats,
 )
 from lorastream.core.grpc_status import raise_from_rpc_error
+from lorastream.core.tls import ClientTLS, open_aio_channel
 from lorastream.gateway.errors import UpstreamTimeout, WorkerFailed, WorkerUnavailable
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
@@ -104,9 +105,14 @@ class GenerationCall:
 class AsyncWorkerClient:
     """Asyncio client of ``GpuWorkerService`` and of the worker's gRPC health service."""
 
-    def __init__(self, target: str, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(self, target: str, rpc_timeout_s: float = 10.0,
+                 tls: ClientTLS | None = None, token: str | None = None, *,
+                 server_name: str | None = None) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        # the operate token, sent on unary calls (load and unload need it)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        # tls None: plaintext; server_name: what the worker's certificate names (open_aio_channel)
+        self._channel = open_aio_channel(target, tls, CHANNEL_OPTIONS, server_name)
         self._stub = pb_grpc.GpuWorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = rpc_timeout_s
@@ -172,6 +178,7 @@ class AsyncWorkerClient:
 
     async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
-            return await method(request, timeout=timeout or self._timeout)
+            return await method(request, timeout=timeout or self._timeout,
+                                metadata=self._metadata)
         except grpc.RpcError as err:
             raise_domain_error(err, self.target)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from lorastream.core.generation import AdapterStatus, WorkerStats
+from lorastream.core.tls import ClientTLS
 from lorastream.gateway.discovery import TargetResolver
 from lorastream.gateway.metrics import GatewayMetrics
 from lorastream.gateway.routing import TIER_OF_RESIDENCY, Tier, WorkerView
@@ -87,8 +88,12 @@ class WorkerPool:
         hint_ttl_s: float = 3.0,
         resolver: TargetResolver | None = None,
         resolve_interval_s: float = 5.0,
+        tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         self.workers: dict[str, WorkerState] = {}
+        self._token = token  # the workers' operate token (load, unload)
+        self._tls = tls  # None: plaintext channels
         self._retiring: dict[str, WorkerState] = {}
         self._metrics = metrics
         self._rpc_timeout_s = rpc_timeout_s
@@ -151,7 +156,10 @@ class WorkerPool:
                 continue
             worker = self._retiring.pop(target, None)
             if worker is None:
-                worker = WorkerState(AsyncWorkerClient(target, self._rpc_timeout_s))
+                worker = WorkerState(AsyncWorkerClient(
+                    target, self._rpc_timeout_s, self._tls, self._token,
+                    server_name=self._resolver.name_of(target) if self._resolver else None,
+                ))
                 self._metrics.worker_healthy.labels(target).set(0)
             log.info("worker %s joined", target)
             self.workers[target] = worker

@@ -7,12 +7,18 @@ test module is imported. These machines have no GPU: Triton kernels run in the i
 Workers built or started by tests take their host budget's pages on demand: taken at start
 (``--host-memory-prefault``, the default) the default 4 GiB would be resident per worker, and
 the test process holds many. ``tests/worker/test_fetch_process.py`` turns it on where it checks it.
+
+Stores built or started by tests may stage local adapters from the temporary directory (where
+the tests make them); a store allows no local path unless given roots. Tests of the roots
+themselves pass ``allowed_local_roots`` explicitly.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LORASTREAM_WORKER_HOST_MEMORY_PREFAULT", "false")
+os.environ.setdefault("LORASTREAM_STORE_ALLOWED_LOCAL_ROOTS", tempfile.gettempdir())
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001

@@ -428,3 +428,77 @@ def test_healthcheck_script_fails_when_nothing_listens() -> None:
     result = _healthcheck(f"127.0.0.1:{port}")
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+
+
+def test_every_service_has_the_tokens_that_let_it_start_on_0_0_0_0_and_talk_to_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lorastream.gateway.config import GatewaySettings
+    from lorastream.worker.service.config import WorkerSettings
+
+    services = load_compose({})["services"]
+
+    def settings(service: str, cls: type) -> Any:
+        with monkeypatch.context() as patch:
+            for name, value in service_env(services[service]).items():
+                patch.setenv(name, value)
+            return cls(workers=["gpu-worker:50052"]) if cls is GatewaySettings else cls()
+
+    store = settings("adapter-store", StoreSettings)
+    worker = settings("gpu-worker-cpu", WorkerSettings)
+    gateway = settings("gateway", GatewaySettings)
+    assert store.access_tokens().operate and store.access_tokens().read
+    assert worker.store_token == store.access_tokens().read  # workers read with the read token
+    assert worker.access_tokens().operate == gateway.effective_worker_token
+    assert gateway.token and gateway.effective_store_token == store.access_tokens().operate
+
+
+# -- docker-compose.tls.yml: TLS on every hop ----------------------------------------------------
+TLS_OVERRIDE = ROOT / "docker-compose.tls.yml"
+
+
+def test_the_tls_override_validates_and_mounts_the_files_the_generator_writes(
+    tmp_path: Path,
+) -> None:
+    from lorastream.stack.certs import make_local_certs
+
+    override = yaml.safe_load(TLS_OVERRIDE.read_text())
+    assert schema_errors(override) == []
+    certs = make_local_certs(tmp_path)
+    written = {getattr(certs, f).name for f in certs.__dataclass_fields__}
+    assert {Path(s["file"]).name for s in override["secrets"].values()} == written
+    base = load_compose()["services"]
+    for name, service in override["services"].items():
+        assert name in base, f"{name}: the override names no service of docker-compose.yml"
+        mounted = {f"/run/secrets/{secret}" for secret in service["secrets"]}
+        paths = {v for k, v in service["environment"].items() if "_TLS_" in k}
+        assert paths and paths <= mounted, name
+        assert "--tls-ca" in service["healthcheck"]["test"], name
+
+
+@pytest.mark.parametrize(
+    ("service", "settings", "fields"),
+    [
+        ("adapter-store", "lorastream.store.config.StoreSettings",
+         ["tls_cert", "tls_key", "tls_client_ca"]),
+        ("gpu-worker", "lorastream.worker.service.config.WorkerSettings",
+         ["tls_cert", "tls_key", "tls_client_ca", "store_tls_ca", "store_tls_client_cert",
+          "store_tls_client_key"]),
+        ("gateway", "lorastream.gateway.config.GatewaySettings",
+         ["tls_cert", "tls_key", "worker_tls_ca", "worker_tls_client_cert",
+          "worker_tls_client_key", "store_tls_ca", "store_tls_client_cert",
+          "store_tls_client_key"]),
+    ],
+)
+def test_the_tls_override_sets_every_tls_setting_of_each_service(
+    service: str, settings: str, fields: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    module, _, name = settings.rpartition(".")
+    environment = service_env(yaml.safe_load(TLS_OVERRIDE.read_text())["services"][service])
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    loaded = getattr(importlib.import_module(module), name)()
+    for field in fields:
+        assert str(getattr(loaded, field)).startswith("/run/secrets/tls-"), field

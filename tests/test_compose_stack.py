@@ -251,7 +251,8 @@ def test_worker_command_starts_the_worker_with_the_compose_settings(
     assert settings.model == "default"
     assert settings.device == WORKERS[service]
     assert (settings.max_loras, settings.max_lora_rank) == (max_loras, max_rank)
-    assert settings.store_token == "op-token"
+    assert settings.token == "op-token"  # its load/unload need the operate token
+    assert settings.store_token == "lorastream-dev-read-token"  # it reads the store with this
     volume, target = worker["volumes"][0].split(":")
     assert (volume, settings.model_cache_dir) == ("worker-models", Path(target))
 
@@ -264,7 +265,7 @@ def test_worker_serve_help_lists_the_flags_compose_passes() -> None:
 
 @pytest.mark.parametrize(
     ("env", "token", "store_token"),
-    [({}, "lorastream-dev-token", "lorastream-dev-token"),
+    [({}, "lorastream-dev-token", "lorastream-dev-operate-token"),
      ({"LORASTREAM_GATEWAY_TOKEN": "gw-secret", "LORASTREAM_TOKEN": "store-secret"},
       "gw-secret", "store-secret")],
     ids=["defaults", "overridden"],
@@ -282,6 +283,7 @@ def test_gateway_command_starts_the_gateway_with_the_compose_settings(
     assert settings.workers == ["gpu-worker:50052"]
     assert settings.token == token
     assert settings.effective_store_token == store_token
+    assert settings.effective_worker_token == store_token  # the workers share LORASTREAM_TOKEN
 
 
 def test_gateway_serve_help_lists_the_flags_compose_passes() -> None:

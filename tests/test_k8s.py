@@ -375,18 +375,22 @@ def test_container_args_start_the_service_with_the_manifest_settings(
         assert settings.cache_bytes == int(env["LORASTREAM_STORE_CACHE_BYTES"]) < volume_gib << 30
         assert settings.s3_endpoint_url == env["AWS_ENDPOINT_URL"]
         assert settings.token == tokens["store-token"]
+        assert settings.read_token == tokens["store-read-token"]
     elif name == "gpu-worker":
         assert (settings.port, settings.device, settings.model) == (50052, "cuda", "default")
         assert settings.store == "adapter-store:50051"
         assert settings.model_cache_dir == mounts(workload)["models"]
         limit_gib = int(the_container(workload)["resources"]["limits"]["memory"].removesuffix("Gi"))
         assert settings.host_cache_bytes < limit_gib << 30
+        assert settings.token == tokens["worker-token"]
+        assert settings.store_token == tokens["store-read-token"]
     else:
         assert settings.port == 8000
         assert settings.workers == ["gpu-worker:50052"]
         assert settings.store == "adapter-store:50051"
         assert settings.token == tokens["gateway-token"]
         assert settings.effective_store_token == tokens["store-token"]
+        assert settings.effective_worker_token == tokens["worker-token"]
 
 
 def test_read_only_root_filesystem_leaves_home_and_tmp_writable() -> None:
@@ -394,3 +398,67 @@ def test_read_only_root_filesystem_leaves_home_and_tmp_writable() -> None:
         assert the_container(workload)["securityContext"]["readOnlyRootFilesystem"] is True
         paths = set(mounts(workload).values())
         assert {Path("/var/lib/lorastream"), Path("/tmp")} <= paths, ident(workload)
+
+
+# -- the optional TLS component (deploy/k8s/tls) ---------------------------------------------------
+TLS_DIR = Path("/etc/lorastream/tls")
+TLS_FIELDS = {  # workload -> settings field -> the Secret's file it must name
+    "adapter-store": {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_client_ca": "ca.crt"},
+    "gpu-worker": {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_client_ca": "ca.crt",
+                   "store_tls_ca": "ca.crt", "store_tls_client_cert": "tls.crt",
+                   "store_tls_client_key": "tls.key"},
+    "gateway": {"tls_cert": "tls.crt", "tls_key": "tls.key", "worker_tls_ca": "ca.crt",
+                "worker_tls_client_cert": "tls.crt", "worker_tls_client_key": "tls.key",
+                "store_tls_ca": "ca.crt", "store_tls_client_cert": "tls.crt",
+                "store_tls_client_key": "tls.key"},
+}
+
+
+@functools.cache
+def _with_tls() -> str:
+    """`kubectl kustomize` of deploy/k8s with the tls component enabled, as YAML text."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "k8s"
+        shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("schemas"))
+        with (copy / "kustomization.yaml").open("a") as file:
+            file.write("components:\n  - tls\n")
+        return subprocess.run(
+            ["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60,
+            check=True,
+        ).stdout
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) not installed")
+@pytest.mark.parametrize("name", list(SERVES))
+def test_the_tls_component_mounts_the_secret_and_points_every_tls_setting_into_it(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = list(yaml.safe_load_all(_with_tls()))
+    assert [e for doc in docs for e in schema_errors(doc)] == []
+    assert check(docs) == []
+    (workload,) = [w for w in workloads(docs) if w["metadata"]["name"] == name]
+    container = the_container(workload)
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "lorastream-tls"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    assert (Path(mount["mountPath"]), mount["readOnly"]) == (TLS_DIR, True)
+    literal = {v["name"]: v["value"] for v in container["env"] if "value" in v}
+    secret_env = {v["name"]: "x" for v in container["env"] if "valueFrom" in v}
+    settings = run_capturing(container["args"], {**secret_env, **literal}, SERVES[name],
+                             monkeypatch)
+    assert {f: getattr(settings, f) for f in TLS_FIELDS[name]} == {
+        f: TLS_DIR / file for f, file in TLS_FIELDS[name].items()
+    }
+    probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")
+              if p in container]
+    for probe in probes:  # Kubernetes' own gRPC probe cannot speak TLS
+        assert "grpc" not in probe
+        if "exec" in probe:
+            command = probe["exec"]["command"]
+            assert command[1] == "/opt/lorastream/healthcheck.py"
+            assert command[2] == f"localhost:{option(container['args'], '--port')}"
+            assert option(command, "--tls-client-cert") == str(TLS_DIR / "tls.crt")
+        if "httpGet" in probe:
+            assert probe["httpGet"]["scheme"] == "HTTPS"

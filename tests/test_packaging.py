@@ -3,9 +3,9 @@ its dependencies: a runtime lock apart from the dev lock, both within pyproject'
 
 from __future__ import annotations
 
-import shutil
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import tomllib

@@ -80,7 +80,8 @@ def test_no_option_restates_a_default_and_every_field_is_a_flag_or_suppressed(
     options = {param.name: param for param in service.command.params}
     flagged = {flag.field for flag in setting_flags(service.settings)}
     suppressed = set(service.settings.model_fields) - flagged
-    assert suppressed <= {"token", "store_token", "hf_token", "stream_chunk_delay_s"}
+    assert suppressed <= {"token", "read_token", "store_token", "worker_token", "api_keys",
+                          "hf_token", "stream_chunk_delay_s"}
     for flag in setting_flags(service.settings):
         option = options[flag.field]
         assert option.default is None, f"{flag.flag} restates a default"
@@ -105,7 +106,8 @@ def test_help_shows_each_fields_description_variables_and_default(service: Servi
     ("service", "field", "flag", "variable", "default", "from_env", "from_flag"),
     [
         ("store", "port", "--port", "LORASTREAM_STORE_PORT", 50051, 1234, 2345),
-        ("store", "token", "--token", "LORASTREAM_TOKEN", None, "env-token", "flag-token"),
+        ("store", "token_file", "--token-file", "LORASTREAM_STORE_TOKEN_FILE", None,
+         Path("/env/token"), Path("/flag/token")),
         ("worker", "max_loras", "--max-loras", "LORASTREAM_WORKER_MAX_LORAS", 8, 4, 2),
         ("worker", "fetch_process", "--fetch-process", "LORASTREAM_WORKER_FETCH_PROCESS",
          True, False, True),
@@ -127,8 +129,12 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_default(
             return ["on" if value else "off"]
         return [str(v) for v in value] if isinstance(value, list) else [str(value)]
 
-    if given == "nothing" and field == "workers":
-        pytest.skip("the gateway needs a worker: it does not start with the default, none")
+    if given == "nothing" and field == "workers":  # the default, none, is refused at start
+        monkeypatch.delenv(variable, raising=False)
+        result = CliRunner().invoke(app, ["gateway", "serve"])
+        assert result.exit_code == 1 and "needs at least one worker" in result.output
+        assert default == GatewaySettings.model_fields[field].get_default(call_default_factory=True)
+        return
     args = ["--worker", "w:1"] if service == "gateway" and field != "workers" else []
     env = {variable: ",".join(text(from_env))} if given != "nothing" else {}
     if given == "variable-and-flag":
@@ -141,6 +147,11 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_default(
 @pytest.mark.parametrize(
     ("service", "variable", "field"),
     [("worker", "LORASTREAM_WORKER_STORE_TOKEN", "store_token"),
+     ("worker", "LORASTREAM_WORKER_TOKEN", "token"),
+     ("store", "LORASTREAM_STORE_TOKEN", "token"),
+     ("store", "LORASTREAM_STORE_READ_TOKEN", "read_token"),
+     ("gateway", "LORASTREAM_GATEWAY_TOKEN", "token"),
+     ("gateway", "LORASTREAM_GATEWAY_WORKER_TOKEN", "worker_token"),
      ("worker", "HF_TOKEN", "hf_token"),
      ("gateway", "LORASTREAM_GATEWAY_STORE_TOKEN", "store_token"),
      ("store", "LORASTREAM_STORE_HF_TOKEN", "hf_token")],

@@ -8,6 +8,8 @@ import json
 import re
 import signal
 import socket
+import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -59,9 +61,12 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
 def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stops_cleanly(
-    tmp_path: Path,
+    tmp_path: Path, tls: bool
 ) -> None:
+    """With ``--tls``: HTTPS at the gateway, mutual TLS gateway -> worker -> store, and every
+    printed example trusting the throwaway CA."""
     model = make_tiny_checkpoint(tmp_path / "model")
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
     store_port, worker_port, gateway_port = _free_ports(3)
@@ -73,7 +78,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         [sys.executable, "-m", "lorastream.cli.main", "up", "--model", str(model),
          "--adapter", f"demo={adapter}", "--store-port", str(store_port),
          "--worker-port", str(worker_port), "--port", str(gateway_port),
-         "--log-level", "WARNING"],
+         "--log-level", "WARNING", *(["--tls"] if tls else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env_home},
     )
     try:
@@ -94,17 +99,24 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
                 env={"PATH": "/usr/bin:/bin", **env_home}, timeout=120,
             )
             assert ran.returncode == 0 and '"error"' not in ran.stdout, (command, ran)
+        found = re.search(r" --tls-ca (\S+) --tls-client-cert (\S+) --tls-client-key (\S+)",
+                          "".join(lines))
+        assert (found is not None) == tls, "".join(lines)
+        ca, tls_flags = (Path(found[1]), found[0].split()) if found else (None, [])
         result = CliRunner().invoke(app, [
             "complete", "--worker", f"localhost:{worker_port}", "--model", "demo",
-            "--prompt", "Hello", "--max-tokens", "5", "--json",
+            "--prompt", "Hello", "--max-tokens", "5", "--json", *tls_flags,
         ])
         assert result.exit_code == 0, result.output
         assert len(json.loads(result.output.strip().splitlines()[-1])["token_ids"]) >= 1
 
-        gateway = f"http://localhost:{gateway_port}"
-        assert any(f"curl {gateway}/v1/chat/completions" in line for line in lines)
-        assert httpx.get(f"{gateway}/health").status_code == 200
-        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+        gateway = f"{'https' if tls else 'http'}://localhost:{gateway_port}"
+        curl = f"curl --cacert {ca}" if tls else "curl"
+        assert any(f"{curl} {gateway}/v1/chat/completions" in line for line in lines)
+        verify = ssl.create_default_context(cafile=str(ca)) if tls else True
+        assert httpx.get(f"{gateway}/health", verify=verify).status_code == 200
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0,
+                               http_client=httpx.Client(verify=verify))
         # the printed operator examples registered my-adapter
         assert {m.id for m in client.models.list()} == {str(model), "demo", "my-adapter"}
         reply = client.chat.completions.create(
@@ -112,13 +124,28 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         )
         assert 1 <= reply.usage.completion_tokens <= 5
         client.close()
+        # secure by default: the printed operate token, in a 0600 file; anonymous callers refused
+        told = re.search(r"Operator token \(shown once; also in (\S+), mode 0600\): (\S+)",
+                         "".join(lines))
+        assert told is not None, "".join(lines)
+        token_file, token = Path(told[1]), told[2]
+        assert token_file.read_text().strip() == token
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert httpx.get(f"{gateway}/v1/adapters", verify=verify).status_code == 401
+        assert httpx.get(f"{gateway}/v1/adapters", verify=verify,
+                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        anonymous = CliRunner().invoke(
+            app, ["adapters", "ls", "--store", f"localhost:{store_port}", *tls_flags]
+        )
+        assert anonymous.exit_code == 1 and "Unauthenticated" in anonymous.output
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     result = CliRunner().invoke(app, ["adapters", "ls", "--store", f"localhost:{store_port}"])
     assert result.exit_code == 1  # the store is gone too
     with pytest.raises(httpx.ConnectError):  # and the gateway
-        httpx.get(f"http://localhost:{gateway_port}/health")
+        httpx.get(f"{gateway}/health", verify=verify)
+    assert ca is None or not ca.parent.exists()  # and the throwaway CA with its keys
 
 
 @pytest.mark.parametrize("spec", ["noequals", "=s3://b/a", "name="])

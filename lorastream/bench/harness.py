@@ -254,8 +254,10 @@ def running_store(
     """The benchmarks' store: ``lorastream store serve`` at a lower CPU ``priority`` (in a
     deployment it is another machine; here it would take the cores the worker decodes on), with
     its egress capped when ``egress_limit_mbps`` is given (``egress_burst_bytes``: the link
-    time it may bank)."""
-    args = ["store", "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    time it may bank). It stages local adapters from beside its cache (``cache_dir``'s parent),
+    where the benchmarks make them."""
+    args = ["store", "serve", "--port", str(port), "--cache-dir", str(cache_dir),
+            "--allowed-local-root", str(cache_dir.parent)]
     if egress_limit_mbps:
         args += ["--egress-limit-mbps", str(egress_limit_mbps),
                  "--egress-burst-bytes", str(egress_burst_bytes)]

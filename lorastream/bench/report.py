@@ -2,9 +2,9 @@
 
 Reads whichever of ``transfer.json``, ``engine*.json``, ``serve.json``, ``scale.json`` and
 ``registry.json`` exist in a results directory, draws the plots and writes one markdown page:
-headline, goals, machine, then one section per benchmark (its exact command, tables, goal verdicts, plot and explanation). A
-missing result gives a "not run" section with the command that produces it. No figure on the page
-is typed by hand: each is read or computed from the JSONs."""
+headline, goals, machine, then one section per benchmark (its exact command, tables, goal
+verdicts, plot and explanation). A missing result gives a "not run" section with the command that
+produces it. No figure on the page is typed by hand: each is read or computed from the JSONs."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from lorastream.bench import plots as plot
-from lorastream.bench import report_sections as sections
 from lorastream.bench import report_registry, report_serve
+from lorastream.bench import report_sections as sections
 from lorastream.bench.report_format import (
     GOALS_HEADER,
     MISSING,

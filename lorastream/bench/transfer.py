@@ -96,7 +96,8 @@ def _run_store_server(cache_dir: str, ports: "mp.Queue[int]") -> None:
     from lorastream.store.config import StoreSettings
     from lorastream.store.server import create_server
 
-    settings = StoreSettings(port=0, cache_dir=Path(cache_dir))
+    settings = StoreSettings(port=0, cache_dir=Path(cache_dir),  # adapters are made beside it
+                             allowed_local_roots=[Path(cache_dir).parent])
     server, port, _ = create_server(settings)
     server.start()
     ports.put(port)
@@ -117,7 +118,8 @@ def _run_client(kind: str, target: str, conn: Connection) -> None:
 
         def run(chunk_bytes: int) -> int:
             if kind == "store":
-                return sum(len(c.data) for c in client.iter_chunks("bench", chunk_bytes=chunk_bytes))
+                chunks = client.iter_chunks("bench", chunk_bytes=chunk_bytes)
+                return sum(len(c.data) for c in chunks)
             return client.stream_tensors("bench", BytesSink(), chunk_bytes=chunk_bytes).total_bytes
 
     while chunk_bytes := conn.recv():

@@ -10,7 +10,18 @@ from rich import box
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from lorastream.cli.common import STORE_OPTION, TOKEN_OPTION, out, reported_errors
+from lorastream.cli.common import (
+    STORE_OPTION,
+    TLS_CA_OPTION,
+    TLS_CLIENT_CERT_OPTION,
+    TLS_CLIENT_KEY_OPTION,
+    TOKEN_FILE_OPTION,
+    TOKEN_OPTION,
+    client_tls,
+    client_token,
+    out,
+    reported_errors,
+)
 from lorastream.core.local_paths import absolute_source
 from lorastream.core.manifest import manifest_json
 from lorastream.core.store_client import BytesSink, StoreClient
@@ -33,9 +44,16 @@ def preload(
     force: bool = typer.Option(False, "--force", help="Fetch again even if already staged."),
     store: str = STORE_OPTION,
     token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Fetch, verify and stage an adapter in the store, with a progress bar."""
-    with reported_errors(), StoreClient(store, token) as client, Progress(
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client, Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
@@ -64,10 +82,18 @@ def preload(
 @app.command("ls")
 def ls(
     store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """List the adapters staged in the store."""
-    with reported_errors(), StoreClient(store) as client:
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client:
         adapters, used, budget = client.list()
     if as_json:
         out.print_json(json.dumps({
@@ -98,33 +124,77 @@ def ls(
 
 
 @app.command("describe")
-def describe(name: str, store: str = STORE_OPTION) -> None:
+def describe(
+    name: str,
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
     """Print an adapter's manifest as JSON."""
-    with reported_errors(), StoreClient(store) as client:
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client:
         manifest = client.describe(name)
     out.print_json(json.dumps(manifest_json(manifest, tensors=True)))
 
 
 @app.command("rm")
-def rm(name: str, store: str = STORE_OPTION, token: str | None = TOKEN_OPTION) -> None:
+def rm(
+    name: str,
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
     """Delete an adapter from the store."""
-    with reported_errors(), StoreClient(store, token) as client:
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client:
         client.delete(name)
     out.print(f"deleted {name}")
 
 
 @app.command("pin")
-def pin(name: str, store: str = STORE_OPTION, token: str | None = TOKEN_OPTION) -> None:
+def pin(
+    name: str,
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
     """Protect an adapter from cache eviction."""
-    with reported_errors(), StoreClient(store, token) as client:
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client:
         client.pin(name)
     out.print(f"pinned {name}")
 
 
 @app.command("unpin")
-def unpin(name: str, store: str = STORE_OPTION, token: str | None = TOKEN_OPTION) -> None:
+def unpin(
+    name: str,
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
     """Let an adapter be evicted again."""
-    with reported_errors(), StoreClient(store, token) as client:
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client:
         client.unpin(name)
     out.print(f"unpinned {name}")
 
@@ -134,11 +204,19 @@ def pull(
     name: str,
     out_dir: Path = typer.Option(..., "--out", help="Directory to write the PEFT adapter into."),
     store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Stream an adapter from the store and write it as a PEFT directory."""
     from lorastream.core.peft_writer import write_peft_dir
 
-    with reported_errors(), StoreClient(store) as client:
+    with reported_errors(), StoreClient(
+        store, client_token(token, token_file),
+        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    ) as client:
         sink = BytesSink()
         manifest = client.stream_tensors(name, sink)
     write_peft_dir(manifest, sink.buffers, out_dir)

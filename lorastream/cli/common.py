@@ -6,13 +6,17 @@ import contextlib
 import logging
 import shlex
 from collections.abc import Iterable, Iterator
-from typing import NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from lorastream.core.errors import LorastreamError
+
+if TYPE_CHECKING:
+    from lorastream.core.tls import ClientTLS
 
 console = Console(stderr=True)
 out = Console()
@@ -24,7 +28,28 @@ TOKEN_OPTION = typer.Option(
     None,
     "--token",
     envvar="LORASTREAM_TOKEN",
-    help="Bearer token for operator calls (when the server was started with one).",
+    help="Bearer token (operate for changes, read or operate for reads) when the server has "
+    "tokens; prefer the variable or --token-file: a flag shows in process listings.",
+)
+TOKEN_FILE_OPTION = typer.Option(
+    None,
+    "--token-file",
+    envvar="LORASTREAM_TOKEN_FILE",
+    help="File holding the bearer token (first line), e.g. the one `lorastream up` wrote.",
+)
+
+# TLS to the store or a worker (lorastream/core/tls.py); none given: plaintext.
+TLS_CA_OPTION = typer.Option(
+    None, "--tls-ca", envvar="LORASTREAM_TLS_CA",
+    help="Connect over TLS, trusting this CA certificate (PEM).",
+)
+TLS_CLIENT_CERT_OPTION = typer.Option(
+    None, "--tls-client-cert", envvar="LORASTREAM_TLS_CLIENT_CERT",
+    help="Mutual TLS: the certificate (PEM) to present; needs --tls-client-key.",
+)
+TLS_CLIENT_KEY_OPTION = typer.Option(
+    None, "--tls-client-key", envvar="LORASTREAM_TLS_CLIENT_KEY",
+    help="Private key (PEM) of --tls-client-cert.",
 )
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -58,6 +83,15 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
+def client_tls(ca: Path | None, cert: Path | None, key: Path | None) -> ClientTLS | None:
+    """The TLS of ``--tls-ca``/``--tls-client-cert``/``--tls-client-key`` (None: plaintext);
+    InvalidArgument naming the flag when a file is missing or wrong (call inside
+    :func:`reported_errors`)."""
+    from lorastream.core.tls import ClientTLS
+
+    return ClientTLS.from_files(ca, cert, key)
+
+
 @contextlib.contextmanager
 def reported_errors() -> Iterator[None]:
     """Print domain errors as one clear line and exit 1 instead of a traceback."""
@@ -68,3 +102,13 @@ def reported_errors() -> Iterator[None]:
             f"[bold red]error[/] ({type(exc).__name__}): {escape(str(exc))}", soft_wrap=True
         )
         raise typer.Exit(1) from None
+
+
+def client_token(token: str | None, token_file: Path | None) -> str | None:
+    """The bearer token of ``--token`` (or LORASTREAM_TOKEN), else of ``--token-file``;
+    InvalidArgument when the file cannot be read (call inside :func:`reported_errors`)."""
+    from lorastream.core.auth import read_token_file
+
+    if token or token_file is None:
+        return token
+    return read_token_file(token_file, "--token-file")

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
-from lorastream.cli.common import console, out, reported_errors
+from lorastream.cli.common import (
+    TLS_CA_OPTION,
+    TLS_CLIENT_CERT_OPTION,
+    TLS_CLIENT_KEY_OPTION,
+    client_tls,
+    console,
+    out,
+    reported_errors,
+)
 
 WORKER_OPTION = typer.Option(
     "localhost:50052", "--worker", envvar="LORASTREAM_WORKER", help="GPU worker HOST:PORT."
@@ -30,6 +39,9 @@ def complete(
         False, "--json", help='Print one line {"text": ..., "token_ids": [...]} (generated only).'
     ),
     worker: str = WORKER_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Generate a completion from a worker. Greedy (temperature 0) stops at end-of-sequence."""
     from lorastream.core.generation import PromptInput, SamplingParams
@@ -41,7 +53,9 @@ def complete(
     )
     prompt_input = PromptInput(messages=(("user", prompt),)) if chat else PromptInput(text=prompt)
     text, token_ids, reason = [], [], None
-    with reported_errors(), WorkerClient(worker) as client:
+    with reported_errors(), WorkerClient(
+        worker, tls=client_tls(tls_ca, tls_client_cert, tls_client_key)
+    ) as client:
         for event in client.generate(model, prompt_input, params):
             text.append(event.text)
             token_ids.extend(event.token_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from lorastream import __version__
@@ -61,7 +63,23 @@ def up(
     port: int = typer.Option(STACK.gateway_port, help="HTTP gateway port (the OpenAI API)."),
     token: str | None = typer.Option(
         None, envvar="LORASTREAM_TOKEN",
-        help="Operator bearer token of the store and the gateway (none: open).",
+        help="Operate token of the stack (store, workers, gateway) [default: a fresh one, "
+        "printed once and written to --token-file].",
+    ),
+    token_file: Path | None = typer.Option(
+        None, "--token-file",
+        help="Where the generated operate token is written (mode 0600) "
+        "[default: ~/.cache/lorastream/up-operator-token].",
+    ),
+    insecure_no_auth: bool = typer.Option(
+        False, "--insecure-no-auth",
+        help="Generate no tokens: anyone on this machine may stage, delete, load adapters and "
+        "download their weights.",
+    ),
+    tls: bool = typer.Option(
+        STACK.tls, "--tls/--no-tls",
+        help="Make a throwaway CA and certificates (removed on stop): mutual TLS between the "
+        "store, the workers and the gateway, HTTPS at the gateway.",
     ),
     log_level: str = LOG_LEVEL_OPTION,
 ) -> None:
@@ -74,7 +92,8 @@ def up(
         config = StackConfig(
             model=model, workers=workers, store_port=store_port, worker_port=worker_port,
             gateway_port=port, adapters=stack_adapters(model, adapter, samples),
-            log_level=log_level, token=token,
+            log_level=log_level, token=token, tls=tls, token_file=token_file,
+            insecure_no_auth=insecure_no_auth,
         )
         stack = Stack(config)
         try:

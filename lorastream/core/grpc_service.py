@@ -1,7 +1,8 @@
 """The gRPC server side both services share: build, bind, serve until signalled.
 
 ``create_grpc_server`` is the one bootstrap of the adapter store and the GPU worker: the servicer,
-gRPC health (SERVING) and reflection, message limits, and a bind that refuses a port in use.
+gRPC health (SERVING) and reflection, message limits, TLS when given (``lorastream.core.tls``),
+and a bind that refuses a port in use.
 ``add_servicer`` is equivalent to the generated ``add_<Service>Servicer_to_server``, with one
 difference: a handler may yield pre-encoded response bytes (see ``codec.encode_chunk_response``)
 as well as messages.
@@ -23,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lorastream.core.codec import serialize_response
 from lorastream.core.errors import InvalidArgument
+from lorastream.core.tls import ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ def create_grpc_server(
     port: int,
     executor: futures.ThreadPoolExecutor,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: ServerTLS | None = None,
 ) -> tuple[grpc.Server, int]:
     """A server (not started) with ``servicer``, health (SERVING, overall and for ``service``)
-    and reflection, bound to ``host:port`` (0: any free port); returns it with its bound port.
+    and reflection, bound to ``host:port`` (0: any free port) over TLS with ``tls`` (mutual when
+    it has a client CA), else plaintext; returns it with its bound port.
 
     Raises InvalidArgument naming the address when it cannot be bound (a port in use)."""
     server = grpc.server(executor, interceptors=list(interceptors), options=SERVER_OPTIONS)
@@ -60,7 +64,10 @@ def create_grpc_server(
     )
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.grpc_credentials())
     except RuntimeError:  # grpc >= 1.5x raises where older versions returned 0
         bound = 0
     if bound == 0:

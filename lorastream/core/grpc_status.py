@@ -7,12 +7,13 @@ CLI and the worker see the same domain exceptions the server raised.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 
 from lorastream.core import errors
+from lorastream.core.auth import AccessTokens, Scope, bearer_of
 
 log = logging.getLogger(__name__)
 
@@ -114,34 +115,64 @@ def raise_from_rpc_error(err: grpc.RpcError) -> None:
     if code is grpc.StatusCode.UNAVAILABLE and not reported_by_server(err):
         raise errors.ServerUnreachable(
             f"cannot reach the server, or the connection to it broke: {details}"
+            f"{_tls_hint(details)}"
         ) from err
     raise exc_type(details) from err
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Requires ``authorization: Bearer <token>`` metadata on the listed methods.
+def _tls_hint(details: str) -> str:
+    """What to check when a connection failure looks like TLS: a handshake that failed here
+    (the server's certificate is not trusted) or a connection the server closed at once (a TLS
+    server closes plaintext clients and, with mutual TLS, clients without a certificate it
+    accepts)."""
+    text = details.lower()
+    if "handshake" in text or "ssl" in text or "certificate" in text:
+        return (
+            " (TLS handshake failed: does the client trust the CA that signed the server's "
+            "certificate (--tls-ca), and is the certificate valid for the address dialled?)"
+        )
+    if "socket closed" in text:
+        return (
+            " (if the server uses TLS: connect with --tls-ca; with mutual TLS, present a "
+            "certificate from its client CA with --tls-client-cert/--tls-client-key)"
+        )
+    return ""
 
-    ``protected`` holds full method names (``/lorastream.adapter_store.v1.AdapterStoreService/PinAdapter``).
-    With ``token`` None or empty, every call passes.
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` metadata of the right scope on listed methods.
+
+    ``required`` maps full method names
+    (``/lorastream.adapter_store.v1.AdapterStoreService/PinAdapter``) to the scope they need;
+    other methods (health, reflection, generation) pass. With no token configured, every call
+    passes. Tokens are compared in constant time and never logged.
     """
 
-    def __init__(self, token: str | None, protected: set[str]) -> None:
-        self._expected = f"Bearer {token}" if token else None
-        self._protected = protected
+    def __init__(self, tokens: AccessTokens, required: Mapping[str, Scope]) -> None:
+        self._tokens = tokens
+        self._required = dict(required)
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
-        if self._expected is None or details.method not in self._protected:
+        scope = self._required.get(details.method)
+        if scope is None or not self._tokens.enabled:
             return continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
+        presented = bearer_of(metadata.get("authorization"))
+        if self._tokens.allows(presented, scope):
             return continuation(details)
         handler = continuation(details)
-        message = (
-            "this operator call needs a bearer token: pass --token (or set LORASTREAM_TOKEN) to "
-            "the one the server was started with"
-            if "authorization" not in metadata
-            else "the bearer token is wrong: use the one the server was started with"
-        )
+        if presented is None:
+            message = (
+                f"this call needs a bearer token of scope {scope.value!r}: pass the server's "
+                "token (LORASTREAM_TOKEN, or the client's token file)"
+            )
+        elif self._tokens.scopes_of(presented):
+            message = (
+                f"this call needs a token of scope {scope.value!r}; the one given is read-only"
+            )
+        else:
+            message = "the bearer token is wrong: use the one the server was started with"
+        log.info("refused %s: %s", details.method, message)
 
         def deny_unary(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -24,6 +24,7 @@ from lorastream.core.grpc_status import raise_from_rpc_error
 from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk
 from lorastream.core.stream_layout import StreamLayout
+from lorastream.core.tls import ClientTLS, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,10 @@ class BytesSink:
 class StoreClient:
     """Blocking client of ``AdapterStoreService``; raises lorastream domain exceptions."""
 
-    def __init__(self, target: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, target: str, token: str | None = None, timeout: float = 30.0,
+                 tls: ClientTLS | None = None) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        self._channel = open_channel(target, tls, GRPC_OPTIONS)  # tls None: plaintext
         self._stub = pb_grpc.AdapterStoreServiceStub(self._channel)
         # The tensor stream is decoded by the codec: chunk payloads stay zero-copy views.
         self._stream_tensors = self._channel.unary_stream(

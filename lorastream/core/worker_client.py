@@ -16,6 +16,7 @@ from lorastream.core.generation import (
     WorkerStats,
 )
 from lorastream.core.grpc_status import raise_from_rpc_error
+from lorastream.core.tls import ClientTLS, open_channel
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 
@@ -23,9 +24,12 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
 
 
 class WorkerClient:
-    def __init__(self, target: str, timeout: float = 30.0) -> None:
+    def __init__(self, target: str, timeout: float = 30.0,
+                 tls: ClientTLS | None = None, token: str | None = None) -> None:
         self.target = target
-        self._channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        # the operate token, sent on unary calls (load and unload need it)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = open_channel(target, tls, GRPC_OPTIONS)  # tls None: plaintext
         self._stub = pb_grpc.GpuWorkerServiceStub(self._channel)
         self._timeout = timeout
 
@@ -75,6 +79,6 @@ class WorkerClient:
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
-            return method(request, timeout=timeout or self._timeout)
+            return method(request, timeout=timeout or self._timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise_from_rpc_error(err)

@@ -3,21 +3,27 @@
 Each part is the same ``lorastream ... serve`` command an operator would run; the supervisor
 waits for each to be ready (gRPC health SERVING for the store and the workers, ``GET /health`` 200
 for the gateway), registers the requested adapters, and on SIGINT/SIGTERM stops the gateway, the
-workers, then the store, each with a graceful SIGINT first.
+workers, then the store, each with a graceful SIGINT first. With ``tls`` it first makes a throwaway
+CA and certificates (lorastream/stack/certs.py) in a private temporary directory: the gRPC hops
+run mutual TLS, the gateway serves HTTPS; the directory is removed on stop.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +31,13 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorastream.core.auth import AccessTokens, write_secret_file
 from lorastream.core.errors import InvalidArgument, SourceUnavailable
 from lorastream.core.local_paths import absolute_source
 from lorastream.core.store_client import StoreClient
+from lorastream.core.tls import ClientTLS, https_context, open_channel
+from lorastream.stack.access import DEFAULT_TOKEN_FILE, local_roots, present, stack_tokens
+from lorastream.stack.certs import LocalCerts, make_local_certs
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +52,10 @@ class StackConfig:
     adapters: dict[str, str] = field(default_factory=dict)  # name -> source URI
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0  # the first start converts the default model (~35 s)
-    token: str | None = None  # operator bearer token of the store and the gateway
+    token: str | None = None  # operate token of the stack [default: a fresh one, see start()]
+    token_file: Path | None = None  # where a generated operate token is written (mode 0600)
+    insecure_no_auth: bool = False  # no generated tokens: the stack answers anyone on loopback
+    tls: bool = False  # mutual TLS between the parts, HTTPS at the gateway (a throwaway CA)
 
 
 # Trained on the default model by scripts/train_sample_adapters.py (see samples/README.md).
@@ -99,10 +112,11 @@ def cli_command() -> str:
     return shlex.quote(str(script))
 
 
-def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float,
+                 tls: ClientTLS | None = None) -> None:
     """Block until ``target`` answers SERVING on gRPC health (or the process dies)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -120,8 +134,9 @@ def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float
     raise SourceUnavailable(f"{target} did not become healthy within {timeout_s:.0f} s")
 
 
-def wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Block until ``GET url`` answers 200 (or the process dies)."""
+def wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float,
+                 verify: ssl.SSLContext | bool = True) -> None:
+    """Block until ``GET url`` answers 200 (or the process dies); ``verify``: httpx's."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -130,7 +145,7 @@ def wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float) -
                 "see its log above"
             )
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -138,11 +153,41 @@ def wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float) -
     raise SourceUnavailable(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
+def tls_args(certs: LocalCerts | None, *, mutual: bool, peers: Sequence[str] = ()) -> list[str]:
+    """The flags of a part serving TLS with the stack's certificate (``mutual``: its clients must
+    present the stack's client certificate) and dialling ``peers`` (``store``, ``worker``) over
+    mutual TLS; none without ``certs``."""
+    if certs is None:
+        return []
+    args = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
+    if mutual:
+        args += ["--tls-client-ca", str(certs.ca)]
+    for peer in peers:
+        args += [f"--{peer}-tls-ca", str(certs.ca),
+                 f"--{peer}-tls-client-cert", str(certs.client_cert),
+                 f"--{peer}-tls-client-key", str(certs.client_key)]
+    return args
+
+
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._stopping = threading.Event()
+        self.certs: LocalCerts | None = None  # made by start() with config.tls
+        self.tokens = AccessTokens()  # chosen by start()
+
+    @property
+    def token_file(self) -> Path:
+        """Where a generated operate token is written."""
+        return self.config.token_file or DEFAULT_TOKEN_FILE
+
+    @property
+    def client_tls(self) -> ClientTLS | None:
+        """What a client of the store or a worker needs (None: plaintext)."""
+        if self.certs is None:
+            return None
+        return ClientTLS.from_files(self.certs.ca, self.certs.client_cert, self.certs.client_key)
 
     @property
     def store(self) -> str:
@@ -155,13 +200,18 @@ class Stack:
     @property
     def gateway(self) -> str:
         """The gateway's base URL (the OpenAI API is under ``/v1``)."""
-        return f"http://localhost:{self.config.gateway_port}"
+        scheme = "https" if self.config.tls else "http"
+        return f"{scheme}://localhost:{self.config.gateway_port}"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, args: list[str], secrets: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``lorastream ARGS``; ``secrets`` (tokens) go in its environment, not its argv,
+        which any user of the machine can read in the process list."""
         command = [sys.executable, "-m", "lorastream.cli.main", *args,
                    "--log-level", self.config.log_level]
         log.info("starting %s: %s", name, " ".join(command[2:]))
-        process = subprocess.Popen(command)
+        process = subprocess.Popen(command, env={**os.environ, **(secrets or {})})
         self.processes.append((name, process))
         return process
 
@@ -188,26 +238,42 @@ class Stack:
     def start(self) -> None:
         c = self.config
         self.check_ports_free()
-        token_args = ["--token", c.token] if c.token else []
+        if c.tls:
+            self.certs = make_local_certs(Path(tempfile.mkdtemp(prefix="lorastream-tls-")))
+            log.info("TLS: throwaway CA and certificates in %s", self.certs.ca.parent)
+        self.tokens = stack_tokens(c.token, c.insecure_no_auth)
+        operate, read = self.tokens.operate, self.tokens.read
+        if operate and not c.token and not c.insecure_no_auth:
+            write_secret_file(self.token_file, operate)
+        roots = [arg for root in local_roots(SAMPLES_DIR, c.adapters)
+                 for arg in ("--allowed-local-root", root)]
         store = self._spawn(
-            "adapter store", ["store", "serve", "--port", str(c.store_port), *token_args]
+            "adapter store", ["store", "serve", "--port", str(c.store_port), *roots,
+                              *tls_args(self.certs, mutual=True)],
+            present({"LORASTREAM_STORE_TOKEN": operate, "LORASTREAM_STORE_READ_TOKEN": read}),
         )
-        wait_serving(self.store, store, 60)
+        wait_serving(self.store, store, 60, self.client_tls)
         for i, target in enumerate(self.workers):
             worker = self._spawn(
                 f"worker {i}",
                 ["worker", "serve", "--model", c.model, "--port", str(c.worker_port + i),
-                 "--store", self.store],
+                 "--store", self.store, *tls_args(self.certs, mutual=True, peers=("store",))],
+                present({"LORASTREAM_WORKER_TOKEN": operate,
+                          "LORASTREAM_WORKER_STORE_TOKEN": read or operate}),
             )
-            wait_serving(target, worker, c.ready_timeout_s)
+            wait_serving(target, worker, c.ready_timeout_s, self.client_tls)
         worker_args = [arg for target in self.workers for arg in ("--worker", target)]
         gateway = self._spawn(
             "gateway",
             ["gateway", "serve", "--port", str(c.gateway_port), "--store", self.store,
-             *worker_args, *token_args],
+             *worker_args, *tls_args(self.certs, mutual=False, peers=("worker", "store"))],
+            present({"LORASTREAM_GATEWAY_TOKEN": operate,
+                      "LORASTREAM_GATEWAY_STORE_TOKEN": operate,
+                      "LORASTREAM_GATEWAY_WORKER_TOKEN": operate}),
         )
-        wait_http_ok(f"{self.gateway}/health", gateway, 60)
-        with StoreClient(self.store, c.token) as client:
+        verify = https_context(self.certs.ca) if self.certs is not None else True
+        wait_http_ok(f"{self.gateway}/health", gateway, 60, verify)
+        with StoreClient(self.store, operate, tls=self.client_tls) as client:
             for name, uri in c.adapters.items():
                 for _event in client.preload(uri, name):
                     pass
@@ -234,6 +300,29 @@ class Stack:
                     log.warning("%s did not stop in %.0f s; killing it", name, grace_s)
                     process.kill()
                     process.wait()
+        if self.certs is not None:
+            shutil.rmtree(self.certs.ca.parent, ignore_errors=True)
+
+
+def generated_token(stack: Stack) -> bool:
+    """True when the stack made its operate token (and wrote it to ``stack.token_file``)."""
+    return bool(stack.tokens.operate) and not stack.config.token
+
+
+def operator_lines(stack: Stack) -> list[str]:
+    """The operator part of what `lorastream up` prints: the operate token, shown once here."""
+    intro = ("Operators: register an adapter (any PEFT LoRA directory under the samples or an "
+             "--adapter directory, s3:// or hf:// URI; here a copy of a sample) and list them.")
+    if not stack.tokens.operate:
+        return [intro + " The stack has no token (--insecure-no-auth): anyone on this machine "
+                "may do the same:"]
+    if generated_token(stack):
+        told = (f"Operator token (shown once; also in {stack.token_file}, mode 0600): "
+                f"{stack.tokens.operate}")
+    else:
+        told = ("Operator token: the one you gave (--token or LORASTREAM_TOKEN); the commands "
+                "below read it from LORASTREAM_TOKEN.")
+    return [told, intro + " These calls need the token:"]
 
 
 def examples(stack: Stack, model: str) -> str:
@@ -247,6 +336,8 @@ def examples(stack: Stack, model: str) -> str:
     question = SAMPLE_QUESTION if samples else "Hello!"
     api = f"{stack.gateway}/v1"
     cli = cli_command()
+    certs = stack.certs
+    curl = "curl" if certs is None else f"curl --cacert {shlex.quote(str(certs.ca))}"
     lines = [
         f"lorastream is up: gateway {stack.gateway}, store {stack.store}, "
         f"workers {', '.join(stack.workers)}.",
@@ -258,23 +349,27 @@ def examples(stack: Stack, model: str) -> str:
     lines += [
         "Try the OpenAI API (model = an adapter name, or the base model; temperature 0 is "
         "greedy):",
-        f"  curl {api}/models",
+        f"  {curl} {api}/models",
     ]
     for name in [*samples, model] if samples else [adapter]:
         lines.append(
-            f"  curl {api}/chat/completions -H 'Content-Type: application/json' -d "
+            f"  {curl} {api}/chat/completions -H 'Content-Type: application/json' -d "
             f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"{question}\"}}], \"max_tokens\": 32, \"temperature\": 0}}'"
         )
     lines += [
-        f"  curl -N {api}/completions -H 'Content-Type: application/json' -d "
+        f"  {curl} -N {api}/completions -H 'Content-Type: application/json' -d "
         f"'{{\"model\": \"{model}\", \"prompt\": \"The capital of France is\", "
         f"\"max_tokens\": 16, \"temperature\": 0, \"stream\": true}}'",
     ]
+    https_client = "" if certs is None else (
+        f", http_client=httpx.Client(verify=ssl.create_default_context(cafile=\"{certs.ca}\"))"
+    )
     client_lines = [
         f"{shlex.quote(sys.executable)} - <<'EOF'",
+        *([] if certs is None else ["import ssl, httpx"]),
         "from openai import OpenAI",
-        f"client = OpenAI(base_url=\"{api}\", api_key=\"unused\")",
+        f"client = OpenAI(base_url=\"{api}\", api_key=\"unused\"{https_client})",
         f"reply = client.chat.completions.create(model=\"{adapter}\", max_tokens=32, "
         "temperature=0,",
         f"    messages=[{{\"role\": \"user\", \"content\": \"{question}\"}}])",
@@ -287,25 +382,38 @@ def examples(stack: Stack, model: str) -> str:
                   f"  {shlex.quote(sys.executable)} -m pip install openai", *client_lines]
     else:
         lines += ["The official openai client (paste into a shell):", *client_lines]
+    # the store and the workers ask the CLI for the stack's client certificate (mutual TLS)
+    tls_flags = "" if certs is None else (
+        f" --tls-ca {shlex.quote(str(certs.ca))}"
+        f" --tls-client-cert {shlex.quote(str(certs.client_cert))}"
+        f" --tls-client-key {shlex.quote(str(certs.client_key))}"
+    )
     lines += [
         "Or a worker directly (greedy unless --temperature):",
-        f"  {cli} complete --worker {worker} --model {model} --chat --prompt '{question}'",
+        f"  {cli} complete --worker {worker} --model {model} --chat --prompt '{question}'"
+        f"{tls_flags}",
     ]
     for name in stack.config.adapters:
         lines.append(
             f"  {cli} complete --worker {worker} --model {name} --chat --prompt '{question}'"
+            f"{tls_flags}"
         )
     sample_dir = SAMPLES_DIR / "french"
+    auth, token_flags = "", ""  # a token of your own: the CLI reads LORASTREAM_TOKEN
+    if generated_token(stack):
+        source = shlex.quote(str(stack.token_file))
+        auth = f" -H \"Authorization: Bearer $(cat {source})\""
+        token_flags = f" --token-file {source}"
+    elif stack.tokens.operate:
+        auth = ' -H "Authorization: Bearer $LORASTREAM_TOKEN"'
     lines += [
-        "Operators: register an adapter (any PEFT LoRA directory, s3:// or hf:// URI; here a "
-        "copy of a sample) and list them. With LORASTREAM_TOKEN set, add "
-        "-H 'Authorization: Bearer <token>' to curl:",
-        f"  curl {api}/adapters -H 'Content-Type: application/json' "
+        *operator_lines(stack),
+        f"  {curl} {api}/adapters -H 'Content-Type: application/json'{auth} "
         f"-d '{{\"name\": \"my-adapter\", \"source\": \"{sample_dir}\"}}'",
-        f"  curl {api}/adapters",
+        f"  {curl} {api}/adapters{auth}",
         f"  {cli} adapters preload {shlex.quote(str(sample_dir))} --name my-adapter "
-        f"--store {stack.store}",
-        f"  {cli} adapters ls --store {stack.store}",
+        f"--store {stack.store}{tls_flags}{token_flags}",
+        f"  {cli} adapters ls --store {stack.store}{tls_flags}{token_flags}",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)

@@ -10,9 +10,12 @@ also honour the standard variables those ecosystems use (``HF_ENDPOINT``, ``HF_T
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, CliSuppress, NoDecode, SettingsConfigDict
+
+from lorastream.core.auth import AccessTokens, read_token_file
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -30,6 +33,16 @@ class StoreSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 to serve other hosts.")
     port: int = Field(50051, description="gRPC port; 0 picks a free one.")
+    tls_cert: Path | None = Field(
+        None,
+        description="Serve over TLS with this certificate (PEM; with its chain); needs --tls-key.",
+    )
+    tls_key: Path | None = Field(None, description="Private key (PEM) of --tls-cert.")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="Mutual TLS: accept only clients presenting a certificate signed by this CA "
+        "(PEM); others are refused at the handshake.",
+    )
     cache_dir: Path = Field(
         default_factory=_default_cache_dir, description="Where adapters are staged on disk."
     )
@@ -62,10 +75,33 @@ class StoreSettings(BaseSettings):
     stream_chunk_delay_s: CliSuppress[float] = Field(
         0.0, ge=0, description="Test hook: sleep this long before sending each stream chunk."
     )
-    token: str | None = Field(
+    token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_STORE_TOKEN", "LORASTREAM_TOKEN"),
-        description="Bearer token required on operator RPCs (preload, delete, pin, unpin).",
+        description="Operate-scope bearer token: required on preload, delete, pin, unpin; "
+        "also reads.",
+    )
+    token_file: Path | None = Field(
+        None, description="File holding the operate token (first line) [instead of the variable]."
+    )
+    read_token: CliSuppress[str | None] = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_STORE_READ_TOKEN", "LORASTREAM_READ_TOKEN"),
+        description="Read-scope bearer token: list, describe and stream weights (what workers "
+        "use). With any token set, reads need this one or the operate token.",
+    )
+    read_token_file: Path | None = Field(
+        None, description="File holding the read token (first line) [instead of the variable]."
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="Serve a non-loopback --host with no token (anyone reaching the port may "
+        "download and change every adapter). Off: such a store refuses to start.",
+    )
+    allowed_local_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Directories local adapter paths must be under (symlinks resolved); "
+        "repeat, or comma-separate. None given: local paths are refused.",
     )
     hf_endpoint: str | None = Field(
         None,
@@ -84,3 +120,22 @@ class StoreSettings(BaseSettings):
     )
     s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts of one S3 download.")
     s3_max_attempts: int = Field(5, gt=0, description="botocore retry attempts per S3 call.")
+
+    @field_validator("allowed_local_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        items = [value] if isinstance(value, (str, Path)) else value
+        if not isinstance(items, list):
+            return value
+        return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+
+    def access_tokens(self) -> AccessTokens:
+        """The tokens this store accepts, read from the variables or the token files."""
+        operate = self.token or (
+            read_token_file(self.token_file, "--token-file") if self.token_file else None
+        )
+        read = self.read_token or (
+            read_token_file(self.read_token_file, "--read-token-file")
+            if self.read_token_file else None
+        )
+        return AccessTokens(operate=operate, read=read)

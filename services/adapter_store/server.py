@@ -7,11 +7,13 @@ from concurrent import futures
 
 import grpc
 
+from lorastream.core.auth import refuse_open_bind
 from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
 from lorastream.core.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
+from lorastream.core.tls import ServerTLS
 from lorastream.store.config import StoreSettings
 from lorastream.store.egress import EgressLimiter
-from lorastream.store.servicer import OPERATOR_METHODS, SERVICE, AdapterStoreServicer
+from lorastream.store.servicer import REQUIRED_SCOPES, SERVICE, AdapterStoreServicer
 from lorastream.store.sources import SourceRegistry
 from lorastream.store.sources.hub import HubSource
 from lorastream.store.sources.local import LocalSource
@@ -24,7 +26,7 @@ def build_store(settings: StoreSettings) -> AdapterStore:
     """The store core with every source wired from the settings."""
     sources = SourceRegistry(
         [
-            LocalSource(),
+            LocalSource(settings.allowed_local_roots),
             S3Source(
                 endpoint_url=settings.s3_endpoint_url,
                 max_concurrency=settings.s3_max_concurrency,
@@ -44,7 +46,18 @@ def build_store(settings: StoreSettings) -> AdapterStore:
 def create_server(
     settings: StoreSettings, store: AdapterStore | None = None
 ) -> tuple[grpc.Server, int, AdapterStore]:
-    """Create (not start) the store server; returns it with its bound port and its core."""
+    """Create (not start) the store server; returns it with its bound port and its core.
+
+    Raises InvalidArgument when it would serve other hosts with no token (see
+    ``refuse_open_bind``) or a token file cannot be read."""
+    tokens = settings.access_tokens()
+    refuse_open_bind(
+        settings.host, tokens.enabled, settings.insecure_no_auth, "adapter store",
+        "LORASTREAM_STORE_TOKEN and LORASTREAM_STORE_READ_TOKEN (or --token-file, "
+        "--read-token-file)",
+    )
+    log.info("adapter store auth: %s", tokens.describe())
+    tls = ServerTLS.from_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     store = store or build_store(settings)
     egress = (
         EgressLimiter(settings.egress_limit_mbps * 1e6, settings.egress_burst_bytes)
@@ -59,11 +72,18 @@ def create_server(
             max_workers=settings.max_workers, thread_name_prefix="store"
         ),
         interceptors=[
-            BearerTokenInterceptor(settings.token, OPERATOR_METHODS),
+            BearerTokenInterceptor(tokens, REQUIRED_SCOPES),
             ErrorMappingInterceptor(),
         ],
+        tls=tls,
     )
     return server, port, store
+
+
+def _tls_note(settings: StoreSettings) -> str:
+    if settings.tls_cert is None:
+        return " (plaintext)"
+    return " (mutual TLS)" if settings.tls_client_ca is not None else " (TLS)"
 
 
 def serve(settings: StoreSettings) -> None:
@@ -71,9 +91,10 @@ def serve(settings: StoreSettings) -> None:
     server, port, store = create_server(settings)
     server.start()
     log.info(
-        "adapter store serving on %s:%d (cache %s, budget %.1f GiB, %d adapters)",
+        "adapter store serving on %s:%d%s (cache %s, budget %.1f GiB, %d adapters)",
         settings.host,
         port,
+        _tls_note(settings),
         settings.cache_dir,
         settings.cache_bytes / (1 << 30),
         len(store.list()),

@@ -13,6 +13,7 @@ import grpc
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
 from lorastream.core import codec
+from lorastream.core.auth import Scope
 from lorastream.core.manifest import PreloadProgress
 from lorastream.store.egress import EgressLimiter
 from lorastream.store.store import AdapterStore
@@ -24,6 +25,14 @@ SERVICE_NAME = SERVICE.full_name
 OPERATOR_METHODS = {
     f"/{SERVICE_NAME}/{m}"
     for m in ("PreloadAdapter", "DeleteAdapter", "PinAdapter", "UnpinAdapter")
+}
+READ_METHODS = {
+    f"/{SERVICE_NAME}/{m}" for m in ("ListAdapters", "DescribeAdapter", "StreamAdapterTensors")
+}
+# The scope each method needs when the store has tokens (lorastream/core/auth.py).
+REQUIRED_SCOPES = {
+    **{method: Scope.OPERATE for method in OPERATOR_METHODS},
+    **{method: Scope.READ for method in READ_METHODS},
 }
 
 

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from lorastream.core.generation import PromptInput
-from tests.gateway.conftest import BASE, STORED_ADAPTERS, Cluster, worker_greedy
+from tests.gateway.conftest import BASE, STORED_ADAPTERS, TOKEN, Cluster, worker_greedy
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
 
@@ -113,7 +113,10 @@ def test_models_list_has_the_base_model_and_every_stored_adapter_with_metadata(
     meta, parent = adapter.metadata, adapter.parent  # type: ignore[attr-defined]
     assert (meta["rank"], meta["use_rslora"], parent) == (16, True, BASE)
     assert set(meta["target_modules"]) >= {"q_proj", "down_proj"}
-    assert meta["source"].endswith("all-r16-rslora") and meta["pinned"] is False
+    assert "source" not in meta and meta["pinned"] is False  # sources: operators only
+    with cluster.gateway.http(TOKEN) as operator:
+        listed = {m["id"]: m for m in operator.get("/v1/models").json()["data"]}
+    assert listed["all-r16-rslora"]["metadata"]["source"].endswith("all-r16-rslora")
     assert adapter.created > 0 and adapter.owned_by == "lorastream"
     assert client.models.retrieve("attn-r4").metadata["rank"] == 4  # type: ignore[attr-defined]
     with pytest.raises(openai.NotFoundError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,9 @@ def test_load_without_workers_goes_to_the_routing_choice_and_requests_follow_it(
         ("/v1/adapters/ghost/load", {"workers": "all"}, 404, "model_not_found"),
         ("/v1/adapters/attn-r4/load", {"workers": ["10.9.9.9:1"]}, 400, "invalid_value"),
         ("/v1/adapters", {"name": "bad", "source": "relative/path"}, 400, "invalid_value"),
-        ("/v1/adapters", {"name": "ghost", "source": "/does/not/exist"}, 404, "model_not_found"),
+        ("/v1/adapters", {"name": "ghost", "source": f"{tempfile.gettempdir()}/does/not/exist"},
+         404, "model_not_found"),
+        ("/v1/adapters", {"name": "ghost", "source": "/does/not/exist"}, 400, "invalid_value"),
         ("/v1/adapters", {"name": "x"}, 400, "invalid_value"),
     ],
 )

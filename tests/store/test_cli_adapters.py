@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def store(tmp_path: Path):
     server, port, _ = create_server(StoreSettings(port=0, cache_dir=tmp_path / "cache", token="t"))
     server.start()
+    (tmp_path / "token").write_text("t\n")  # for --token-file
     yield f"127.0.0.1:{port}"
     server.stop(None).wait()
 
@@ -49,13 +51,17 @@ def test_preload_ls_describe_pull_rm_round_trip(store: str, adapter: Path, tmp_p
     out = _run("adapters", "preload", str(adapter), "--name", "mlp", "--pin", "--store", store,
                "--token", "t")
     assert "staged mlp" in out and "pinned" in out
-    listed = json.loads(_run("adapters", "ls", "--json", "--store", store))
+    token_file = str(tmp_path / "token")
+    listed = json.loads(_run("adapters", "ls", "--json", "--store", store, "--token-file",
+                             token_file))
     assert [a["name"] for a in listed["adapters"]] == ["mlp"]
-    described = json.loads(_run("adapters", "describe", "mlp", "--store", store))
+    described = json.loads(_run("adapters", "describe", "mlp", "--store", store, "--token-file",
+                                token_file))
     assert described["rank"] == 8 and described["use_rslora"] is True
     assert described.keys() - {"tensor_list"} == listed["adapters"][0].keys() == MANIFEST_KEYS
     assert len(described["tensor_list"]) == described["tensors"] > 0
-    _run("adapters", "pull", "mlp", "--out", str(tmp_path / "pulled"), "--store", store)
+    _run("adapters", "pull", "mlp", "--out", str(tmp_path / "pulled"), "--store", store,
+         "--token-file", token_file)
     pulled = load_file(str(tmp_path / "pulled" / "adapter_model.safetensors"))
     original = load_file(str(adapter / "adapter_model.safetensors"))
     assert pulled.keys() == original.keys()
@@ -67,14 +73,18 @@ def test_preload_ls_describe_pull_rm_round_trip(store: str, adapter: Path, tmp_p
     assert config.r == 8 and config.use_rslora
     _run("adapters", "unpin", "mlp", "--store", store, "--token", "t")
     _run("adapters", "rm", "mlp", "--store", store, "--token", "t")
-    assert json.loads(_run("adapters", "ls", "--json", "--store", store))["adapters"] == []
+    assert json.loads(_run("adapters", "ls", "--json", "--store", store,
+                           "--token", "t"))["adapters"] == []
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["adapters", "describe", "ghost"], "AdapterNotFound"),
-        (["adapters", "preload", "/nowhere", "--name", "x", "--token", "t"], "AdapterNotFound"),
+        (["adapters", "describe", "ghost", "--token", "t"], "AdapterNotFound"),
+        (["adapters", "describe", "ghost"], "Unauthenticated"),
+        (["adapters", "preload", f"{tempfile.gettempdir()}/nowhere", "--name", "x", "--token",
+          "t"], "AdapterNotFound"),
+        (["adapters", "preload", "/nowhere", "--name", "x", "--token", "t"], "InvalidArgument"),
         (["adapters", "preload", "/tmp", "--name", "x"], "Unauthenticated"),
         (["adapters", "rm", "ghost", "--token", "t"], "AdapterNotFound"),
     ],
@@ -103,7 +113,9 @@ def test_preload_takes_a_relative_path_from_the_current_directory(
 ) -> None:
     monkeypatch.chdir(adapter.parent)
     _run("adapters", "preload", adapter.name, "--name", "rel", "--store", store, "--token", "t")
-    (listed,) = json.loads(_run("adapters", "ls", "--json", "--store", store))["adapters"]
+    (listed,) = json.loads(
+        _run("adapters", "ls", "--json", "--store", store, "--token", "t")
+    )["adapters"]
     assert listed["source"] == str(adapter.resolve())
 
 
@@ -117,7 +129,8 @@ def test_ls_folds_long_names_and_sources_into_80_columns(
     _run("adapters", "preload", str(deep), "--name", name, "--store", store, "--token", "t")
     listing = subprocess.run(
         [sys.executable, "-m", "lorastream.cli.main", "adapters", "ls", "--store", store],
-        env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True, check=True,
+        env={**os.environ, "COLUMNS": "80", "LORASTREAM_TOKEN": "t"}, capture_output=True,
+        text=True, check=True,
         timeout=60,
     ).stdout
     lines = listing.splitlines()

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from lorastream.bench.synthetic import SMOLLM2_135M, adapter_nbytes, make_synthetic_adapter
 from lorastream.core.store_client import StoreClient

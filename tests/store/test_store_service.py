@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from pathlib import Path
 
@@ -100,7 +101,8 @@ def test_operator_calls_list_describe_pin_unpin_delete(server: Running, adapters
     [
         (lambda c: c.describe("nope"), errors.AdapterNotFound),
         (lambda c: list(c.preload("ftp://x/y", "n")), errors.InvalidArgument),
-        (lambda c: list(c.preload("/does/not/exist", "n")), errors.AdapterNotFound),
+        (lambda c: list(c.preload(f"{tempfile.gettempdir()}/does/not/exist", "n")),
+         errors.AdapterNotFound),
         (lambda c: list(c.preload("/tmp", "../escape")), errors.InvalidArgument),
         (lambda c: c.delete("nope"), errors.AdapterNotFound),
         (lambda c: c.stream_tensors("nope", BytesSink()), errors.AdapterNotFound),
@@ -117,7 +119,7 @@ def test_errors_map_to_status_codes_and_the_store_keeps_serving(
         assert client.describe("still-works").rank == 4
 
 
-def test_bearer_token_guards_operator_calls_only(tmp_path: Path, adapters) -> None:
+def test_bearer_token_guards_operator_and_read_calls(tmp_path: Path, adapters) -> None:
     running = Running(tmp_path / "cache", token=TOKEN)
     try:
         with StoreClient(running.target) as anonymous:
@@ -128,9 +130,12 @@ def test_bearer_token_guards_operator_calls_only(tmp_path: Path, adapters) -> No
                 wrong.pin("x")
         with StoreClient(running.target, token=TOKEN) as operator:
             _preload(operator, adapters["attn-r4"], "x")
-        with StoreClient(running.target) as reader:  # reads need no token
-            assert reader.describe("x").rank == 4
-            assert reader.stream_tensors("x", BytesSink()).name == "x"
+        with StoreClient(running.target, token=TOKEN) as operator:  # operate may read
+            assert operator.describe("x").rank == 4
+            assert operator.stream_tensors("x", BytesSink()).name == "x"
+        with StoreClient(running.target) as anonymous:  # a store with a token: reads need one
+            with pytest.raises(errors.Unauthenticated, match="scope 'read'"):
+                anonymous.describe("x")
     finally:
         running.stop()
 

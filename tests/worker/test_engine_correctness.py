@@ -15,9 +15,9 @@ from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache
-from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, NEW_TOKENS, PROMPTS, EngineFactory, peft_model

@@ -18,8 +18,8 @@ from lorastream.worker.engine.step_inputs import build_step_inputs
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots, SlotInfo
 from lorastream.worker.model.config import ModelConfig
-from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.decoder import DecoderModel
+from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.weights import load_weights
 from tests.support.models import make_tiny_checkpoint
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from lorastream.cli.main import app
 from lorastream.core import errors
-from lorastream.core.generation import FinishReason, PromptInput, SamplingParams
+from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.core.worker_client import WorkerClient
 from lorastream.store.config import StoreSettings

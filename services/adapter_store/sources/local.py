@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -24,10 +25,34 @@ class LocalSource(AdapterSource):
     """Copies a PEFT directory from a local path into the stager's directory.
 
     Paths are taken as the store process sees them, so they must be absolute (a relative path
-    would silently depend on the store's working directory).
+    would silently depend on the store's working directory). With ``allowed_roots`` (the
+    server always passes them; an empty list refuses every path), a path is taken only when it
+    and each file read from it, symlinks resolved, lie under one of the roots; a path outside is
+    refused with one message, before anything is looked up, so that the answer tells nothing
+    about what exists on the store's host.
     """
 
     schemes = ("file", "")
+    _roots: tuple[Path, ...] | None = None  # None: any path (the store core's own tests)
+
+    def __init__(self, allowed_roots: Sequence[Path] | None = None) -> None:
+        self._roots = (
+            None if allowed_roots is None
+            else tuple(Path(os.path.realpath(root)) for root in allowed_roots)
+        )
+
+    def _check_allowed(self, uri: str, path: Path) -> Path:
+        """``path`` with symlinks resolved; InvalidArgument unless it is under an allowed root."""
+        if self._roots is None:
+            return path
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(root) for root in self._roots):
+            allowed = ", ".join(str(root) for root in self._roots) or "none"
+            raise InvalidArgument(
+                f"{uri}: local adapter paths must lie under the store's allowed local roots "
+                f"({allowed}); start the store with --allowed-local-root DIR to allow one"
+            )
+        return real
 
     def directory_of(self, uri: str) -> Path:
         """The absolute directory ``uri`` names (not checked for existence)."""
@@ -48,7 +73,7 @@ class LocalSource(AdapterSource):
                 f"{uri}: local adapter paths must be absolute (the store resolves them on its "
                 "own host, not in your working directory)"
             )
-        return path
+        return self._check_allowed(uri, path)
 
     def resolve(self, uri: str) -> ResolvedSource:
         directory = self.directory_of(uri)
@@ -72,7 +97,7 @@ class LocalSource(AdapterSource):
     def download(self, resolved: ResolvedSource, dest: Path, progress: ProgressCallback) -> None:
         directory = self.directory_of(resolved.uri)
         for remote in resolved.files:
-            source_path = directory / remote.path
+            source_path = self._check_allowed(resolved.uri, directory / remote.path)
             try:
                 src = source_path.open("rb")
             except FileNotFoundError as err:

@@ -5,7 +5,7 @@ Started by :class:`~lorastream.worker.loading.fetch_process.FetchProcess` as
 It lowers its own CPU priority first, before anything starts a thread, so that every thread of
 it -- gRPC's included -- runs at that priority. Then it serves jobs from the connection:
 
-    -> ("init", store_target, store_token, threads)
+    -> ("init", store_target, store_token, threads, store_tls)   store_tls: ClientTLS | None
     -> ("fetch", job, name, offset, nbytes, chunk_bytes, chunk_delay_s)
     <- ("done", job, manifest, landing_seconds)   landed at [offset, offset + nbytes), verified
     <- ("error", job, LorastreamError)
@@ -49,8 +49,8 @@ def serve(memory_fd: int, memory_bytes: int, conn_fd: int, prefault: bool = Fals
     conn = Connection(conn_fd)
     # the worker's host arena; prefault: the worker took every page, this maps them all now
     memory = np.frombuffer(map_shared(memory_fd, memory_bytes, prefault), dtype=np.uint8)
-    _, target, token, threads = conn.recv()
-    client = StoreClient(target, token)
+    _, target, token, threads, tls = conn.recv()
+    client = StoreClient(target, token, tls=tls)
     send_lock = threading.Lock()
 
     def reply(message: tuple[object, ...]) -> None:

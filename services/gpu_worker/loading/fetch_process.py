@@ -36,6 +36,7 @@ import torch
 
 from lorastream.core.errors import LorastreamError, SourceUnavailable
 from lorastream.core.manifest import AdapterManifest
+from lorastream.core.tls import ClientTLS
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.fetch_child import map_shared
 
@@ -73,7 +74,7 @@ class _Child:
     """One running fetch process and the jobs sent to it."""
 
     def __init__(self, memory: SharedHostMemory, store: str, token: str | None, threads: int,
-                 priority: str) -> None:
+                 priority: str, tls: ClientTLS | None) -> None:
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lorastream.worker.loading.fetch_child",
@@ -88,7 +89,7 @@ class _Child:
         self.jobs: dict[int, Future[_Fetched]] = {}
         self.lock = threading.Lock()  # guards jobs and sends
         self.alive = True
-        self.conn.send(("init", store, token, threads))
+        self.conn.send(("init", store, token, threads, tls))
         self.reader = threading.Thread(target=self._read, name="fetch-replies", daemon=True)
         self.reader.start()
         log.info("fetch process %d started (priority %s)", self.proc.pid, priority)
@@ -148,9 +149,9 @@ class FetchProcess:
     """Fetches adapters from the store in a child process, into :class:`SharedHostMemory`."""
 
     def __init__(self, memory: SharedHostMemory, store: str, token: str | None = None, *,
-                 threads: int = 1, priority: str = "idle") -> None:
+                 threads: int = 1, priority: str = "idle", tls: ClientTLS | None = None) -> None:
         self.memory = memory
-        self._args = (memory, store, token, threads, priority)
+        self._args = (memory, store, token, threads, priority, tls)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._child = _Child(*self._args)

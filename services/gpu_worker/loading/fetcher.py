@@ -21,6 +21,7 @@ from lorastream.core.adapter_validation import content_id, validate_adapter_dir
 from lorastream.core.errors import InvalidAdapter, InvalidArgument, SourceUnavailable
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.store_client import StoreClient
+from lorastream.core.tls import ClientTLS
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.fetch_process import FetchProcess
 from lorastream.worker.loading.host_buffer import HostAdapterBuffer
@@ -35,10 +36,10 @@ class AdapterFetcher:
     """Knows where adapters come from; owns the store client."""
 
     def __init__(self, device: Device, store: str | None, store_token: str | None = None,
-                 process: FetchProcess | None = None) -> None:
+                 process: FetchProcess | None = None, store_tls: ClientTLS | None = None) -> None:
         self._device = device
         self._store_target = store
-        self._client = StoreClient(store, store_token) if store else None
+        self._client = StoreClient(store, store_token, tls=store_tls) if store else None
         self._process = process
         self.chunk_bytes = 0  # stream chunk size asked of the store; 0: the store's default
         self.chunk_delay_s = 0.0  # test hook

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.openmp import waits_actively
+from lorastream.core.tls import ClientTLS
 from lorastream.worker.device.device import Device
 from lorastream.worker.device.priority import starvation_warning
 from lorastream.worker.engine.engine import Engine
@@ -56,7 +57,8 @@ def make_backend(name: str, dtype: torch.dtype, device: torch.device) -> LoraBac
     raise InvalidArgument(f"unknown --lora-backend {name!r}; use torch or triton")
 
 
-def make_fetch_process(settings: WorkerSettings, device: Device) -> FetchProcess | None:
+def make_fetch_process(settings: WorkerSettings, device: Device,
+                       store_tls: ClientTLS | None = None) -> FetchProcess | None:
     """The fetch process ``--fetch-process`` asks for, with the host budget as shared memory;
     None for fetches on the worker's own threads (off, no store, or no ``memfd`` here)."""
     if not settings.fetch_process or not settings.store:
@@ -70,12 +72,17 @@ def make_fetch_process(settings: WorkerSettings, device: Device) -> FetchProcess
         log.info("host adapter memory: %.1f GiB taken and mapped in %.1f s",
                  settings.host_cache_bytes / 2**30, time.perf_counter() - began)
     return FetchProcess(memory, settings.store, settings.store_token,
-                        threads=settings.fetch_threads, priority=settings.loader_priority_spec)
+                        threads=settings.fetch_threads, priority=settings.loader_priority_spec,
+                        tls=store_tls)
 
 
 def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> Engine:
     """Load the base model and allocate every budget; the engine is not started."""
     started = time.perf_counter()
+    store_tls = ClientTLS.from_files(  # checked before the model loads: a typo fails at once
+        settings.store_tls_ca, settings.store_tls_client_cert, settings.store_tls_client_key,
+        prefix="--store-",
+    )
     torch_device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, torch_device)
     checkpoint = checkpoint or resolve_checkpoint(
@@ -103,7 +110,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     )
     slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device)
     fetcher = AdapterFetcher(
-        device, settings.store, settings.store_token, make_fetch_process(settings, device)
+        device, settings.store, settings.store_token,
+        make_fetch_process(settings, device, store_tls), store_tls,
     )
     adapters = AdapterManager(
         config, slots, device, fetcher, settings.host_cache_bytes,

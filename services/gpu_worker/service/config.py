@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
+from lorastream.core.auth import AccessTokens, read_token_file
+from lorastream.core.errors import InvalidArgument
 from lorastream.worker.device.priority import loader_priority
 
 
@@ -42,6 +44,16 @@ class WorkerSettings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(50052, description="gRPC port; 0 picks a free one.")
+    tls_cert: Path | None = Field(
+        None,
+        description="Serve over TLS with this certificate (PEM; with its chain); needs --tls-key.",
+    )
+    tls_key: Path | None = Field(None, description="Private key (PEM) of --tls-cert.")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="Mutual TLS: accept only clients presenting a certificate signed by this CA "
+        "(PEM); others are refused at the handshake.",
+    )
     store: str | None = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_WORKER_STORE", "LORASTREAM_STORE"),
@@ -49,8 +61,39 @@ class WorkerSettings(BaseSettings):
     )
     store_token: CliSuppress[str | None] = Field(
         None,
-        validation_alias=AliasChoices("LORASTREAM_WORKER_STORE_TOKEN", "LORASTREAM_TOKEN"),
-        description="Bearer token for the store (reads need none).",
+        validation_alias=AliasChoices(
+            "LORASTREAM_WORKER_STORE_TOKEN", "LORASTREAM_READ_TOKEN", "LORASTREAM_TOKEN"
+        ),
+        description="Bearer token the worker sends to the store: its read token.",
+    )
+    store_token_file: Path | None = Field(
+        None,
+        description="File holding the store read token (first line) [instead of the variable].",
+    )
+    token: CliSuppress[str | None] = Field(
+        None,
+        validation_alias=AliasChoices("LORASTREAM_WORKER_TOKEN", "LORASTREAM_TOKEN"),
+        description="Operate-scope bearer token required on LoadAdapter and UnloadAdapter.",
+    )
+    token_file: Path | None = Field(
+        None, description="File holding the operate token (first line) [instead of the variable]."
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="Serve a non-loopback --host with no token (anyone reaching the port may "
+        "load and unload adapters). Off: such a worker refuses to start.",
+    )
+    store_tls_ca: Path | None = Field(
+        None,
+        description="Connect to the store over TLS, trusting this CA (PEM).",
+    )
+    store_tls_client_cert: Path | None = Field(
+        None,
+        description="Mutual TLS: the certificate (PEM) this process presents to the store; "
+        "needs --store-tls-client-key.",
+    )
+    store_tls_client_key: Path | None = Field(
+        None, description="Private key (PEM) of --store-tls-client-cert."
     )
     hf_endpoint: str | None = Field(
         None,
@@ -62,7 +105,9 @@ class WorkerSettings(BaseSettings):
         validation_alias=AliasChoices("LORASTREAM_WORKER_HF_TOKEN", "HF_TOKEN"),
         description="Token for private Hub models.",
     )
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+    device: str = Field(
+        "auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'."
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on CUDA."
     )
@@ -94,7 +139,8 @@ class WorkerSettings(BaseSettings):
         "idle",
         description="CPU priority of the adapter loaders (store fetches, CPU copies into the "
         "slots). idle: SCHED_IDLE, they run only on CPU time decoding leaves; nice: at "
-        "--loader-nice, for a box whose cores never idle (see services/gpu_worker/device/priority.py).",
+        "--loader-nice, for a box whose cores never idle (see "
+        "services/gpu_worker/device/priority.py).",
     )
     loader_nice: int = Field(
         10,
@@ -147,7 +193,8 @@ class WorkerSettings(BaseSettings):
         8, ge=0, description="Waiting requests whose adapters are loaded ahead of admission."
     )
     lora_overlap_loading: bool = Field(
-        True, description="Load adapters on the load stream while decoding (off: load before the step)."
+        True,
+        description="Load adapters on the load stream while decoding (off: load before the step).",
     )
     lora_backend: Literal["torch", "triton"] = Field(
         "torch", description="LoRA delta implementation (triton needs CUDA)."
@@ -159,6 +206,23 @@ class WorkerSettings(BaseSettings):
         description="Serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port; "
         "unset: no metrics server).",
     )
+
+    def access_tokens(self) -> AccessTokens:
+        """The tokens this worker accepts, read from the variables or the token file."""
+        operate = self.token or (
+            read_token_file(self.token_file, "--token-file") if self.token_file else None
+        )
+        return AccessTokens(operate=operate)
+
+    @model_validator(mode="after")
+    def _store_token_from_file(self) -> "WorkerSettings":
+        """``store_token`` from ``store_token_file`` when the variable is unset."""
+        if not self.store_token and self.store_token_file is not None:
+            try:
+                self.store_token = read_token_file(self.store_token_file, "store_token_file")
+            except InvalidArgument as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
     @property
     def loader_priority_spec(self) -> str:

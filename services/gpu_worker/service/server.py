@@ -8,13 +8,15 @@ from concurrent import futures
 
 import grpc
 
+from lorastream.core.auth import refuse_open_bind
 from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
-from lorastream.core.grpc_status import ErrorMappingInterceptor
+from lorastream.core.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
+from lorastream.core.tls import ServerTLS
 from lorastream.worker.device.device import use_intra_op_threads
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
-from lorastream.worker.service.servicer import SERVICE, GpuWorkerServicer
+from lorastream.worker.service.servicer import REQUIRED_SCOPES, SERVICE, GpuWorkerServicer
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +26,17 @@ def create_server(
 ) -> tuple[grpc.Server, int, Engine]:
     """Create the server (not started) around an engine, started on a thread of its own unless
     ``start_engine`` is False (the caller runs the loop); returns the server, its port, the
-    engine."""
+    engine.
+
+    Raises InvalidArgument, before building the engine, when it would serve other hosts with no
+    token (see ``refuse_open_bind``) or the token file cannot be read."""
+    tokens = settings.access_tokens()
+    refuse_open_bind(
+        settings.host, tokens.enabled, settings.insecure_no_auth, "GPU worker",
+        "LORASTREAM_WORKER_TOKEN (or --token-file)",
+    )
+    log.info("gpu worker auth (load, unload): %s", tokens.describe())
+    tls = ServerTLS.from_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     engine = engine or build_engine(settings)
     server, port = create_grpc_server(
         GpuWorkerServicer(engine), SERVICE, host=settings.host, port=settings.port,
@@ -34,7 +46,10 @@ def create_server(
             initializer=use_intra_op_threads,  # request threads leave the cores to the engine
             initargs=(1,),
         ),
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=[
+            BearerTokenInterceptor(tokens, REQUIRED_SCOPES), ErrorMappingInterceptor()
+        ],
+        tls=tls,
     )
     if start_engine and not engine.started:  # after the bind: a port in use starts nothing
         engine.start()
@@ -62,8 +77,9 @@ def serve(settings: WorkerSettings) -> None:
     log.debug("%d startup objects frozen out of garbage collection", freeze_startup_heap())
     server.start()
     log.info(
-        "gpu worker serving %s on %s:%d (store %s)",
-        settings.base_model_name, settings.host, port, settings.store or "none",
+        "gpu worker serving %s on %s:%d over %s (store %s)",
+        settings.base_model_name, settings.host, port,
+        "plaintext" if settings.tls_cert is None else "TLS", settings.store or "none",
     )
     if settings.metrics_port is not None:
         metrics_port = engine.adapters.metrics.serve(settings.metrics_port, settings.host)

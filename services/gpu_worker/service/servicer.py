@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import grpc
 
 from lorastream.core import codec
+from lorastream.core.auth import Scope
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from lorastream.worker.engine.engine import Engine
@@ -17,6 +18,12 @@ log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GpuWorkerService"]
 SERVICE_NAME = SERVICE.full_name
+# The scope each method needs when the worker has a token (lorastream/core/auth.py): loading
+# chooses which weights answer for a name, so only operators may do it. Generation, listing and
+# stats stay open to whoever reaches the port (the gateway; keep the port private).
+REQUIRED_SCOPES = {
+    f"/{SERVICE_NAME}/{m}": Scope.OPERATE for m in ("LoadAdapter", "UnloadAdapter")
+}
 
 
 class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
