@@ -23,11 +23,11 @@ from typer.testing import CliRunner
 import lorastream
 from lorastream.cli.main import app
 from lorastream.core.errors import InvalidArgument
+from lorastream.stack.examples import examples
 from lorastream.stack.launcher import (
     SAMPLE_QUESTION,
     Stack,
     StackConfig,
-    examples,
     parse_adapter_specs,
     stack_adapters,
 )

@@ -1,12 +1,13 @@
-"""Registration cost against the number of names already registered.
+"""Registration cost and listing latency against the number of names already registered.
 
 For each count N the store's registry (SQLite, WAL, ``synchronous=FULL``) is filled with N names
 in one transaction, then ``registrations`` more names are registered one at a time, each its own
-durable transaction, as a preload does. In the same run the previous scheme is measured as the
-baseline: the whole name table rewritten as JSON, fsynced and renamed into place on every
-registration (what ``registry.json`` did), at the same N. The goal: registration cost independent
-of N (the 100k-adapter registry of issue 25), so the largest N's median over the smallest N's
-stays near 1, while the JSON baseline grows with N.
+durable transaction, as a preload does; registrations/s follow from their median. A
+``ListAdapters`` page (1000 names, from the middle of the name order) is timed at the same N. In
+the same run the previous scheme is measured as the baseline: the whole name table rewritten as
+JSON, fsynced and renamed into place on every registration (what ``registry.json`` did), at the
+same N. The goal: registrations/s flat within 20% from 1k to 100k names, while the JSON baseline
+falls with N.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.store.registry import Registry, RegistryEntry
 
-DEFAULT_COUNTS = (100, 1_000, 10_000, 100_000)
+DEFAULT_COUNTS = (1_000, 10_000, 100_000)
+PAGE = 1_000  # names per ListAdapters page, the store's largest
 
 
 def _entry(i: int) -> RegistryEntry:
@@ -58,6 +60,20 @@ def _json_rewrite(directory: Path, names: dict[str, dict[str, object]]) -> Calla
     return register
 
 
+def _page_ms(registry: Registry, n: int, repeats: int = 20) -> list[float]:
+    """Milliseconds to read one page of PAGE names starting in the middle of the order."""
+    after = _entry(n // 2).name
+    expected = min(PAGE, len(registry) - n // 2 - 1)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        page = registry.entries(after=after, limit=PAGE)
+        samples.append((time.perf_counter() - start) * 1e3)
+        if len(page) != expected:
+            raise RuntimeError(f"a page after the middle of {n} names held {len(page)}")
+    return samples
+
+
 def _summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {
@@ -81,11 +97,20 @@ def run_registry_bench(
             registry = Registry(directory)
             registry.put_many(_entry(i) for i in range(n))
             sqlite = _timed(lambda i: registry.put(_entry(i)), n, registrations)
+            page = _page_ms(registry, n)
             registry.close()
             table = {e.name: vars(e) for e in map(_entry, range(n))}
             baseline = _timed(_json_rewrite(directory, table), n, json_registrations)
-        points.append({"names": n, "sqlite": _summary(sqlite), "json_rewrite": _summary(baseline),
-                       "sqlite_samples": len(sqlite), "json_samples": len(baseline)})
+        summary = _summary(sqlite)
+        points.append({
+            "names": n, "sqlite": summary, "json_rewrite": _summary(baseline),
+            "registrations_per_s": round(1e3 / summary["p50_ms"], 1),
+            "json_registrations_per_s": round(1e3 / _summary(baseline)["p50_ms"], 2),
+            "list_page_ms": _summary(page), "list_page_names": PAGE,
+            "sqlite_samples": len(sqlite), "json_samples": len(baseline),
+        })
+    rates = [float(p["registrations_per_s"]) for p in points]  # type: ignore[arg-type]
+    spread = max(rates) / min(rates)
     first, last = points[0], points[-1]
     growth = last["sqlite"]["p50_ms"] / first["sqlite"]["p50_ms"]  # type: ignore[index]
     json_growth = last["json_rewrite"]["p50_ms"] / first["json_rewrite"]["p50_ms"]  # type: ignore[index]
@@ -95,9 +120,10 @@ def run_registry_bench(
         "counts": list(counts),
         "sqlite_p50_growth": round(growth, 2),
         "json_rewrite_p50_growth": round(json_growth, 2),
-        # the largest count's median registration over the smallest count's
-        "goal": "sqlite_p50_growth <= 2",
-        "goal_met": growth <= 2.0,
+        # fastest over slowest registrations/s across the counts: flat within 20%
+        "registrations_per_s_spread": round(spread, 3),
+        "goal": "registrations_per_s_spread <= 1.2",
+        "goal_met": spread <= 1.2,
         "points": points,
         "machine": machine_info(bandwidth=False),
     }

@@ -85,7 +85,8 @@ def up(
 ) -> None:
     """Start the stack on this machine (the store, the workers, the gateway) until Ctrl-C."""
     from lorastream.cli.common import reported_errors, setup_logging
-    from lorastream.stack.launcher import Stack, StackConfig, examples, stack_adapters
+    from lorastream.stack.examples import examples
+    from lorastream.stack.launcher import Stack, StackConfig, stack_adapters
 
     setup_logging(log_level)
     with reported_errors():

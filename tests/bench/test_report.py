@@ -372,15 +372,18 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
 
 
 def test_the_registry_section_shows_both_schemes_and_its_goal(tmp_path: Path) -> None:
-    point = {"names": 100, "sqlite": {"p50_ms": 0.25, "p99_ms": 0.4},
-             "json_rewrite": {"p50_ms": 1.3, "p99_ms": 1.4}}
+    point = {"names": 1000, "sqlite": {"p50_ms": 0.25, "p99_ms": 0.4},
+             "json_rewrite": {"p50_ms": 7.3, "p99_ms": 7.6}, "registrations_per_s": 4000.0,
+             "json_registrations_per_s": 137.0, "list_page_ms": {"p50_ms": 1.5}}
     large = {"names": 100000, "sqlite": {"p50_ms": 0.2, "p99_ms": 3.0},
-             "json_rewrite": {"p50_ms": 736.4, "p99_ms": 1064.1}}
+             "json_rewrite": {"p50_ms": 736.4, "p99_ms": 1064.1}, "registrations_per_s": 5000.0,
+             "json_registrations_per_s": 1.36, "list_page_ms": {"p50_ms": 1.75}}
     registry = {"command": "lorastream bench registry", "points": [point, large],
-                "sqlite_p50_growth": 0.8, "json_rewrite_p50_growth": 566.5,
-                "goal": "sqlite_p50_growth <= 2"}
+                "sqlite_p50_growth": 0.8, "json_rewrite_p50_growth": 100.9,
+                "registrations_per_s_spread": 1.25, "goal": "registrations_per_s_spread <= 1.2"}
     page = render_page({"registry": registry}, {})
-    assert "| 100,000 | 0.200 | 3.000 | 736.4 | 1,064.1 |" in page
-    assert "| store registration p50 growth, 100 → 100,000 names | 0.80× | ≤ 2 | met |" in page
-    assert "changes 0.80×; the JSON rewrite's grows 566×" in page
+    assert "| 100,000 | 5,000 | 0.200 | 3.000 | 1.4 | 736.4 | 1.750 |" in page
+    assert ("| store registrations/s, fastest / slowest, 1,000 → 100,000 names | 1.250× | ≤ 1.2 "
+            "| **not met** |") in page
+    assert "the JSON rewrite's grows 101×" in page
     _assert_no_leaks(page)
