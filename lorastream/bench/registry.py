@@ -12,6 +12,7 @@ falls with N.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -25,6 +26,7 @@ from lorastream.store.registry import Registry, RegistryEntry
 
 DEFAULT_COUNTS = (1_000, 10_000, 100_000)
 PAGE = 1_000  # names per ListAdapters page, the store's largest
+ROUND = 10  # registrations per count in each interleaved round
 
 
 def _entry(i: int) -> RegistryEntry:
@@ -85,30 +87,45 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 def run_registry_bench(
     counts: tuple[int, ...] = DEFAULT_COUNTS,
-    registrations: int = 200,
+    registrations: int = 400,
     json_registrations: int = 20,
     work_dir: Path | None = None,
 ) -> dict[str, object]:
-    """Per-registration latency at each count, SQLite registry against the JSON baseline."""
-    points = []
-    for n in counts:
-        with tempfile.TemporaryDirectory(dir=work_dir, prefix="registry-bench-") as tmp:
-            directory = Path(tmp)
-            registry = Registry(directory)
-            registry.put_many(_entry(i) for i in range(n))
-            sqlite = _timed(lambda i: registry.put(_entry(i)), n, registrations)
-            page = _page_ms(registry, n)
+    """Per-registration latency at each count, SQLite registry against the JSON baseline.
+
+    The counts' registries are all filled first, then registered into in interleaved rounds of
+    ``ROUND`` registrations each, so that the disk's drift over the run falls on every count
+    alike; a warm-up registry takes the process's first, slower registrations.
+    """
+    with contextlib.ExitStack() as stack:
+        dirs = {n: Path(stack.enter_context(tempfile.TemporaryDirectory(
+            dir=work_dir, prefix=f"registry-bench-{n}-"))) for n in (0, *counts)}
+        registries = {n: Registry(dirs[n]) for n in dirs}
+        for n in counts:
+            registries[n].put_many(_entry(i) for i in range(n))
+            registries[n].checkpoint()  # the fill's log folded in: each starts with an empty WAL
+        _timed(lambda i: registries[0].put(_entry(i)), 0, ROUND * 4)  # warm-up, not measured
+        sqlite: dict[int, list[float]] = {n: [] for n in counts}
+        for done in range(0, registrations, ROUND):
+            for n in counts:
+                registry = registries[n]
+                sqlite[n] += _timed(lambda i: registry.put(_entry(i)), n + done,
+                                    min(ROUND, registrations - done))
+        pages = {n: _page_ms(registries[n], n) for n in counts}
+        for registry in registries.values():
             registry.close()
+        points = []
+        for n in counts:
             table = {e.name: vars(e) for e in map(_entry, range(n))}
-            baseline = _timed(_json_rewrite(directory, table), n, json_registrations)
-        summary = _summary(sqlite)
-        points.append({
-            "names": n, "sqlite": summary, "json_rewrite": _summary(baseline),
-            "registrations_per_s": round(1e3 / summary["p50_ms"], 1),
-            "json_registrations_per_s": round(1e3 / _summary(baseline)["p50_ms"], 2),
-            "list_page_ms": _summary(page), "list_page_names": PAGE,
-            "sqlite_samples": len(sqlite), "json_samples": len(baseline),
-        })
+            baseline = _timed(_json_rewrite(dirs[n], table), n, json_registrations)
+            summary = _summary(sqlite[n])
+            points.append({
+                "names": n, "sqlite": summary, "json_rewrite": _summary(baseline),
+                "registrations_per_s": round(1e3 / summary["p50_ms"], 1),
+                "json_registrations_per_s": round(1e3 / _summary(baseline)["p50_ms"], 2),
+                "list_page_ms": _summary(pages[n]), "list_page_names": PAGE,
+                "sqlite_samples": len(sqlite[n]), "json_samples": len(baseline),
+            })
     rates = [float(p["registrations_per_s"]) for p in points]  # type: ignore[arg-type]
     spread = max(rates) / min(rates)
     first, last = points[0], points[-1]

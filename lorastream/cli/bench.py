@@ -50,10 +50,11 @@ def _print_result(result: dict[str, object], output: Path | None) -> None:
 @app.command("registry")
 def registry(
     counts: str = typer.Option(
-        "100,1000,10000,100000", help="Numbers of names already registered, comma-separated."
+        "1000,10000,100000", help="Numbers of names already registered, comma-separated."
     ),
     registrations: int = typer.Option(
-        200, min=1, help="Registrations timed at each count (each a durable transaction)."
+        400, min=1, help="Registrations timed at each count (each a durable transaction), in "
+        "interleaved rounds of 10 across the counts."
     ),
     json_registrations: int = typer.Option(
         20, min=1, help="Registrations timed for the JSON-rewrite baseline at each count."
