@@ -23,6 +23,7 @@ from lorastream.gateway.body_limit import BodyLimit
 from lorastream.gateway.config import GatewaySettings
 from lorastream.gateway.discovery import TargetResolver
 from lorastream.gateway.dispatch import Dispatcher
+from lorastream.gateway.drain import Drain, RefuseWhileDraining
 from lorastream.gateway.http_errors import install_handlers
 from lorastream.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from lorastream.gateway.routing import Router
@@ -61,7 +62,7 @@ class RequestCounter:
 
 def build_state(
     settings: GatewaySettings, metrics: GatewayMetrics, worker_tls: ClientTLS | None = None,
-    store_tls: ClientTLS | None = None,
+    store_tls: ClientTLS | None = None, drain: Drain | None = None,
 ) -> GatewayState:
     """Every component, wired (call inside the event loop: it opens grpc.aio channels); the
     channels to the workers and to the store are over TLS when given one."""
@@ -82,10 +83,13 @@ def build_state(
         store=StoreClient(settings.store, settings.effective_store_token,
                           timeout=settings.rpc_timeout_s, tls=store_tls),
         started_at=int(time.time()),
+        drain=drain or Drain(),
     )
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
+    """The gateway app; ``app.state.drain`` is its graceful stop (``lorastream.gateway.server``
+    runs it on SIGINT/SIGTERM)."""
     if not settings.workers:
         raise InvalidArgument("the gateway needs at least one worker: pass --worker HOST:PORT")
     refuse_open_bind(
@@ -93,6 +97,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         "LORASTREAM_GATEWAY_TOKEN (or --token-file)",
     )
     metrics = GatewayMetrics()
+    drain = Drain()
     # read and checked now: a wrong certificate path stops the gateway before it serves
     worker_tls = ClientTLS.from_files(
         settings.worker_tls_ca, settings.worker_tls_client_cert, settings.worker_tls_client_key,
@@ -105,7 +110,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = build_state(settings, metrics, worker_tls, store_tls)
+        state = build_state(settings, metrics, worker_tls, store_tls, drain)
         app.state.gateway = state
         if not settings.token:
             log.warning("no operate token: the operator endpoints (/v1/adapters) are open to "
@@ -135,22 +140,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         lifespan=lifespan,
         strict_content_type=False,  # `curl -d '{...}'` without -H 'Content-Type: ...' works too
     )
+    app.state.drain = drain
     install_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_adapters.router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RefuseWhileDraining, drain=drain)
     app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        """200 when at least one worker is healthy, else 503."""
+        """200 when at least one worker is healthy and the gateway is not draining, else 503."""
         pool = gateway_state(request).pool
         workers: dict[str, Any] = {
             w.target: {"healthy": w.healthy, "queue_depth": w.load, "base_model": w.base_model}
             for w in pool.workers.values()
         }
-        ok = pool.healthy_count > 0
-        return JSONResponse({"status": "ok" if ok else "unavailable", "workers": workers},
+        ok = pool.healthy_count > 0 and not drain.draining
+        status = "draining" if drain.draining else "ok" if ok else "unavailable"
+        return JSONResponse({"status": status, "workers": workers},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -149,6 +149,14 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(
         8 << 20, gt=0, description="Largest request body accepted (then 413)."
     )
+    drain_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT: /health turns 503 and new requests get 503 at once; "
+        "generations in flight get this long to finish, then each open stream ends with a "
+        "shutting_down error event and [DONE]. Keep it below the orchestrator's grace period "
+        "(terminationGracePeriodSeconds, stop_grace_period).",
+    )
 
     @field_validator("workers", mode="before")
     @classmethod

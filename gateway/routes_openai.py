@@ -16,6 +16,7 @@ from lorastream.gateway.auth import is_operator, require_api_key
 from lorastream.gateway.catalog import adapter_model_object, base_model_object
 from lorastream.gateway.client_watch import on_disconnect, unless_disconnected
 from lorastream.gateway.dispatch import Generation
+from lorastream.gateway.drain import Drain, shutting_down
 from lorastream.gateway.errors import ClientGone
 from lorastream.gateway.http_errors import ApiError, api_error
 from lorastream.gateway.openai_responses import (
@@ -99,16 +100,16 @@ async def _generate(
         dataclasses.replace(params, max_tokens=params.max_tokens or 1).validate(_ANY_VOCAB)
         start = state.dispatcher.start(model, body.prompt_input(), params, builder.id, arrived_at)
         if not body.stream:
-            done = await unless_disconnected(request, _collect(start))
+            done = await unless_disconnected(request, state.drain.guard(_collect(start)))
             return JSONResponse(builder.response(done), headers=headers)
-        generation = await unless_disconnected(request, start)
+        generation = await unless_disconnected(request, state.drain.guard(start))
     except LorastreamError as exc:
         error = api_error(exc, prompt_param)
         if error.status == 404:
             error.param = "adapter_id" if body.adapter_id else "model"
         raise error from exc
     return StreamingResponse(
-        _stream(request, generation, builder, body.include_usage),
+        _stream(request, generation, builder, body.include_usage, state.drain),
         media_type="text/event-stream",
         headers={**_SSE_HEADERS, **headers},
     )
@@ -123,28 +124,48 @@ async def _collect(start: Awaitable[Generation]) -> Completed:
 
 
 async def _stream(
-    request: Request, generation: Generation, builder: ResponseBuilder, include_usage: bool
+    request: Request, generation: Generation, builder: ResponseBuilder, include_usage: bool,
+    drain: Drain,
 ) -> AsyncIterator[bytes]:
     """SSE body: chunks as tokens arrive, then usage (if asked) and ``[DONE]``.
 
     An error after the first token can no longer change the status code: it is sent as an
-    ``{"error": ...}`` event, which OpenAI's clients raise as an APIError.
+    ``{"error": ...}`` event, which OpenAI's clients raise as an APIError. A stream still open
+    when the gateway's drain period ends gets a ``shutting_down`` error event, then ``[DONE]``.
     """
     done = Completed()
+    cut = False
+
+    def cut_stream() -> None:
+        nonlocal cut
+        cut = True
+        generation.cancel()
+
     try:
         async with on_disconnect(request, generation.cancel):
-            if builder.chat:
-                yield sse(builder.role_chunk())
-            async for event in generation.events():
-                done.add(event)
-                chunk = builder.delta_chunk(event)
-                if chunk is not None:
-                    yield sse(chunk)
+            with drain.track(cut_stream):
+                if builder.chat:
+                    yield sse(builder.role_chunk())
+                async for event in generation.events():
+                    done.add(event)
+                    chunk = builder.delta_chunk(event)
+                    if chunk is not None:
+                        yield sse(chunk)
         if include_usage:
             yield sse(builder.usage_chunk(done.prompt_tokens, done.completion_tokens))
         yield SSE_DONE
     except ClientGone:
-        log.info("request %s: client went away; cancelled on %s", builder.id, generation.target)
+        if not cut:
+            log.info("request %s: client went away; cancelled on %s", builder.id,
+                     generation.target)
+            return
+        log.info("request %s: cut on %s at the end of the drain period", builder.id,
+                 generation.target)
+        yield sse(shutting_down(
+            "the gateway is shutting down and its drain period ended before this stream "
+            "finished; retry the request"
+        ).body())
+        yield SSE_DONE
     except LorastreamError as exc:
         log.warning("request %s failed mid-stream on %s: %s", builder.id, generation.target, exc)
         yield sse(api_error(exc).body())

@@ -502,3 +502,36 @@ def test_the_tls_override_sets_every_tls_setting_of_each_service(
     loaded = getattr(importlib.import_module(module), name)()
     for field in fields:
         assert str(getattr(loaded, field)).startswith("/run/secrets/tls-"), field
+
+
+# -- graceful stop ---------------------------------------------------------------------------------
+STOP_MARGIN_S = 10  # what a drained server gets to stop before docker kills it
+DRAINING = {  # service -> the function its command reaches, the variable of its drain
+    "gateway": ("lorastream.gateway.server.serve", "LORASTREAM_GATEWAY_DRAIN_SECONDS"),
+    "gpu-worker-cpu": ("lorastream.worker.service.server.serve", "LORASTREAM_WORKER_DRAIN_SECONDS"),
+}
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration such as ``40s``, ``1m30s``."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", duration)
+    assert "".join(f"{n}{u}" for n, u in parts) == duration, f"unsupported duration {duration!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+@pytest.mark.parametrize("service", list(DRAINING))
+@pytest.mark.parametrize("drain", [None, "60"], ids=["as-composed", "drain-raised-to-60s"])
+def test_stop_grace_period_covers_the_drain_and_a_margin(
+    service: str, drain: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_compose_stack import run_capturing
+
+    config = load_compose()["services"][service]
+    serve, variable = DRAINING[service]
+    env = service_env(config) | {"LORASTREAM_TOKEN": "op-token"}
+    if drain is not None:  # a drain the grace period does not cover must be caught
+        env[variable] = drain
+    settings = run_capturing(config["command"], env, serve, monkeypatch)
+    covered = _seconds(config["stop_grace_period"]) >= settings.drain_seconds + STOP_MARGIN_S
+    assert covered is (drain is None), (service, config["stop_grace_period"], settings)

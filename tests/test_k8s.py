@@ -462,3 +462,38 @@ def test_the_tls_component_mounts_the_secret_and_points_every_tls_setting_into_i
             assert option(command, "--tls-client-cert") == str(TLS_DIR / "tls.crt")
         if "httpGet" in probe:
             assert probe["httpGet"]["scheme"] == "HTTPS"
+
+
+# -- graceful stop ---------------------------------------------------------------------------------
+STOP_MARGIN_S = 10  # what a drained server gets to stop before the kubelet kills it
+DRAIN_VARIABLE = {"gateway": "LORASTREAM_GATEWAY_DRAIN_SECONDS",
+                  "gpu-worker": "LORASTREAM_WORKER_DRAIN_SECONDS"}
+
+
+def grace_shortfall(
+    workload: dict[str, Any], name: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> float:
+    """Seconds by which the pod's grace period misses the preStop sleep + the drain the container
+    is configured with + STOP_MARGIN_S (<= 0: it covers them)."""
+    container = the_container(workload)
+    settings = run_capturing(container["args"], env, SERVES[name], monkeypatch)
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    pre_stop = float(command[1]) if command[:1] == ["sleep"] else 0.0
+    grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    return pre_stop + settings.drain_seconds + STOP_MARGIN_S - grace
+
+
+@pytest.mark.parametrize("name", list(DRAIN_VARIABLE))
+@pytest.mark.parametrize("drain", [None, "60"], ids=["as-deployed", "drain-raised-to-60s"])
+def test_the_grace_period_covers_the_pre_stop_sleep_the_drain_and_a_margin(
+    name: str, drain: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (workload,) = [w for w in workloads(base()) if w["metadata"]["name"] == name]
+    env = container_environment(workload)
+    if drain is not None:  # a drain the grace period does not cover must be caught
+        env[DRAIN_VARIABLE[name]] = drain
+    shortfall = grace_shortfall(workload, name, env, monkeypatch)
+    if drain is None:
+        assert shortfall <= 0, f"{name}: terminationGracePeriodSeconds short by {shortfall} s"
+    else:
+        assert shortfall > 0

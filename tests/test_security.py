@@ -276,7 +276,7 @@ def test_up_passes_tokens_in_the_environment_not_the_command_line(
     started: list[tuple[list[str], dict[str, str]]] = []
 
     class Recorded:
-        def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        def __init__(self, command: list[str], env: dict[str, str], **options: object) -> None:
             started.append((command, env))
 
     monkeypatch.setattr(launcher.subprocess, "Popen", Recorded)

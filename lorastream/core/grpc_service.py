@@ -47,15 +47,18 @@ def create_grpc_server(
     executor: futures.ThreadPoolExecutor,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     tls: ServerTLS | None = None,
+    health_servicer: health.HealthServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """A server (not started) with ``servicer``, health (SERVING, overall and for ``service``)
     and reflection, bound to ``host:port`` (0: any free port) over TLS with ``tls`` (mutual when
-    it has a client CA), else plaintext; returns it with its bound port.
+    it has a client CA), else plaintext; returns it with its bound port. ``health_servicer``:
+    the caller's, to turn NOT_SERVING later (a drain), else a new one.
 
     Raises InvalidArgument naming the address when it cannot be bound (a port in use)."""
     server = grpc.server(executor, interceptors=list(interceptors), options=SERVER_OPTIONS)
     add_servicer(server, servicer, service)
-    health_servicer = health.HealthServicer()
+    if health_servicer is None:
+        health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", service.full_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -83,13 +86,14 @@ def add_servicer(server: grpc.Server, servicer: object, service: ServiceDescript
     """Add every method of ``service`` implemented by ``servicer`` to ``server``."""
     handlers = {}
     for method in service.methods:
+        if method.client_streaming and method.server_streaming:
+            raise NotImplementedError(f"{method.full_name}: bidirectional streaming is not used")
         if method.client_streaming:
-            raise NotImplementedError(f"{method.full_name}: client streaming is not used here")
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
+            make = grpc.stream_unary_rpc_method_handler
+        elif method.server_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=GetMessageClass(method.input_type).FromString,
@@ -107,6 +111,8 @@ def serve_until_signalled(
     *,
     run: Callable[[], None] | None = None,
     stop: Callable[[], None] | None = None,
+    drain: Callable[[], None] | None = None,
+    hurry: Callable[[], None] | None = None,
 ) -> None:
     """Block until SIGINT or SIGTERM (call from the main thread), then stop ``server`` gracefully:
     new calls are refused and calls in flight get ``grace`` seconds to finish.
@@ -114,17 +120,31 @@ def serve_until_signalled(
     With ``run``, the main thread runs ``run()`` instead of waiting (the GPU worker's engine
     loop). On the signal a helper thread stops the server gracefully, so that streams in flight
     keep being served, and then calls ``stop()``, which must make ``run`` return.
+
+    With ``drain`` (and ``run``), the helper thread first calls ``drain()``, which turns
+    readiness off and returns once the calls in flight have finished or its deadline has passed;
+    then ``stop()`` ends what is left (their streams end with an error) and the server stops,
+    giving those errors ``grace`` seconds to reach their clients. A second signal calls
+    ``hurry()``, which must make ``drain()`` return at once.
     """
     stopping = threading.Event()
     shutdown: list[threading.Thread] = []
 
     def shut_down() -> None:
+        if drain is not None:
+            drain()
+            if stop is not None:
+                stop()
+            server.stop(grace).wait()
+            return
         server.stop(grace).wait()
         if stop is not None:
             stop()
 
     def handle(signum: int, frame: object) -> None:
         log.info("%s: %s received, stopping", what, signal.Signals(signum).name)
+        if stopping.is_set() and hurry is not None:
+            hurry()
         if run is not None and not stopping.is_set():
             thread = threading.Thread(target=shut_down, name="shutdown", daemon=True)
             shutdown.append(thread)

@@ -55,6 +55,7 @@ class StackConfig:
     token_file: Path | None = None  # where a generated operate token is written (mode 0600)
     insecure_no_auth: bool = False  # no generated tokens: the stack answers anyone on loopback
     tls: bool = False  # mutual TLS between the parts, HTTPS at the gateway (a throwaway CA)
+    drain_seconds: float = 5.0  # on stop, what the gateway and workers give requests in flight
 
 
 # Trained on the default model by scripts/train_sample_adapters.py (see samples/README.md).
@@ -111,44 +112,66 @@ def cli_command() -> str:
     return shlex.quote(str(script))
 
 
+# A part that starts listening is found within ~0.25 s: gRPC's default reconnect
+# backoff grows to 120 s (it once left 12 s between a worker serving and the gateway's start).
+READY_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
+STOP_MARGIN_S = 10.0  # what a part gets beyond its drain to stop before it is killed
+WATCH_SLICE_S = 1.0  # how long one health Watch waits before the process is checked again
+HTTP_POLL_S = 0.1  # how often the gateway's /health is asked while it starts
+
+
 def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float,
                  tls: ClientTLS | None = None) -> None:
-    """Block until ``target`` answers SERVING on gRPC health (or the process dies)."""
+    """Block until ``target`` answers SERVING on gRPC health (or the process dies).
+
+    A health ``Watch`` waits for the connection (``wait_for_ready``) on a channel whose
+    reconnect backoff is capped, then for the SERVING it pushes: no polling sleep. Each Watch
+    lasts ``WATCH_SLICE_S`` so that a dead process is noticed."""
     deadline = time.monotonic() + timeout_s
-    with open_channel(target, tls) as channel:
+    with open_channel(target, tls, READY_CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:
             if process.poll() is not None:
                 raise SourceUnavailable(
                     f"{target}: the process exited with status {process.returncode} before "
                     "serving; see its log above"
                 )
+            watch = stub.Watch(health_pb2.HealthCheckRequest(),
+                               timeout=min(WATCH_SLICE_S, left), wait_for_ready=True)
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.25)
+                for reply in watch:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError as err:
+                if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # refused (e.g. a server without health): try again after a short pause
+                    time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            finally:
+                watch.cancel()
     raise SourceUnavailable(f"{target} did not become healthy within {timeout_s:.0f} s")
 
 
 def wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float,
                  verify: ssl.SSLContext | bool = True) -> None:
-    """Block until ``GET url`` answers 200 (or the process dies); ``verify``: httpx's."""
+    """Block until ``GET url`` answers 200 (or the process dies); ``verify``: httpx's. Asks
+    every ``HTTP_POLL_S`` (a refused connection costs nothing to retry; no backoff grows)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SourceUnavailable(
-                f"{url}: the process exited with status {process.returncode} before serving; "
-                "see its log above"
-            )
-        try:
-            if httpx.get(url, timeout=1.0, verify=verify).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    with httpx.Client(timeout=1.0, verify=verify) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SourceUnavailable(
+                    f"{url}: the process exited with status {process.returncode} before "
+                    "serving; see its log above"
+                )
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(HTTP_POLL_S)
     raise SourceUnavailable(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
@@ -210,7 +233,10 @@ class Stack:
         command = [sys.executable, "-m", "lorastream.cli.main", *args,
                    "--log-level", self.config.log_level]
         log.info("starting %s: %s", name, " ".join(command[2:]))
-        process = subprocess.Popen(command, env={**os.environ, **(secrets or {})})
+        # A process group of its own: a Ctrl-C in the terminal reaches only this supervisor, which
+        # stops the parts one by one with one signal each (a second one would cut their drain).
+        process = subprocess.Popen(command, env={**os.environ, **(secrets or {})},
+                                   process_group=0)
         self.processes.append((name, process))
         return process
 
@@ -256,7 +282,8 @@ class Stack:
             worker = self._spawn(
                 f"worker {i}",
                 ["worker", "serve", "--model", c.model, "--port", str(c.worker_port + i),
-                 "--store", self.store, *tls_args(self.certs, mutual=True, peers=("store",))],
+                 "--store", self.store, "--drain-seconds", str(c.drain_seconds),
+                 *tls_args(self.certs, mutual=True, peers=("store",))],
                 present({"LORASTREAM_WORKER_TOKEN": operate,
                           "LORASTREAM_WORKER_STORE_TOKEN": read or operate}),
             )
@@ -265,7 +292,8 @@ class Stack:
         gateway = self._spawn(
             "gateway",
             ["gateway", "serve", "--port", str(c.gateway_port), "--store", self.store,
-             *worker_args, *tls_args(self.certs, mutual=False, peers=("worker", "store"))],
+             "--drain-seconds", str(c.drain_seconds), *worker_args,
+             *tls_args(self.certs, mutual=False, peers=("worker", "store"))],
             present({"LORASTREAM_GATEWAY_TOKEN": operate,
                       "LORASTREAM_GATEWAY_STORE_TOKEN": operate,
                       "LORASTREAM_GATEWAY_WORKER_TOKEN": operate}),
@@ -289,7 +317,12 @@ class Stack:
                               process.returncode)
                     self._stopping.set()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop the parts, gateway first, each with SIGINT (it drains for up to
+        ``drain_seconds``), killing one still running after ``grace_s`` [default: the drain
+        plus STOP_MARGIN_S]."""
+        if grace_s is None:
+            grace_s = self.config.drain_seconds + STOP_MARGIN_S
         for name, process in reversed(self.processes):  # gateway, workers, the store last
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)

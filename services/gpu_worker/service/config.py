@@ -200,6 +200,15 @@ class WorkerSettings(BaseSettings):
         "torch", description="LoRA delta implementation (triton needs CUDA)."
     )
     max_workers: int = Field(32, gt=0, description="gRPC thread pool size.")
+    drain_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT: gRPC health turns NOT_SERVING (gateways route around "
+        "the worker) and new generations are refused with UNAVAILABLE at once; requests in "
+        "flight get this long to finish, then the rest end with UNAVAILABLE and the worker "
+        "exits. Keep it below the orchestrator's grace period (terminationGracePeriodSeconds, "
+        "stop_grace_period).",
+    )
     metrics_port: int | None = Field(
         None,
         ge=0,

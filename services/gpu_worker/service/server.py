@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import logging
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health
 
 from lorastream.core.auth import refuse_open_bind
 from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
@@ -16,9 +18,23 @@ from lorastream.worker.device.device import use_intra_op_threads
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
+from lorastream.worker.service.drain import WorkerDrain
 from lorastream.worker.service.servicer import REQUIRED_SCOPES, SERVICE, GpuWorkerServicer
 
 log = logging.getLogger(__name__)
+
+# After the drain and the engine's stop: how long the requests it ended get to send their error.
+STOP_GRACE_S = 2.0
+
+
+@dataclass
+class WorkerServer:
+    """A worker's gRPC server (not started), its bound port, its engine and its drain."""
+
+    server: grpc.Server
+    port: int
+    engine: Engine
+    drain: WorkerDrain
 
 
 def create_server(
@@ -30,6 +46,14 @@ def create_server(
 
     Raises InvalidArgument, before building the engine, when it would serve other hosts with no
     token (see ``refuse_open_bind``) or the token file cannot be read."""
+    built = build_server(settings, engine, start_engine)
+    return built.server, built.port, built.engine
+
+
+def build_server(
+    settings: WorkerSettings, engine: Engine | None = None, start_engine: bool = True
+) -> WorkerServer:
+    """:func:`create_server`, with the drain that stops it gracefully (``WorkerDrain``)."""
     tokens = settings.access_tokens()
     refuse_open_bind(
         settings.host, tokens.enabled, settings.insecure_no_auth, "GPU worker",
@@ -38,8 +62,10 @@ def create_server(
     log.info("gpu worker auth (load, unload): %s", tokens.describe())
     tls = ServerTLS.from_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     engine = engine or build_engine(settings)
+    health_servicer = health.HealthServicer()
+    drain = WorkerDrain(engine, health_servicer, settings.drain_seconds)
     server, port = create_grpc_server(
-        GpuWorkerServicer(engine), SERVICE, host=settings.host, port=settings.port,
+        GpuWorkerServicer(engine, drain), SERVICE, host=settings.host, port=settings.port,
         executor=futures.ThreadPoolExecutor(
             max_workers=settings.max_workers,
             thread_name_prefix="worker",
@@ -50,10 +76,11 @@ def create_server(
             BearerTokenInterceptor(tokens, REQUIRED_SCOPES), ErrorMappingInterceptor()
         ],
         tls=tls,
+        health_servicer=health_servicer,
     )
     if start_engine and not engine.started:  # after the bind: a port in use starts nothing
         engine.start()
-    return server, port, engine
+    return WorkerServer(server, port, engine, drain)
 
 
 def freeze_startup_heap() -> int:
@@ -69,11 +96,14 @@ def freeze_startup_heap() -> int:
 
 
 def serve(settings: WorkerSettings) -> None:
-    """Run the worker until SIGINT or SIGTERM; in-flight streams get a grace period.
+    """Run the worker until SIGINT or SIGTERM, then drain (``WorkerDrain``: health NOT_SERVING,
+    new requests refused, up to ``settings.drain_seconds`` for those in flight), end what is
+    left with UNAVAILABLE and return.
 
     The engine loop runs on the main thread, which loaded the model, so that on the CPU its
     OpenMP pool is the process's only multi-threaded one (``device.use_intra_op_threads``)."""
-    server, port, engine = create_server(settings, start_engine=False)
+    built = build_server(settings, start_engine=False)
+    server, port, engine = built.server, built.port, built.engine
     log.debug("%d startup objects frozen out of garbage collection", freeze_startup_heap())
     server.start()
     log.info(
@@ -85,6 +115,9 @@ def serve(settings: WorkerSettings) -> None:
         metrics_port = engine.adapters.metrics.serve(settings.metrics_port, settings.host)
         log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, metrics_port)
     try:
-        serve_until_signalled(server, "gpu worker", run=engine.run, stop=engine.stop)
+        serve_until_signalled(
+            server, "gpu worker", grace=STOP_GRACE_S, run=engine.run, stop=engine.stop,
+            drain=built.drain.run, hurry=built.drain.hurry,
+        )
     finally:
         engine.stop()

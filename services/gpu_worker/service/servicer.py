@@ -12,6 +12,7 @@ from lorastream.core.auth import Scope
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service.drain import WorkerDrain
 from lorastream.worker.service.operations import WorkerOperations
 
 log = logging.getLogger(__name__)
@@ -27,13 +28,16 @@ REQUIRED_SCOPES = {
 
 
 class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, drain: WorkerDrain | None = None) -> None:
         self._engine = engine
         self._ops = WorkerOperations(engine)
+        self._drain = drain  # refuses new generations once the worker drains
 
     def Generate(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
+        if self._drain is not None:
+            self._drain.refuse_if_draining()
         request_id, model, prompt, params = codec.generate_request_from_pb(request)
         stream = self._engine.submit(model, prompt, params, request_id or None)
         # The client going away (or the deadline passing) cancels the request at once.
