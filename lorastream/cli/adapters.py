@@ -23,14 +23,34 @@ from lorastream.cli.common import (
     reported_errors,
 )
 from lorastream.core.local_paths import absolute_source
-from lorastream.core.manifest import manifest_json
+from lorastream.core.manifest import AdapterManifest, manifest_json
 from lorastream.core.store_client import BytesSink, StoreClient
 
 app = typer.Typer(
-    help="Preload, list, inspect, pin and delete adapters in the store.",
+    help="Preload, push, list, inspect, pin and delete adapters in the store.",
     rich_markup_mode=None,
     no_args_is_help=True,
 )
+
+
+def _client(
+    store: str, token: str | None, token_file: Path | None, tls_ca: Path | None,
+    tls_client_cert: Path | None, tls_client_key: Path | None,
+) -> StoreClient:
+    """The store client every command opens, from its connection options."""
+    return StoreClient(store, client_token(token, token_file),
+                       tls=client_tls(tls_ca, tls_client_cert, tls_client_key))
+
+
+def _transfer_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), transient=True)
+
+
+def _staged(verb: str, manifest: AdapterManifest) -> str:
+    return (f"[green]{verb}[/] {manifest.name} ({manifest.adapter_id[:12]}, rank {manifest.rank}, "
+            f"{manifest.total_bytes / 1e6:.1f} MB, {', '.join(manifest.target_modules)})"
+            + (" (pinned)" if manifest.pinned else ""))
 
 
 @app.command("preload")
@@ -50,16 +70,9 @@ def preload(
     tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Fetch, verify and stage an adapter in the store, with a progress bar."""
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
-    ) as client, Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        transient=True,
-    ) as bar:
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    ) as client, _transfer_bar() as bar:
         task = bar.add_task(f"{name}: resolving", total=None)
         manifest = None
         for event in client.preload(absolute_source(uri), name, pin=pin, force=force):
@@ -72,11 +85,37 @@ def preload(
             manifest = event.manifest or manifest
     if manifest is None:
         raise typer.Exit(1)
-    out.print(
-        f"[green]staged[/] {manifest.name} ({manifest.adapter_id[:12]}, rank {manifest.rank}, "
-        f"{manifest.total_bytes / 1e6:.1f} MB, {', '.join(manifest.target_modules)})"
-        + (" (pinned)" if manifest.pinned else ""),
-    )
+    out.print(_staged("staged", manifest))
+
+
+@app.command("push")
+def push(
+    directory: Path = typer.Argument(
+        ..., help="A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) on "
+        "this machine; its files are sent to the store."
+    ),
+    name: str = typer.Option(..., "--name", help="Name requests will use for this adapter."),
+    pin: bool = typer.Option(False, "--pin", help="Never evict it from the store's cache."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace a name staged from another source."
+    ),
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
+    """Upload a local adapter to the store (no S3 or shared disk needed), with a progress bar."""
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    ) as client, _transfer_bar() as bar:
+        task = bar.add_task(f"{name}: uploading", total=None)
+        manifest = client.push(
+            directory, name, pin=pin, force=force,
+            on_sent=lambda done, total: bar.update(task, completed=done, total=total or None),
+        )
+    out.print(_staged("pushed", manifest))
 
 
 @app.command("ls")
@@ -90,9 +129,8 @@ def ls(
     tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """List the adapters staged in the store."""
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
     ) as client:
         adapters, used, budget = client.list()
     if as_json:
@@ -134,9 +172,8 @@ def describe(
     tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Print an adapter's manifest as JSON."""
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
     ) as client:
         manifest = client.describe(name)
     out.print_json(json.dumps(manifest_json(manifest, tensors=True)))
@@ -153,9 +190,8 @@ def rm(
     tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Delete an adapter from the store."""
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
     ) as client:
         client.delete(name)
     out.print(f"deleted {name}")
@@ -172,9 +208,8 @@ def pin(
     tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Protect an adapter from cache eviction."""
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
     ) as client:
         client.pin(name)
     out.print(f"pinned {name}")
@@ -191,9 +226,8 @@ def unpin(
     tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
 ) -> None:
     """Let an adapter be evicted again."""
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
     ) as client:
         client.unpin(name)
     out.print(f"unpinned {name}")
@@ -213,9 +247,8 @@ def pull(
     """Stream an adapter from the store and write it as a PEFT directory."""
     from lorastream.core.peft_writer import write_peft_dir
 
-    with reported_errors(), StoreClient(
-        store, client_token(token, token_file),
-        tls=client_tls(tls_ca, tls_client_cert, tls_client_key),
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
     ) as client:
         sink = BytesSink()
         manifest = client.stream_tensors(name, sink)

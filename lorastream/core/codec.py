@@ -6,10 +6,12 @@ Servicers and clients call these functions; nothing else in the code base touche
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 from lorastream.adapter_store.v1 import adapter_store_pb2 as store_pb2
 from lorastream.common.v1 import common_pb2
+from lorastream.core.chunk_wire import encode_chunk_response as encode_chunk_response
+from lorastream.core.chunk_wire import fields
+from lorastream.core.chunk_wire import serialize_response as serialize_response
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import (
     AdapterStatus,
@@ -21,6 +23,7 @@ from lorastream.core.generation import (
 )
 from lorastream.core.listing import MAX_PAGE_SIZE, AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk, TensorInfo
+from lorastream.core.upload import UploadChunk, UploadFile, UploadHeader, UploadItem
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
 
 _DTYPE_TO_PB = {
@@ -136,92 +139,50 @@ def chunk_from_pb(msg: store_pb2.TensorChunk) -> TensorChunk:
     )
 
 
-# -- the chunk response on the wire ---------------------------------------------------------
-# A chunk is ``StreamAdapterTensorsResponse{chunk (2): TensorChunk{tensor_index (1),
-# offset (2), data (3), crc32c (4)}}``. Building that message through the Python protobuf runtime
-# copies the (1 MiB) payload twice and is the slowest step of a stream (about 1.4 ms/MiB, more
-# than gRPC's own cost), so the servicer sends these bytes instead: the same encoding protobuf
-# produces (tests/store/test_codec.py compares them byte for byte), with one copy of the payload.
-# Example, tensor 3, offset 0, data b"ab", crc 5:
-#   12 08 | 08 03 | 1a 02 61 62 | 20 05       (offset 0 is proto3's default: omitted)
-_WIRE_VARINT, _WIRE_LEN = 0, 2
+def upload_request_to_pb(item: UploadItem) -> store_pb2.UploadAdapterRequest:
+    if isinstance(item, UploadHeader):
+        return store_pb2.UploadAdapterRequest(
+            header=store_pb2.UploadHeader(
+                name=item.name,
+                pin=item.pin,
+                force=item.force,
+                files=[store_pb2.UploadFile(path=f.path, size=f.size) for f in item.files],
+            )
+        )
+    return store_pb2.UploadAdapterRequest(
+        chunk=store_pb2.UploadChunk(
+            file_index=item.file_index, offset=item.offset, data=bytes(item.data),
+            crc32c=item.crc32c,
+        )
+    )
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+def upload_request_from_pb(msg: store_pb2.UploadAdapterRequest) -> UploadItem:
+    """The header or chunk an upload message holds; InvalidArgument when it holds neither."""
+    kind = msg.WhichOneof("payload")
+    if kind == "header":
+        h = msg.header
+        return UploadHeader(
+            name=h.name,
+            pin=h.pin,
+            force=h.force,
+            files=tuple(UploadFile(path=f.path, size=f.size) for f in h.files),
+        )
+    if kind == "chunk":
+        c = msg.chunk
+        return UploadChunk(
+            file_index=c.file_index, offset=c.offset, data=c.data, crc32c=c.crc32c
+        )
+    raise InvalidArgument("an upload message holds neither a header nor a chunk")
 
 
-def _tag(field: int, wire_type: int) -> bytes:
-    return _varint(field << 3 | wire_type)
-
-
-def encode_chunk_response(chunk: TensorChunk) -> bytes:
-    """``chunk_to_pb(chunk).SerializeToString()``, without the protobuf runtime's copies."""
-    if chunk.tensor_index < 0 or chunk.offset < 0 or not 0 <= chunk.crc32c < 1 << 32:
-        raise ValueError(f"chunk fields out of range: {chunk.tensor_index}, {chunk.offset}")
-    head = bytearray()
-    if chunk.tensor_index:
-        head += _tag(1, _WIRE_VARINT) + _varint(chunk.tensor_index)
-    if chunk.offset:
-        head += _tag(2, _WIRE_VARINT) + _varint(chunk.offset)
-    size = len(chunk.data)
-    if size:
-        head += _tag(3, _WIRE_LEN) + _varint(size)
-    tail = _tag(4, _WIRE_VARINT) + _varint(chunk.crc32c) if chunk.crc32c else b""
-    outer = _tag(2, _WIRE_LEN) + _varint(len(head) + size + len(tail))
-    return b"".join((outer, head, chunk.data, tail))
-
-
-def _read_varint(raw: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(raw) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = raw[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(raw: memoryview) -> Iterator[tuple[int, int | memoryview]]:
-    """(field number, value) pairs of one message: ints for varints, views for LEN fields.
-
-    Fixed-width fields are skipped (the chunk message has none); group wire types are refused.
-    """
-    pos = 0
-    while pos < len(raw):
-        key, pos = _read_varint(raw, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _WIRE_VARINT:
-            value, pos = _read_varint(raw, pos)
-            yield field, value
-        elif wire_type == _WIRE_LEN:
-            size, pos = _read_varint(raw, pos)
-            if pos + size > len(raw):
-                raise ValueError("length-delimited field runs past the message")
-            yield field, raw[pos : pos + size]
-            pos += size
-        elif wire_type in (1, 5):  # fixed64 / fixed32: unknown here, skipped
-            pos += 8 if wire_type == 1 else 4
-        else:
-            raise ValueError(f"unsupported wire type {wire_type}")
-    if pos != len(raw):
-        raise ValueError("field runs past the message")
-
-
+# -- the chunk response on the wire (encoding: chunk_wire.py) ------------------------------
 def decode_stream_response(raw: bytes) -> AdapterManifest | TensorChunk:
     """Parse one ``StreamAdapterTensorsResponse``: the manifest, or a chunk whose ``data`` is a
     zero-copy view into ``raw`` (the protobuf runtime would copy the payload twice)."""
     view = memoryview(raw)
     payload: tuple[int, memoryview] | None = None
-    for field, value in _fields(view):
+    for field, value in fields(view):
         if field in (1, 2) and isinstance(value, memoryview):
             payload = (field, value)  # a oneof: the last one wins, as in protobuf
     if payload is None:
@@ -230,7 +191,7 @@ def decode_stream_response(raw: bytes) -> AdapterManifest | TensorChunk:
         return manifest_from_pb(common_pb2.AdapterManifest.FromString(payload[1].tobytes()))
     index = offset = crc = 0
     data: memoryview = view[0:0]
-    for field, value in _fields(payload[1]):
+    for field, value in fields(payload[1]):
         if field == 1 and isinstance(value, int):
             index = value - (1 << 64) if value >= 1 << 63 else value
         elif field == 2 and isinstance(value, int):
@@ -240,13 +201,6 @@ def decode_stream_response(raw: bytes) -> AdapterManifest | TensorChunk:
         elif field == 4 and isinstance(value, int):
             crc = value & 0xFFFFFFFF
     return TensorChunk(index, offset, data, crc)
-
-
-def serialize_response(message: object) -> bytes:
-    """Response serializer for servicers that may yield pre-encoded bytes."""
-    if isinstance(message, bytes):
-        return message
-    return message.SerializeToString()  # type: ignore[attr-defined]
 
 
 # -- the GPU worker's API -------------------------------------------------------------------

@@ -102,6 +102,16 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
                     _abort(context, exc)
 
             return handler._replace(unary_stream=unary_stream)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                try:
+                    return inner_su(requests, context)
+                except Exception as exc:  # noqa: BLE001 - unknown ones map to INTERNAL, logged
+                    _abort(context, exc)
+
+            return handler._replace(stream_unary=stream_unary)
         return handler
 
 
@@ -181,6 +191,11 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - abort raises
 
+        def deny_upload(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
         if handler.unary_stream:
             return handler._replace(unary_stream=deny_stream)
+        if handler.stream_unary:
+            return handler._replace(stream_unary=deny_upload)
         return handler._replace(unary_unary=deny_unary)

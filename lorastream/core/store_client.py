@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -25,6 +26,7 @@ from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk
 from lorastream.core.stream_layout import StreamLayout
 from lorastream.core.tls import ClientTLS, open_channel
+from lorastream.core.upload import FileContent, SentCallback, directory_files, upload_items
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,34 @@ class StoreClient:
                 yield codec.progress_from_pb(event)
         except grpc.RpcError as err:
             raise_from_rpc_error(err)
+
+    def push(
+        self,
+        source: str | Path | Sequence[tuple[str, FileContent]],
+        name: str,
+        *,
+        pin: bool = False,
+        force: bool = False,
+        on_sent: SentCallback | None = None,
+    ) -> AdapterManifest:
+        """Upload a PEFT LoRA directory (or its two files, as paths or bytes) as ``name``.
+
+        The store validates and stages it like a preload from ``push://<name>``; the files are
+        sent in chunks of at most 1 MiB (read from disk as they go), ``on_sent(done, total)``
+        after each. Raises InvalidAdapter (bad files), AlreadyExists (``name`` staged from
+        another source; pass ``force``), CapacityExhausted (larger than the store accepts).
+        """
+        files = (
+            directory_files(Path(source)) if isinstance(source, (str, Path)) else list(source)
+        )
+        items = upload_items(name, files, pin=pin, force=force, on_sent=on_sent)
+        try:
+            reply = self._stub.UploadAdapter(
+                (codec.upload_request_to_pb(item) for item in items), metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+        return codec.manifest_from_pb(reply.manifest)
 
     def list(
         self, where: AdapterFilter = AdapterFilter()

@@ -58,6 +58,12 @@ class StoreSettings(BaseSettings):
     max_header_bytes: int = Field(
         16 << 20, gt=0, description="Largest safetensors header accepted (guards against bombs)."
     )
+    max_upload_bytes: int = Field(
+        4 << 30,
+        gt=0,
+        description="Largest adapter one push (UploadAdapter) may send, in bytes; larger "
+        "uploads are refused before their bytes are read.",
+    )
     max_workers: int = Field(16, gt=0, description="gRPC thread pool size.")
     egress_limit_mbps: float = Field(
         0.0,
@@ -78,8 +84,8 @@ class StoreSettings(BaseSettings):
     token: CliSuppress[str | None] = Field(
         None,
         validation_alias=AliasChoices("LORASTREAM_STORE_TOKEN", "LORASTREAM_TOKEN"),
-        description="Operate-scope bearer token: required on preload, delete, pin, unpin; "
-        "also reads.",
+        description="Operate-scope bearer token: required on preload, push, delete, pin, "
+        "unpin; also reads.",
     )
     token_file: Path | None = Field(
         None, description="File holding the operate token (first line) [instead of the variable]."

@@ -158,7 +158,7 @@ class Registry:
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM names").fetchone()[0])
 
-    def entries(
+    def matching(
         self, where: AdapterFilter = AdapterFilter(), after: str = "", limit: int | None = None
     ) -> list[RegistryEntry]:
         """Names matching ``where`` in name order, those after ``after``, at most ``limit``."""
@@ -203,7 +203,7 @@ class Registry:
         return row.fetchone() is not None
 
     def pinned_names(self) -> list[str]:
-        return [e.name for e in self.entries(AdapterFilter(pinned=True))]
+        return [e.name for e in self.matching(AdapterFilter(pinned=True))]
 
     def eviction_order(self, protected: Iterable[str]) -> list[str]:
         """Evictable content ids, least recently used first.

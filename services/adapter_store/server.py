@@ -40,6 +40,7 @@ def build_store(settings: StoreSettings) -> AdapterStore:
         settings.cache_bytes,
         sources,
         max_header_bytes=settings.max_header_bytes,
+        max_upload_bytes=settings.max_upload_bytes,
     )
 
 

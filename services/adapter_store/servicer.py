@@ -14,7 +14,9 @@ from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
 from lorastream.core import codec
 from lorastream.core.auth import Scope
+from lorastream.core.errors import Cancelled, InvalidArgument
 from lorastream.core.manifest import PreloadProgress
+from lorastream.core.upload import UploadChunk, UploadHeader
 from lorastream.store.egress import EgressLimiter
 from lorastream.store.store import AdapterStore
 
@@ -24,7 +26,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["AdapterStoreService"]
 SERVICE_NAME = SERVICE.full_name
 OPERATOR_METHODS = {
     f"/{SERVICE_NAME}/{m}"
-    for m in ("PreloadAdapter", "DeleteAdapter", "PinAdapter", "UnpinAdapter")
+    for m in ("PreloadAdapter", "UploadAdapter", "DeleteAdapter", "PinAdapter", "UnpinAdapter")
 }
 READ_METHODS = {
     f"/{SERVICE_NAME}/{m}" for m in ("ListAdapters", "DescribeAdapter", "StreamAdapterTensors")
@@ -73,6 +75,19 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
             if isinstance(event, BaseException):
                 raise event
             yield codec.progress_to_pb(event)
+
+    def UploadAdapter(
+        self, request_iterator: Iterator[pb.UploadAdapterRequest], context: grpc.ServicerContext
+    ) -> pb.UploadAdapterResponse:
+        try:
+            first = next(request_iterator, pb.UploadAdapterRequest())
+        except grpc.RpcError as err:
+            raise Cancelled("a push was cancelled by the client before its header") from err
+        header = codec.upload_request_from_pb(first)
+        if not isinstance(header, UploadHeader):
+            raise InvalidArgument("an upload must begin with its header (name and files)")
+        manifest = self._store.push(header, _upload_chunks(request_iterator, header.name))
+        return pb.UploadAdapterResponse(manifest=codec.manifest_to_pb(manifest))
 
     def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
@@ -130,3 +145,15 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
                     log.info("stream of %s cancelled by the client", request.name)
                     return
                 yield codec.encode_chunk_response(chunk)
+
+
+def _upload_chunks(requests: Iterator[pb.UploadAdapterRequest], name: str) -> Iterator[UploadChunk]:
+    """The chunks after an upload's header; Cancelled when the client goes away mid-stream."""
+    try:
+        for request in requests:
+            item = codec.upload_request_from_pb(request)
+            if not isinstance(item, UploadChunk):
+                raise InvalidArgument(f"push of {name}: a second header arrived mid-upload")
+            yield item
+    except grpc.RpcError as err:
+        raise Cancelled(f"push of {name} was cancelled by the client; nothing was staged") from err

@@ -9,6 +9,9 @@ Lifecycle of a preload of ``uri`` as ``name``::
     -> validate + hash (staging.Stager.prepare) -> [lock] fit actual bytes, rename into
     cache/adapters/<id>, register the name (one registry transaction) [unlock] -> done
 
+A push (:meth:`AdapterStore.push`) takes the same path from "reserve" on, its source being the
+upload stream itself (``push://<name>``); pushes are never shared.
+
 Two preloads of the same URI share one download (a :class:`SharedDownload`): the second waits
 for the first's result and sees its progress events. A :class:`StreamLease` pins a content id's
 files while a stream reads them: deleting or replacing a name drops the name at once, but the
@@ -20,19 +23,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lorastream.core.adapter_validation import DEFAULT_MAX_HEADER_BYTES
 from lorastream.core.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
 from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress
+from lorastream.core.upload import UploadChunk, UploadHeader, push_uri
 from lorastream.store.reader import StreamLease
 from lorastream.store.registry import Registry, RegistryEntry, validate_name
 from lorastream.store.sources import SourceRegistry
-from lorastream.store.sources.base import AdapterSource
-from lorastream.store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
+from lorastream.store.sources.base import AdapterSource, ResolvedSource
+from lorastream.store.sources.upload import UploadSource
+from lorastream.store.staging import (
+    PhaseCallback,
+    ProgressFn,
+    SharedDownload,
+    StagedAdapter,
+    Stager,
+)
 
 __all__ = ["AdapterStore", "StreamLease", "validate_name"]
+
+DEFAULT_MAX_UPLOAD_BYTES = 4 << 30
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +60,12 @@ class AdapterStore:
         cache_bytes: int,
         sources: SourceRegistry,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     ) -> None:
         if cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, got {cache_bytes}")
         self._budget = cache_bytes
+        self._max_upload_bytes = max_upload_bytes
         self._sources = sources
         self._lock = threading.RLock()
         self._stager = Stager(Path(cache_dir), max_header_bytes)
@@ -73,7 +89,7 @@ class AdapterStore:
                 continue
             self._staged[adapter_id] = staged
             self._registry.sizes[adapter_id] = staged.size_bytes
-        lost = [e.name for e in self._registry.entries() if e.adapter_id not in self._staged]
+        lost = [e.name for e in self._registry.matching() if e.adapter_id not in self._staged]
         for name in lost:
             log.warning("adapter %s lost its staged files; preload it again", name)
         self._registry.delete(lost)
@@ -102,7 +118,7 @@ class AdapterStore:
         """Manifests of the names matching ``where``, in name order: those after ``after``, at
         most ``limit`` (pages: pass the last name of one page as ``after`` of the next)."""
         with self._lock:
-            return [self._manifest_of(e) for e in self._registry.entries(where, after, limit)]
+            return [self._manifest_of(e) for e in self._registry.matching(where, after, limit)]
 
     def count(self, where: AdapterFilter = AdapterFilter()) -> int:
         """How many names match ``where``."""
@@ -189,6 +205,38 @@ class AdapterStore:
         emit(PreloadProgress("done", manifest.total_bytes, manifest.total_bytes, "", manifest))
         return manifest
 
+    def push(self, header: UploadHeader, chunks: Iterator[UploadChunk]) -> AdapterManifest:
+        """Stage the adapter an upload stream carries as ``header.name``, from ``push://<name>``.
+
+        Validated, hashed and committed exactly like a preload (same content: same id, one copy).
+        A name staged from another source needs ``header.force`` (AlreadyExists otherwise); one
+        pushed before is replaced. A failed upload (bad files, cut stream, too large) leaves
+        nothing staged and the name as it was.
+        """
+        name = header.name
+        validate_name(name)
+        uri = push_uri(name)
+        with self._lock:
+            existing = self._registry.get(name)
+            if existing is not None and not header.force and existing.source_uri != uri:
+                raise AlreadyExists(
+                    f"adapter {name} is already staged from {existing.source_uri}; delete it "
+                    "first or push with force to replace it"
+                )
+        source = UploadSource(header, chunks, self._max_upload_bytes)
+        try:
+            staged = self._stage(source, source.resolve(uri), lambda *_: None, lambda: 1)
+        except BaseException as err:
+            log.warning("push of %s failed: %s", name, err)
+            raise
+        with self._lock:
+            try:
+                manifest = self._register(name, uri, "", staged, pin=header.pin, force=header.force)
+            finally:
+                self._release(staged.adapter_id)
+        log.info("staged pushed adapter %s as %s", name, staged.adapter_id[:12])
+        return manifest
+
     # -- streaming --------------------------------------------------------------------------
     def open_stream(self, name: str, adapter_id: str | None = None) -> StreamLease:
         """Lease ``name``'s files for a stream; ``adapter_id`` asserts which content is expected.
@@ -243,15 +291,43 @@ class AdapterStore:
 
     def _fly(self, flight: SharedDownload, source: AdapterSource) -> None:
         """Run ``flight``'s download to the end (unlocked); sets its result or error."""
-        estimate = 0
         try:
             flight.on_phase("resolving", 0, 0)
             resolved = source.resolve(flight.uri)
+
+            def claim() -> int:
+                # Under the lock, at commit: no preload joins from now on; each participant
+                # registers its name, then releases the lease taken for it here.
+                del self._flights[flight.uri]
+                return flight.participants
+
+            staged = self._stage(source, resolved, flight.on_phase, claim)
+            flight.result = (staged, resolved.revision)
+        except BaseException as err:
+            with self._lock:
+                if self._flights.get(flight.uri) is flight:
+                    del self._flights[flight.uri]
+            flight.error = err
+            log.warning("preload of %s failed: %s", flight.uri, err)
+        finally:
+            flight.finished.set()
+
+    def _stage(
+        self,
+        source: AdapterSource,
+        resolved: ResolvedSource,
+        on_phase: PhaseCallback,
+        claim: Callable[[], int],
+    ) -> StagedAdapter:
+        """Reserve room, fetch + validate + hash in a temp dir, commit (call unlocked); the
+        staged content comes back holding ``claim()`` leases (called under the lock at commit)."""
+        estimate = 0
+        try:
             with self._lock:
                 self._make_room(resolved.total_bytes, protect=())
                 estimate = resolved.total_bytes
                 self._reserved += estimate
-            prepared = self._stager.prepare(source, resolved, flight.on_phase)
+            prepared = self._stager.prepare(source, resolved, on_phase)
             with self._lock:
                 self._reserved -= estimate
                 estimate = 0
@@ -263,20 +339,12 @@ class AdapterStore:
                     self._stager.discard(prepared)
                 self._staged[staged.adapter_id] = staged
                 self._registry.sizes[staged.adapter_id] = staged.size_bytes
-                # Each participant registers its name, then releases this lease.
-                self._leases[staged.adapter_id] = (
-                    self._leases.get(staged.adapter_id, 0) + flight.participants
-                )
-                flight.result = (staged, resolved.revision)
-                del self._flights[flight.uri]
-        except BaseException as err:
+                self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + claim()
+                return staged
+        except BaseException:
             with self._lock:
                 self._reserved -= estimate
-                self._flights.pop(flight.uri, None)
-            flight.error = err
-            log.warning("preload of %s failed: %s", flight.uri, err)
-        finally:
-            flight.finished.set()
+            raise
 
     def _make_room(self, need: int, protect: tuple[str, ...]) -> None:
         """Evict LRU unpinned, unleased content until ``need`` bytes fit beside reservations."""
@@ -298,8 +366,8 @@ class AdapterStore:
         old = self._registry.get(name)
         if old is not None and not force and old.source_uri != uri:
             raise AlreadyExists(
-                f"adapter {name} was staged from {old.source_uri} meanwhile; preload with force "
-                "to replace it"
+                f"adapter {name} was staged from {old.source_uri} meanwhile; retry with force to "
+                "replace it"
             )
         now = time.time()
         entry = RegistryEntry(

@@ -70,7 +70,7 @@ def test_a_sigkill_during_registration_loses_nothing_acknowledged_and_leaves_not
     acknowledged = [proc.stdout.readline().strip() for _ in range(acks_before_kill)]
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    survivors = Registry(tmp_path).entries()
+    survivors = Registry(tmp_path).matching()
     names = [e.name for e in survivors]
     assert set(acknowledged) <= set(names)
     assert names == [f"org/adapter-{i:06d}" for i in range(len(names))]  # no gap, no stranger
@@ -89,7 +89,7 @@ def test_changes_persist_across_reopening(tmp_path: Path) -> None:
     registry.delete(["missing", "a"])
     registry.close()
     again = Registry(tmp_path)
-    assert [(e.name, e.adapter_id, e.last_used_at) for e in again.entries()] == [
+    assert [(e.name, e.adapter_id, e.last_used_at) for e in again.matching()] == [
         ("b", "c" * 64, 1.0)]
     assert again.names_of("c" * 64) == ["b"] and not again.is_referenced("a" * 64)
 
@@ -101,18 +101,18 @@ def test_names_are_listed_in_pages_with_filters(tmp_path: Path) -> None:
         registry.put(_entry(f"team{i % 2}/a{i:02d}", pinned=i % 5 == 0, source_uri=source))
     registry.put(_entry("team_/odd%name"))  # LIKE's wildcards are plain characters in a prefix
     pages, after = [], ""
-    while page := registry.entries(after=after, limit=7):
+    while page := registry.matching(after=after, limit=7):
         pages.append(page)
         after = page[-1].name
     assert [len(p) for p in pages] == [7, 7, 7, 5]
     everything = [e.name for p in pages for e in p]
     assert everything == sorted(everything) and len(set(everything)) == 26
-    assert {e.name for e in registry.entries(AdapterFilter(prefix="team1/"))} == {
+    assert {e.name for e in registry.matching(AdapterFilter(prefix="team1/"))} == {
         f"team1/a{i:02d}" for i in range(1, 25, 2)}
-    assert [e.name for e in registry.entries(AdapterFilter(prefix="team_"))] == ["team_/odd%name"]
-    assert {e.name for e in registry.entries(AdapterFilter(pinned=True))} == {
+    assert [e.name for e in registry.matching(AdapterFilter(prefix="team_"))] == ["team_/odd%name"]
+    assert {e.name for e in registry.matching(AdapterFilter(pinned=True))} == {
         f"team{i % 2}/a{i:02d}" for i in range(0, 25, 5)}
-    hub = registry.entries(AdapterFilter(source_prefix="hf://", pinned=False))
+    hub = registry.matching(AdapterFilter(source_prefix="hf://", pinned=False))
     assert {e.name for e in hub} == {f"team{i % 2}/a{i:02d}" for i in range(3, 25, 3)
                                       if i % 5 != 0}
 
@@ -124,12 +124,12 @@ def test_a_legacy_registry_json_is_imported_once(tmp_path: Path) -> None:
               "revision": "r2", "created_at": 5.0, "last_used_at": 6.0, "pinned": False}]
     (tmp_path / LEGACY_FILE).write_text(json.dumps({"format": 1, "names": names}))
     registry = Registry(tmp_path)
-    assert [vars(e) for e in registry.entries()] == names
+    assert [vars(e) for e in registry.matching()] == names
     assert not (tmp_path / LEGACY_FILE).exists()
     assert (tmp_path / f"{LEGACY_FILE}.migrated").exists()
     registry.delete(["old/a"])
     registry.close()
-    assert [e.name for e in Registry(tmp_path).entries()] == ["old/b"]  # not imported again
+    assert [e.name for e in Registry(tmp_path).matching()] == ["old/b"]  # not imported again
 
 
 @pytest.mark.parametrize(

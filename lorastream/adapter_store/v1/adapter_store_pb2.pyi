@@ -58,6 +58,52 @@ class PreloadAdapterResponse(_message.Message):
     manifest: _common_pb2.AdapterManifest
     def __init__(self, phase: _Optional[_Union[PreloadPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
 
+class UploadAdapterRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    chunk: UploadChunk
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[UploadChunk, _Mapping]] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("name", "pin", "force", "files")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pin: bool
+    force: bool
+    files: _containers.RepeatedCompositeFieldContainer[UploadFile]
+    def __init__(self, name: _Optional[str] = ..., pin: _Optional[bool] = ..., force: _Optional[bool] = ..., files: _Optional[_Iterable[_Union[UploadFile, _Mapping]]] = ...) -> None: ...
+
+class UploadFile(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class UploadChunk(_message.Message):
+    __slots__ = ("file_index", "offset", "data", "crc32c")
+    FILE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    file_index: int
+    offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, file_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class UploadAdapterResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.AdapterManifest
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
+
 class ListAdaptersRequest(_message.Message):
     __slots__ = ("page_size", "page_token", "name_prefix", "pinned", "source_prefix")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]

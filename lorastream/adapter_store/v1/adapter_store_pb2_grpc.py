@@ -40,6 +40,11 @@ class AdapterStoreServiceStub:
                 request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.PreloadAdapterRequest.SerializeToString,
                 response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.PreloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.UploadAdapter = channel.stream_unary(
+                '/lorastream.adapter_store.v1.AdapterStoreService/UploadAdapter',
+                request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.UploadAdapterRequest.SerializeToString,
+                response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.UploadAdapterResponse.FromString,
+                _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/lorastream.adapter_store.v1.AdapterStoreService/ListAdapters',
                 request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdaptersRequest.SerializeToString,
@@ -79,6 +84,15 @@ class AdapterStoreServiceServicer:
     def PreloadAdapter(self, request, context):
         """Fetch, verify and stage an adapter under a name; streams progress events, the last one with
         the manifest. Operator RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadAdapter(self, request_iterator, context):
+        """Stage an adapter from bytes the client sends (e.g. straight from a training loop): a header,
+        then the files in chunks. Validated, content-addressed and staged atomically like a preload;
+        its source URI is push://<name>. Operator RPC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +147,11 @@ def add_AdapterStoreServiceServicer_to_server(servicer, server):
                     servicer.PreloadAdapter,
                     request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.PreloadAdapterRequest.FromString,
                     response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.PreloadAdapterResponse.SerializeToString,
+            ),
+            'UploadAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadAdapter,
+                    request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.UploadAdapterRequest.FromString,
+                    response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.UploadAdapterResponse.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
@@ -193,6 +212,33 @@ class AdapterStoreService:
             '/lorastream.adapter_store.v1.AdapterStoreService/PreloadAdapter',
             lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.PreloadAdapterRequest.SerializeToString,
             lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.PreloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lorastream.adapter_store.v1.AdapterStoreService/UploadAdapter',
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.UploadAdapterRequest.SerializeToString,
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.UploadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
