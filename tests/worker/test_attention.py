@@ -9,9 +9,7 @@ them would return NaN: the test proves that only the window is read.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +18,7 @@ import torch
 from lorastream.worker.model.attention import paged_attention, window_blocks, write_kv
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
+from tests.support.sync_free import no_device_reads
 
 HEAD_DIM = 8
 
@@ -65,27 +64,6 @@ def _first_needed_block(seq: Seq, window: int | None) -> int:
     if window is None:
         return 0
     return max(0, seq.context - seq.new - window + 1) // BLOCK_SIZE
-
-
-@contextlib.contextmanager
-def device_reads_forbidden() -> Iterator[None]:
-    """Any read of a tensor back to the host raises (on CUDA it would sync; docs/design.md
-    rule 3)."""
-    reads = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-    saved = {name: getattr(torch.Tensor, name) for name in reads}
-
-    def forbid(name: str):  # type: ignore[no-untyped-def]
-        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
-            raise AssertionError(f"Tensor.{name}() in paged attention forces a device sync")
-        return read
-
-    for name in reads:
-        setattr(torch.Tensor, name, forbid(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def run_case(
@@ -157,7 +135,7 @@ def run_case(
         prefills=tuple(spans),
     )
     scale = HEAD_DIM**-0.5
-    with device_reads_forbidden():
+    with no_device_reads("in paged attention"):
         out = paged_attention(
             rows_q, k_cache, v_cache, k_new, v_new, batch, scale, window=window, softcap=softcap
         )

@@ -6,8 +6,6 @@ read while the LoRA metadata is prepared and the forward runs: any call raises."
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,26 +20,7 @@ from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.weights import load_weights
 from tests.support.models import make_tiny_checkpoint
-
-_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-@contextlib.contextmanager
-def no_device_reads() -> Iterator[None]:
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def forbid(name: str):  # type: ignore[no-untyped-def]
-        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
-            raise AssertionError(f"Tensor.{name}() on the step path forces a device sync")
-        return read
-
-    for name in _READS:
-        setattr(torch.Tensor, name, forbid(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
+from tests.support.sync_free import no_device_reads
 
 
 class _Seq:

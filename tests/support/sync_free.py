@@ -1,0 +1,30 @@
+"""A guard for tests of code that must not force a host-device sync (docs/design.md rule 3)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+# Tensor methods that read a tensor back to the host: on CUDA each one waits for the device.
+DEVICE_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_device_reads(where: str = "on the step path") -> Iterator[None]:
+    """Inside the block, any read of a tensor back to the host raises AssertionError."""
+    saved = {name: getattr(torch.Tensor, name) for name in DEVICE_READS}
+
+    def forbid(name: str):  # type: ignore[no-untyped-def]
+        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+            raise AssertionError(f"Tensor.{name}() {where} forces a device sync")
+        return read
+
+    for name in DEVICE_READS:
+        setattr(torch.Tensor, name, forbid(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
