@@ -103,10 +103,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         settings.worker_tls_ca, settings.worker_tls_client_cert, settings.worker_tls_client_key,
         prefix="--worker-",
     )
-    store_tls = ClientTLS.from_files(
-        settings.store_tls_ca, settings.store_tls_client_cert, settings.store_tls_client_key,
-        prefix="--store-",
-    )
+    store_tls = settings.store_client_tls()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

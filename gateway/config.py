@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Annotated
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, CliSuppress, NoDecode, SettingsConfigDict
+from pydantic_settings import CliSuppress, NoDecode, SettingsConfigDict
 
 from lorastream.core.auth import read_token_file, read_token_list_file
 from lorastream.core.errors import InvalidArgument
+from lorastream.core.store_tls_settings import StoreTLSSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(StoreTLSSettings):
     """Settings of one gateway process."""
 
     model_config = SettingsConfigDict(
@@ -58,18 +59,6 @@ class GatewaySettings(BaseSettings):
     )
     worker_tls_client_key: Path | None = Field(
         None, description="Private key (PEM) of --worker-tls-client-cert."
-    )
-    store_tls_ca: Path | None = Field(
-        None,
-        description="Connect to the store over TLS, trusting this CA (PEM).",
-    )
-    store_tls_client_cert: Path | None = Field(
-        None,
-        description="Mutual TLS: the certificate (PEM) this process presents to the store; "
-        "needs --store-tls-client-key.",
-    )
-    store_tls_client_key: Path | None = Field(
-        None, description="Private key (PEM) of --store-tls-client-cert."
     )
     token: CliSuppress[str | None] = Field(
         None,

@@ -79,10 +79,7 @@ def make_fetch_process(settings: WorkerSettings, device: Device,
 def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> Engine:
     """Load the base model and allocate every budget; the engine is not started."""
     started = time.perf_counter()
-    store_tls = ClientTLS.from_files(  # checked before the model loads: a typo fails at once
-        settings.store_tls_ca, settings.store_tls_client_cert, settings.store_tls_client_key,
-        prefix="--store-",
-    )
+    store_tls = settings.store_client_tls()  # checked before the model loads: a typo fails at once
     torch_device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, torch_device)
     checkpoint = checkpoint or resolve_checkpoint(

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
-from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
+from pydantic_settings import CliSuppress, SettingsConfigDict
 
 from lorastream.core.auth import AccessTokens, read_token_file
 from lorastream.core.errors import InvalidArgument
+from lorastream.core.store_tls_settings import StoreTLSSettings
 from lorastream.worker.device.priority import loader_priority
 
 
@@ -22,7 +23,7 @@ def _default_model_cache() -> Path:
     return Path.home() / ".cache" / "lorastream" / "models"
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(StoreTLSSettings):
     """Settings of one GPU worker process."""
 
     model_config = SettingsConfigDict(
@@ -82,18 +83,6 @@ class WorkerSettings(BaseSettings):
         False,
         description="Serve a non-loopback --host with no token (anyone reaching the port may "
         "load and unload adapters). Off: such a worker refuses to start.",
-    )
-    store_tls_ca: Path | None = Field(
-        None,
-        description="Connect to the store over TLS, trusting this CA (PEM).",
-    )
-    store_tls_client_cert: Path | None = Field(
-        None,
-        description="Mutual TLS: the certificate (PEM) this process presents to the store; "
-        "needs --store-tls-client-key.",
-    )
-    store_tls_client_key: Path | None = Field(
-        None, description="Private key (PEM) of --store-tls-client-cert."
     )
     hf_endpoint: str | None = Field(
         None,
