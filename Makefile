@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml setup.
 DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml setup.py; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev gemma up test test-slow protos bench bench-report clean
+.PHONY: install install-dev gemma up test test-slow test-gpu protos bench bench-gpu bench-report clean
 
 install: $(STAMP)
 
@@ -51,6 +51,13 @@ test: install-dev
 test-slow: install-dev
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The GPU path, on a machine with CUDA (README, "GPU tests"): PEFT parity on CUDA, pinned landing
+# and the load stream (rules 1 and 2), the step loop under torch.cuda.set_sync_debug_mode("error"),
+# the Triton kernels compiled for the GPU. Without CUDA every test skips with the reason (-rs).
+# TRITON_INTERPRET=0: tests/conftest.py would otherwise run Triton in its interpreter.
+test-gpu: install-dev
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -rs tests/gpu $(PYTEST_ARGS)
+
 protos: install-dev
 	$(PY) scripts/gen_protos.py
 
@@ -64,10 +71,23 @@ bench: install-dev gemma
 	$(LORASTREAM) bench transfer --chunk-sizes 64K,256K,1M,4M --output $(BENCH_RESULTS)/transfer.json
 	$(LORASTREAM) bench engine --repeats 2 --output $(BENCH_RESULTS)/engine.json
 	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
+	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 2 --output $(BENCH_RESULTS)/engine-int8.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
 	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
+	$(LORASTREAM) bench push --output $(BENCH_RESULTS)/push.json
 	$(LORASTREAM) bench registry --output $(BENCH_RESULTS)/registry.json
+	$(LORASTREAM) bench grammar --output $(BENCH_RESULTS)/grammar.json
+	$(LORASTREAM) bench soak --output $(BENCH_RESULTS)/soak.json
 	$(MAKE) bench-report
+
+# On a machine with CUDA: the SGMV kernels against the base matmul, host -> device rate of the
+# load path against the pinned-copy limit, and bench serve with its workers on CUDA. Each refuses
+# to run without CUDA (the first two exit 2; the worker fails to start on --device cuda).
+bench-gpu: install-dev
+	mkdir -p $(BENCH_RESULTS)
+	TRITON_INTERPRET=0 $(PY) -m lorastream.kernels.bench --output $(BENCH_RESULTS)/kernels-gpu.json
+	$(PY) -m lorastream.bench.h2d --output $(BENCH_RESULTS)/h2d-gpu.json
+	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve-gpu.json
 
 bench-report: install-dev
 	$(LORASTREAM) bench report --results $(BENCH_RESULTS) --out docs/BENCHMARKS.md

@@ -18,7 +18,7 @@ from lorastream.core.auth import refuse_open_bind
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS
-from lorastream.gateway import routes_adapters, routes_openai
+from lorastream.gateway import routes_adapters, routes_openai, routes_vllm
 from lorastream.gateway.body_limit import BodyLimit
 from lorastream.gateway.config import GatewaySettings
 from lorastream.gateway.discovery import TargetResolver
@@ -73,7 +73,9 @@ def build_state(
         resolver=resolver, resolve_interval_s=settings.resolve_interval_s, tls=worker_tls,
         token=settings.effective_worker_token,
     )
-    router = Router(settings.spill_threshold, settings.max_requests_per_worker)
+    router = Router(settings.spill_threshold, settings.max_requests_per_worker,
+                    settings.spill_fraction)
+    metrics.watch_residency(pool.views)
     return GatewayState(
         settings=settings,
         metrics=metrics,
@@ -96,7 +98,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         settings.host, bool(settings.token), settings.insecure_no_auth, "gateway",
         "LORASTREAM_GATEWAY_TOKEN (or --token-file)",
     )
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(adapter_labels=settings.metrics_adapter_labels)
     drain = Drain()
     # read and checked now: a wrong certificate path stops the gateway before it serves
     worker_tls = ClientTLS.from_files(
@@ -141,6 +143,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_adapters.router)
+    app.include_router(routes_vllm.operate_router)
+    app.include_router(routes_vllm.read_router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RefuseWhileDraining, drain=drain)
     app.add_middleware(RequestCounter, metrics=metrics)

@@ -1,7 +1,8 @@
 """Who may call what on the gateway: the operate token and the inference API keys.
 
-- Operator endpoints (``/v1/adapters...``) need the operate token (``GatewaySettings.token``)
-  when the gateway has one.
+- Operator endpoints (``/v1/adapters...``, vLLM's ``/v1/load_lora_adapter`` and
+  ``/v1/unload_lora_adapter``) need the operate token (``GatewaySettings.token``) when the
+  gateway has one; the vLLM ones answer an API key 403 (it lacks the scope), others 401.
 - The OpenAI endpoints (completions, chat completions, models) need one of the API keys
   (``GatewaySettings.api_keys``), or the operate token, when the gateway has any key; OpenAI
   clients send them as ``Authorization: Bearer <key>``.
@@ -52,13 +53,30 @@ def require_operator(request: Request) -> None:
         raise _missing_or_wrong(request, "operate token")
 
 
+def _holds_api_key(request: Request) -> bool:
+    presented = _presented(request)
+    # every key compared, so the time taken does not tell which one is closest
+    matched = [presented is not None and _equal(presented, key)
+               for key in gateway_state(request).settings.api_keys]
+    return any(matched)
+
+
 def require_api_key(request: Request) -> None:
     """401 unless the request carries an API key or the operate token (when keys are set)."""
     keys = gateway_state(request).settings.api_keys
     if not keys or is_operator(request):
         return
-    presented = _presented(request)
-    # every key compared, so the time taken does not tell which one is closest
-    matched = [presented is not None and _equal(presented, key) for key in keys]
-    if not any(matched):
+    if not _holds_api_key(request):
         raise _missing_or_wrong(request, "API key")
+
+
+def require_operate_scope(request: Request) -> None:
+    """As :func:`require_operator`, but an API key (it may only infer) is refused with 403, as
+    a known caller without the scope, rather than 401."""
+    if not gateway_state(request).settings.token or is_operator(request):
+        return
+    if _holds_api_key(request):
+        raise ApiError(403, "this endpoint changes which adapters are served and needs the "
+                       "operate token; an API key may only call the inference endpoints",
+                       "permission_error", code="insufficient_scope")
+    raise _missing_or_wrong(request, "operate token")

@@ -124,10 +124,18 @@ class GatewaySettings(StoreTLSSettings):
         "when every healthy worker is there, requests get 429.",
     )
     spill_threshold: int = Field(
-        8,
+        2,
         ge=0,
-        description="How much deeper than the least loaded worker's queue the preferred worker "
-        "(adapter resident, or its hash choice) may be before a request goes elsewhere.",
+        description="How many requests deeper than the least loaded worker's queue the preferred "
+        "worker (adapter resident, or its hash choice) may be before a request goes elsewhere "
+        "(at least; see --spill-fraction).",
+    )
+    spill_fraction: float = Field(
+        0.25,
+        ge=0,
+        description="Once workers are busy, the preferred worker may be this fraction of the "
+        "mean queue deeper than the least loaded one (when that exceeds --spill-threshold); "
+        "0: the threshold alone.",
     )
     routing_hint_ttl_s: float = Field(
         3.0,
@@ -145,6 +153,15 @@ class GatewaySettings(StoreTLSSettings):
         "generations in flight get this long to finish, then each open stream ends with a "
         "shutting_down error event and [DONE]. Keep it below the orchestrator's grace period "
         "(terminationGracePeriodSeconds, stop_grace_period).",
+    )
+
+    metrics_adapter_labels: int = Field(
+        20,
+        ge=0,
+        description="Per-model series (TTFT, ITL, latency, tokens, requests) for the N busiest "
+        "models by name (counted with bounded memory, recent traffic weighing more); every other "
+        "model's requests count under model=\"other\". 0: all under \"other\". "
+        "docs/metrics.md.",
     )
 
     @field_validator("workers", mode="before")

@@ -38,6 +38,7 @@ class Generation:
         call: GenerationCall,
         model: str,
         arrived_at: float,
+        choices: int = 1,
     ) -> None:
         self.decision = decision
         self.model = model
@@ -49,6 +50,8 @@ class Generation:
         self._last_token_at: float | None = None
         self._first: GenerationEvent | None = None
         self._closed = False
+        self._open_choices = choices  # each of the n choices ends with its own finish reason
+        self._choice_tokens = 0
 
     @property
     def target(self) -> str:
@@ -66,16 +69,16 @@ class Generation:
         return self._first
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
-        """Every event, the first included, until the one with the finish reason."""
+        """Every event, the first included, until every choice's finish reason."""
         try:
             first = self._first or await self.first()
             yield first
-            if first.finish_reason is not None:
+            if self._open_choices == 0:
                 return
             async for event in self._stream:
                 self._observe(event)
                 yield event
-                if event.finish_reason is not None:
+                if self._open_choices == 0:
                     return
             if self._call.cancelled_locally:
                 raise ClientGone("the client went away; the request was cancelled")
@@ -100,16 +103,19 @@ class Generation:
         now = time.perf_counter()
         tokens = len(event.token_ids)
         if tokens and self._last_token_at is None:
-            self._metrics.ttft.labels(self.model).observe(now - self._arrived_at)
+            self._metrics.first_token(self.model, now - self._arrived_at)
             if tokens > 1:
                 self._metrics.observe_tokens(self.model, 0.0, tokens - 1)
         elif tokens and self._last_token_at is not None:
             self._metrics.observe_tokens(self.model, now - self._last_token_at, tokens)
         if tokens:
             self._last_token_at = now
-        if event.finish_reason is not None and event.finish_reason is not FinishReason.CANCELLED:
-            self._metrics.e2e.labels(self.model).observe(now - self._arrived_at)
-            self._metrics.tokens.labels(self.model).inc(event.completion_tokens)
+        if event.finish_reason is None:
+            return
+        self._open_choices -= 1
+        self._choice_tokens += event.completion_tokens
+        if self._open_choices == 0 and event.finish_reason is not FinishReason.CANCELLED:
+            self._metrics.finished(self.model, now - self._arrived_at, self._choice_tokens)
 
 
 class Dispatcher:
@@ -141,14 +147,14 @@ class Dispatcher:
         failed: set[str] = set()
         is_base = model == self._pool.base_model
         while True:
-            decision = self._router.choose(
-                model, self._pool.views(), base_model=is_base, exclude=failed
-            )
-            self._metrics.routing.labels(decision.reason.value).inc()
+            views = self._pool.views()
+            decision = self._router.choose(model, views, base_model=is_base, exclude=failed)
+            self._metrics.routed(model, decision, views, base_model=is_base)
             self._pool.acquire(decision.target, None if is_base else model)
             worker = self._pool.get(decision.target)
             call = worker.client.generate(model, prompt, params, request_id, self._timeout)
-            generation = Generation(self._pool, self._metrics, decision, call, model, arrived_at)
+            generation = Generation(self._pool, self._metrics, decision, call, model, arrived_at,
+                                    choices=params.n)
             try:
                 await generation.first()
             except (SourceUnavailable, Cancelled, WorkerUnavailable) as exc:

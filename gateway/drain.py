@@ -9,6 +9,11 @@ On the first SIGINT/SIGTERM (``lorastream.gateway.server``) :meth:`Drain.run` st
 3. each one still open then is cut: a stream gets an OpenAI-shaped error event
    (``{"error": {..., "type": "service_unavailable", "code": "shutting_down"}}``) and
    ``data: [DONE]``, a non-streamed request a 503 with that body; then the server stops.
+
+A second signal during the drain (an impatient operator's Ctrl-C, a ``kill`` sent twice) ends
+the drain period at once (:meth:`Drain.stop_now`): step 3 happens now, so the open streams still
+end with the error event and ``[DONE]`` and the process exits 0 within ``CUT_GRACE_S`` plus
+uvicorn's last-response wait, not ``drain_seconds`` later. A third signal is uvicorn's own.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Drain:
         self._open: dict[int, Callable[[], None]] = {}
         self._next = 0
         self._idle: asyncio.Event | None = None  # made by run(), in the event loop
+        self._stop_now = asyncio.Event()  # set by stop_now(): cut the open generations now
 
     @property
     def open_count(self) -> int:
@@ -87,9 +93,14 @@ class Drain:
                     ) from None
                 raise
 
+    def stop_now(self) -> None:
+        """End the drain period at once (a second signal): :meth:`run` cuts what is open now.
+        Call it in the event loop; before :meth:`run` has started, it makes run() cut at once."""
+        self._stop_now.set()
+
     async def run(self, seconds: float) -> None:
-        """Turn readiness off, wait up to ``seconds`` for the open generations to end, cut the
-        rest and give them ``CUT_GRACE_S`` to write their error."""
+        """Turn readiness off, wait up to ``seconds`` (or until :meth:`stop_now`) for the open
+        generations to end, cut the rest and give them ``CUT_GRACE_S`` to write their error."""
         self.draining = True
         self._idle = asyncio.Event()
         if not self._open:
@@ -97,11 +108,20 @@ class Drain:
         log.info("gateway draining: /health is 503, new requests are refused; waiting up to "
                  "%.0f s for %d open generation(s)", seconds, self.open_count)
         started = time.monotonic()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=seconds)
+        waits = [asyncio.ensure_future(self._idle.wait()),
+                 asyncio.ensure_future(self._stop_now.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         if self._open:
-            log.warning("drain period of %.0f s over: ending %d open generation(s) with a "
-                        "shutting_down error", seconds, self.open_count)
+            if self._stop_now.is_set():
+                log.warning("second signal: ending %d open generation(s) now with a "
+                            "shutting_down error", self.open_count)
+            else:
+                log.warning("drain period of %.0f s over: ending %d open generation(s) with a "
+                            "shutting_down error", seconds, self.open_count)
             for cut in list(self._open.values()):
                 cut()
             with contextlib.suppress(TimeoutError):

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 _NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
-                    "stop", "ignore_eos")
+                    "stop", "ignore_eos", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
+                    "response_format", "structured_outputs")
 
 
 @dataclass
@@ -96,7 +98,7 @@ def api_error(exc: BaseException, prompt_param: str = "prompt") -> ApiError:
 
 def _guess_param(message: str, prompt_param: str) -> str | None:
     """The request field a worker's InvalidArgument message is about (its first word)."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].removesuffix(":")
     if first in _SAMPLING_FIELDS:
         return first
     if "prompt" in message:

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic), and their translation to the worker's plain types.
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 naming the field (a
-silently ignored ``n=3`` or ``logprobs`` would hand the client something it did not ask for);
+silently ignored ``best_of`` or ``tools`` would hand the client something it did not ask for);
 each refusal is a field validator, so the error's ``param`` names the field. LoRAX's
 ``adapter_id`` is honoured like ``model`` (never ignored: a request naming an adapter must not be
 answered by the base model). Other unknown fields are ignored, as vLLM does, so vendor extensions
@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
 
 from lorastream.core.errors import InvalidArgument
-from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.generation import MAX_CHOICES, MAX_LOGPROBS, PromptInput, SamplingParams
+from lorastream.gateway.structured import structured_output
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -46,48 +47,44 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    n: StrictInt = 1
+    n: StrictInt = Field(
+        1, ge=1, le=MAX_CHOICES, description="Choices; the prompt is prefilled once."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="vLLM's extra: HF's penalty over prompt + generated tokens."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    min_tokens: StrictInt = Field(0, ge=0, le=_INT32_MAX)
     adapter_id: str | None = Field(
         None, min_length=1, description="LoRAX's name for the adapter: honoured like `model`."
     )
-    adapter_source: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported (one choice per request); send n requests")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported; leave it unset or 0")
-        return value
+    adapter_source: Literal["hub", "s3", "local", "pbase"] | None = Field(
+        None, description="LoRAX's source of adapter_id: checked against the staged adapter's "
+        "(lorastream/gateway/lorax.py)."
+    )
+    response_format: dict[str, Any] | None = Field(
+        None, description="OpenAI's: text, json_object or json_schema (lorastream/gateway/"
+        "structured.py)."
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's extra: exactly one of json, regex, choice, grammar."
+    )
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; leave it unset")
-        return value
-
-    @field_validator("adapter_source")
-    @classmethod
-    def _no_adapter_source(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError(
-                "adapter_source is not supported: register the adapter with the store "
-                "(`lorastream adapters preload` or POST /v1/adapters), then name it by "
-                "adapter_id or model"
-            )
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) > _INT32_MAX:
+                raise ValueError(f"keys must be token ids (as strings, e.g. '50256'), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value
 
     def target(self, base_model: str | None) -> str:
@@ -118,10 +115,22 @@ class _GenerationRequest(BaseModel):
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=tuple(sorted((int(k), b) for k, b in (self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens,
+            logprobs=self.top_logprobs_count(),
+            n=self.n,
+            structured=structured_output(self.response_format, self.structured_outputs),
         )
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; k: the sampled token's and the k most likely tokens'."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_GenerationRequest):
@@ -130,7 +139,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: StrictInt | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
 
     @field_validator("prompt")
@@ -145,12 +154,15 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("the prompt is empty")
         return value
 
-    @field_validator("echo", "suffix", "logprobs", "best_of")
+    @field_validator("echo", "suffix", "best_of")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value and not (info.field_name == "best_of" and value == 1):
             raise ValueError(f"{info.field_name} is not supported by this server; leave it unset")
         return value
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> PromptInput:
         prompt = self.prompt
@@ -193,10 +205,9 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=_INT32_MAX)
     logprobs: bool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -205,7 +216,17 @@ class ChatCompletionRequest(_GenerationRequest):
             message.text()  # raises on non-text parts
         return value
 
-    @field_validator("logprobs", "top_logprobs", "tools")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true; set both, or leave it unset")
+        return value
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("tools")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and value not in (False, []):
@@ -218,13 +239,6 @@ class ChatCompletionRequest(_GenerationRequest):
         if value not in (None, "none"):
             raise ValueError("tools are not supported by this server, so tool_choice can only be "
                              "'none'; leave it unset")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return value
 
     def _max_tokens(self) -> int | None:

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from lorastream.core.errors import AdapterNotFound, LorastreamError
+from lorastream.core.errors import LorastreamError
 from lorastream.core.generation import AdapterStatus
-from lorastream.core.manifest import AdapterManifest, PreloadProgress, manifest_json
+from lorastream.core.manifest import PreloadProgress, manifest_json
+from lorastream.gateway.adapter_ops import forget, load_into, run_preload
 from lorastream.gateway.auth import require_operator
 from lorastream.gateway.catalog import residency_row, residency_summary, status_json
 from lorastream.gateway.errors import UpstreamTimeout
@@ -59,7 +60,9 @@ async def preload(body: PreloadBody, request: Request) -> Response | dict[str, A
         return StreamingResponse(_preload_events(state, body), media_type="text/event-stream")
     try:
         manifest = await asyncio.wait_for(
-            state.in_thread(_run_preload, state, body, None), state.settings.preload_timeout_s
+            state.in_thread(run_preload, state, body.source, body.name, pin=body.pin,
+                            force=body.force),
+            state.settings.preload_timeout_s,
         )
     except TimeoutError as exc:
         raise UpstreamTimeout(
@@ -88,15 +91,7 @@ async def load(name: str, request: Request, body: LoadBody | None = None) -> JSO
     state = gateway_state(request)
     body = body or LoadBody(workers=None)
     targets = _load_targets(state, name, body)
-
-    async def one(target: str) -> AdapterStatus | LorastreamError:
-        client = state.pool.get(target).client
-        try:
-            return await client.load_adapter(name, body.pin, state.settings.load_timeout_s)
-        except LorastreamError as exc:
-            return exc
-
-    results = await asyncio.gather(*(one(t) for t in targets))
+    results = await load_into(state, name, targets, body.pin)
     failures = [r for r in results if isinstance(r, LorastreamError)]
     if len(failures) == len(results):
         raise api_error(failures[0], "name")
@@ -132,26 +127,9 @@ async def describe(name: str, request: Request) -> dict[str, Any]:
 @router.delete("/{name:path}")
 async def delete(name: str, request: Request) -> dict[str, Any]:
     """Forget the adapter in the store, then unload it from every worker that holds it."""
-    state = gateway_state(request)
-    await state.in_thread(state.store.delete, name)
-    healthy = [w.target for w in state.pool.workers.values() if w.healthy]
-
-    async def unload(target: str) -> str | None:
-        """None when unloaded; "" when the worker did not hold it; else the error."""
-        try:
-            await state.pool.get(target).client.unload_adapter(name)
-        except AdapterNotFound:
-            return ""
-        except LorastreamError as exc:
-            return str(exc)
-        return None
-
-    outcome = dict(zip(healthy, await asyncio.gather(*(unload(t) for t in healthy)), strict=True))
-    return {
-        "deleted": name,
-        "unloaded": [target for target, error in outcome.items() if error is None],
-        "unload_errors": {target: error for target, error in outcome.items() if error},
-    }
+    forgotten = await forget(gateway_state(request), name)
+    return {"deleted": name, "unloaded": forgotten.unloaded,
+            "unload_errors": forgotten.unload_errors}
 
 
 def _load_targets(state: GatewayState, name: str, body: LoadBody) -> list[str]:
@@ -174,23 +152,6 @@ def _load_targets(state: GatewayState, name: str, body: LoadBody) -> list[str]:
         raise api_error(exc) from exc
 
 
-def _run_preload(
-    state: GatewayState,
-    body: PreloadBody,
-    on_event: Callable[[PreloadProgress], None] | None,
-) -> AdapterManifest:
-    """Blocking: drive the store's preload stream; return the manifest of the staged adapter."""
-    manifest: AdapterManifest | None = None
-    for event in state.store.preload(body.source, body.name, pin=body.pin, force=body.force):
-        if on_event is not None:
-            on_event(event)
-        manifest = event.manifest or manifest
-    if manifest is None:
-        raise LorastreamError(f"the store ended the preload of {body.name} without a manifest")
-    log.info("preloaded %s from %s (%d bytes)", body.name, body.source, manifest.total_bytes)
-    return manifest
-
-
 async def _preload_events(state: GatewayState, body: PreloadBody) -> AsyncIterator[bytes]:
     """SSE progress of one preload: phase events, then the adapter, then ``[DONE]``."""
     loop = asyncio.get_running_loop()
@@ -199,7 +160,10 @@ async def _preload_events(state: GatewayState, body: PreloadBody) -> AsyncIterat
     def push(event: PreloadProgress) -> None:
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    task = asyncio.ensure_future(state.in_thread(_run_preload, state, body, push))
+    task = asyncio.ensure_future(state.in_thread(
+        run_preload, state, body.source, body.name, pin=body.pin, force=body.force,
+        on_event=push,
+    ))
     try:
         while not task.done() or not events.empty():
             getter = asyncio.ensure_future(events.get())

@@ -19,6 +19,7 @@ from lorastream.gateway.dispatch import Generation
 from lorastream.gateway.drain import Drain, shutting_down
 from lorastream.gateway.errors import ClientGone
 from lorastream.gateway.http_errors import ApiError, api_error
+from lorastream.gateway.lorax import check_adapter_source
 from lorastream.gateway.openai_responses import (
     SSE_DONE,
     Completed,
@@ -92,12 +93,15 @@ async def _generate(
         model = body.target(state.pool.base_model)
     except LorastreamError as exc:
         raise ApiError(400, str(exc), param="adapter_id", code="invalid_value") from exc
-    builder = ResponseBuilder(model, chat)
+    if body.adapter_source is not None:
+        await check_adapter_source(state, model, body.adapter_id, body.adapter_source)
+    builder = ResponseBuilder(model, chat, logprobs=body.top_logprobs_count() is not None)
     headers = {"x-request-id": builder.id}
     try:
         params = body.sampling(0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
         # max_tokens 0 means "the worker's default" (sent unset on the wire): check the rest.
-        dataclasses.replace(params, max_tokens=params.max_tokens or 1).validate(_ANY_VOCAB)
+        unset = max(1, params.min_tokens)
+        dataclasses.replace(params, max_tokens=params.max_tokens or unset).validate(_ANY_VOCAB)
         start = state.dispatcher.start(model, body.prompt_input(), params, builder.id, arrived_at)
         if not body.stream:
             done = await unless_disconnected(request, state.drain.guard(_collect(start)))
@@ -109,7 +113,7 @@ async def _generate(
             error.param = "adapter_id" if body.adapter_id else "model"
         raise error from exc
     return StreamingResponse(
-        _stream(request, generation, builder, body.include_usage, state.drain),
+        _stream(request, generation, builder, body.include_usage, state.drain, body.n),
         media_type="text/event-stream",
         headers={**_SSE_HEADERS, **headers},
     )
@@ -125,7 +129,7 @@ async def _collect(start: Awaitable[Generation]) -> Completed:
 
 async def _stream(
     request: Request, generation: Generation, builder: ResponseBuilder, include_usage: bool,
-    drain: Drain,
+    drain: Drain, choices: int = 1,
 ) -> AsyncIterator[bytes]:
     """SSE body: chunks as tokens arrive, then usage (if asked) and ``[DONE]``.
 
@@ -145,7 +149,8 @@ async def _stream(
         async with on_disconnect(request, generation.cancel):
             with drain.track(cut_stream):
                 if builder.chat:
-                    yield sse(builder.role_chunk())
+                    for index in range(choices):
+                        yield sse(builder.role_chunk(index))
                 async for event in generation.events():
                     done.add(event)
                     chunk = builder.delta_chunk(event)

@@ -1,23 +1,35 @@
-"""Which worker serves a request: residency first, then rendezvous hashing with bounded load.
+"""Which worker serves a request: residency first, bounded by load, then rendezvous hashing.
 
 Plain Python over plain views of the workers; the worker pool builds the views from its polls.
 
 Semantics (for a request for adapter ``m``, over the healthy workers with room)::
 
     least = min(load of every candidate)
+    mean = sum(load of every candidate) / number of candidates
+    bound = least + max(spill_threshold, spill_fraction * mean)
     for tier in (DEVICE, HOST):                     # HOST includes "loading"
         holders = candidates holding m at that tier
         best = min(holders, key=(load, -hrw(m, w)))
-        if best.load <= least + spill_threshold: return best, reason=tier
+        if best.load <= bound: return best, reason=tier
     top = argmax over candidates of hrw(m, w)       # consistent: m keeps landing on top
-    if top.load <= least + spill_threshold: return top, reason=HASH
+    if top.load <= bound: return top, reason=HASH
     return min(candidates, key=(load, -hrw(m, w))), reason=LEAST_LOADED
 
 The base model needs no residency: it goes to the least loaded worker (ties broken by hash).
 
+So no worker's queue grows past ``bound`` (+1, the request itself) for affinity's sake: the slack
+a preferred worker gets over the least loaded one is ``spill_threshold`` requests, or a fixed
+fraction of the mean queue once the workers are busy. A worker that comes back empty is the least
+loaded one: every request whose holders are past the bound goes to it, and each adapter it receives
+counts as loading there (the pool's routing hint), so it holds that adapter from its next request
+on and competes for it on load.
+
 Example: workers A (m on device, load 3), B (m in host memory, load 0), C (load 0),
-spill_threshold 8: A wins with reason DEVICE (3 <= 0 + 8). With A at load 12 it would spill:
-B, holding m in host memory at load 0, wins with reason HOST.
+spill_threshold 2, spill_fraction 0.25: mean 1, bound 0 + max(2, 0.25) = 2. A is past it, so B,
+holding m in host memory at load 0, wins with reason HOST. With A at load 2 A would win (DEVICE).
+Restart: A and B hold every adapter at load 12 each, C is back with nothing at load 0: mean 8,
+bound 0 + max(2, 2) = 2, so C takes every request (as m's hash home, else as the least loaded)
+until A and B are within 2 of it.
 """
 
 from __future__ import annotations
@@ -82,10 +94,14 @@ def hrw_score(model: str, target: str) -> int:
 
 
 class Router:
-    """Chooses a worker for each request; stateless apart from its two knobs."""
+    """Chooses a worker for each request; stateless apart from its knobs (``Semantics`` above;
+    ``max_load``: the queue depth at which a worker takes no more requests, None for no limit)."""
 
-    def __init__(self, spill_threshold: int = 8, max_load: int | None = None) -> None:
+    def __init__(
+        self, spill_threshold: int = 2, max_load: int | None = None, spill_fraction: float = 0.25
+    ) -> None:
         self.spill_threshold = spill_threshold
+        self.spill_fraction = spill_fraction
         self.max_load = max_load
 
     def choose(
@@ -115,8 +131,8 @@ class Router:
             )
         # Highest hash first: the order every tie is broken by.
         ordered = sorted(candidates, key=lambda w: hrw_score(model, w.target), reverse=True)
-        least = min(w.load for w in ordered)
-        bound = least + self.spill_threshold
+        mean = sum(w.load for w in ordered) / len(ordered)
+        bound = self.bound(min(w.load for w in ordered), mean)
         if base_model:
             return RouteDecision(_least_loaded(ordered).target, RouteReason.LEAST_LOADED)
         for tier, reason in ((Tier.DEVICE, RouteReason.DEVICE), (Tier.HOST, RouteReason.HOST)):
@@ -128,6 +144,10 @@ class Router:
         if ordered[0].load <= bound:
             return RouteDecision(ordered[0].target, RouteReason.HASH)
         return RouteDecision(_least_loaded(ordered).target, RouteReason.LEAST_LOADED)
+
+    def bound(self, least: int, mean: float) -> float:
+        """The deepest queue a preferred worker may have and still be chosen."""
+        return least + max(self.spill_threshold, self.spill_fraction * mean)
 
 
 def _least_loaded(ordered: Sequence[WorkerView]) -> WorkerView:

@@ -28,7 +28,8 @@ STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, except that the first SIGINT/SIGTERM drains (``Drain.run``) before it
-    stops, and then exits with status 0; a second signal stops at once, as uvicorn does."""
+    stops, and then exits with status 0; a second one ends the drain at once (the open streams
+    are cut with their error event and ``[DONE]``, exit 0); a third is uvicorn's own."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain, drain_seconds: float) -> None:
         super().__init__(config)
@@ -36,14 +37,21 @@ class DrainingServer(uvicorn.Server):
         self._drain_seconds = drain_seconds
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Task[None] | None = None
+        self._stopping_now = False  # a second signal came during the drain
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None or self._drain.draining:
-            super().handle_exit(sig, frame)  # not serving yet, or a second signal
+        if self._loop is None or self._stopping_now:
+            super().handle_exit(sig, frame)  # not serving yet, or a third signal
+            return
+        if self._drain.draining:
+            log.warning("gateway: %s received again, ending the drain now",
+                        signal.Signals(sig).name)
+            self._stopping_now = True
+            self._loop.call_soon_threadsafe(self._drain.stop_now)
             return
         log.info("gateway: %s received, draining (up to %.0f s; again to stop at once)",
                  signal.Signals(sig).name, self._drain_seconds)

@@ -26,6 +26,7 @@ from lorastream.core.generation import (
 )
 from lorastream.core.grpc_status import raise_from_rpc_error
 from lorastream.core.tls import ClientTLS, open_aio_channel
+from lorastream.core.tokenization import Tokenized, TokenizeInput
 from lorastream.gateway.errors import UpstreamTimeout, WorkerFailed, WorkerUnavailable
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
@@ -175,6 +176,14 @@ class AsyncWorkerClient:
 
     async def unload_adapter(self, name: str) -> None:
         await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    async def tokenize(self, request: TokenizeInput) -> Tokenized:
+        reply = await self._call(self._stub.Tokenize, codec.tokenize_request_to_pb(request))
+        return codec.tokenized_from_pb(reply, request.return_token_strs)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        reply = await self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))
+        return str(reply.prompt)
 
     async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:

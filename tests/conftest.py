@@ -11,6 +11,9 @@ the test process holds many. ``tests/worker/test_fetch_process.py`` turns it on 
 Stores built or started by tests may stage local adapters from the temporary directory (where
 the tests make them); a store allows no local path unless given roots. Tests of the roots
 themselves pass ``allowed_local_roots`` explicitly.
+
+Workers and stores started by tests as processes serve their metrics on a free port: on the
+defaults (9452, 9451) two at once on this machine would refuse to start.
 """
 
 import os
@@ -19,6 +22,8 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LORASTREAM_WORKER_HOST_MEMORY_PREFAULT", "false")
 os.environ.setdefault("LORASTREAM_STORE_ALLOWED_LOCAL_ROOTS", tempfile.gettempdir())
+os.environ.setdefault("LORASTREAM_WORKER_METRICS_PORT", "0")
+os.environ.setdefault("LORASTREAM_STORE_METRICS_PORT", "0")
 
 
 def pytest_configure(config) -> None:  # noqa: ANN001

@@ -535,3 +535,41 @@ def test_stop_grace_period_covers_the_drain_and_a_margin(
     settings = run_capturing(config["command"], env, serve, monkeypatch)
     covered = _seconds(config["stop_grace_period"]) >= settings.drain_seconds + STOP_MARGIN_S
     assert covered is (drain is None), (service, config["stop_grace_period"], settings)
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+METRICS = {  # service -> the function its command reaches, the port its metrics are served on
+    "adapter-store": ("lorastream.store.server.serve", 9451),
+    "gpu-worker": ("lorastream.worker.service.server.serve", 9452),
+    "gpu-worker-cpu": ("lorastream.worker.service.server.serve", 9452),
+}
+
+
+@pytest.mark.parametrize("service", list(METRICS))
+def test_the_store_and_the_workers_serve_metrics_on_a_port_published_on_loopback(
+    service: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_compose_stack import run_capturing
+
+    config = load_compose()["services"][service]
+    serve, port = METRICS[service]
+    env = service_env(config) | {"LORASTREAM_TOKEN": "op-token"}
+    settings = run_capturing(config["command"], env, serve, monkeypatch)
+    assert (settings.host, settings.metrics_port) == ("0.0.0.0", port)
+    assert f"127.0.0.1:{port}:{port}" in config["ports"]
+
+
+@pytest.mark.parametrize(
+    ("env", "published"),
+    [({}, "127.0.0.1:9452:9452"),
+     ({"LORASTREAM_WORKER_METRICS_PORT": "19452"}, "127.0.0.1:19452:9452")],
+    ids=["default", "moved-on-the-host"],
+)
+def test_the_published_metrics_port_moves_on_the_host_only(
+    env: dict[str, str], published: str
+) -> None:
+    from tests.test_compose_stack import option
+
+    worker = load_compose(env)["services"]["gpu-worker-cpu"]
+    assert published in worker["ports"]
+    assert option(worker["command"], "--metrics-port") == "9452"

@@ -10,6 +10,7 @@ and ``[DONE]`` and exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -29,6 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorastream.core import errors
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.worker_client import WorkerClient
+from lorastream.gateway.drain import Drain
+from lorastream.gateway.http_errors import ApiError
 from lorastream.stack.launcher import wait_http_ok, wait_serving
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
@@ -208,3 +211,77 @@ def test_gateway_sigterm_answers_a_non_streamed_request_cut_by_the_drain_with_50
     finally:
         output = _output(proc)
     assert "ending 1 open generation(s)" in output, output
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGINT),
+     (signal.SIGTERM, signal.SIGINT)],
+    ids=["term-term", "int-int", "term-int"],
+)
+def test_gateway_second_signal_during_the_drain_cuts_open_streams_at_once_and_exits_0(
+    worker: str, tmp_path: Path, first: signal.Signals, second: signal.Signals
+) -> None:
+    """Like uvicorn and vLLM, a second signal means "stop now" — but the open streams still end
+    cleanly: within seconds (not the 60 s drain) each gets the shutting_down error event and
+    [DONE], and the process exits 0."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _spawn(["gateway", "serve", "--port", str(port), "--worker", worker,
+                   "--store", "127.0.0.1:1", "--resolve-interval", "0", "--drain-seconds", "60"],
+                  tmp_path)
+    body = {"model": BASE, "prompt": [1, 5, 9], "max_tokens": LONG, "ignore_eos": True,
+            "stream": True}
+    try:
+        wait_http_ok(f"{url}/health", proc, 60)
+        with httpx.Client(base_url=url, timeout=30) as http, \
+                http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = _events(response.iter_lines())
+            next(events)
+            proc.send_signal(first)
+            with httpx.Client(base_url=url, timeout=5) as other:
+                deadline = time.monotonic() + 2
+                while other.get("/health").status_code == 200:
+                    assert time.monotonic() < deadline, "readiness stayed on"
+            signalled = time.monotonic()
+            proc.send_signal(second)
+            rest = list(events)
+            ended_after = time.monotonic() - signalled
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == "shutting_down"
+        assert ended_after < 3, ended_after
+        assert proc.wait(timeout=10) == 0
+        exited_after = time.monotonic() - signalled
+        assert exited_after < 8, exited_after
+    finally:
+        output = _output(proc)
+    assert "received again, ending the drain now" in output, output
+    assert "ending 1 open generation(s) now" in output, output
+
+
+@pytest.mark.parametrize("before_run", [True, False], ids=["before-run", "during-run"])
+def test_drain_stop_now_cuts_the_open_generations_at_once(before_run: bool) -> None:
+    """The second signal's effect in-process: a 60 s drain with a generation open ends at once
+    (even when the signal's callback runs before the drain's task has started), and the
+    generation gets the shutting_down 503."""
+
+    async def scenario() -> tuple[float, ApiError | None]:
+        drain = Drain()
+        generation = asyncio.ensure_future(drain.guard(asyncio.sleep(60)))
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        if before_run:
+            drain.stop_now()
+        else:
+            asyncio.get_running_loop().call_later(0.1, drain.stop_now)
+        await drain.run(60)
+        try:
+            await generation
+        except ApiError as exc:
+            return time.monotonic() - started, exc
+        return time.monotonic() - started, None
+
+    took, error = asyncio.run(scenario())
+    assert took < 1, took
+    assert error is not None and (error.status, error.code) == (503, "shutting_down")

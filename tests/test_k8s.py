@@ -286,12 +286,12 @@ def test_gateway_finds_workers_and_store_through_their_services() -> None:
     assert workers.get("publishNotReadyAddresses", False) is False
     worker_pods = _by(docs, "Deployment/gpu-worker")["spec"]["selector"]["matchLabels"]
     assert workers["selector"] == worker_pods
-    assert [p["port"] for p in workers["ports"]] == [int(port)]
+    assert {p["name"]: p["port"] for p in workers["ports"]}["grpc"] == int(port)
     for workload in ("Deployment/gateway", "Deployment/gpu-worker"):
         args = the_container(_by(docs, workload))["args"]
         store_host, store_port = option(args, "--store").split(":")
         store = _by(docs, f"Service/{store_host}")["spec"]
-        assert [p["port"] for p in store["ports"]] == [int(store_port)]
+        assert {p["name"]: p["port"] for p in store["ports"]}["grpc"] == int(store_port)
     assert _by(docs, "StatefulSet/adapter-store")["spec"]["serviceName"] == "adapter-store"
 
 
@@ -415,19 +415,24 @@ TLS_FIELDS = {  # workload -> settings field -> the Secret's file it must name
 
 
 @functools.cache
-def _with_tls() -> str:
-    """`kubectl kustomize` of deploy/k8s with the tls component enabled, as YAML text."""
+def _with_components(*components: str) -> str:
+    """`kubectl kustomize` of deploy/k8s with these optional components enabled, as YAML text."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "k8s"
         shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("schemas"))
         with (copy / "kustomization.yaml").open("a") as file:
-            file.write("components:\n  - tls\n")
+            file.write("components:\n" + "".join(f"  - {c}\n" for c in components))
         return subprocess.run(
             ["kubectl", "kustomize", str(copy)], capture_output=True, text=True, timeout=60,
             check=True,
         ).stdout
+
+
+def _with_tls() -> str:
+    """`kubectl kustomize` of deploy/k8s with the tls component enabled, as YAML text."""
+    return _with_components("tls")
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) not installed")
@@ -497,3 +502,95 @@ def test_the_grace_period_covers_the_pre_stop_sleep_the_drain_and_a_margin(
         assert shortfall <= 0, f"{name}: terminationGracePeriodSeconds short by {shortfall} s"
     else:
         assert shortfall > 0
+
+
+# -- metrics: scrape annotations and the optional monitoring component (deploy/k8s/monitoring) ----
+def metrics_port(name: str, workload: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> int:
+    """The port the container's server serves /metrics on, from the settings its args yield."""
+    settings = run_capturing(the_container(workload)["args"], container_environment(workload),
+                             SERVES[name], monkeypatch)
+    return settings.port if name == "gateway" else settings.metrics_port
+
+
+@pytest.mark.parametrize("name", list(SERVES))
+def test_pods_carry_scrape_annotations_for_the_port_their_server_serves_metrics_on(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (workload,) = [w for w in workloads(base()) if w["metadata"]["name"] == name]
+    annotations = workload["spec"]["template"]["metadata"]["annotations"]
+    port = metrics_port(name, workload, monkeypatch)
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == port
+    assert port in {p["containerPort"] for p in the_container(workload)["ports"]}
+    assert port == {"adapter-store": 9451, "gpu-worker": 9452, "gateway": 8000}[name]
+
+
+def servicemonitor_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """Each part's Service is selected by the ServiceMonitor and exactly one of its endpoints
+    names a port of that Service, whose target is the port the pod annotates for scraping."""
+    (monitor,) = find(docs, "ServiceMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"].items()
+    endpoints = [e["port"] for e in monitor["spec"]["endpoints"]]
+    problems = []
+    for name in SERVES:
+        service = _by(docs, f"Service/{name}")
+        if not selector <= service["metadata"]["labels"].items():
+            problems.append(f"the ServiceMonitor does not select Service/{name}")
+            continue
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        scraped = [ports[e] for e in endpoints if e in ports]
+        if len(scraped) != 1:
+            problems.append(f"Service/{name}: {len(scraped)} endpoints scrape it")
+            continue
+        (workload,) = [w for w in workloads(docs) if w["metadata"]["name"] == name]
+        declared = {p["name"]: p["containerPort"] for p in the_container(workload)["ports"]}
+        target = declared.get(scraped[0]["targetPort"], scraped[0]["targetPort"])
+        annotated = workload["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]
+        if target != int(annotated):
+            problems.append(f"Service/{name}: the ServiceMonitor scrapes {target}, not {annotated}")
+    return problems
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) not installed")
+def test_the_monitoring_component_adds_a_servicemonitor_scraping_every_part() -> None:
+    docs = list(yaml.safe_load_all(_with_components("monitoring")))
+    (monitor,) = find(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+    assert servicemonitor_problems(docs) == []
+    others = [d for d in docs if d["kind"] != "ServiceMonitor"]
+    assert sorted(others, key=ident) == sorted(base(), key=ident)  # it only adds
+
+
+MONITOR_BREAKAGES: list[tuple[str, Callable[[list[dict[str, Any]]], Any]]] = [
+    ("endpoint-on-no-port", lambda docs: find(docs, "ServiceMonitor")[0]["spec"]["endpoints"]
+     .pop(0)),
+    ("selector-misses-the-services", lambda docs: find(docs, "ServiceMonitor")[0]["spec"]
+     ["selector"]["matchLabels"].update({"app.kubernetes.io/part-of": "other"})),
+    ("annotation-on-another-port", lambda docs: _by(docs, "Deployment/gpu-worker")["spec"]
+     ["template"]["metadata"]["annotations"].update({"prometheus.io/port": "9999"})),
+]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) not installed")
+@pytest.mark.parametrize("breakage", [b for _, b in MONITOR_BREAKAGES],
+                         ids=[name for name, _ in MONITOR_BREAKAGES])
+def test_broken_monitoring_wiring_is_caught(
+    breakage: Callable[[list[dict[str, Any]]], Any]
+) -> None:
+    docs = list(yaml.safe_load_all(_with_components("monitoring")))
+    breakage(docs)
+    assert servicemonitor_problems(docs)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) not installed")
+def test_with_tls_the_gateway_pod_is_scraped_over_https() -> None:
+    docs = list(yaml.safe_load_all(_with_components("monitoring", "tls")))
+    annotations = _by(docs, "Deployment/gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scheme"] == "https"
+    for name in ("adapter-store", "gpu-worker"):  # their metrics stay plain HTTP
+        (workload,) = [w for w in workloads(docs) if w["metadata"]["name"] == name]
+        assert "prometheus.io/scheme" not in workload["spec"]["template"]["metadata"][
+            "annotations"]

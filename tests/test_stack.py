@@ -24,6 +24,8 @@ import lorastream
 from lorastream.cli.main import app
 from lorastream.core.errors import InvalidArgument
 from lorastream.stack.examples import examples
+from lorastream.store.config import StoreSettings
+from lorastream.worker.service.config import WorkerSettings
 from lorastream.stack.launcher import (
     SAMPLE_QUESTION,
     Stack,
@@ -51,6 +53,14 @@ def printed_commands(lines: list[str]) -> list[str]:
     return commands
 
 
+def _sample(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name{labels}`` in a Prometheus exposition (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -69,7 +79,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
     printed example trusting the throwaway CA."""
     model = make_tiny_checkpoint(tmp_path / "model")
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
-    store_port, worker_port, gateway_port = _free_ports(3)
+    store_port, worker_port, gateway_port, metrics_port = _free_ports(4)
     env_home = {"HOME": str(tmp_path / "home")}  # caches under tmp_path, not the user's
     (tmp_path / "home").mkdir()
     import os
@@ -78,6 +88,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         [sys.executable, "-m", "lorastream.cli.main", "up", "--model", str(model),
          "--adapter", f"demo={adapter}", "--store-port", str(store_port),
          "--worker-port", str(worker_port), "--port", str(gateway_port),
+         "--metrics-port", str(metrics_port),
          "--log-level", "WARNING", *(["--tls"] if tls else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env_home},
     )
@@ -138,6 +149,17 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
             app, ["adapters", "ls", "--store", f"localhost:{store_port}", *tls_flags]
         )
         assert anonymous.exit_code == 1 and "Unauthenticated" in anonymous.output
+        # metrics on by default: every part's /metrics answers with its own series
+        store_metrics = httpx.get(f"http://localhost:{metrics_port}/metrics").text
+        worker_metrics = httpx.get(f"http://localhost:{metrics_port + 1}/metrics").text
+        gateway_metrics = httpx.get(f"{gateway}/metrics", verify=verify).text
+        assert _sample(store_metrics, "lorastream_store_adapters_staged") >= 2  # demo, my-adapter
+        assert _sample(store_metrics, "lorastream_store_streams_total") >= 1
+        worker_lookups = sum(_sample(worker_metrics, f"lorastream_worker_adapter_{kind}_total",
+                                     tier="device") for kind in ("hits", "misses"))
+        assert worker_lookups >= 2  # the CLI's and the openai client's requests for demo
+        assert _sample(gateway_metrics, "lorastream_gateway_requests_total",
+                       endpoint="/v1/chat/completions", status="200") >= 1
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -198,17 +220,36 @@ def test_a_relative_adapter_path_is_registered_as_an_absolute_one(
     assert parse_adapter_specs([spec]) == {"demo": str(tmp_path / "adapters" / "demo")}
 
 
-@pytest.mark.parametrize("role", ["store", "worker", "gateway"])
+@pytest.mark.parametrize("role", ["store", "worker", "gateway", "store metrics",
+                                  "worker 0 metrics"])
 def test_up_refuses_a_port_in_use_before_starting_anything(role: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        others = iter(_free_ports(2))
-        ports = {name: port if name == role else next(others) for name in ("store", "worker")}
-        ports["gateway"] = port if role == "gateway" else _free_ports(1)[0]
+        roles = ("store", "worker", "gateway", "store metrics")
+        others = iter(_free_ports(len(roles)))
+        ports = {name: port if name == role else next(others) for name in roles}
+        if role == "worker 0 metrics":  # worker i serves its metrics on --metrics-port + 1 + i
+            ports["store metrics"] = port - 1
         stack = Stack(StackConfig(store_port=ports["store"], worker_port=ports["worker"],
-                                  gateway_port=ports["gateway"]))
+                                  gateway_port=ports["gateway"],
+                                  metrics_port=ports["store metrics"]))
         with pytest.raises(InvalidArgument, match=rf"{role}\b.* port {port} is in use"):
             stack.start()
     assert stack.processes == []
+
+
+def test_the_stack_serves_metrics_where_the_parts_serve_them_by_default() -> None:
+    """`lorastream up`'s metrics ports are the settings' defaults: the store's, then worker i's
+    at +1+i (a worker started alone serves on the first)."""
+    stack = Stack(StackConfig(workers=2))
+    store, worker = (settings.model_fields["metrics_port"].default  # tests/conftest.py sets 0
+                     for settings in (StoreSettings, WorkerSettings))
+    assert (store, worker) == (9451, 9452)
+    assert stack.metrics_urls == {
+        "store": f"http://localhost:{store}/metrics",
+        "worker 0": f"http://localhost:{worker}/metrics",
+        "worker 1": f"http://localhost:{worker + 1}/metrics",
+        "gateway": "http://localhost:8000/metrics",
+    }

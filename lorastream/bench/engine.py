@@ -99,7 +99,16 @@ def run_engine_bench(
     new_tokens: int = 32,
     repeats: int = 3,
     include_peft: bool = True,
+    quantization: str = "none",
 ) -> dict[str, object]:
+    """``quantization``: "none", or int8 modes (comma-separated) to compare with the fp32 base
+    instead (engine_quant.py)."""
+    modes = [q for q in quantization.split(",") if q and q != "none"]
+    if modes:
+        from lorastream.bench.engine_quant import run_quant_bench
+
+        return run_quant_bench(model, modes, adapters, rank, prompts, new_tokens, repeats,
+                               include_peft)
     from lorastream.worker.model.checkpoint import resolve_checkpoint
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings

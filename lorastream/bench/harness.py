@@ -10,6 +10,7 @@ sorted raw samples that CDF plots are drawn from.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import subprocess
@@ -25,7 +26,7 @@ import psutil
 
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.worker_client import WorkerClient
-from lorastream.stack.launcher import wait_serving
+from lorastream.stack.launcher import wait_http_ok, wait_serving
 from lorastream.worker.device.priority import lower_priority
 
 QUESTIONS = (
@@ -215,19 +216,21 @@ class RssSampler(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.05):
             try:
-                self.peak = max(self.peak, self._resident())
+                self.peak = max(self.peak, resident_bytes(self.process))
             except psutil.Error:
                 return
 
-    def _resident(self) -> int:
-        total = self.process.memory_info().rss
-        for child in self.process.children(recursive=True):
-            try:
-                info = child.memory_info()
-            except psutil.Error:  # exited meanwhile
-                continue
-            total += info.rss - info.shared
-        return total
+
+def resident_bytes(process: psutil.Process) -> int:
+    """``process``'s RSS plus its children's private resident memory (bytes)."""
+    total = process.memory_info().rss
+    for child in process.children(recursive=True):
+        try:
+            info = child.memory_info()
+        except psutil.Error:  # exited meanwhile
+            continue
+        total += info.rss - info.shared
+    return total
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -238,12 +241,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn(args: list[str], priority: str | None = None) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], priority: str | None = None,
+          cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
     """``lorastream ARGS --log-level WARNING`` as a child process, at ``priority`` (``idle`` or
-    ``nice:N``, see ``services/gpu_worker/device/priority.py``) if given."""
+    ``nice:N``, see ``services/gpu_worker/device/priority.py``) and on ``cpus`` if given."""
+
+    def before_exec() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if priority:
+            lower_priority(priority)
+
+    # metrics on free ports: the defaults (9451, 9452) fit one store and one worker a machine
+    metrics = {"LORASTREAM_STORE_METRICS_PORT": "0", "LORASTREAM_WORKER_METRICS_PORT": "0"}
     return subprocess.Popen(
         [sys.executable, "-m", "lorastream.cli.main", *args, "--log-level", "WARNING"],
-        preexec_fn=(lambda: lower_priority(priority)) if priority else None,
+        preexec_fn=before_exec if priority or cpus else None, env={**os.environ, **metrics},
     )
 
 
@@ -264,19 +277,51 @@ def running_store(
     return running(args, port, priority=priority, timeout_s=60)
 
 
+def start_serving(args: list[str], port: int, *, priority: str | None = None,
+                  cpus: set[int] | None = None, timeout_s: float = 600) -> subprocess.Popen[bytes]:
+    """Spawn ``lorastream ARGS`` (on ``cpus`` if given) serving gRPC on ``port`` and wait for
+    SERVING (the process is stopped if it never gets there)."""
+    process = spawn(args, priority, cpus)
+    try:
+        wait_serving(f"127.0.0.1:{port}", process, timeout_s)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
+def stop(process: subprocess.Popen[bytes], grace_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace_s``."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @contextmanager
 def running(args: list[str], port: int, *, priority: str | None = None,
             timeout_s: float = 600) -> Iterator[subprocess.Popen[bytes]]:
     """Spawn ``lorastream ARGS`` serving gRPC on ``port``; wait for SERVING; stop it on exit."""
-    process = spawn(args, priority)
+    process = start_serving(args, port, priority=priority, timeout_s=timeout_s)
     try:
-        wait_serving(f"127.0.0.1:{port}", process, timeout_s)
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
+
+
+@contextmanager
+def running_gateway(port: int, store: str, workers: list[str], *extra: str,
+                    timeout_s: float = 60) -> Iterator[subprocess.Popen[bytes]]:
+    """``lorastream gateway serve`` on ``port`` over ``workers``, ready once ``/health`` is 200;
+    ``extra``: more of its flags."""
+    args = ["gateway", "serve", "--port", str(port), "--store", store,
+            *(arg for target in workers for arg in ("--worker", target)), *extra]
+    process = spawn(args)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout_s)
+        yield process
+    finally:
+        stop(process)
 

@@ -109,7 +109,8 @@ def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
 
 
 def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
-    """MB/s against chunk size (log2 x) for the bare gRPC stream, the store and verified."""
+    """MB/s against chunk size (log2 x) for the bare gRPC stream, the store and verified (one
+    line per tensor digest when the result has them)."""
     points = [p for p in transfer.get("points") or [] if as_number(p.get("chunk_bytes"))]
     points.sort(key=lambda p: p["chunk_bytes"])
     if not points:
@@ -119,7 +120,11 @@ def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
     for key, label, color, marker in (
         ("bare_mb_s", "bare gRPC (raw bytes)", "tab:gray", "o"),
         ("store_mb_s", "store stream (CRC-32C checked)", "tab:blue", "s"),
-        ("verified_mb_s", "store, landed + sha256 verified", "tab:green", "^"),
+        *((("verified_sha256_mb_s", "landed + sha256", "tab:red", "v"),
+           ("verified_blake3_mb_s", "landed + BLAKE3", "tab:orange", "D"),
+           ("verified_xxh3_mb_s", "landed + xxh3-128 (default)", "tab:green", "^"))
+          if any("verified_xxh3_mb_s" in p for p in points)
+          else (("verified_mb_s", "store, landed + sha256 verified", "tab:green", "^"),)),
     ):
         _line(ax, sizes, [p.get(key) for p in points], label, color, marker)
     ax.set_xscale("log", base=2)
@@ -135,6 +140,56 @@ def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
     size = f"{mb / 1e6:.0f} MB adapter" if mb else "synthetic adapter"
     fig.suptitle(f"Adapter stream on loopback: {size}, {transfer.get('repeats', '?')} rounds "
                  "per chunk size")
+    return _save(fig, out_png)
+
+
+def soak_rss(soak: Mapping[str, Any], out_png: Path) -> Path | None:
+    """Each worker's RSS over the soak, with its phases marked (warm-up end, restart, end)."""
+    timelines = get(soak, "rss", "timeline_mb") or []
+    series = [[[as_number(v) for v in p] for p in worker if isinstance(p, Sequence) and len(p) >= 2]
+              for worker in timelines]
+    if not any(series):
+        return None
+    fig, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    for i, points in enumerate(series):
+        color = colors[i % len(colors)]
+        for column, label, style in ((1, f"worker {i}, RSS", "-"),
+                                     (2, f"worker {i}, anonymous (heap)", ":")):
+            pairs = [(p[0], p[column]) for p in points
+                     if len(p) > column and p[0] is not None and p[column] is not None]
+            if pairs:
+                ax.plot(*zip(*pairs, strict=True), label=label, color=color, linestyle=style,
+                        linewidth=1)
+    marks = get(soak, "rss", "marks_s") or {}
+    for key, label, style in (("warm_up_end", "warm-up end", ":"), ("restart", "restart", "--"),
+                              ("soak_end", "soak end", "-.")):
+        at = as_number(marks.get(key))
+        if at is not None:
+            ax.axvline(at, color="gray", linestyle=style, label=label)
+    ax.set_xlabel("time since the workers started (s)")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    c = soak.get("config") or {}
+    fig.suptitle(f"Soak: worker RSS each second — {c.get('workers', '?')} workers, "
+                 f"{c.get('adapters', '?')} adapters, {c.get('load_factor', '?')}x capacity")
+    return _save(fig, out_png)
+
+
+def soak_latency(soak: Mapping[str, Any], out_png: Path) -> Path | None:
+    """TTFT and end-to-end latency CDFs of the soak's requests."""
+    series = {key: _floats(get(soak, "latency", "cdf", key)) for key in ("ttft_ms", "e2e_ms")}
+    if not any(series.values()):
+        return None
+    fig, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
+    for key, label, color in (("ttft_ms", "TTFT", "tab:blue"),
+                              ("e2e_ms", "end-to-end", "tab:orange")):
+        _cdf(ax, series[key], label, color)
+    _cdf_axes(ax, "latency (ms)", "", list(series.values()))
+    soak_rate = get(soak, "soak", "rate_req_s")
+    fig.suptitle(f"Soak: latency CDF at {soak_rate} req/s (TTFT includes queueing)")
     return _save(fig, out_png)
 
 

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from lorastream.bench import plots as plot
-from lorastream.bench import report_registry, report_serve
+from lorastream.bench import (
+    report_grammar,
+    report_push,
+    report_quant,
+    report_registry,
+    report_serve,
+    report_soak,
+    report_transfer,
+)
 from lorastream.bench import report_sections as sections
 from lorastream.bench.report_format import (
     GOALS_HEADER,
@@ -51,7 +59,7 @@ BENCHES = (
     Bench("transfer", "Store stream vs bare gRPC (transfer)",
           "lorastream bench transfer --chunk-sizes 64K,256K,1M,4M "
           "--output {results}/transfer.json",
-          sections.transfer_section, sections.transfer_goals,
+          report_transfer.transfer_section, report_transfer.transfer_goals,
           (("transfer", plot.transfer_plot),)),
     Bench("engine", "Engine: many adapters vs base only vs HF + PEFT (engine)",
           "lorastream bench engine --repeats 2 --output {results}/engine.json",
@@ -61,16 +69,30 @@ BENCHES = (
           "lorastream bench engine --model gemma3-270m --repeats 2 "
           "--output {results}/engine-gemma3-270m.json",
           sections.engine_gemma_section, sections.engine_goals),
+    Bench("engine-int8", "Engine over a quantized base: fp32 vs int8 vs int8-dynamic (engine-int8)",
+          "lorastream bench engine --quantization int8,int8-dynamic --repeats 2 "
+          "--output {results}/engine-int8.json",
+          report_quant.quant_section, report_quant.quant_goals),
     Bench("serve", "Serving cold adapters: overlapped loading on vs off (serve)",
           "lorastream bench serve --output {results}/serve.json",
           report_serve.serve_section, report_serve.serve_goals,
           (("serve_cdf", plot.ttft_itl_cdf), ("serve_interference", plot.interference_cdf))),
-    Bench("scale", "Scale: from tens to a thousand adapters, and HF + PEFT (scale)",
+    Bench("scale", "Scale: from ten to ten thousand adapters, and HF + PEFT (scale)",
           "lorastream bench scale --output {results}/scale.json",
           sections.scale_section, sections.scale_goals, (("scale", plot.scale_plot),)),
     Bench("registry", "Store registry: registration cost against the number of names (registry)",
           "lorastream bench registry --output {results}/registry.json",
           report_registry.registry_section, report_registry.registry_goals),
+    Bench("push", "Push from memory vs write to S3 then preload, to first token (push)",
+          "lorastream bench push --output {results}/push.json",
+          report_push.push_section, report_push.push_goals),
+    Bench("grammar", "Structured outputs: llguidance vs xgrammar per step (grammar)",
+          "lorastream bench grammar --output {results}/grammar.json",
+          report_grammar.grammar_section, report_grammar.grammar_goals),
+    Bench("soak", "Soak: two workers at 2x capacity, cancellations, a restart (soak)",
+          "lorastream bench soak --output {results}/soak.json",
+          report_soak.soak_section, report_soak.soak_goals,
+          (("soak_rss", plot.soak_rss), ("soak_latency", plot.soak_latency))),
 )
 REPORT_COMMAND = "lorastream bench report --results {results} --out {out}"
 # Machine fields that must agree for results to be comparable (date and bandwidth may vary).

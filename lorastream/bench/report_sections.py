@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lorastream.bench.plots import format_bytes
 from lorastream.bench.report_format import (
     GOALS_HEADER,
     MISSING,
@@ -29,12 +28,6 @@ from lorastream.bench.report_format import (
 
 
 # -- goals -------------------------------------------------------------------------------------
-def transfer_goals(r: Result) -> list[list[str]]:
-    chunk = as_number(r.get("chunk_bytes"))
-    at = f" at {format_bytes(chunk)} chunks" if chunk else ""
-    return [goal_row(f"store stream / bare gRPC{at}", r.get("store_vs_bare"), r.get("goal"))]
-
-
 def engine_goals(r: Result) -> list[list[str]]:
     model = r.get("model")
     on = f" on {text(model)}" if model not in (None, "default") else ""  # the default: no suffix
@@ -53,53 +46,6 @@ def scale_goals(r: Result) -> list[list[str]]:
 
 
 # -- sections ----------------------------------------------------------------------------------
-def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
-    points = list(r.get("points") or [])
-    if not points:  # a result from before the chunk-size sweep: its one point is at top level
-        points = [{"chunk_bytes": r.get("chunk_bytes"), "bare_mb_s": r.get("bare_grpc_MBps"),
-                   "store_mb_s": r.get("store_stream_MBps"),
-                   "verified_mb_s": r.get("store_verified_MBps"),
-                   "store_vs_bare": r.get("store_vs_bare"),
-                   "verified_vs_bare": r.get("store_verified_vs_bare")}]
-    rows = [[_size(p.get("chunk_bytes")), number(p.get("bare_mb_s"), 0),
-             number(p.get("store_mb_s"), 0), number(p.get("verified_mb_s"), 0),
-             ratio(p.get("store_vs_bare")), ratio(p.get("verified_vs_bare"))]
-            for p in sorted(points, key=lambda p: as_number(p.get("chunk_bytes")) or 0)]
-    size = as_number(r.get("adapter_bytes"))
-    parts = [
-        f"A synthetic adapter of {number(size / 1e6 if size else None, 0)} MB (rank "
-        f"{text(r.get('adapter_rank'))}, all linear layers of SmolLM2-135M) is staged in the "
-        "store and streamed over loopback by three clients, each in its own process, round by "
-        f"round: {text(r.get('repeats'))} measured rounds per chunk size after one warm-up. "
-        "Rates are medians over rounds; ratios are medians of the per-round ratios.",
-        table(["chunk", "bare gRPC MB/s", "store MB/s", "store, landed + verified MB/s",
-               "store / bare", "verified / bare"], rows),
-        table(GOALS_HEADER, transfer_goals(r)),
-        plot_image(plots, "transfer", "Transfer rate against chunk size"),
-        "- **bare**: a server streaming pre-cut raw `bytes` chunks from memory, to a client that "
-        "only counts them: the fastest gRPC moves these bytes here.\n"
-        "- **store**: the store reads the staged file chunk by chunk, checksums (CRC-32C) and "
-        "frames each chunk as a `StreamAdapterTensorsResponse`; the client decodes and checks "
-        "every chunk.\n"
-        "- **verified**: as store, plus landing every chunk at its offset in a preallocated "
-        "buffer and a sha256 of every tensor, i.e. what a worker does; it is bounded by sha256, "
-        "not by the stream.",
-        "What makes the store stream about as fast as bare gRPC:\n\n"
-        "- **chunks run across tensor boundaries** (`lorastream/core/stream_layout.py`): one message "
-        "per tensor would multiply the messages of a many-tensor adapter;\n"
-        "- **the chunk message is encoded by the codec directly** "
-        "(`codec.encode_chunk_response`, checked byte for byte against protobuf): building a "
-        "large `bytes` field through the Python protobuf runtime costs more than gRPC itself; "
-        "the client decodes the payload as a zero-copy view;\n"
-        "- **CRC-32C** (`crc32c` package, hardware-accelerated) instead of `zlib.crc32` on each "
-        "end.\n\n"
-        "Small chunks pay the per-message cost of gRPC many times; very large ones lose the "
-        "pipelining between reading, sending and decoding. On a shared VM the bare stream itself "
-        "moves between invocations; the interleaved rounds keep the comparison fair within one.",
-    ]
-    return paragraphs(parts)
-
-
 def engine_section(r: Result, plots: Mapping[str, str]) -> str:
     prompts, distinct = r.get("prompts"), r.get("distinct_adapters_per_step", r.get("adapters"))
     rows = [
@@ -226,9 +172,8 @@ def scale_section(r: Result, plots: Mapping[str, str]) -> str:
     parts = [
         f"Model {text(c.get('model'))}; the store holds {text(reg.get('adapters'))} adapters "
         f"(ranks {text(c.get('ranks'))}, {text(c.get('targets'))}; "
-        f"{number(reg.get('staged_mb'), 0)} MB staged; registered in "
-        f"{number(reg.get('seconds'))} s, {text(reg.get('parallel'))} preloads at a time, "
-        f"{ms(reg.get('preload_ms_mean'))} ms each on average). For each count, a fresh worker "
+        f"{number(reg.get('staged_mb'), 0)} MB staged{_registration(reg)}). "
+        "For each count, a fresh worker "
         f"with {text(c.get('slots'))} slots replays the same {text(c.get('requests'))} requests "
         f"(Poisson arrivals at {text(c.get('rate'))} req/s, adapters drawn by "
         f"{text(c.get('popularity'))} among the first COUNT, {text(c.get('max_tokens'))} tokens "
@@ -244,6 +189,17 @@ def scale_section(r: Result, plots: Mapping[str, str]) -> str:
         parts.append(f"HF + PEFT serves the largest count's requests in static mixed-adapter "
                      f"batches of {text(peft.get('batch_size'))}. {text(peft.get('note'))}")
     return paragraphs(parts)
+
+
+def _registration(reg: Mapping[str, Any]) -> str:
+    """How the adapters got into the store: pushed from memory, or (older results) preloaded."""
+    if "push_ms_mean" not in reg:
+        return (f"; registered in {number(reg.get('seconds'))} s, {text(reg.get('parallel'))} "
+                f"preloads at a time, {ms(reg.get('preload_ms_mean'))} ms each on average")
+    return (f", {number(reg.get('adapter_mb_mean'), 2)} MB per adapter on average; pushed "
+            f"from memory in {number(reg.get('seconds'))} s, {text(reg.get('parallel'))} "
+            f"uploads at a time, {number(reg.get('registrations_per_s'))} adapters/s, "
+            f"{ms(reg.get('push_ms_mean'))} ms each on average")
 
 
 def _rounds(c: Mapping[str, Any], runs: list[Result]) -> str:
@@ -291,9 +247,3 @@ def _count_span(r: Result) -> str:
     counts = [as_number(x.get("adapters")) for x in r.get("runs") or [] if isinstance(x, Mapping)]
     known = [int(c) for c in counts if c is not None]
     return f"{min(known)} → {max(known)}" if known else "least → most"
-
-
-def _size(value: object) -> str:
-    v = as_number(value)
-    return format_bytes(v) if v else MISSING
-

@@ -60,8 +60,7 @@ def adapter_nbytes(shape: BaseShape, rank: int, targets: tuple[str, ...], itemsi
     return per_layer * shape.num_layers * itemsize
 
 
-def make_synthetic_adapter(
-    out_dir: Path,
+def synthetic_lora(
     shape: BaseShape = SMOLLM2_135M,
     *,
     rank: int = 16,
@@ -71,9 +70,10 @@ def make_synthetic_adapter(
     seed: int = 0,
     std: float = 0.02,
     base_model: str | None = None,
-) -> Path:
-    """Write a PEFT LoRA directory with random A and B (B non-zero) of the base's real shapes;
-    ``targets`` defaults to every adaptable projection of ``shape``."""
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """A PEFT LoRA in memory: its state dict (PEFT's saved key form) with random A and B (B
+    non-zero) of the base's real shapes, and its ``adapter_config.json`` as a dict; ``targets``
+    defaults to every adaptable projection of ``shape``."""
     targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -87,9 +87,7 @@ def make_synthetic_adapter(
             b = torch.randn(fan_out, rank, generator=gen) * std  # [out, r]
             tensors[f"{prefix}.lora_A.weight"] = a.to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = b.to(dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = {
+    config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -103,6 +101,28 @@ def make_synthetic_adapter(
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+    return tensors, config
+
+
+def make_synthetic_adapter(
+    out_dir: Path,
+    shape: BaseShape = SMOLLM2_135M,
+    *,
+    rank: int = 16,
+    alpha: float = 32.0,
+    targets: tuple[str, ...] | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    std: float = 0.02,
+    base_model: str | None = None,
+) -> Path:
+    """Write :func:`synthetic_lora` as a PEFT LoRA directory."""
+    tensors, config = synthetic_lora(
+        shape, rank=rank, alpha=alpha, targets=targets, dtype=dtype, seed=seed, std=std,
+        base_model=base_model,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out_dir
 

@@ -11,8 +11,13 @@ chunk size gets one unmeasured warm-up round, then ``repeats`` measured rounds.
   to a client that only counts them: the fastest gRPC can move these bytes.
 - store: the store reads the staged file chunk by chunk, checksums (CRC-32C) and frames each
   chunk as a ``StreamAdapterTensorsResponse``; the client decodes and checks every chunk.
-- verified: as store, plus landing every chunk at its offset in a preallocated buffer and the
-  per-tensor sha256 check, i.e. what the worker does.
+- verified (one client per tensor digest, each from a store staging with that digest): as
+  store, plus landing every chunk at its offset in a preallocated buffer and the per-tensor check
+  the manifest asks for, i.e. what the worker does: sha256 (manifests without a fast digest),
+  blake3, xxh3-128 (the default, :data:`~lorastream.core.checksum.DEFAULT_TENSOR_DIGEST`).
+
+The same run times each digest alone over the adapter's tensors (``hash_GBps``) and, unless
+``staging_mb`` is 0, a preload from S3 against boto3's own download (``transfer_staging.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ from pathlib import Path
 import grpc
 
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.core.checksum import BLAKE3, DEFAULT_TENSOR_DIGEST, SHA256, XXH3_128
 from lorastream.core.store_client import GRPC_OPTIONS, BytesSink, StoreClient
 
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
-CLIENTS = ("bare", "store", "verified")
+# verified client -> the tensor digest its store stages with
+VERIFIED = {"verified_sha256": SHA256, "verified_blake3": BLAKE3, "verified_xxh3": XXH3_128}
+CLIENTS = ("bare", "store", *VERIFIED)
+DEFAULT_VERIFIED = next(k for k, d in VERIFIED.items() if d == DEFAULT_TENSOR_DIGEST)
 HEADLINE_CHUNK_BYTES = 1 << 20  # the point whose figures are also reported at top level
 MAX_CHUNK_BYTES = 8 << 20  # the store's limit per message
 _SIZE = re.compile(r"(\d+)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
@@ -92,12 +101,12 @@ def _run_bare_server(payload_bytes: int, ports: "mp.Queue[int]") -> None:
     server.wait_for_termination()
 
 
-def _run_store_server(cache_dir: str, ports: "mp.Queue[int]") -> None:
+def _run_store_server(cache_dir: str, digest: str, ports: "mp.Queue[int]") -> None:
     from lorastream.store.config import StoreSettings
     from lorastream.store.server import create_server
 
     settings = StoreSettings(port=0, cache_dir=Path(cache_dir),  # adapters are made beside it
-                             allowed_local_roots=[Path(cache_dir).parent])
+                             allowed_local_roots=[Path(cache_dir).parent], tensor_digest=digest)
     server, port, _ = create_server(settings)
     server.start()
     ports.put(port)
@@ -137,9 +146,10 @@ def _start(target: Callable[..., None], *args: object) -> tuple[mp.process.BaseP
 
 
 def _measure(
-    adapter_mb: float, chunk_sizes: Sequence[int], repeats: int
-) -> tuple[int, int, dict[int, dict[str, list[float]]]]:
-    """(adapter bytes, rank, chunk size -> client -> bytes/s of each measured round)."""
+    adapter_mb: float, chunk_sizes: Sequence[int], repeats: int, staging_mb: float
+) -> tuple[int, int, dict[int, dict[str, list[float]]], dict[str, float], dict[str, object] | None]:
+    """(adapter bytes, rank, chunk size -> client -> bytes/s of each measured round, digest ->
+    GB/s alone, the staging comparison or None)."""
     # Imported here: synthetic imports torch, which the spawned servers and clients do not need.
     from lorastream.bench.synthetic import (
         ALL_LINEAR,
@@ -148,24 +158,33 @@ def _measure(
         make_synthetic_adapter,
     )
 
-    rank = max(1, round(adapter_mb * 1e6 / adapter_nbytes(SMOLLM2_135M, 1, ALL_LINEAR)))
+    def rank_for(mb: float) -> int:
+        return max(1, round(mb * 1e6 / adapter_nbytes(SMOLLM2_135M, 1, ALL_LINEAR)))
+
+    rank = rank_for(adapter_mb)
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     rates = {size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
     with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:
         adapter_dir = make_synthetic_adapter(Path(tmp) / "adapter", rank=rank)
+        hash_rates = measure_hash_rates(adapter_dir)
         try:
-            store_proc, store_port = _start(_run_store_server, str(Path(tmp) / "cache"))
-            procs.append(store_proc)
-            with StoreClient(f"127.0.0.1:{store_port}") as client:
-                for _event in client.preload(str(adapter_dir), "bench"):
-                    pass
-                total = client.describe("bench").total_bytes
+            store_ports: dict[str, int] = {}  # tensor digest -> its store's port
+            for digest in VERIFIED.values():
+                store_proc, store_ports[digest] = _start(
+                    _run_store_server, str(Path(tmp) / f"cache-{digest}"), digest
+                )
+                procs.append(store_proc)
+                with StoreClient(f"127.0.0.1:{store_ports[digest]}") as client:
+                    for _event in client.preload(str(adapter_dir), "bench"):
+                        pass
+                    total = client.describe("bench").total_bytes
             bare_proc, bare_port = _start(_run_bare_server, total)
             procs.append(bare_proc)
             conns: dict[str, Connection] = {}
             for kind in CLIENTS:
-                port = bare_port if kind == "bare" else store_port
+                digest = VERIFIED.get(kind, DEFAULT_TENSOR_DIGEST)
+                port = bare_port if kind == "bare" else store_ports[digest]
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_run_client, args=(kind, f"127.0.0.1:{port}", child), daemon=True
@@ -185,22 +204,73 @@ def _measure(
         finally:
             for proc in procs:
                 proc.kill()
-    return total, rank, rates
+        staging = None
+        if staging_mb > 0:  # after the stream rounds: the S3 server would compete with them
+            from lorastream.bench.transfer_staging import measure_staging
+
+            staged_dir = make_synthetic_adapter(Path(tmp) / "s3-adapter", rank=rank_for(staging_mb))
+            staging = measure_staging(staged_dir, staging_repeats(repeats))
+    return total, rank, rates, hash_rates, staging
+
+
+def staging_repeats(repeats: int) -> int:
+    """Rounds of the staging comparison: a third of the stream rounds (each takes seconds)."""
+    return max(1, repeats // 3)
+
+
+def measure_hash_rates(adapter_dir: Path) -> dict[str, float]:
+    """GB/s of each tensor check alone, tensor by tensor over the adapter's weights, one thread
+    (``blake3_auto``: BLAKE3 with its own thread pool, ``max_threads=AUTO``)."""
+    import blake3
+
+    from lorastream.core.adapter_validation import validate_adapter_dir
+    from lorastream.core.checksum import crc32c, new_hasher
+
+    validated = validate_adapter_dir(adapter_dir, tensor_digest=SHA256)
+    data = memoryview((adapter_dir / "adapter_model.safetensors").read_bytes())
+    tensors = [data[t.file_offset : t.file_offset + t.info.nbytes] for t in validated.tensors]
+
+    def hashed(digest: str) -> Callable[[memoryview], object]:
+        def run(tensor: memoryview) -> object:
+            hasher = new_hasher(digest)
+            hasher.update(tensor)
+            return hasher.hexdigest()
+        return run
+
+    checks: dict[str, Callable[[memoryview], object]] = {
+        "sha256": hashed(SHA256),
+        "blake3": hashed(BLAKE3),
+        "blake3_auto": lambda t: blake3.blake3(t, max_threads=blake3.blake3.AUTO).hexdigest(),
+        "xxh3_128": hashed(XXH3_128),
+        "crc32c": crc32c,
+    }
+    nbytes = sum(len(t) for t in tensors)
+    rates: dict[str, float] = {}
+    for name, check in checks.items():
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            for tensor in tensors:
+                check(tensor)
+            best = min(best, time.perf_counter() - start)
+        rates[name] = round(nbytes / best / 1e9, 2)
+    return rates
 
 
 def _point(chunk_bytes: int, rates: dict[str, list[float]]) -> dict[str, float]:
+    """``<client>_mb_s`` and ``<client>_vs_bare`` of every client; ``verified_*`` are those of
+    the default digest's client. Ratios are medians over rounds of (rate / bare rate of the same
+    round)."""
     median = statistics.median
-    # Ratios are medians over rounds of (rate / bare rate of the same round).
-    store = [s / b for s, b in zip(rates["store"], rates["bare"], strict=True)]
-    verified = [v / b for v, b in zip(rates["verified"], rates["bare"], strict=True)]
-    return {
-        "chunk_bytes": chunk_bytes,
-        "bare_mb_s": round(median(rates["bare"]) / 1e6, 1),
-        "store_mb_s": round(median(rates["store"]) / 1e6, 1),
-        "verified_mb_s": round(median(rates["verified"]) / 1e6, 1),
-        "store_vs_bare": round(median(store), 3),
-        "verified_vs_bare": round(median(verified), 3),
-    }
+    point: dict[str, float] = {"chunk_bytes": chunk_bytes}
+    for kind in CLIENTS:
+        point[f"{kind}_mb_s"] = round(median(rates[kind]) / 1e6, 1)
+        if kind != "bare":
+            ratios = [r / b for r, b in zip(rates[kind], rates["bare"], strict=True)]
+            point[f"{kind}_vs_bare"] = round(median(ratios), 3)
+    point["verified_mb_s"] = point[f"{DEFAULT_VERIFIED}_mb_s"]
+    point["verified_vs_bare"] = point[f"{DEFAULT_VERIFIED}_vs_bare"]
+    return point
 
 
 def run_transfer_bench(
@@ -208,15 +278,17 @@ def run_transfer_bench(
     chunk_bytes: int = HEADLINE_CHUNK_BYTES,
     repeats: int = 15,
     chunk_sizes: Sequence[int] | None = None,
+    staging_mb: float = 78,
 ) -> dict[str, object]:
     """Stage a synthetic adapter of about ``adapter_mb`` MB and compare the streams at
-    ``chunk_sizes`` (default: ``chunk_bytes`` alone).
+    ``chunk_sizes`` (default: ``chunk_bytes`` alone); then, unless ``staging_mb`` is 0, preload
+    one of about ``staging_mb`` MB from S3 against boto3's download of it.
 
     The top-level figures are those of the 1 MiB point when swept, else of the size nearest it."""
     sizes = checked_chunk_sizes(chunk_sizes or [chunk_bytes])
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    total, rank, rates = _measure(adapter_mb, sizes, repeats)
+    total, rank, rates, hash_rates, staging = _measure(adapter_mb, sizes, repeats, staging_mb)
     points = [_point(size, rates[size]) for size in sizes]
     head = min(points, key=lambda p: abs(math.log2(p["chunk_bytes"] / HEADLINE_CHUNK_BYTES)))
     return {
@@ -231,8 +303,16 @@ def run_transfer_bench(
         "store_verified_MBps": head["verified_mb_s"],
         "store_vs_bare": head["store_vs_bare"],
         "store_verified_vs_bare": head["verified_vs_bare"],
+        "verified_digest": DEFAULT_TENSOR_DIGEST,
+        "verified_by_digest_vs_bare": {
+            digest: head[f"{kind}_vs_bare"] for kind, digest in VERIFIED.items()
+        },
         "goal": "store_vs_bare >= 0.8",
         "goal_met": head["store_vs_bare"] >= 0.8,
+        "goal_verified": "store_verified_vs_bare >= 0.8",
+        "goal_verified_met": head["verified_vs_bare"] >= 0.8,
+        "hash_GBps": hash_rates,
+        "staging": staging,
         "points": points,
         "machine": machine_info(),
     }

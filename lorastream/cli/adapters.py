@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 import typer
@@ -231,6 +233,62 @@ def unpin(
     ) as client:
         client.unpin(name)
     out.print(f"unpinned {name}")
+
+
+@app.command("history")
+def history(
+    name: str,
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
+    """List a name's versions, newest first (request one as NAME@<id prefix>)."""
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    ) as client:
+        versions = client.history(name)
+    if as_json:
+        out.print_json(json.dumps([dataclasses.asdict(v) for v in versions]))
+        return
+    table = Table(title=f"versions of {name}", box=box.SIMPLE_HEAD, expand=True)
+    table.add_column("version", no_wrap=True)
+    table.add_column("id", no_wrap=True)
+    table.add_column("registered (UTC)", no_wrap=True)
+    table.add_column("MB", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("source", overflow="fold", ratio=1)
+    for v in versions:
+        when = datetime.fromtimestamp(v.created_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        state = "current" if v.current else ("staged" if v.staged else "evicted")
+        table.add_row(f"v{v.version}", v.adapter_id[:12], when,
+                      f"{v.total_bytes / 1e6:.1f}" if v.staged else "", state, v.source_uri)
+    out.print(table)
+
+
+@app.command("rollback")
+def rollback(
+    name: str,
+    version: str = typer.Argument(
+        "", help="vN (from 'adapters history') or the start of a content id; omitted: the "
+        "content the name pointed at before its current one."
+    ),
+    store: str = STORE_OPTION,
+    token: str | None = TOKEN_OPTION,
+    token_file: Path | None = TOKEN_FILE_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
+    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+) -> None:
+    """Point a name at one of its earlier versions again (recorded as its newest version)."""
+    with reported_errors(), _client(
+        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    ) as client:
+        manifest = client.rollback(name, version)
+    out.print(_staged("rolled back", manifest))
 
 
 @app.command("pull")

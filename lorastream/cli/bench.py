@@ -77,6 +77,24 @@ def registry(
     _print_result(run_registry_bench(parsed, registrations, json_registrations), output)
 
 
+@app.command("grammar")
+def grammar(
+    models: str = typer.Option(
+        "default,gemma3-270m", help="Tokenizers to measure, as --model names, comma-separated "
+        "(gemma3-270m is skipped when its package is not installed)."
+    ),
+    repeats: int = typer.Option(5, min=2, help="Walks of each case per engine; the first warms."),
+    output: Path | None = OUTPUT_OPTION,
+) -> None:
+    """Structured outputs: the bitmask cost per step and the compile time of llguidance (what
+    the worker uses) beside xgrammar, over the same constraints and tokens, in the same run."""
+    require_bench_extra()
+    from lorastream.bench.grammar import available_models, run_grammar_bench
+
+    chosen = available_models(tuple(m for m in models.split(",") if m))
+    _print_result(run_grammar_bench(chosen, repeats), output)
+
+
 @app.command("transfer")
 def transfer(
     adapter_mb: int = typer.Option(96, help="Size of the synthetic adapter streamed (MB)."),
@@ -89,13 +107,18 @@ def transfer(
         "nearest it) is also reported at top level.",
     ),
     repeats: int = typer.Option(
-        15, min=1, help="Rounds per chunk size; each streams bare, store and verified once. "
-        "Medians are reported."
+        15, min=1, help="Rounds per chunk size; each streams bare, store and verified (one "
+        "client per tensor digest) once. Medians are reported."
+    ),
+    staging_mb: float = typer.Option(
+        78, min=0, help="Size of the adapter preloaded from S3 (moto on loopback) against "
+        "boto3's own download of it, in a third as many rounds; 0 skips it."
     ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
-    """Store stream vs a bare gRPC stream of the same bytes on loopback (goal: >= 0.8x)."""
+    """Store stream and verified stream vs a bare gRPC stream of the same bytes on loopback, and
+    S3 staging vs boto3 (goals: >= 0.8x, >= 0.8x, >= 0.9x)."""
     require_bench_extra()
     from lorastream.bench.transfer import (
         checked_chunk_sizes,
@@ -112,7 +135,8 @@ def transfer(
         raise typer.BadParameter(str(err)) from err
     setup_logging(log_level)
     result = run_transfer_bench(
-        adapter_mb=adapter_mb, chunk_bytes=single, repeats=repeats, chunk_sizes=sizes
+        adapter_mb=adapter_mb, chunk_bytes=single, repeats=repeats, chunk_sizes=sizes,
+        staging_mb=staging_mb,
     )
     _print_result(result, output)
 
@@ -128,6 +152,10 @@ def engine(
     new_tokens: int = typer.Option(32, help="Tokens generated per prompt."),
     repeats: int = typer.Option(3, help="Runs per side; the best is reported."),
     peft: bool = typer.Option(True, "--peft/--no-peft", help="Also run HF transformers + PEFT."),
+    quantization: str = typer.Option(
+        "none", help="int8 and/or int8-dynamic (comma-separated): compare each with the fp32 "
+        "base in the same run (goals: base-only >= 1.6x, mixed >= 1.3x fp32)."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -141,7 +169,7 @@ def engine(
     setup_logging(log_level)
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
-        repeats=repeats, include_peft=peft,
+        repeats=repeats, include_peft=peft, quantization=quantization,
     )
     _print_result(result, output)
 
@@ -206,9 +234,9 @@ def serve(
 @app.command("scale")
 def scale(
     counts: str = typer.Option(
-        "10,100,1000",
+        "10,100,1000,10000",
         help="Adapter counts to serve the workload over, comma-separated; the store holds the "
-        "largest count (ranks cycling 4, 8, 16; fp16; attention projections).",
+        "largest count, pushed from memory (ranks cycling 2, 4, 8; fp16; q_proj and v_proj).",
     ),
     rate: float = typer.Option(
         8.0, help="Poisson arrival rate, requests per second (above capacity: throughput "
@@ -238,7 +266,7 @@ def scale(
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
-    """Throughput and TTFT of one zipf workload over 10, 100 and 1000 adapters in the store, and
+    """Throughput and TTFT of one zipf workload over 10 to 10,000 adapters in the store, and
     HF+PEFT on the same requests (goal: <= 10% throughput loss from the least to the most)."""
     require_bench_extra()
     from lorastream.bench.harness import adapter_picker
@@ -262,6 +290,87 @@ def scale(
         repeats=repeats,
     )
     _print_result(run_scale_bench(config), output)
+
+
+@app.command("push")
+def push(
+    model: str = typer.Option(
+        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+    ),
+    rank: int = typer.Option(
+        32, min=1, help="LoRA rank of the pushed adapters (every linear projection, fp16: "
+        "19.5 MB at 32 on the default model)."
+    ),
+    repeats: int = typer.Option(
+        5, min=1, help="Timed rounds (push and S3 take turns in each), after one warm-up round."
+    ),
+    seed: int = typer.Option(0, help="Seed of the synthetic adapters."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """An adapter from memory to its first token: push (UploadAdapter) against write-to-S3 then
+    preload (moto's S3 server on loopback), in the same run; p50s and their ratio."""
+    require_bench_extra()
+    if importlib.util.find_spec("moto") is None:
+        console.print("[red]error[/]: lorastream bench push needs moto's S3 server; install it "
+                      "with `pip install -r requirements-dev.lock` (or: pip install "
+                      "'moto[server]')")
+        raise typer.Exit(2)
+    from lorastream.bench.push import PushConfig, run_push_bench
+
+    setup_logging(log_level)
+    config = PushConfig(model=model, rank=rank, repeats=repeats, seed=seed)
+    _print_result(run_push_bench(config), output)
+
+
+@app.command("soak")
+def soak(
+    model: str = typer.Option("default", help="Base model of the workers."),
+    workers: int = typer.Option(2, min=2, help="Workers behind the gateway (the last one is "
+                                "restarted half-way)."),
+    adapters: int = typer.Option(100, min=1, help="Synthetic adapters in the store."),
+    popularity: str = typer.Option("zipf:1.1", help="distinct, uniform or zipf:ALPHA."),
+    duration: float = typer.Option(600.0, min=1.0, help="Seconds of the overloaded phase."),
+    load_factor: float = typer.Option(
+        2.0, min=0.1, help="Arrival rate of the soak over the closed-loop capacity measured."),
+    capacity_seconds: float = typer.Option(30.0, min=1.0, help="Length of the capacity phase."),
+    cancel_fraction: float = typer.Option(
+        0.25, min=0.0, max=1.0, help="Share of requests closed by the client mid-stream."),
+    restart: str = typer.Option(
+        "kill", help="How the last worker is stopped half-way: kill (SIGKILL) or term (SIGTERM, "
+        "it drains)."),
+    greedy_sample: int = typer.Option(
+        60, min=0, help="Completed requests sent again quietly to compare outputs."),
+    max_tokens: int = typer.Option(32, min=1, help="max_tokens of every request."),
+    max_requests_per_worker: int = typer.Option(
+        48, min=1, help="The gateway's queue depth per worker (then 429)."),
+    settle: float = typer.Option(10.0, min=0.0, help="Idle seconds before the counters are read."),
+    seed: int = typer.Option(0, help="Seed of the arrivals, adapters and cancellations."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Overload two workers behind the gateway at 2x capacity, cancel a quarter of the streams,
+    restart a worker half-way (goals: no 503 while a worker serves, no wrong output, RSS within
+    5% of its post-warm-up level, counters back to 0)."""
+    require_bench_extra()
+    from lorastream.bench.harness import adapter_picker
+    from lorastream.bench.soak import SoakConfig, run_soak_bench
+
+    setup_logging(log_level)
+    if restart not in ("kill", "term"):
+        raise typer.BadParameter(f"{restart!r}: use kill or term", param_hint="--restart")
+    try:
+        adapter_picker(1, popularity, random.Random())
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--popularity") from err
+    config = SoakConfig(
+        model=model, workers=workers, adapters=adapters, popularity=popularity,
+        duration_s=duration, load_factor=load_factor, capacity_seconds=capacity_seconds,
+        cancel_fraction=cancel_fraction, restart=restart, greedy_sample=greedy_sample,
+        max_tokens=max_tokens, max_requests_per_worker=max_requests_per_worker,
+        settle_s=settle, seed=seed,
+    )
+    _print_result(run_soak_bench(config), output)
 
 
 @app.command("report")

@@ -61,6 +61,11 @@ def up(
         STACK.worker_port, help="First worker port (workers count up from it)."
     ),
     port: int = typer.Option(STACK.gateway_port, help="HTTP gateway port (the OpenAI API)."),
+    metrics_port: int = typer.Option(
+        STACK.metrics_port,
+        help="Prometheus metrics of the store on this port, of worker i on PORT+1+i (plain "
+        "HTTP, /metrics); the gateway's are on its own port.",
+    ),
     token: str | None = typer.Option(
         None, envvar="LORASTREAM_TOKEN",
         help="Operate token of the stack (store, workers, gateway) [default: a fresh one, "
@@ -92,7 +97,8 @@ def up(
     with reported_errors():
         config = StackConfig(
             model=model, workers=workers, store_port=store_port, worker_port=worker_port,
-            gateway_port=port, adapters=stack_adapters(model, adapter, samples),
+            gateway_port=port, metrics_port=metrics_port,
+            adapters=stack_adapters(model, adapter, samples),
             log_level=log_level, token=token, tls=tls, token_file=token_file,
             insecure_no_auth=insecure_no_auth,
         )

@@ -10,8 +10,8 @@ header alone (8-byte little-endian length, then JSON), with a size cap against h
 Offsets are relative to the start of data; together they must tile the data exactly (no holes, no
 overlaps, nothing past the end), and every ``end - begin == prod(shape) * itemsize``. Keys must be
 LoRA A/B weights of supported projections; each (layer, module) has both A ``[r, in]`` and B
-``[out, r]`` with the config's ``r``. Then every tensor's raw bytes are hashed (sha256) in bounded
-chunks, so memory stays flat whatever the adapter's size.
+``[out, r]`` with the config's ``r``. Then every tensor's raw bytes are hashed (sha256 and the fast
+digest, in one read pass) in bounded chunks, so memory stays flat whatever the adapter's size.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from lorastream.core.adapter_format import (
     parse_lora_key,
     short_module_name,
 )
+from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TensorDigests
 from lorastream.core.errors import InvalidAdapter
 from lorastream.core.manifest import DTYPE_SIZES, AdapterManifest, TensorInfo
 
@@ -301,16 +302,17 @@ def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tup
     return tuple(sorted({module for _, module in pairs}))
 
 
-def _sha256_range(fd: int, start: int, length: int, label: str) -> str:
-    digest = hashlib.sha256()
+def _digest_range(fd: int, start: int, length: int, fast: str, label: str) -> TensorDigests:
+    """sha256 and the ``fast`` digest of a file range, in one read pass."""
+    digests = TensorDigests(fast)
     done = 0
     while done < length:
         data = os.pread(fd, min(_HASH_CHUNK, length - done), start + done)
         if not data:
             raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} shrank while it was being validated")
-        digest.update(data)
+        digests.update(data)
         done += len(data)
-    return digest.hexdigest()
+    return digests
 
 
 STAGED_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # the order the content id hashes them in
@@ -330,9 +332,18 @@ def content_id(directory: Path) -> str:
 
 
 def validate_adapter_dir(
-    directory: Path, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, label: str = ""
+    directory: Path,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    label: str = "",
+    tensor_digest: str = DEFAULT_TENSOR_DIGEST,
+    hashed: Mapping[int, tuple[int, TensorDigests]] | None = None,
 ) -> ValidatedAdapter:
-    """Validate a PEFT LoRA directory and checksum its tensors; raises InvalidAdapter."""
+    """Validate a PEFT LoRA directory and checksum its tensors (sha256, plus ``tensor_digest``
+    as each tensor's fast checksum unless that is sha256); raises InvalidAdapter.
+
+    ``hashed`` (file offset -> (nbytes, digests), made with the same ``tensor_digest`` while the
+    file was written) spares reading the tensors it covers again."""
     label = label or str(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for path in (config_path, weights_path):
@@ -343,19 +354,18 @@ def validate_adapter_dir(
     targets = _check_lora_pairs(entries, config.rank, label)
     fd = os.open(weights_path, os.O_RDONLY)
     try:
-        tensors = tuple(
-            StagedTensor(
-                TensorInfo(
-                    name=e.key,
-                    dtype=e.dtype,
-                    shape=e.shape,
-                    nbytes=e.end - e.begin,
-                    checksum=_sha256_range(fd, data_start + e.begin, e.end - e.begin, label),
-                ),
-                file_offset=data_start + e.begin,
+        tensors = []
+        for e in entries:
+            known = (hashed or {}).get(data_start + e.begin)
+            digests = (
+                known[1] if known is not None and known[0] == e.end - e.begin
+                else _digest_range(fd, data_start + e.begin, e.end - e.begin, tensor_digest, label)
             )
-            for e in entries
-        )
+            info = TensorInfo(
+                name=e.key, dtype=e.dtype, shape=e.shape, nbytes=e.end - e.begin,
+                checksum=digests.sha256, fast_checksum=digests.fast_checksum,
+            )
+            tensors.append(StagedTensor(info, file_offset=data_start + e.begin))
     finally:
         os.close(fd)
     log.debug("%s: %d tensors, rank %d, targets %s", label, len(tensors), config.rank, targets)
@@ -365,5 +375,5 @@ def validate_adapter_dir(
         alpha=config.alpha,
         use_rslora=config.use_rslora,
         target_modules=targets,
-        tensors=tensors,
+        tensors=tuple(tensors),
     )

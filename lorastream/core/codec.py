@@ -19,11 +19,16 @@ from lorastream.core.generation import (
     GenerationEvent,
     PromptInput,
     SamplingParams,
+    TokenLogprobs,
+    TopLogprob,
     WorkerStats,
 )
 from lorastream.core.listing import MAX_PAGE_SIZE, AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk, TensorInfo
+from lorastream.core.structured import StructuredKind, StructuredOutput
+from lorastream.core.tokenization import TokenizeInput, Tokenized
 from lorastream.core.upload import UploadChunk, UploadFile, UploadHeader, UploadItem
+from lorastream.core.versions import AdapterChange, AdapterVersion, ChangeKind, WatchMessage
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
 
 _DTYPE_TO_PB = {
@@ -50,6 +55,7 @@ def tensor_info_to_pb(info: TensorInfo) -> common_pb2.TensorInfo:
         shape=list(info.shape),
         nbytes=info.nbytes,
         checksum=info.checksum,
+        fast_checksum=info.fast_checksum,
     )
 
 
@@ -60,6 +66,7 @@ def tensor_info_from_pb(msg: common_pb2.TensorInfo) -> TensorInfo:
         shape=tuple(msg.shape),
         nbytes=msg.nbytes,
         checksum=msg.checksum,
+        fast_checksum=msg.fast_checksum,
     )
 
 
@@ -227,16 +234,48 @@ def sampling_to_pb(p: SamplingParams) -> worker_pb2.SamplingParams:
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        n=p.n,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     if p.max_tokens:  # 0 in the plain type: the server's default, sent as unset
         msg.max_tokens = p.max_tokens
+    if p.structured is not None:
+        msg.structured.CopyFrom(worker_pb2.StructuredOutput(
+            kind=_STRUCTURED_TO_PB[p.structured.kind], spec=p.structured.spec,
+            param=p.structured.param,
+        ))
     return msg
 
 
+_STRUCTURED_TO_PB = {
+    StructuredKind.JSON_SCHEMA: worker_pb2.STRUCTURED_KIND_JSON_SCHEMA,
+    StructuredKind.REGEX: worker_pb2.STRUCTURED_KIND_REGEX,
+    StructuredKind.GRAMMAR: worker_pb2.STRUCTURED_KIND_GRAMMAR,
+}
+_STRUCTURED_FROM_PB = {v: k for k, v in _STRUCTURED_TO_PB.items()}
+
+
+def structured_from_pb(msg: worker_pb2.StructuredOutput) -> StructuredOutput:
+    param = msg.param or "structured"
+    if msg.kind not in _STRUCTURED_FROM_PB:
+        raise InvalidArgument(
+            f"{param}: the constraint's kind is unset or unknown ({msg.kind}); set "
+            "json_schema, regex or grammar"
+        )
+    return StructuredOutput(_STRUCTURED_FROM_PB[msg.kind], msg.spec, param)
+
+
 def sampling_from_pb(msg: worker_pb2.SamplingParams) -> SamplingParams:
-    """Proto defaults mean "unset": max_tokens unset -> 0 (the server's default), top_p 0 -> 1.
+    """Proto defaults mean "unset": max_tokens unset -> 0 (the server's default), top_p 0 -> 1,
+    repetition_penalty 0 -> 1, n 0 -> 1.
 
     An explicit ``max_tokens`` below 1 is refused here, at the edge: read as "unset" it would
     generate the server's default number of tokens for a client that asked for none.
@@ -255,6 +294,14 @@ def sampling_from_pb(msg: worker_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        n=msg.n or 1,
+        structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
     )
 
 
@@ -302,6 +349,15 @@ def event_to_pb(e: GenerationEvent) -> worker_pb2.GenerateResponse:
         ),
         prompt_tokens=e.prompt_tokens,
         completion_tokens=e.completion_tokens,
+        logprobs=[
+            worker_pb2.TokenLogprobs(
+                token_id=lp.token_id, token=lp.token, logprob=lp.logprob,
+                top=[worker_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)
+                     for t in lp.top],
+            )
+            for lp in e.logprobs
+        ],
+        index=e.index,
     )
 
 
@@ -312,6 +368,14 @@ def event_from_pb(msg: worker_pb2.GenerateResponse) -> GenerationEvent:
         prompt_tokens=msg.prompt_tokens,
         completion_tokens=msg.completion_tokens,
         finish_reason=_FINISH_FROM_PB.get(msg.finish_reason),
+        logprobs=tuple(
+            TokenLogprobs(
+                lp.token_id, lp.token, lp.logprob,
+                tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top),
+            )
+            for lp in msg.logprobs
+        ),
+        index=msg.index,
     )
 
 
@@ -349,6 +413,40 @@ def stats_from_pb(msg: worker_pb2.GetStatsResponse) -> WorkerStats:
     return WorkerStats(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerStats)})
 
 
+# -- tokenize / detokenize ------------------------------------------------------------------------
+def tokenize_request_to_pb(t: TokenizeInput) -> worker_pb2.TokenizeRequest:
+    msg = worker_pb2.TokenizeRequest(
+        add_generation_prompt=t.add_generation_prompt, add_special_tokens=t.add_special_tokens,
+        return_token_strs=t.return_token_strs,
+    )
+    if t.prompt.messages is not None:
+        msg.messages.messages.extend(
+            worker_pb2.ChatMessage(role=r, content=c) for r, c in t.prompt.messages
+        )
+    else:
+        msg.prompt = t.prompt.text or ""
+    return msg
+
+
+def tokenize_request_from_pb(msg: worker_pb2.TokenizeRequest) -> TokenizeInput:
+    if msg.WhichOneof("input") == "messages":
+        prompt = PromptInput(messages=tuple((m.role, m.content) for m in msg.messages.messages))
+    else:
+        prompt = PromptInput(text=msg.prompt)
+    return TokenizeInput(prompt, msg.add_generation_prompt, msg.add_special_tokens,
+                         msg.return_token_strs)
+
+
+def tokenized_to_pb(t: Tokenized) -> worker_pb2.TokenizeResponse:
+    return worker_pb2.TokenizeResponse(tokens=list(t.tokens), max_model_len=t.max_model_len,
+                                       token_strs=list(t.token_strs or ()))
+
+
+def tokenized_from_pb(msg: worker_pb2.TokenizeResponse, with_strs: bool) -> Tokenized:
+    strs = tuple(msg.token_strs) if with_strs else None
+    return Tokenized(tuple(msg.tokens), msg.max_model_len, strs)
+
+
 # -- listings -------------------------------------------------------------------------------------
 _PINNED_TO_PB = {
     None: store_pb2.PINNED_FILTER_UNSPECIFIED,
@@ -378,3 +476,49 @@ def list_request_from_pb(msg: store_pb2.ListAdaptersRequest) -> tuple[AdapterFil
         source_prefix=msg.source_prefix,
     )
     return where, msg.page_token, min(msg.page_size or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
+
+
+# -- versions and the watch (lorastream/core/versions.py) ---------------------------------------
+_CHANGE_TO_PB = {
+    ChangeKind.PUT: store_pb2.ADAPTER_CHANGE_KIND_PUT,
+    ChangeKind.VERSION: store_pb2.ADAPTER_CHANGE_KIND_VERSION,
+    ChangeKind.DELETE: store_pb2.ADAPTER_CHANGE_KIND_DELETE,
+}
+_CHANGE_FROM_PB = {v: k for k, v in _CHANGE_TO_PB.items()}
+
+
+def version_to_pb(v: AdapterVersion) -> store_pb2.AdapterVersion:
+    return store_pb2.AdapterVersion(**dataclasses.asdict(v))
+
+
+def version_from_pb(msg: store_pb2.AdapterVersion) -> AdapterVersion:
+    return AdapterVersion(
+        **{f.name: getattr(msg, f.name) for f in dataclasses.fields(AdapterVersion)}
+    )
+
+
+def watch_message_to_pb(m: WatchMessage) -> store_pb2.WatchAdaptersResponse:
+    return store_pb2.WatchAdaptersResponse(
+        watch_id=m.watch_id, generation=m.generation, snapshot=m.snapshot,
+        snapshot_done=m.snapshot_done,
+        changes=[
+            store_pb2.AdapterChange(kind=_CHANGE_TO_PB[c.kind], name=c.name,
+                                    adapter_id=c.adapter_id, version=c.version)
+            for c in m.changes
+        ],
+    )
+
+
+def watch_message_from_pb(msg: store_pb2.WatchAdaptersResponse) -> WatchMessage:
+    """InvalidArgument on a change kind this version does not know (a newer store)."""
+    unknown = [c.kind for c in msg.changes if c.kind not in _CHANGE_FROM_PB]
+    if unknown:
+        raise InvalidArgument(f"the store sent an adapter change of unknown kind {unknown[0]}")
+    return WatchMessage(
+        watch_id=msg.watch_id, generation=msg.generation, snapshot=msg.snapshot,
+        snapshot_done=msg.snapshot_done,
+        changes=tuple(
+            AdapterChange(_CHANGE_FROM_PB[c.kind], c.name, c.adapter_id, c.version)
+            for c in msg.changes
+        ),
+    )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from lorastream.core.errors import InvalidArgument
+from lorastream.core.structured import StructuredOutput
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures at or below this are greedy: dividing logits by them would overflow float32."""
@@ -15,6 +16,11 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 _MAX_SEED = 2**64 - 1
+MAX_LOGPROBS = 20
+"""Most top log-probabilities a request can ask for (per generated token)."""
+MAX_LOGIT_BIAS = 1024
+MAX_CHOICES = 16
+"""Most choices (``n``) one request can ask for."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,32 @@ class SamplingParams:
     """Token ids that end generation besides EOS."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token generated so far, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted once per occurrence of a token generated so far, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """HF's, over prompt + generated tokens: such a logit is divided by it when positive,
+    multiplied when negative; > 0, 1 disables."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs added to the logits; a token appears at most once."""
+    min_tokens: int = 0
+    """EOS and ``stop_token_ids`` cannot be generated before this many tokens (<= max_tokens)."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k in [0, 20]: the sampled token's and the k most likely."""
+    n: int = 1
+    """Choices to generate for the prompt (prefilled once); choice i samples with seed + i."""
+    structured: StructuredOutput | None = None
+    """Structured outputs: every choice's output matches this constraint and ends (reason
+    "stop") once it is complete; None: free text."""
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when a penalty, a logit bias or min_tokens changes this request's logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +106,66 @@ class SamplingParams:
                     f"stop_token_ids must be in [0, {vocab_size - 1}] (the vocabulary), "
                     f"got {token_id}"
                 )
+        self._validate_logits_processing(vocab_size)
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        if self.structured is None:
+            return
+        if not isinstance(self.structured, StructuredOutput):
+            raise InvalidArgument(
+                f"structured must be a StructuredOutput, got {type(self.structured).__name__}"
+            )
+        self.structured.validate()
+        if self.ignore_eos:
+            raise InvalidArgument(
+                f"ignore_eos cannot be combined with {self.structured.param}: a constrained "
+                "output ends when it is complete; leave ignore_eos unset"
+            )
+
+    def _validate_logits_processing(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {value}")
+        if _real("repetition_penalty", self.repetition_penalty) <= 0:
+            raise InvalidArgument(
+                f"repetition_penalty must be > 0 (1 disables), got {self.repetition_penalty}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            if not 0 <= _integer("logit_bias", token_id) < vocab_size:
+                raise InvalidArgument(
+                    f"logit_bias keys must be token ids in [0, {vocab_size - 1}] (the "
+                    f"vocabulary), got {token_id}"
+                )
+            if token_id in seen:
+                raise InvalidArgument(f"logit_bias names token {token_id} twice")
+            seen.add(token_id)
+            if not -100 <= _real("logit_bias", bias) <= 100:
+                raise InvalidArgument(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}"
+                )
+        if _integer("min_tokens", self.min_tokens) < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if not 1 <= _integer("n", self.n) <= MAX_CHOICES:
+            raise InvalidArgument(f"n (the number of choices) must be in [1, {MAX_CHOICES}], "
+                                  f"got {self.n}")
+        if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= (
+            MAX_LOGPROBS
+        ):
+            raise InvalidArgument(
+                f"logprobs (the number of top log-probabilities) must be in [0, {MAX_LOGPROBS}], "
+                f"got {self.logprobs}"
+            )
 
     def _validate_stop(self) -> None:
         if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, Sequence):
@@ -127,6 +219,29 @@ class FinishReason(Enum):
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One candidate token and its log-probability."""
+
+    token_id: int
+    token: str  # the token decoded on its own (U+FFFD for an incomplete UTF-8 sequence)
+    logprob: float  # -inf for a token the request's min_tokens or logit_bias ruled out
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position: the sampled token's and the top ones.
+
+    Values are ``log_softmax`` of the logits after penalties, logit bias and the min_tokens
+    mask, before temperature, top-k and top-p (docs/gateway.md, "Sampling parameters").
+    """
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()  # most likely first; as many as the request asked for
+
+
+@dataclass(frozen=True)
 class GenerationEvent:
     """Tokens generated since the previous event; the last event has ``finish_reason``."""
 
@@ -135,6 +250,11 @@ class GenerationEvent:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token of ``token_ids`` when the request asked for logprobs, else empty."""
+    index: int = 0
+    """The choice these tokens belong to (0 .. n - 1); each choice ends with its own
+    ``finish_reason``, and ``completion_tokens`` counts that choice's tokens."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The gRPC server side both services share: build, bind, serve until signalled.
 
 ``create_grpc_server`` is the one bootstrap of the adapter store and the GPU worker: the servicer,
-gRPC health (SERVING) and reflection, message limits, TLS when given (``lorastream.core.tls``),
-and a bind that refuses a port in use.
+gRPC health (SERVING) and reflection (v1 and v1alpha, ``lorastream.core.reflection``), message
+limits, TLS when given (``lorastream.core.tls``), and a bind that refuses a port in use.
 ``add_servicer`` is equivalent to the generated ``add_<Service>Servicer_to_server``, with one
 difference: a handler may yield pre-encoded response bytes (see ``codec.encode_chunk_response``)
 as well as messages.
@@ -20,10 +20,10 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from lorastream.core.codec import serialize_response
 from lorastream.core.errors import InvalidArgument
+from lorastream.core.reflection import enable_reflection
 from lorastream.core.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,9 @@ def create_grpc_server(
     health_servicer: health.HealthServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """A server (not started) with ``servicer``, health (SERVING, overall and for ``service``)
-    and reflection, bound to ``host:port`` (0: any free port) over TLS with ``tls`` (mutual when
-    it has a client CA), else plaintext; returns it with its bound port. ``health_servicer``:
-    the caller's, to turn NOT_SERVING later (a drain), else a new one.
+    and reflection (v1 and v1alpha), bound to ``host:port`` (0: any free port) over TLS with
+    ``tls`` (mutual when it has a client CA), else plaintext; returns it with its bound port.
+    ``health_servicer``: the caller's, to turn NOT_SERVING later (a drain), else a new one.
 
     Raises InvalidArgument naming the address when it cannot be bound (a port in use)."""
     server = grpc.server(executor, interceptors=list(interceptors), options=SERVER_OPTIONS)
@@ -62,9 +62,7 @@ def create_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", service.full_name):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (service.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (service.full_name, health.SERVICE_NAME))
     address = f"{host}:{port}"
     try:
         if tls is None:

@@ -23,6 +23,9 @@ class TensorInfo:
     shape: tuple[int, ...]
     nbytes: int
     checksum: str  # sha256 hex of the tensor's raw bytes
+    # "<algorithm>:<hex>" (xxh3-128 or blake3) computed by the store at staging and checked by
+    # receivers instead of sha256; "" in manifests staged before it existed (core/checksum.py)
+    fast_checksum: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ def manifest_json(m: AdapterManifest, *, tensors: bool = False) -> dict[str, Any
     if tensors:
         doc["tensor_list"] = [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
-             "checksum": t.checksum}
+             "checksum": t.checksum, "fast_checksum": t.fast_checksum}
             for t in m.tensors
         ]
     return doc

@@ -1,13 +1,12 @@
 """Client of the adapter store, shared by the CLI, the worker and the gateway.
 
 The tensor stream lands in a :class:`TensorSink` chunk by chunk at each chunk's offset (no
-concatenation of bytes objects); every chunk's CRC-32C and every tensor's sha256 are verified, and a
+concatenation of bytes objects); every chunk's CRC-32C and every tensor's digest (core/checksum.py) are verified, and a
 stream cut by a dead store resumes from the last verified (tensor, offset).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -19,7 +18,7 @@ import grpc
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
 from lorastream.core import codec
-from lorastream.core.checksum import crc32c
+from lorastream.core.checksum import crc32c, verify_tensor
 from lorastream.core.errors import InvalidAdapter, SourceUnavailable
 from lorastream.core.grpc_status import raise_from_rpc_error
 from lorastream.core.listing import AdapterFilter
@@ -27,10 +26,16 @@ from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChu
 from lorastream.core.stream_layout import StreamLayout
 from lorastream.core.tls import ClientTLS, open_channel
 from lorastream.core.upload import FileContent, SentCallback, directory_files, upload_items
+from lorastream.core.versions import AdapterVersion, WatchMessage
 
 log = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    # A store that comes back is found within 2 s (gRPC's own default backs off up to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 _STREAM_METHOD = (
     "/" + pb.DESCRIPTOR.services_by_name["AdapterStoreService"].full_name + "/StreamAdapterTensors"
 )
@@ -67,6 +72,24 @@ class BytesSink:
 
     def view(self, tensor_index: int) -> memoryview:
         return memoryview(self.buffers[tensor_index])
+
+
+class AdapterWatch:
+    """An open WatchAdapters stream: iterate for its messages; :meth:`cancel` ends it (the
+    iteration then raises Cancelled). Errors come as lorastream domain exceptions."""
+
+    def __init__(self, call: Iterator[pb.WatchAdaptersResponse]) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[WatchMessage]:
+        try:
+            for message in self._call:
+                yield codec.watch_message_from_pb(message)
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+
+    def cancel(self) -> None:
+        self._call.cancel()  # type: ignore[attr-defined]
 
 
 class StoreClient:
@@ -175,6 +198,38 @@ class StoreClient:
         reply = self._call(self._stub.UnpinAdapter, pb.UnpinAdapterRequest(name=name))
         return codec.manifest_from_pb(reply.manifest)
 
+    def history(self, name: str) -> list[AdapterVersion]:
+        """``name``'s versions, newest first."""
+        reply = self._call(self._stub.ListAdapterVersions,
+                           pb.ListAdapterVersionsRequest(name=name))
+        return [codec.version_from_pb(v) for v in reply.versions]
+
+    def rollback(self, name: str, version: str = "") -> AdapterManifest:
+        """Point ``name`` at an earlier version: ``vN``, a content id prefix, or "" (the content
+        before its current one). Returns the name's new current manifest."""
+        reply = self._call(self._stub.RollbackAdapter,
+                           pb.RollbackAdapterRequest(name=name, version=version))
+        return codec.manifest_from_pb(reply.manifest)
+
+    # -- watch ------------------------------------------------------------------------------
+    def watch(self, watcher: str) -> AdapterWatch:
+        """Open a WatchAdapters stream: a snapshot of every name's current content id, then
+        each change; acknowledge applied changes with :meth:`ack`."""
+        return AdapterWatch(
+            self._stub.WatchAdapters(pb.WatchAdaptersRequest(watcher=watcher),
+                                     metadata=self._metadata)
+        )
+
+    def ack(self, watch_id: str, generation: int, timeout: float = 2.0) -> None:
+        """Tell the store every change up to ``generation`` of the watch is applied."""
+        try:
+            self._stub.AckAdapterChanges(
+                pb.AckAdapterChangesRequest(watch_id=watch_id, generation=generation),
+                metadata=self._metadata, timeout=timeout,
+            )
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+
     def _call(self, method, request):  # type: ignore[no-untyped-def]
         try:
             return method(request, metadata=self._metadata, timeout=self._timeout)
@@ -267,7 +322,8 @@ class StoreClient:
     ) -> tuple[int, int]:
         """Verify ``chunk``, write its pieces into ``sink``; return the next expected position.
 
-        A tensor's sha256 is checked as soon as its last byte landed.
+        A tensor's digest (the manifest's fast checksum, else its sha256) is checked as soon as
+        its last byte landed.
         """
         if (chunk.tensor_index, chunk.offset) != position:
             raise InvalidAdapter(
@@ -287,10 +343,10 @@ class StoreClient:
             sink.write(index, offset, data)
             info = manifest.tensors[index]
             if offset + len(data) == info.nbytes:
-                digest = hashlib.sha256(sink.view(index)).hexdigest()
-                if digest != info.checksum:
+                ok, algorithm = verify_tensor(sink.view(index), info.checksum, info.fast_checksum)
+                if not ok:
                     raise InvalidAdapter(
-                        f"sha256 mismatch for {manifest.name} tensor {info.name}: the staged "
+                        f"{algorithm} mismatch for {manifest.name} tensor {info.name}: the staged "
                         "adapter is corrupt; delete and preload it again"
                     )
         return layout.position(layout.flat(chunk.tensor_index, chunk.offset) + len(chunk.data))

@@ -17,6 +17,7 @@ from lorastream.core.generation import (
 )
 from lorastream.core.grpc_status import raise_from_rpc_error
 from lorastream.core.tls import ClientTLS, open_channel
+from lorastream.core.tokenization import Tokenized, TokenizeInput
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 
@@ -76,6 +77,14 @@ class WorkerClient:
 
     def stats(self) -> WorkerStats:
         return codec.stats_from_pb(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    def tokenize(self, request: TokenizeInput) -> Tokenized:
+        reply = self._call(self._stub.Tokenize, codec.tokenize_request_to_pb(request))
+        return codec.tokenized_from_pb(reply, request.return_token_strs)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        reply = self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))
+        return str(reply.prompt)
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:

@@ -127,6 +127,10 @@ def examples(stack: Stack, model: str) -> str:
         f"  {cli} adapters preload {shlex.quote(str(sample_dir))} --name my-adapter "
         f"--store {stack.store}{tls_flags}{token_flags}",
         f"  {cli} adapters ls --store {stack.store}{tls_flags}{token_flags}",
+        "Prometheus metrics (docs/metrics.md): " + ", ".join(
+            f"{part} {url}" for part, url in stack.metrics_urls.items()
+        ) + ". Where each worker found the adapters requests asked for:",
+        f"  curl -s {stack.metrics_urls['worker 0']} | grep '^lorastream_worker_adapter_hits'",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)

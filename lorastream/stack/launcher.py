@@ -37,6 +37,11 @@ from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS, https_context, open_channel
 from lorastream.stack.access import DEFAULT_TOKEN_FILE, local_roots, present, stack_tokens
 from lorastream.stack.certs import LocalCerts, make_local_certs
+from lorastream.store.config import StoreSettings
+
+# The store's default metrics port (StoreSettings.metrics_port); the workers' follow it, worker i
+# on +1+i (the first is WorkerSettings.metrics_port's default, tests/test_stack.py checks it).
+DEFAULT_METRICS_PORT: int = StoreSettings.model_fields["metrics_port"].default
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class StackConfig:
     store_port: int = 50051
     worker_port: int = 50052  # workers take consecutive ports from here
     gateway_port: int = 8000
+    metrics_port: int = DEFAULT_METRICS_PORT  # the store's /metrics; worker i on +1+i
     adapters: dict[str, str] = field(default_factory=dict)  # name -> source URI
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0  # the first start converts the default model (~35 s)
@@ -219,6 +225,19 @@ class Stack:
     def workers(self) -> list[str]:
         return [f"localhost:{self.config.worker_port + i}" for i in range(self.config.workers)]
 
+    def worker_metrics_port(self, i: int) -> int:
+        return self.config.metrics_port + 1 + i
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each part serves its Prometheus metrics (plain HTTP; the gateway's: its own
+        scheme and port)."""
+        urls = {"store": f"http://localhost:{self.config.metrics_port}/metrics"}
+        for i in range(self.config.workers):
+            urls[f"worker {i}"] = f"http://localhost:{self.worker_metrics_port(i)}/metrics"
+        urls["gateway"] = f"{self.gateway}/metrics"
+        return urls
+
     @property
     def gateway(self) -> str:
         """The gateway's base URL (the OpenAI API is under ``/v1``)."""
@@ -248,6 +267,9 @@ class Stack:
         ports = [("store", c.store_port, "--store-port")]
         ports += [(f"worker {i}", c.worker_port + i, "--worker-port") for i in range(c.workers)]
         ports.append(("gateway", c.gateway_port, "--port"))
+        ports.append(("store metrics", c.metrics_port, "--metrics-port"))
+        ports += [(f"worker {i} metrics", self.worker_metrics_port(i), "--metrics-port")
+                  for i in range(c.workers)]
         for what, port, flag in ports:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                 # as the servers do: a port with only closed connections lingering is free
@@ -273,7 +295,8 @@ class Stack:
         roots = [arg for root in local_roots(SAMPLES_DIR, c.adapters)
                  for arg in ("--allowed-local-root", root)]
         store = self._spawn(
-            "adapter store", ["store", "serve", "--port", str(c.store_port), *roots,
+            "adapter store", ["store", "serve", "--port", str(c.store_port),
+                              "--metrics-port", str(c.metrics_port), *roots,
                               *tls_args(self.certs, mutual=True)],
             present({"LORASTREAM_STORE_TOKEN": operate, "LORASTREAM_STORE_READ_TOKEN": read}),
         )
@@ -283,6 +306,7 @@ class Stack:
                 f"worker {i}",
                 ["worker", "serve", "--model", c.model, "--port", str(c.worker_port + i),
                  "--store", self.store, "--drain-seconds", str(c.drain_seconds),
+                 "--metrics-port", str(self.worker_metrics_port(i)),
                  *tls_args(self.certs, mutual=True, peers=("store",))],
                 present({"LORASTREAM_WORKER_TOKEN": operate,
                           "LORASTREAM_WORKER_STORE_TOKEN": read or operate}),

@@ -10,12 +10,13 @@ also honour the standard variables those ecosystems use (``HF_ENDPOINT``, ``HF_T
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, CliSuppress, NoDecode, SettingsConfigDict
 
 from lorastream.core.auth import AccessTokens, read_token_file
+from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -63,6 +64,12 @@ class StoreSettings(BaseSettings):
         gt=0,
         description="Largest adapter one push (UploadAdapter) may send, in bytes; larger "
         "uploads are refused before their bytes are read.",
+    )
+    tensor_digest: Literal["xxh3-128", "blake3", "sha256"] = Field(
+        DEFAULT_TENSOR_DIGEST,
+        description="Per-tensor digest computed at staging and checked by workers on landing "
+        "(sha256 is always computed too, for the content id): xxh3-128 (fastest; catches "
+        "corruption), blake3 (also tamper-evident), sha256 (no fast digest). docs/store.md.",
     )
     max_workers: int = Field(16, gt=0, description="gRPC thread pool size.")
     egress_limit_mbps: float = Field(
@@ -126,6 +133,12 @@ class StoreSettings(BaseSettings):
     )
     s3_max_concurrency: int = Field(8, gt=0, description="Parallel parts of one S3 download.")
     s3_max_attempts: int = Field(5, gt=0, description="botocore retry attempts per S3 call.")
+    metrics_port: int | None = Field(
+        9451,
+        ge=0,
+        description="Serve Prometheus metrics on http://HOST:PORT/metrics (plain HTTP, on "
+        "--host; 0: any free port). docs/metrics.md lists them.",
+    )
 
     @field_validator("allowed_local_roots", mode="before")
     @classmethod

@@ -7,12 +7,19 @@ JSON file it replaces was rewritten and fsynced whole on every change: 110 ms pe
 names), and a process killed at any moment loses no acknowledged change and leaves no half-written
 one. Sizes are not persisted: the store measures the staged directories at startup.
 
-A ``registry.json`` from earlier versions is imported on first start, in one transaction, then
-renamed to ``registry.json.migrated``.
+Every registration that changes what a name points at appends a row to ``versions`` (the name's
+history: 1, 2, 3, ...) in the same transaction; a rollback appends the version it goes back to.
+History rows outlive their files: evicted content stays listed (not staged) until the name is
+deleted.
 
-Eviction works on content ids, not names: a content id is evictable when none of its names is
-pinned and nobody streams it; the least recently used (latest use among its names) goes first,
-and with it every name that points at it.
+A ``registry.json`` from earlier versions is imported on first start, in one transaction, then
+renamed to ``registry.json.migrated``; a schema 1 database (names only) gets its history table in
+one transaction, each name's current content as its version 1.
+
+Eviction works on content ids, not names: a content id is evictable when none of the names that
+point at it now is pinned and nobody streams it; old versions are unpinned content like any other.
+The least recently used (latest use among its names and versions) goes first, and with it every
+name that points at it now (their history stays).
 
 Not thread-safe: the store calls it under its own lock.
 """
@@ -30,13 +37,14 @@ from pathlib import Path
 
 from lorastream.core.errors import CapacityExhausted, InvalidArgument
 from lorastream.core.listing import AdapterFilter
+from lorastream.core.versions import AdapterVersion
 
 log = logging.getLogger(__name__)
 
 REGISTRY_FILE = "registry.sqlite3"
 LEGACY_FILE = "registry.json"  # format 1, before SQLite
 _LEGACY_FORMAT = 1
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 1: names only; 2: names and their versions
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 _COLUMNS = "name, adapter_id, source_uri, revision, created_at, last_used_at, pinned"
@@ -51,6 +59,24 @@ _SCHEMA = (
         pinned INTEGER NOT NULL CHECK (pinned IN (0, 1))
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS names_by_adapter ON names (adapter_id)",
+    """CREATE TABLE IF NOT EXISTS versions (
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        adapter_id TEXT NOT NULL,
+        source_uri TEXT NOT NULL,
+        revision TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        last_used_at REAL NOT NULL,
+        PRIMARY KEY (name, version)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS versions_by_adapter ON versions (adapter_id)",
+)
+_VERSION_COLUMNS = "name, version, adapter_id, source_uri, revision, created_at"
+# Names without history (a schema 1 database, a legacy import) get their content as version 1.
+_BACKFILL = (
+    "INSERT INTO versions (name, version, adapter_id, source_uri, revision, created_at, "
+    "last_used_at) SELECT name, 1, adapter_id, source_uri, revision, created_at, last_used_at "
+    "FROM names WHERE NOT EXISTS (SELECT 1 FROM versions v WHERE v.name = names.name)"
 )
 
 
@@ -110,6 +136,8 @@ class Registry:
             with self._write():
                 for statement in _SCHEMA:
                     self._db.execute(statement)
+                if version < 2:
+                    self._db.execute(_BACKFILL)
                 self._db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
         except sqlite3.DatabaseError as err:
             raise InvalidArgument(
@@ -128,16 +156,40 @@ class Registry:
 
     # -- changes: each one transaction --------------------------------------------------------
     def put(self, entry: RegistryEntry) -> None:
-        """Register ``entry.name`` (replacing what it pointed at)."""
+        """Register ``entry.name`` (replacing what it pointed at; a new content id is a new
+        version)."""
         self.put_many([entry])
 
     def put_many(self, entries: Iterable[RegistryEntry]) -> None:
         """Register every one of ``entries`` in one transaction: all of them, or none."""
         with self._write():
-            self._insert(entries)
+            for entry in entries:
+                old = self.get(entry.name)
+                self._insert([entry])
+                if old is None or old.adapter_id != entry.adapter_id:
+                    self._append_version(entry, old)
+
+    def rollback(self, name: str, target: AdapterVersion, when: float) -> RegistryEntry:
+        """Point ``name`` at ``target``'s content again, appended as its newest version (one
+        transaction); the name keeps its pin. Returns the new entry."""
+        old = self.get(name)
+        entry = RegistryEntry(name, target.adapter_id, target.source_uri, target.revision, when,
+                              when, old.pinned if old is not None else False)
+        with self._write():
+            self._insert([entry])
+            self._append_version(entry, old)
+        return entry
 
     def delete(self, names: Iterable[str]) -> None:
-        """Forget ``names`` (those that exist), all in one transaction."""
+        """Forget ``names`` (those that exist) and their history, all in one transaction."""
+        rows = [(n,) for n in names]
+        with self._write():
+            self._db.executemany("DELETE FROM names WHERE name = ?", rows)
+            self._db.executemany("DELETE FROM versions WHERE name = ?", rows)
+
+    def drop_current(self, names: Iterable[str]) -> None:
+        """Unbind ``names`` from their current content (evicted or lost), keeping their
+        history, in one transaction."""
         with self._write():
             self._db.executemany("DELETE FROM names WHERE name = ?", [(n,) for n in names])
 
@@ -150,6 +202,16 @@ class Registry:
         with self._write():
             self._db.execute("UPDATE names SET last_used_at = ? WHERE name = ?", (when, name))
 
+    def touch_version(self, name: str, adapter_id: str, when: float) -> None:
+        """Record a use of ``name``'s version(s) with ``adapter_id`` (a pinned stream), and of
+        the name itself when that is its current content."""
+        with self._write():
+            for table in ("versions", "names"):
+                self._db.execute(
+                    f"UPDATE {table} SET last_used_at = ? WHERE name = ? AND adapter_id = ?",
+                    (when, name, adapter_id),
+                )
+
     # -- queries ------------------------------------------------------------------------------
     def get(self, name: str) -> RegistryEntry | None:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM names WHERE name = ?", (name,)).fetchone()
@@ -157,6 +219,15 @@ class Registry:
 
     def __len__(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM names").fetchone()[0])
+
+    def current_versions(self) -> list[tuple[str, str, int]]:
+        """(name, content id, version number) of every name, in name order: a watch's
+        snapshot."""
+        rows = self._db.execute(
+            "SELECT n.name, n.adapter_id, (SELECT MAX(v.version) FROM versions v WHERE "
+            "v.name = n.name) FROM names n ORDER BY n.name"
+        )
+        return [(name, adapter_id, int(version or 0)) for name, adapter_id, version in rows]
 
     def matching(
         self, where: AdapterFilter = AdapterFilter(), after: str = "", limit: int | None = None
@@ -199,8 +270,33 @@ class Registry:
         return [r[0] for r in rows]
 
     def is_referenced(self, adapter_id: str) -> bool:
-        row = self._db.execute("SELECT 1 FROM names WHERE adapter_id = ? LIMIT 1", (adapter_id,))
-        return row.fetchone() is not None
+        """True when a name points at ``adapter_id`` or a name's history holds it."""
+        for table in ("names", "versions"):
+            row = self._db.execute(
+                f"SELECT 1 FROM {table} WHERE adapter_id = ? LIMIT 1", (adapter_id,)
+            )
+            if row.fetchone() is not None:
+                return True
+        return False
+
+    def versions(self, name: str, prefix: str = "") -> list[AdapterVersion]:
+        """``name``'s history, newest first; only content ids starting with ``prefix``."""
+        rows = self._db.execute(
+            f"SELECT {_VERSION_COLUMNS} FROM versions WHERE name = ? AND adapter_id LIKE ? "
+            "ESCAPE '\\' ORDER BY version DESC",
+            (name, _like_prefix(prefix)),
+        ).fetchall()
+        current = self.get(name)
+        latest = self.latest_version(name)
+        return [
+            AdapterVersion(
+                name=n, version=v, adapter_id=aid, source_uri=uri, revision=rev,
+                created_at=created,
+                current=current is not None and v == latest and aid == current.adapter_id,
+                staged=aid in self.sizes, total_bytes=self.sizes.get(aid, 0),
+            )
+            for n, v, aid, uri, rev, created in rows
+        ]
 
     def pinned_names(self) -> list[str]:
         return [e.name for e in self.matching(AdapterFilter(pinned=True))]
@@ -214,7 +310,9 @@ class Registry:
         last_used: dict[str, float] = {}
         pinned: set[str] = set()
         rows = self._db.execute(
-            "SELECT adapter_id, MAX(last_used_at), MAX(pinned) FROM names GROUP BY adapter_id"
+            "SELECT adapter_id, MAX(used), MAX(pinned) FROM (SELECT adapter_id, "
+            "last_used_at AS used, pinned FROM names UNION ALL SELECT adapter_id, last_used_at, "
+            "0 FROM versions) GROUP BY adapter_id"
         )
         for adapter_id, used, any_pinned in rows:
             last_used[adapter_id] = used
@@ -276,6 +374,26 @@ class Registry:
               int(e.pinned)) for e in entries],
         )
 
+    def latest_version(self, name: str) -> int:
+        """The newest version number of ``name``'s history; 0 when it has none."""
+        row = self._db.execute("SELECT MAX(version) FROM versions WHERE name = ?", (name,))
+        return int(row.fetchone()[0] or 0)
+
+    def _append_version(self, entry: RegistryEntry, old: RegistryEntry | None) -> None:
+        """Append ``entry``'s content to its name's history; the version it supersedes keeps
+        the name's last use as its own (the disk budget's LRU reads it)."""
+        if old is not None:
+            self._db.execute(
+                "UPDATE versions SET last_used_at = MAX(last_used_at, ?) WHERE name = ? AND "
+                "adapter_id = ?", (old.last_used_at, old.name, old.adapter_id),
+            )
+        self._db.execute(
+            "INSERT INTO versions (name, version, adapter_id, source_uri, revision, created_at, "
+            "last_used_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (entry.name, self.latest_version(entry.name) + 1, entry.adapter_id,
+             entry.source_uri, entry.revision, entry.created_at, entry.last_used_at),
+        )
+
     def _migrate_legacy(self) -> None:
         """Import ``registry.json`` (format 1) once, then rename it out of the way."""
         legacy = self.path.with_name(LEGACY_FILE)
@@ -294,6 +412,7 @@ class Registry:
         with self._write():
             # A migration interrupted before the rename is run again: what it wrote stays.
             self._insert(entries, on_conflict="IGNORE")
+            self._db.execute(_BACKFILL)
         legacy.replace(legacy.with_name(f"{LEGACY_FILE}.migrated"))
         log.info("adapter registry: imported %d names from %s into %s", len(entries), legacy,
                  self.path)

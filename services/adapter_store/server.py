@@ -41,6 +41,7 @@ def build_store(settings: StoreSettings) -> AdapterStore:
         sources,
         max_header_bytes=settings.max_header_bytes,
         max_upload_bytes=settings.max_upload_bytes,
+        tensor_digest=settings.tensor_digest,
     )
 
 
@@ -90,6 +91,9 @@ def _tls_note(settings: StoreSettings) -> str:
 def serve(settings: StoreSettings) -> None:
     """Run the store until SIGINT or SIGTERM, then stop it gracefully."""
     server, port, store = create_server(settings)
+    if settings.metrics_port is not None:  # first: a port in use stops it before it serves
+        metrics_port = store.metrics.serve(settings.metrics_port, settings.host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, metrics_port)
     server.start()
     log.info(
         "adapter store serving on %s:%d%s (cache %s, budget %.1f GiB, %d adapters)",

@@ -17,6 +17,7 @@ from lorastream.core.auth import Scope
 from lorastream.core.errors import Cancelled, InvalidArgument
 from lorastream.core.manifest import PreloadProgress
 from lorastream.core.upload import UploadChunk, UploadHeader
+from lorastream.core.versions import parse_version
 from lorastream.store.egress import EgressLimiter
 from lorastream.store.store import AdapterStore
 
@@ -26,10 +27,13 @@ SERVICE = pb.DESCRIPTOR.services_by_name["AdapterStoreService"]
 SERVICE_NAME = SERVICE.full_name
 OPERATOR_METHODS = {
     f"/{SERVICE_NAME}/{m}"
-    for m in ("PreloadAdapter", "UploadAdapter", "DeleteAdapter", "PinAdapter", "UnpinAdapter")
+    for m in ("PreloadAdapter", "UploadAdapter", "DeleteAdapter", "PinAdapter", "UnpinAdapter",
+              "RollbackAdapter")
 }
 READ_METHODS = {
-    f"/{SERVICE_NAME}/{m}" for m in ("ListAdapters", "DescribeAdapter", "StreamAdapterTensors")
+    f"/{SERVICE_NAME}/{m}"
+    for m in ("ListAdapters", "DescribeAdapter", "StreamAdapterTensors", "ListAdapterVersions",
+              "WatchAdapters", "AckAdapterChanges")
 }
 # The scope each method needs when the store has tokens (lorastream/core/auth.py).
 REQUIRED_SCOPES = {
@@ -129,12 +133,40 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
             manifest=codec.manifest_to_pb(self._store.unpin(request.name))
         )
 
+    def ListAdapterVersions(
+        self, request: pb.ListAdapterVersionsRequest, context: grpc.ServicerContext
+    ) -> pb.ListAdapterVersionsResponse:
+        return pb.ListAdapterVersionsResponse(
+            versions=[codec.version_to_pb(v) for v in self._store.history(request.name)]
+        )
+
+    def RollbackAdapter(
+        self, request: pb.RollbackAdapterRequest, context: grpc.ServicerContext
+    ) -> pb.RollbackAdapterResponse:
+        manifest = self._store.rollback(request.name, parse_version(request.version))
+        return pb.RollbackAdapterResponse(manifest=codec.manifest_to_pb(manifest))
+
+    def WatchAdapters(
+        self, request: pb.WatchAdaptersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchAdaptersResponse]:
+        # Holds one server thread for as long as the watcher stays (--max-workers counts it).
+        label = request.watcher or context.peer()
+        for message in self._store.watch(label, context.is_active):
+            yield codec.watch_message_to_pb(message)
+
+    def AckAdapterChanges(
+        self, request: pb.AckAdapterChangesRequest, context: grpc.ServicerContext
+    ) -> pb.AckAdapterChangesResponse:
+        self._store.ack(request.watch_id, request.generation)
+        return pb.AckAdapterChangesResponse()
+
     def StreamAdapterTensors(
         self, request: pb.StreamAdapterTensorsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.StreamAdapterTensorsResponse | bytes]:
         # Chunks go out pre-encoded (codec.encode_chunk_response): same wire bytes, fewer copies.
         chunk_bytes = request.chunk_bytes or self._chunk_bytes
         with self._store.open_stream(request.name, request.adapter_id or None) as lease:
+            self._store.metrics.stream_opened()
             yield pb.StreamAdapterTensorsResponse(manifest=codec.manifest_to_pb(lease.manifest))
             for chunk in lease.chunks(request.start_tensor, request.start_offset, chunk_bytes):
                 if self._chunk_delay_s:
@@ -144,6 +176,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
                 if not context.is_active():
                     log.info("stream of %s cancelled by the client", request.name)
                     return
+                self._store.metrics.streamed(len(chunk.data))
                 yield codec.encode_chunk_response(chunk)
 
 

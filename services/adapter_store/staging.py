@@ -33,8 +33,10 @@ from lorastream.core.adapter_validation import (
     content_id,
     validate_adapter_dir,
 )
+from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TENSOR_DIGESTS
 from lorastream.core.errors import CapacityExhausted, InvalidAdapter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorInfo
+from lorastream.store.digesting import StreamDigests
 from lorastream.store.sources.base import AdapterSource, ResolvedSource
 
 log = logging.getLogger(__name__)
@@ -127,6 +129,7 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
                 "shape": list(t.info.shape),
                 "nbytes": t.info.nbytes,
                 "checksum": t.info.checksum,
+                "fast_checksum": t.info.fast_checksum,
                 "file_offset": t.file_offset,
             }
             for t in c.tensors
@@ -143,6 +146,7 @@ def _content_from_json(doc: dict[str, object]) -> ValidatedAdapter:
                 shape=tuple(t["shape"]),
                 nbytes=t["nbytes"],
                 checksum=t["checksum"],
+                fast_checksum=t.get("fast_checksum", ""),  # "" when staged before it existed
             ),
             file_offset=t["file_offset"],
         )
@@ -161,7 +165,14 @@ def _content_from_json(doc: dict[str, object]) -> ValidatedAdapter:
 class Stager:
     """Owns ``cache/tmp`` and ``cache/adapters``; knows nothing about names or budgets."""
 
-    def __init__(self, cache_dir: Path, max_header_bytes: int) -> None:
+    def __init__(
+        self, cache_dir: Path, max_header_bytes: int, tensor_digest: str = DEFAULT_TENSOR_DIGEST
+    ) -> None:
+        if tensor_digest not in TENSOR_DIGESTS:
+            raise ValueError(
+                f"unknown tensor digest {tensor_digest!r}: use one of {', '.join(TENSOR_DIGESTS)}"
+            )
+        self.tensor_digest = tensor_digest  # each staged tensor's fast checksum (core/checksum.py)
         self.cache_dir = cache_dir
         self.tmp_dir = cache_dir / "tmp"
         self.adapters_dir = cache_dir / "adapters"
@@ -221,15 +232,18 @@ class Stager:
                 on_phase("downloading", done, total)
 
         on_phase("downloading", 0, total)
-        source.download(resolved, temp_dir, downloaded)
+        digests = StreamDigests(self.tensor_digest, self.max_header_bytes)
+        source.download_digested(resolved, temp_dir, downloaded, digests)
         on_phase("validating", done, total)
         content = validate_adapter_dir(
-            temp_dir, max_header_bytes=self.max_header_bytes, label=resolved.uri
+            temp_dir, max_header_bytes=self.max_header_bytes, label=resolved.uri,
+            tensor_digest=self.tensor_digest, hashed=digests.tensors,
         )
         on_phase("staging", done, total)
         for name in STAGED_FILES:
             _fsync_path(temp_dir / name)
-        prepared = PreparedAdapter(temp_dir, content_id(temp_dir), content, time.time())
+        adapter_id = digests.content_id or content_id(temp_dir)  # hashed while downloading?
+        prepared = PreparedAdapter(temp_dir, adapter_id, content, time.time())
         manifest_path = temp_dir / MANIFEST_FILE
         with manifest_path.open("w") as f:
             json.dump(_manifest_json(prepared), f)

@@ -16,6 +16,11 @@ Two preloads of the same URI share one download (a :class:`SharedDownload`): the
 for the first's result and sees its progress events. A :class:`StreamLease` pins a content id's
 files while a stream reads them: deleting or replacing a name drops the name at once, but the
 files go only when the last lease closes, and eviction skips leased ids.
+
+Versions (``versions.py``): a name's earlier content stays staged as its history until the disk
+budget evicts it (as any unpinned content, never while leased); ``describe`` and ``open_stream``
+take ``name@<content-id prefix>`` for one of them, and :meth:`AdapterStore.rollback` points the
+name back at one.
 """
 
 from __future__ import annotations
@@ -27,15 +32,27 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lorastream.core.adapter_validation import DEFAULT_MAX_HEADER_BYTES
+from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST
 from lorastream.core.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
 from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress
 from lorastream.core.upload import UploadChunk, UploadHeader, push_uri
+from lorastream.core.versions import (
+    AdapterChange,
+    AdapterVersion,
+    ChangeKind,
+    VersionSelector,
+    WatchMessage,
+    parse_ref,
+)
+from lorastream.store.metrics import StoreMetrics
 from lorastream.store.reader import StreamLease
 from lorastream.store.registry import Registry, RegistryEntry, validate_name
 from lorastream.store.sources import SourceRegistry
 from lorastream.store.sources.base import AdapterSource, ResolvedSource
 from lorastream.store.sources.upload import UploadSource
+from lorastream.store.versions import entry_for_ref, pick_rollback
+from lorastream.store.watch import ChangeFeed
 from lorastream.store.staging import (
     PhaseCallback,
     ProgressFn,
@@ -61,6 +78,8 @@ class AdapterStore:
         sources: SourceRegistry,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+        tensor_digest: str = DEFAULT_TENSOR_DIGEST,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         if cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, got {cache_bytes}")
@@ -68,14 +87,17 @@ class AdapterStore:
         self._max_upload_bytes = max_upload_bytes
         self._sources = sources
         self._lock = threading.RLock()
-        self._stager = Stager(Path(cache_dir), max_header_bytes)
+        self._stager = Stager(Path(cache_dir), max_header_bytes, tensor_digest)
         self._stager.remove_stale_temp()
         self._registry = Registry(Path(cache_dir))
         self._staged: dict[str, StagedAdapter] = {}
         self._leases: dict[str, int] = {}  # adapter_id -> open leases (streams, preloads)
         self._flights: dict[str, SharedDownload] = {}  # uri -> download in progress
         self._reserved = 0  # estimated bytes of downloads in progress
+        self.changes = ChangeFeed()  # what watches see (watch.py)
+        self.metrics = metrics or StoreMetrics()
         self._recover()
+        self.metrics.watch(self)
 
     # -- startup ----------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -92,7 +114,7 @@ class AdapterStore:
         lost = [e.name for e in self._registry.matching() if e.adapter_id not in self._staged]
         for name in lost:
             log.warning("adapter %s lost its staged files; preload it again", name)
-        self._registry.delete(lost)
+        self._registry.drop_current(lost)
         for adapter_id in list(self._staged):
             if not self._registry.is_referenced(adapter_id):
                 log.warning("removing staged adapter %s that no name refers to", adapter_id[:12])
@@ -112,6 +134,12 @@ class AdapterStore:
     def bytes_budget(self) -> int:
         return self._budget
 
+    @property
+    def staged_count(self) -> int:
+        """Adapter contents on disk (names sharing files count once)."""
+        with self._lock:
+            return len(self._staged)
+
     def list(
         self, where: AdapterFilter = AdapterFilter(), after: str = "", limit: int | None = None
     ) -> list[AdapterManifest]:
@@ -125,18 +153,74 @@ class AdapterStore:
         with self._lock:
             return self._registry.count(where)
 
-    def describe(self, name: str) -> AdapterManifest:
+    def describe(self, ref: str) -> AdapterManifest:
+        """The manifest of ``name`` (its current version) or ``name@<content-id prefix>``."""
         with self._lock:
-            return self._manifest_of(self._entry(name))
+            return self._manifest_of(self._lookup(ref))
+
+    def history(self, name: str) -> list[AdapterVersion]:
+        """``name``'s versions, newest first (evicted ones too, marked not staged)."""
+        validate_name(name)
+        with self._lock:
+            versions = self._registry.versions(name)
+        if not versions:
+            raise AdapterNotFound(f"no adapter named {name!r} and no history of one")
+        return versions
+
+    def rollback(self, name: str, selector: VersionSelector = VersionSelector()
+                 ) -> AdapterManifest:
+        """Point ``name`` at an earlier staged version again (appended as its newest); with no
+        selector, at the content it pointed at before its current one."""
+        validate_name(name)
+        with self._lock:
+            target = pick_rollback(name, selector, self._registry.versions(name))
+            old = self._registry.get(name)
+            entry = self._registry.rollback(name, target, time.time())
+            self._publish(name, old.adapter_id if old else None, entry.adapter_id)
+            manifest = self._manifest_of(entry)
+        log.info("rolled %s back to %s (version %d)", name, target.adapter_id[:12],
+                 target.version)
+        self._settle()
+        return manifest
+
+    # -- watches (watch.py) -----------------------------------------------------------------
+    def watch(self, label: str, is_active: Callable[[], bool]) -> Iterator[WatchMessage]:
+        """A snapshot of every name's current content, then each change as it is made."""
+        with self._lock:
+            names = [AdapterChange(ChangeKind.PUT, name, adapter_id, version)
+                     for name, adapter_id, version in self._registry.current_versions()]
+            return self.changes.watch(label, names, is_active)
+
+    def ack(self, watch_id: str, generation: int) -> None:
+        self.changes.ack(watch_id, generation)
+
+    def _publish(self, name: str, old_id: str | None, new_id: str | None) -> None:
+        """Tell the watches that ``name`` moved from ``old_id`` to ``new_id`` (lock held)."""
+        if old_id == new_id:
+            return
+        if new_id is None:
+            change = AdapterChange(ChangeKind.DELETE, name)
+        else:
+            kind = ChangeKind.PUT if old_id is None else ChangeKind.VERSION
+            change = AdapterChange(kind, name, new_id, self._registry.latest_version(name))
+        self.changes.publish([change])
+
+    def _settle(self) -> None:
+        """Wait (unlocked) until the watches acknowledged every change published so far."""
+        self.changes.wait_acked(self.changes.generation)
 
     # -- operator calls ---------------------------------------------------------------------
     def delete(self, name: str) -> None:
         """Forget ``name`` now; its files go when no other name and no stream uses them."""
         with self._lock:
             entry = self._entry(name)
+            history = self._registry.versions(name)
             self._registry.delete([name])
-            self._collect(entry.adapter_id)
-        log.info("deleted adapter %s", name)
+            self._publish(name, entry.adapter_id, None)
+            for adapter_id in {entry.adapter_id, *(v.adapter_id for v in history)}:
+                self._collect(adapter_id)
+        log.info("deleted adapter %s and its history", name)
+        self._settle()
 
     def pin(self, name: str) -> AdapterManifest:
         return self._set_pinned(name, True)
@@ -181,6 +265,7 @@ class AdapterStore:
             else:
                 staged_before = None
                 flight, owner = self._join_or_start(uri, name)
+        self.metrics.preload_requested(cached=staged_before is not None)
         if staged_before is not None:
             total = staged_before.total_bytes
             emit(PreloadProgress("done", total, total, "already staged", staged_before))
@@ -202,6 +287,7 @@ class AdapterStore:
             finally:
                 self._release(staged.adapter_id)
         log.info("staged %s from %s as %s", name, uri, staged.adapter_id[:12])
+        self._settle()
         emit(PreloadProgress("done", manifest.total_bytes, manifest.total_bytes, "", manifest))
         return manifest
 
@@ -235,17 +321,19 @@ class AdapterStore:
             finally:
                 self._release(staged.adapter_id)
         log.info("staged pushed adapter %s as %s", name, staged.adapter_id[:12])
+        self._settle()
         return manifest
 
     # -- streaming --------------------------------------------------------------------------
     def open_stream(self, name: str, adapter_id: str | None = None) -> StreamLease:
-        """Lease ``name``'s files for a stream; ``adapter_id`` asserts which content is expected.
+        """Lease the files of ``name`` (or ``name@<content-id prefix>``: that version) for a
+        stream; ``adapter_id`` asserts which content is expected.
 
         Raises Conflict when ``name`` now maps to other content than ``adapter_id`` (it was
         replaced since the stream started); restart the stream without an id.
         """
         with self._lock:
-            entry = self._entry(name)
+            entry = self._lookup(name)
             if adapter_id and adapter_id != entry.adapter_id:
                 raise Conflict(
                     f"adapter {name} now has content {entry.adapter_id}, not {adapter_id}: it was "
@@ -255,7 +343,10 @@ class AdapterStore:
             self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + 1
             entry.last_used_at = time.time()
             try:
-                self._registry.touch(name, entry.last_used_at)
+                if parse_ref(name).pinned:
+                    self._registry.touch_version(entry.name, entry.adapter_id, entry.last_used_at)
+                else:
+                    self._registry.touch(name, entry.last_used_at)
             except Exception:  # noqa: BLE001 - a stale last-use time must not fail a stream
                 log.warning("could not record the last use of %s", name, exc_info=True)
             manifest = self._manifest_of(entry)
@@ -268,6 +359,10 @@ class AdapterStore:
         if entry is None:
             raise AdapterNotFound(f"no adapter named {name!r}; preload it first (adapters ls)")
         return entry
+
+    def _lookup(self, ref: str) -> RegistryEntry:
+        """The entry ``ref`` names: a name's current one, or one version of its history."""
+        return self._entry(ref) if not parse_ref(ref).pinned else entry_for_ref(self._registry, ref)
 
     def _manifest_of(self, entry: RegistryEntry) -> AdapterManifest:
         return self._staged[entry.adapter_id].manifest(
@@ -327,7 +422,9 @@ class AdapterStore:
                 self._make_room(resolved.total_bytes, protect=())
                 estimate = resolved.total_bytes
                 self._reserved += estimate
-            prepared = self._stager.prepare(source, resolved, on_phase)
+            prepared = self.metrics.timed_fetch(
+                resolved.uri, lambda: self._stager.prepare(source, resolved, on_phase)
+            )
             with self._lock:
                 self._reserved -= estimate
                 estimate = 0
@@ -355,8 +452,11 @@ class AdapterStore:
         if not plan:
             return
         evicted = {aid: self._registry.names_of(aid) for aid in plan}
-        self._registry.delete(name for names in evicted.values() for name in names)
+        self.metrics.evicted(self._registry.sizes.get(aid, 0) for aid in plan)
+        self._registry.drop_current(name for names in evicted.values() for name in names)
         for adapter_id, names in evicted.items():
+            for name in names:
+                self._publish(name, adapter_id, None)
             log.info("evicting %s (%s) to make room", adapter_id[:12], ", ".join(names))
             self._drop_files(adapter_id)
 
@@ -380,6 +480,7 @@ class AdapterStore:
             pinned=pin or (old.pinned if old is not None else False),
         )
         self._registry.put(entry)
+        self._publish(name, old.adapter_id if old else None, entry.adapter_id)
         if old is not None and old.adapter_id != staged.adapter_id:
             self._collect(old.adapter_id)
         return self._manifest_of(entry)

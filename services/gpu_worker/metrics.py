@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from lorastream.core.metrics_http import serve_registry
 
 TIERS = ("host", "device")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -115,5 +117,4 @@ class WorkerMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP; returns the bound port (``port`` 0 picks one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_address[1])
+        return serve_registry(self.registry, port, host)

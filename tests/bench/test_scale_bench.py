@@ -52,3 +52,22 @@ def test_each_count_reports_its_best_round_and_keeps_every_rounds_throughput() -
     best = _best_round(rounds)
     assert best["throughput_req_s"] == 3.6 and best["ttft_ms"] == {"p50": 700.0}
     assert best["rounds"] == 3 and best["throughput_req_s_rounds"] == [3.1, 3.6, None]
+
+
+def test_the_scale_section_states_the_adapter_size_and_the_push_registration() -> None:
+    from lorastream.bench.report_sections import scale_goals, scale_section
+
+    runs = [{"adapters": n, "throughput_req_s": 5.0 - n / 10_000, "ttft_ms": {"p50": 900.0}}
+            for n in (10, 100, 1000, 10_000)]
+    result = {
+        "config": {"model": "default", "ranks": [2, 4, 8], "targets": ["q_proj", "v_proj"]},
+        "registration": {"adapters": 10_000, "parallel": 4, "staged_mb": 5376.0,
+                         "adapter_mb_mean": 0.538, "seconds": 140.2,
+                         "registrations_per_s": 71.3, "push_ms_mean": 52.4},
+        "runs": runs, "throughput_loss_max_vs_min": 0.2, "goal_throughput_loss": "<= 0.10",
+    }
+    page = scale_section(result, {})
+    assert ("5,376 MB staged, 0.54 MB per adapter on average; pushed from memory in 140.2 s, "
+            "4 uploads at a time, 71.3 adapters/s, 52.4 ms each on average") in page
+    assert "| 10000 |" in page
+    assert scale_goals(result)[0][0] == "scale throughput loss, 10 → 10000 adapters"

@@ -5,13 +5,16 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from lorastream.bench.report_transfer import transfer_goals, transfer_section
 from lorastream.bench.transfer import (
+    CLIENTS,
     checked_chunk_sizes,
     parse_size,
     parse_sizes,
     run_transfer_bench,
 )
 from lorastream.cli.main import app
+from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TENSOR_DIGESTS
 
 
 @pytest.mark.parametrize(
@@ -50,15 +53,62 @@ def test_cli_rejects_bad_sizes_before_running(args: list[str], message: str) -> 
 
 
 def test_sweep_reports_one_point_per_chunk_size_and_the_1m_point_at_top_level() -> None:
-    result = run_transfer_bench(adapter_mb=2, repeats=1, chunk_sizes=[1 << 20, 256 << 10])
+    result = run_transfer_bench(adapter_mb=2, repeats=1, chunk_sizes=[1 << 20, 256 << 10],
+                                staging_mb=2)
     points = result["points"]
     assert isinstance(points, list)
     assert [p["chunk_bytes"] for p in points] == [256 << 10, 1 << 20]
     for point in points:
-        assert point["bare_mb_s"] > 0 and point["store_mb_s"] > 0 and point["verified_mb_s"] > 0
+        for kind in CLIENTS:
+            assert point[f"{kind}_mb_s"] > 0, kind
     head = points[1]
     assert result["chunk_bytes"] == 1 << 20
     assert result["store_vs_bare"] == head["store_vs_bare"]
     assert result["bare_grpc_MBps"] == head["bare_mb_s"]
     assert result["goal"] == "store_vs_bare >= 0.8"
     assert isinstance(result["command"], str) and isinstance(result["machine"], dict)
+    # every tensor digest measured in the same run; the headline is the default's
+    assert result["verified_digest"] == DEFAULT_TENSOR_DIGEST
+    by_digest = result["verified_by_digest_vs_bare"]
+    assert set(by_digest) == set(TENSOR_DIGESTS)
+    assert result["store_verified_vs_bare"] == by_digest[DEFAULT_TENSOR_DIGEST]
+    assert set(result["hash_GBps"]) == {"sha256", "blake3", "blake3_auto", "xxh3_128", "crc32c"}
+    staging = result["staging"]
+    assert staging["boto3_s"] > 0 and staging["preload_s"] > 0
+    assert set(staging["preload_phases_s"]) == {"resolve", "download", "validate", "stage"}
+    assert staging["goal"] == "preload_vs_boto3 >= 0.9"
+
+
+def test_staging_can_be_skipped() -> None:
+    assert run_transfer_bench(adapter_mb=1, repeats=1, staging_mb=0)["staging"] is None
+
+
+def test_the_section_shows_every_digest_and_the_staging_goal() -> None:
+    point = {"chunk_bytes": 1 << 20, "bare_mb_s": 1000.0, "store_mb_s": 900.0,
+             "store_vs_bare": 0.9, "verified_sha256_mb_s": 450.0, "verified_sha256_vs_bare": 0.45,
+             "verified_blake3_mb_s": 700.0, "verified_blake3_vs_bare": 0.7,
+             "verified_xxh3_mb_s": 850.0, "verified_xxh3_vs_bare": 0.85,
+             "verified_mb_s": 850.0, "verified_vs_bare": 0.85}
+    result = {"adapter_bytes": 96_000_000, "adapter_rank": 79, "repeats": 3,
+              "chunk_bytes": 1 << 20, "store_vs_bare": 0.9, "goal": "store_vs_bare >= 0.8",
+              "store_verified_vs_bare": 0.85, "verified_digest": "xxh3-128",
+              "goal_verified": "store_verified_vs_bare >= 0.8",
+              "hash_GBps": {"sha256": 1.8, "xxh3_128": 24.0},
+              "staging": {"adapter_bytes": 78_000_000, "repeats": 1, "boto3_s": 1.0,
+                          "preload_s": 1.2, "preload_vs_boto3": 0.83,
+                          "goal": "preload_vs_boto3 >= 0.9",
+                          "preload_phases_s": {"download": 1.0, "stage": 0.2}},
+              "points": [point]}
+    goals = transfer_goals(result)
+    assert [row[1] for row in goals] == ["0.90×", "0.85×", "0.83×"]
+    assert [row[3] for row in goals][1:] == ["met", "**not met**"]
+    section = transfer_section(result, {})
+    for shown in ("verified, sha256: MB/s / bare", "450 / 0.45×", "850 / 0.85×", "… stage",
+                  "xxh3-128", "S3 preload / boto3 download"):
+        assert shown in section, shown
+    old = {k: v for k, v in result.items() if k not in ("verified_digest", "goal_verified",
+                                                          "hash_GBps", "staging")}
+    old["points"] = [{k: v for k, v in point.items() if not k.startswith("verified_")}
+                     | {"verified_mb_s": 450.0, "verified_vs_bare": 0.45}]
+    assert "store, landed + sha256 MB/s" in transfer_section(old, {})
+    assert len(transfer_goals(old)) == 1

@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from tests.gateway.conftest import BASE, Cluster
+from lorastream.core.worker_client import WorkerClient
+from lorastream.gateway.routing import Tier
+from tests.gateway.conftest import BASE, Cluster, ClusterFactory, wait_until
 
 
 def _value(metrics: str, name: str, **labels: str) -> float:
@@ -75,3 +77,84 @@ def test_health_lists_every_worker_with_its_queue_and_base_model(cluster: Cluste
     assert body["status"] == "ok"
     assert set(body["workers"]) == {w.target for w in cluster.workers}
     assert all(w["healthy"] and w["base_model"] == BASE for w in body["workers"].values())
+
+
+def _tiers(metrics: str) -> dict[str, float]:
+    return {tier: _value(metrics, "lorastream_gateway_adapter_tier_requests_total", tier=tier)
+            for tier in ("device", "host", "absent")}
+
+
+def test_each_adapter_request_counts_the_tier_its_worker_held_the_adapter_at(
+    cluster: Cluster,
+) -> None:
+    """The second request for an adapter, once a poll shows it on a device, is a device hit;
+    the base model counts in no tier."""
+    client = cluster.gateway.openai()
+    before = _tiers(_metrics(cluster))
+    client.completions.create(model="all-r16-rslora", prompt="Hi", max_tokens=1)
+    pool = cluster.gateway.state.pool
+    assert wait_until(lambda: any(
+        v.tier("all-r16-rslora") == Tier.DEVICE for v in pool.views()))
+    client.completions.create(model="all-r16-rslora", prompt="Hi", max_tokens=1)
+    client.completions.create(model=BASE, prompt="Hi", max_tokens=1)
+    after = _tiers(_metrics(cluster))
+    grew = {tier: after[tier] - before[tier] for tier in after}
+    assert sum(grew.values()) == 2, grew
+    assert grew["device"] >= 1, grew
+
+
+def test_the_residency_gauge_counts_each_workers_adapters_per_tier(cluster: Cluster) -> None:
+    cluster.gateway.openai().completions.create(model="mlp-r8", prompt="Hi", max_tokens=1)
+
+    def truth() -> dict[tuple[str, str], int]:
+        """Adapters per (worker, tier), as each worker itself lists them."""
+        counts = {(w.target, tier): 0 for w in cluster.workers for tier in ("device", "host")}
+        for worker in cluster.workers:
+            with WorkerClient(worker.target) as client:
+                statuses, _base = client.list_adapters()
+            for status in statuses:
+                tier = {"device": "device", "host": "host", "loading": "host"}.get(
+                    status.residency)
+                if tier is not None:
+                    counts[(worker.target, tier)] += 1
+        return counts
+
+    def exported() -> dict[tuple[str, str], int]:
+        metrics = _metrics(cluster)
+        return {key: int(_value(metrics, "lorastream_gateway_worker_adapters",
+                                worker=key[0], tier=key[1])) for key in truth()}
+
+    assert wait_until(lambda: exported() == truth() and sum(truth().values()) >= 1), (
+        exported(), truth())
+
+
+def _model_labels(metrics: str) -> set[str]:
+    """Every ``model`` label value of the per-model series."""
+    return {m for m in re.findall(r'^lorastream_gateway_\w+\{[^}]*model="([^"]*)"', metrics,
+                                  flags=re.MULTILINE)}
+
+
+def test_per_model_series_are_bounded_to_the_busiest_n_and_the_rest_is_other(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """N = 1: attn-r4 (1 request) holds the label until mlp-r8 surely had more than 5/4 of its
+    requests; from then on attn-r4's series are gone and new requests for it count as other."""
+    small = cluster_factory(workers=1, metrics_adapter_labels=1)
+    client = small.gateway.openai()
+
+    def ask(model: str) -> None:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+
+    ask("attn-r4")
+    assert _model_labels(_metrics(small)) == {"attn-r4"}
+    ask("mlp-r8")  # 1 is not > 5/4 * 1: other
+    assert _model_labels(_metrics(small)) == {"attn-r4", "other"}
+    ask("mlp-r8")  # 2 > 5/4 * 1: takes the label
+    ask("attn-r4")  # now other
+    metrics = _metrics(small)
+    assert _model_labels(metrics) == {"mlp-r8", "other"}
+    assert _value(metrics, "lorastream_gateway_model_requests_total", model="mlp-r8") == 1
+    assert _value(metrics, "lorastream_gateway_model_requests_total", model="other") == 2
+    assert _value(metrics, "lorastream_gateway_ttft_seconds_count", model="other") == 2
+    assert _value(metrics, "lorastream_gateway_generated_tokens_total", model="mlp-r8") == 2

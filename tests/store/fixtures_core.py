@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import sqlite3
 import struct
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import pytest
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.stream_layout import StreamLayout
+from lorastream.store.registry import REGISTRY_FILE
 from lorastream.store.sources import SourceRegistry
 from lorastream.store.sources.base import ProgressCallback, ResolvedSource
 from lorastream.store.sources.local import LocalSource
@@ -134,10 +136,14 @@ def assert_streams_intact(store: AdapterStore, name: str) -> AdapterManifest:
 
 
 def assert_cache_clean(store: AdapterStore, cache_dir: Path) -> None:
-    """No temp dirs; exactly the listed adapters' content dirs exist; bytes_used matches disk."""
+    """No temp dirs; the listed adapters' content dirs exist, and no others but versions a name's
+    history holds; bytes_used matches disk."""
     assert os.listdir(cache_dir / "tmp") == []
     on_disk = set(os.listdir(cache_dir / "adapters"))
-    assert on_disk == {m.adapter_id for m in store.list()}
+    listed = {m.adapter_id for m in store.list()}
+    with sqlite3.connect(cache_dir / REGISTRY_FILE) as db:
+        history = {row[0] for row in db.execute("SELECT adapter_id FROM versions")}
+    assert listed <= on_disk <= listed | history
     disk_bytes = sum(
         f.stat().st_size for d in on_disk for f in (cache_dir / "adapters" / d).iterdir()
     )

@@ -214,8 +214,10 @@ def test_the_same_bytes_pushed_again_keep_one_copy_and_new_weights_replace_the_o
         assert newer.adapter_id != first.adapter_id
         assert client.describe("policy").adapter_id == newer.adapter_id
         assert store.staged_ids() == sorted([first.adapter_id, newer.adapter_id])
-        client.delete("policy-copy")  # the old weights' last name: their files go
-    assert store.staged_ids() == [newer.adapter_id] and store.leftovers() == []
+        client.delete("policy-copy")  # the old weights stay: they are policy's version 1
+        assert store.staged_ids() == sorted([first.adapter_id, newer.adapter_id])
+        client.delete("policy")  # the name and its history: every file goes
+    assert store.staged_ids() == [] and store.leftovers() == []
 
 
 def test_a_name_staged_from_another_source_needs_force(

@@ -293,6 +293,18 @@ def test_inverse_cdf_picks_by_cumulative_weight_and_never_a_zero_weight_token(
         (SamplingParams(stop_token_ids=(5, VOCAB)), f"in [0, {VOCAB - 1}] (the vocabulary), got"),
         (SamplingParams(stop_token_ids=(-1,)), "stop_token_ids must be in [0, 999]"),
         (SamplingParams(ignore_eos=1), "ignore_eos must be a bool"),  # type: ignore[arg-type]
+        (SamplingParams(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
+        (SamplingParams(frequency_penalty=-3), "frequency_penalty must be in [-2, 2], got -3"),
+        (SamplingParams(frequency_penalty=math.nan), "frequency_penalty must be a finite"),
+        (SamplingParams(repetition_penalty=0), "repetition_penalty must be > 0 (1 disables)"),
+        (SamplingParams(logit_bias=((VOCAB, 1.0),)), "logit_bias keys must be token ids in"),
+        (SamplingParams(logit_bias=((5, 101.0),)), "logit_bias values must be in [-100, 100]"),
+        (SamplingParams(logit_bias=((5, 1.0), (5, 2.0))), "logit_bias names token 5 twice"),
+        (SamplingParams(logit_bias=tuple((i, 1.0) for i in range(1025))), "at most 1024 tokens"),
+        (SamplingParams(min_tokens=-1), "min_tokens must be >= 0, got -1"),
+        (SamplingParams(min_tokens=9, max_tokens=8), "min_tokens (9) must be <= max_tokens (8)"),
+        (SamplingParams(logprobs=21), "logprobs (the number of top log-probabilities) must be"),
+        (SamplingParams(logprobs=-1), "must be in [0, 20], got -1"),
     ],
 )
 def test_invalid_parameters_raise_invalid_argument_saying_what_to_fix(
@@ -310,6 +322,10 @@ def test_invalid_parameters_raise_invalid_argument_saying_what_to_fix(
         SamplingParams(temperature=2, top_p=1, top_k=VOCAB * 2, max_tokens=1, seed=0),
         SamplingParams(top_p=1e-9, seed=2**64 - 1, stop=tuple("abcdefghijklmnop")),
         SamplingParams(stop_token_ids=(0, VOCAB - 1), ignore_eos=True),
+        SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01,
+                       logit_bias=((0, -100.0), (VOCAB - 1, 100.0)), min_tokens=256,
+                       logprobs=20),
+        SamplingParams(logprobs=0, min_tokens=0, repetition_penalty=1),
     ],
 )
 def test_valid_parameters_pass_validation(params: SamplingParams) -> None:

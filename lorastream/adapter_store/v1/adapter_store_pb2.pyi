@@ -22,6 +22,13 @@ class PinnedFilter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PINNED_FILTER_UNSPECIFIED: _ClassVar[PinnedFilter]
     PINNED_FILTER_PINNED: _ClassVar[PinnedFilter]
     PINNED_FILTER_UNPINNED: _ClassVar[PinnedFilter]
+
+class AdapterChangeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_CHANGE_KIND_UNSPECIFIED: _ClassVar[AdapterChangeKind]
+    ADAPTER_CHANGE_KIND_PUT: _ClassVar[AdapterChangeKind]
+    ADAPTER_CHANGE_KIND_VERSION: _ClassVar[AdapterChangeKind]
+    ADAPTER_CHANGE_KIND_DELETE: _ClassVar[AdapterChangeKind]
 PRELOAD_PHASE_UNSPECIFIED: PreloadPhase
 PRELOAD_PHASE_RESOLVING: PreloadPhase
 PRELOAD_PHASE_DOWNLOADING: PreloadPhase
@@ -31,6 +38,10 @@ PRELOAD_PHASE_DONE: PreloadPhase
 PINNED_FILTER_UNSPECIFIED: PinnedFilter
 PINNED_FILTER_PINNED: PinnedFilter
 PINNED_FILTER_UNPINNED: PinnedFilter
+ADAPTER_CHANGE_KIND_UNSPECIFIED: AdapterChangeKind
+ADAPTER_CHANGE_KIND_PUT: AdapterChangeKind
+ADAPTER_CHANGE_KIND_VERSION: AdapterChangeKind
+ADAPTER_CHANGE_KIND_DELETE: AdapterChangeKind
 
 class PreloadAdapterRequest(_message.Message):
     __slots__ = ("source_uri", "name", "pin", "force")
@@ -211,3 +222,95 @@ class StreamAdapterTensorsResponse(_message.Message):
     manifest: _common_pb2.AdapterManifest
     chunk: TensorChunk
     def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class AdapterVersion(_message.Message):
+    __slots__ = ("name", "version", "adapter_id", "source_uri", "revision", "created_at", "current", "staged", "total_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    adapter_id: str
+    source_uri: str
+    revision: str
+    created_at: float
+    current: bool
+    staged: bool
+    total_bytes: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., adapter_id: _Optional[str] = ..., source_uri: _Optional[str] = ..., revision: _Optional[str] = ..., created_at: _Optional[float] = ..., current: _Optional[bool] = ..., staged: _Optional[bool] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ListAdapterVersionsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListAdapterVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[AdapterVersion]
+    def __init__(self, versions: _Optional[_Iterable[_Union[AdapterVersion, _Mapping]]] = ...) -> None: ...
+
+class RollbackAdapterRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class RollbackAdapterResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: _common_pb2.AdapterManifest
+    def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
+
+class WatchAdaptersRequest(_message.Message):
+    __slots__ = ("watcher",)
+    WATCHER_FIELD_NUMBER: _ClassVar[int]
+    watcher: str
+    def __init__(self, watcher: _Optional[str] = ...) -> None: ...
+
+class AdapterChange(_message.Message):
+    __slots__ = ("kind", "name", "adapter_id", "version")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    kind: AdapterChangeKind
+    name: str
+    adapter_id: str
+    version: int
+    def __init__(self, kind: _Optional[_Union[AdapterChangeKind, str]] = ..., name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class WatchAdaptersResponse(_message.Message):
+    __slots__ = ("watch_id", "generation", "snapshot", "snapshot_done", "changes")
+    WATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    watch_id: str
+    generation: int
+    snapshot: bool
+    snapshot_done: bool
+    changes: _containers.RepeatedCompositeFieldContainer[AdapterChange]
+    def __init__(self, watch_id: _Optional[str] = ..., generation: _Optional[int] = ..., snapshot: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., changes: _Optional[_Iterable[_Union[AdapterChange, _Mapping]]] = ...) -> None: ...
+
+class AckAdapterChangesRequest(_message.Message):
+    __slots__ = ("watch_id", "generation")
+    WATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    watch_id: str
+    generation: int
+    def __init__(self, watch_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class AckAdapterChangesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

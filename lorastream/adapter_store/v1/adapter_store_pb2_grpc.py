@@ -75,6 +75,26 @@ class AdapterStoreServiceStub:
                 request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsRequest.SerializeToString,
                 response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsResponse.FromString,
                 _registered_method=True)
+        self.ListAdapterVersions = channel.unary_unary(
+                '/lorastream.adapter_store.v1.AdapterStoreService/ListAdapterVersions',
+                request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsRequest.SerializeToString,
+                response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsResponse.FromString,
+                _registered_method=True)
+        self.RollbackAdapter = channel.unary_unary(
+                '/lorastream.adapter_store.v1.AdapterStoreService/RollbackAdapter',
+                request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.RollbackAdapterRequest.SerializeToString,
+                response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.RollbackAdapterResponse.FromString,
+                _registered_method=True)
+        self.WatchAdapters = channel.unary_stream(
+                '/lorastream.adapter_store.v1.AdapterStoreService/WatchAdapters',
+                request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.SerializeToString,
+                response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.WatchAdaptersResponse.FromString,
+                _registered_method=True)
+        self.AckAdapterChanges = channel.unary_unary(
+                '/lorastream.adapter_store.v1.AdapterStoreService/AckAdapterChanges',
+                request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.AckAdapterChangesRequest.SerializeToString,
+                response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.AckAdapterChangesResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterStoreServiceServicer:
@@ -140,6 +160,39 @@ class AdapterStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAdapterVersions(self, request, context):
+        """A name's versions, newest first (every registration that changed its content, and
+        rollbacks). Read RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackAdapter(self, request, context):
+        """Point a name at one of its earlier staged versions again (appended as its newest version).
+        Operator RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchAdapters(self, request, context):
+        """Every name's current content id (the snapshot, in pages), then each change as it is made.
+        Read RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckAdapterChanges(self, request, context):
+        """A watcher has applied every change up to a generation. The store acknowledges a change
+        (preload, push, rollback, delete) only after every watcher connected when it was made has
+        acknowledged it, or was dropped for not doing so in time. Read RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +235,26 @@ def add_AdapterStoreServiceServicer_to_server(servicer, server):
                     servicer.StreamAdapterTensors,
                     request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsRequest.FromString,
                     response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsResponse.SerializeToString,
+            ),
+            'ListAdapterVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapterVersions,
+                    request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsRequest.FromString,
+                    response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsResponse.SerializeToString,
+            ),
+            'RollbackAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackAdapter,
+                    request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.RollbackAdapterRequest.FromString,
+                    response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.RollbackAdapterResponse.SerializeToString,
+            ),
+            'WatchAdapters': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAdapters,
+                    request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.FromString,
+                    response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.WatchAdaptersResponse.SerializeToString,
+            ),
+            'AckAdapterChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckAdapterChanges,
+                    request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.AckAdapterChangesRequest.FromString,
+                    response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.AckAdapterChangesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +474,114 @@ class AdapterStoreService:
             '/lorastream.adapter_store.v1.AdapterStoreService/StreamAdapterTensors',
             lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsRequest.SerializeToString,
             lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapterVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorastream.adapter_store.v1.AdapterStoreService/ListAdapterVersions',
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsRequest.SerializeToString,
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorastream.adapter_store.v1.AdapterStoreService/RollbackAdapter',
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.RollbackAdapterRequest.SerializeToString,
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.RollbackAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lorastream.adapter_store.v1.AdapterStoreService/WatchAdapters',
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.SerializeToString,
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.WatchAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckAdapterChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorastream.adapter_store.v1.AdapterStoreService/AckAdapterChanges',
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.AckAdapterChangesRequest.SerializeToString,
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.AckAdapterChangesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,18 +19,20 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "nbytes", "checksum")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "checksum", "fast_checksum")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FAST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     checksum: str
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    fast_checksum: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., fast_checksum: _Optional[str] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
     __slots__ = ("adapter_id", "name", "source_uri", "revision", "base_model", "rank", "alpha", "use_rslora", "target_modules", "tensors", "total_bytes", "created_at", "pinned", "last_used_at")

@@ -60,6 +60,16 @@ class GpuWorkerServiceStub:
                 request_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/lorastream.gpu_worker.v1.GpuWorkerService/Tokenize',
+                request_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/lorastream.gpu_worker.v1.GpuWorkerService/Detokenize',
+                request_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GpuWorkerServiceServicer:
@@ -101,6 +111,20 @@ class GpuWorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of a prompt with the base model's tokenizer (every adapter shares it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Text of token ids with the base model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GpuWorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +152,16 @@ def add_GpuWorkerServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.GetStatsRequest.FromString,
                     response_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.TokenizeRequest.FromString,
+                    response_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeRequest.FromString,
+                    response_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +300,60 @@ class GpuWorkerService:
             '/lorastream.gpu_worker.v1.GpuWorkerService/GetStats',
             lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.GetStatsRequest.SerializeToString,
             lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorastream.gpu_worker.v1.GpuWorkerService/Tokenize',
+            lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.TokenizeRequest.SerializeToString,
+            lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorastream.gpu_worker.v1.GpuWorkerService/Detokenize',
+            lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeRequest.SerializeToString,
+            lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lorastream.core.adapter_format import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
 from lorastream.core.errors import InvalidAdapter
+from lorastream.store.digesting import StreamDigests
 
 # Called with the number of bytes just written; must be cheap and thread-safe.
 ProgressCallback = Callable[[int], None]
@@ -57,6 +58,18 @@ class AdapterSource(abc.ABC):
     @abc.abstractmethod
     def download(self, resolved: ResolvedSource, dest: Path, progress: ProgressCallback) -> None:
         """Write every file of ``resolved`` into the existing directory ``dest``."""
+
+    def download_digested(
+        self,
+        resolved: ResolvedSource,
+        dest: Path,
+        progress: ProgressCallback,
+        digests: StreamDigests,
+    ) -> None:
+        """As :meth:`download`; a source that can write each file front to back writes it
+        through ``digests`` (store/digesting.py), so staging does not read it again to hash it.
+        By default the files are downloaded as usual and ``digests`` stays empty."""
+        self.download(resolved, dest, progress)
 
 
 def select_adapter_files(listing: dict[str, int], uri: str) -> tuple[RemoteFile, ...]:

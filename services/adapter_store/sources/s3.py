@@ -44,6 +44,7 @@ from lorastream.core.errors import (
     LorastreamError,
     SourceUnavailable,
 )
+from lorastream.store.digesting import StreamDigests
 from lorastream.store.sources.base import (
     AdapterSource,
     ProgressCallback,
@@ -279,6 +280,28 @@ class S3Source(AdapterSource):
         return sizes, etags, sub_prefixes
 
     def download(self, resolved: ResolvedSource, dest: Path, progress: ProgressCallback) -> None:
+        self._download(resolved, dest, progress, None)
+
+    def download_digested(
+        self,
+        resolved: ResolvedSource,
+        dest: Path,
+        progress: ProgressCallback,
+        digests: StreamDigests,
+    ) -> None:
+        """The files one after the other (the config first, then the weights, as the content id
+        hashes them), each written in order through ``digests``: s3transfer still fetches the
+        weights' parts concurrently and writes them in order from its in-memory window, so the
+        hashing runs on its writer thread while the parts arrive."""
+        self._download(resolved, dest, progress, digests)
+
+    def _download(
+        self,
+        resolved: ResolvedSource,
+        dest: Path,
+        progress: ProgressCallback,
+        digests: StreamDigests | None,
+    ) -> None:
         bucket, prefix = parse_s3_uri(resolved.uri)
         directory = f"{prefix}/" if prefix else ""
         etag, version_id = parse_revision(resolved.revision)
@@ -288,6 +311,8 @@ class S3Source(AdapterSource):
         try:
             for remote in resolved.files:
                 target = _target(dest, resolved.uri, remote)
+                writer = None if digests is None else digests.writer(remote.path, remote.size,
+                                                                     target)
                 extra: dict[str, str] = {}
                 known_etag = None
                 if remote.path == WEIGHTS_FILE and etag:
@@ -299,22 +324,30 @@ class S3Source(AdapterSource):
                 future = manager.download(
                     bucket,
                     key,
-                    str(target),
+                    str(target) if writer is None else writer,
                     extra_args=extra,
                     subscribers=[_Known(remote.size, known_etag, progress)],
                 )
                 futures.append((key, future))
+                if writer is not None:  # in order: this file completes before the next starts
+                    try:
+                        self._wait(future, resolved.uri, key)
+                    finally:
+                        writer.close()
             for key, future in futures:
-                try:
-                    future.result()
-                except Exception as err:  # noqa: BLE001 - mapped to a domain error
-                    self._raise_mapped(err, resolved.uri, key)
+                self._wait(future, resolved.uri, key)
         except BaseException:
             failed = True
             raise
         finally:
             manager.shutdown(cancel=failed)
         log.debug("downloaded %d objects of %s", len(futures), resolved.uri)
+
+    def _wait(self, future: Any, uri: str, key: str) -> None:
+        try:
+            future.result()
+        except Exception as err:  # noqa: BLE001 - mapped to a domain error
+            self._raise_mapped(err, uri, key)
 
     # -- errors -----------------------------------------------------------------------------
     def _raise_mapped(self, err: Exception, uri: str, what: str) -> NoReturn:

@@ -295,3 +295,32 @@ class Device:
 
     def close(self) -> None:
         self.load_stream.close()
+
+
+@dataclass(frozen=True)
+class Int8Matmul:
+    """How torch's int8 matmuls are called on a device (``model/quant_linear.py`` uses them).
+
+    ``weight_only_dtype``: the activation dtype ``aten._weight_int8pack_mm`` runs in. On the CPU
+    bf16: its fp32 path is scalar (10-40x slower at decode shapes, quant_linear.py's table); on
+    CUDA the model's dtype. ``int_mm_min_rows``: ``torch._int_mm`` on CUDA needs more than 16
+    rows (fewer are padded with zero rows); the CPU takes any.
+    """
+
+    weight_only_dtype: torch.dtype
+    int_mm_min_rows: int
+
+
+def int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
+    """The int8 matmul settings of ``device`` for a model computing in ``dtype``."""
+    if device.type == "cuda":  # pragma: no cover - needs a GPU
+        half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        return Int8Matmul(weight_only_dtype=half, int_mm_min_rows=17)
+    return Int8Matmul(weight_only_dtype=torch.bfloat16, int_mm_min_rows=1)
+
+
+def host_reads_stall(device: torch.device) -> bool:
+    """True where reading a tensor back to the host waits for the device's queued work (CUDA):
+    step code then takes its sync-free variant. On the CPU a read costs nothing extra, so code
+    that reads to skip work (the sampler's adaptive top-p) keeps doing so."""
+    return device.type == "cuda"

@@ -15,6 +15,7 @@ that thread is then the only multi-threaded one in the process (see
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -25,11 +26,18 @@ from typing import TypeVar
 
 import torch
 
-from lorastream.core.errors import LorastreamError, SourceUnavailable
-from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput
+from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnavailable
+from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
 from lorastream.worker.device.device import Device, use_intra_op_threads
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.intake import RequestIntake
+from lorastream.worker.engine.choices import expand_for_choices, fork_choices
+from lorastream.worker.engine.logits_processors import (
+    TokenHistory,
+    host_values,
+    needs_history,
+    token_logprobs,
+)
 from lorastream.worker.engine.sampling import Sampler, SamplingParams, SamplingRow
 from lorastream.worker.engine.scheduler import Scheduler, StepPlan
 from lorastream.worker.engine.sequence import RequestStream, Sequence
@@ -285,13 +293,20 @@ class Engine:
         lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]
         self.adapters.mark_read(adapters, self.device.record_compute())  # rule 2
-        tokens = self.sampler.sample(
-            logits, [SamplingRow(s.params, s.generator) for s in inputs.samplers]
-        ).tolist()  # the one device -> host transfer of the step
+        # n > 1: a request whose prompt just completed forks; its logits row serves each choice
+        samplers, logit_rows = expand_for_choices(inputs.samplers, self._fork)
+        if logit_rows is not None:
+            logits = logits.index_select(0, host_values(logit_rows, torch.long, logits.device))
+        sampled = self.sampler.step(
+            logits, [self._sampling_row(s, logits) for s in samplers], self._constrain(samplers)
+        )
+        tokens = sampled.tokens.tolist()  # the one device -> host transfer of the step
+        logprobs = sampled.logprobs.to_host() if sampled.logprobs is not None else {}
         for seq, count in inputs.fed:
             seq.num_computed += count
-        for seq, token in zip(inputs.samplers, tokens, strict=True):
-            self._emit(seq, int(token))
+        decode = self.tokenizer.decode  # type: ignore[attr-defined]
+        for i, (seq, token) in enumerate(zip(samplers, tokens, strict=True)):
+            self._emit(seq, int(token), token_logprobs(int(token), logprobs.get(i), decode))
         self.adapters.observe_step(rows, time.perf_counter() - started)
         self.stats.steps += 1
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
@@ -299,7 +314,48 @@ class Engine:
         self.stats.decode_tokens += len(plan.decode)
         self.stats.prefill_tokens += sum(chunk for _, chunk in plan.prefill)
 
-    def _emit(self, seq: Sequence, token: int) -> None:
+    def _sampling_row(self, seq: Sequence, logits: torch.Tensor) -> SamplingRow:
+        """logits [B, V]: the step's, for their vocabulary width and device."""
+        params = seq.params
+        if seq.history is None and needs_history(params):
+            seq.history = TokenHistory(
+                seq.prompt_ids, seq.output_ids, logits.shape[-1], logits.device
+            )
+        generated = len(seq.output_ids)
+        stop_ids = (
+            seq.eos_ids | frozenset(params.stop_token_ids)
+            if generated < params.min_tokens else frozenset()
+        )
+        return SamplingRow(params, seq.generator, seq.history, generated, stop_ids)
+
+    def _constrain(self, samplers: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
+        """The grammar mask of the step's constrained rows (None when every row is free).
+
+        It runs after penalties, logit bias and min_tokens, so the draw, greedy argmax and
+        logprobs all see the masked logits; free rows are untouched.
+        """
+        rows = [(i, seq.matcher) for i, seq in enumerate(samplers) if seq.matcher is not None]
+        if not rows:
+            return None
+        return functools.partial(self.intake.grammar.mask_, rows=rows)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Choices 1 .. n-1 of a request whose prompt was just prefilled, now running."""
+        children = fork_choices(parent, self.kv, self.tokenizer)
+        for child in children:
+            if child.adapter_id is not None:
+                self.adapters.acquire(child.adapter_id)
+        self.scheduler.running.extend(children)
+        return children
+
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        if seq.matcher is not None:
+            try:
+                seq.matcher.accept(token)
+            except InvalidArgument as err:  # a bug: never hand out off-grammar output
+                log.error("request %s: %s", seq.request_id, err)
+                self._fail(seq, LorastreamError(f"internal error: {err}"))
+                return
         seq.output_ids.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
@@ -313,31 +369,45 @@ class Engine:
             text = step.delta
             if step.stopped:
                 reason = FinishReason.STOP
+            elif seq.matcher is not None and seq.matcher.finished:  # the output is complete
+                reason, text = FinishReason.STOP, text + seq.detokenizer.flush()
             elif seq.length >= seq.max_len:
                 reason, text = FinishReason.LENGTH, text + seq.detokenizer.flush()
+        lps = (logprobs,) if logprobs is not None else ()
         if reason is None:
-            seq.stream.put(
-                GenerationEvent((token,), text, len(seq.prompt_ids), len(seq.output_ids))
-            )
+            seq.stream.put(GenerationEvent(
+                (token,), text, len(seq.prompt_ids), len(seq.output_ids), logprobs=lps,
+                index=seq.choice,
+            ))
         else:
-            self._retire(seq, reason, (token,), text)
+            self._retire(seq, reason, (token,), text, lps)
 
     def _retire(
-        self, seq: Sequence, reason: FinishReason, tokens: tuple[int, ...], text: str
+        self, seq: Sequence, reason: FinishReason, tokens: tuple[int, ...], text: str,
+        logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         self.scheduler.finish(seq)
         if seq.adapter_id is not None:
             self.adapters.release(seq.adapter_id)
-        self.stats.finished_requests += 1
-        seq.stream.put(
-            GenerationEvent(tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason)
-        )
-        seq.stream.put(None)
+        seq.stream.put(GenerationEvent(
+            tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason, logprobs,
+            seq.choice,
+        ))
+        seq.finished = True
+        if seq.group is None or seq.group.retire(seq):  # the request's last choice ended
+            self.stats.finished_requests += 1
+            seq.stream.put(None)
 
     def _fail(self, seq: Sequence, err: LorastreamError) -> None:
-        self.scheduler.finish(seq)
-        if seq.adapter_id is not None:
-            self.adapters.release(seq.adapter_id)
+        """End the request with ``err``: every choice of it still running goes too."""
+        if seq.finished:
+            return
+        for member in seq.group.members if seq.group is not None else [seq]:
+            if not member.finished:
+                member.finished = True
+                self.scheduler.finish(member)
+                if member.adapter_id is not None:
+                    self.adapters.release(member.adapter_id)
         seq.stream.put(err)
 
     # -- introspection ------------------------------------------------------------------------

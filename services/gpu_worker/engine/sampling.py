@@ -1,6 +1,9 @@
 """The batched sampler of the decode step (``SamplingParams`` itself is in lorastream.core.generation).
 
-The sampler turns the last-position logits of every sequence in a batch into one token id each:
+The sampler turns the last-position logits of every sequence in a batch into one token id each,
+after the requests' penalties, logit bias and min_tokens mask (logits_processors.py) and, for the
+rows with an output constraint, the grammar's mask (grammar.py, applied by the caller's
+``constrain``):
 
 * greedy rows (``temperature == 0``) take ``argmax`` (ties -> lowest index, exactly as
   ``torch.argmax`` and therefore HF ``generate(do_sample=False)``);
@@ -18,7 +21,7 @@ layout can shift). Nothing here loops over the vocabulary or sorts it: threshold
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +29,18 @@ import torch
 # SamplingParams is part of the worker's API, shared with its clients: it lives in
 # lorastream.core.generation and is re-exported here.
 from lorastream.core.generation import GREEDY_TEMPERATURE, SamplingParams
+from lorastream.worker.engine.logits_processors import (
+    BatchLogprobs,
+    TokenHistory,
+    compute_logprobs,
+    host_values,
+    process_logits_,
+    record_tokens,
+)
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "SampledBatch",
     "Sampler",
     "SamplingParams",
     "SamplingRow",
@@ -52,10 +64,26 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row of a sampling batch: the request's parameters and its generator (or None)."""
+    """One row of a sampling batch: the request's parameters and its generator (or None), and
+    what its logits processing needs (logits_processors.py)."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
+    history: TokenHistory | None = None
+    """Its token counts on the device; set exactly when its penalties need them."""
+    generated: int = 0
+    """Tokens it has generated before this step (for min_tokens)."""
+    stop_ids: frozenset[int] = frozenset()
+    """EOS and stop token ids: masked while ``generated < params.min_tokens``."""
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """One step's result, on the device: tokens [B] int64, and the log-probabilities of the
+    rows that asked for them."""
+
+    tokens: torch.Tensor
+    logprobs: BatchLogprobs | None = None
 
 
 def filter_weights_(
@@ -154,6 +182,54 @@ def _thresholds(
     return threshold, overflow
 
 
+def filter_weights_sync_free_(
+    scaled: torch.Tensor,
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    mask_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`filter_weights_` without reading the device: the same semantics and thresholds.
+
+    Which rows filter, and how many candidates each needs, come from the host-side parameters:
+    rows with top-k take a ``topk`` of width ``max(top_k)`` (every top-k survivor, hence their
+    nucleus, is among them); rows with top-p and no top-k sort the whole row (their nucleus may
+    be any size, and no host read may ask). The adaptive path's retry loop is what this avoids:
+    on CUDA its ``nonzero`` and ``int(...)`` wait for the step. On the CPU the full sort costs
+    more than the retries (the Sampler chooses by device).
+
+    Args:
+        scaled: [S, V] float32 logits already divided by the temperature; overwritten.
+        top_k: S ints (host), 0 = disabled.
+        top_p: S floats (host) in (0, 1], 1 = disabled.
+        mask_out: optional [S, V] bool scratch space.
+    Returns:
+        ``scaled``, now [S, V] weights: exp(logit - row max) where kept, 0 where removed.
+    """
+    num_rows, vocab = scaled.shape
+    weights = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()  # [S, V], row max is 1
+    with_k = [i for i in range(num_rows) if 0 < top_k[i] < vocab]
+    only_p = [i for i in range(num_rows) if top_p[i] < 1 and not 0 < top_k[i] < vocab]
+    if not with_k and not only_p:
+        return weights
+    threshold = weights.new_zeros(num_rows)  # [S]
+    for rows, width in ((with_k, max((top_k[i] for i in with_k), default=0)), (only_p, vocab)):
+        if not rows:
+            continue
+        index = host_values(rows, torch.long, weights.device)  # [F]
+        sub = weights if len(rows) == num_rows else weights.index_select(0, index)  # [F, V]
+        candidates = (
+            sub.sort(dim=-1, descending=True).values if width == vocab
+            else sub.topk(width, dim=-1).values
+        )  # [F, C] descending
+        k = host_values([top_k[i] if rows is with_k else 0 for i in rows], torch.long,
+                        weights.device)  # [F]
+        p = host_values([top_p[i] for i in rows], torch.float32, weights.device)  # [F]
+        found, _ = _thresholds(candidates, sub.sum(-1), k, k > 0, p, p < 1, vocab)  # [F]
+        threshold.index_copy_(0, index, found)
+    mask = torch.lt(weights, threshold[:, None], out=mask_out)  # [S, V]
+    return weights.masked_fill_(mask, 0.0)
+
+
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """Per row, the first token whose cumulative weight exceeds ``u * total``.
 
@@ -205,22 +281,47 @@ class Sampler:
         self._weights = torch.empty(0)
         self._mask = torch.empty(0, dtype=torch.bool)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+        constrain: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """logits [B, V] float32 (last position of each sequence); one SamplingRow per row.
 
-        Returns token ids [B] int64.
+        Returns token ids [B] int64. See :meth:`step`.
+        """
+        return self.step(logits, rows, constrain).tokens
+
+    @torch.inference_mode()
+    def step(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+        constrain: Callable[[torch.Tensor], None] | None = None,
+    ) -> SampledBatch:
+        """Process, pick and count one token per row; nothing is read back to the host.
+
+        logits [B, V] (last position of each sequence), one SamplingRow per row. The rows of
+        requests with penalties, a logit bias or min_tokens are overwritten in place with their
+        processed logits (when ``logits`` is float32). ``constrain`` then masks, in place, the
+        float32 logits of the rows with an output constraint (structured outputs: -inf where
+        the grammar forbids the token). Greedy rows take the argmax of the processed (and
+        masked) logits; log-probabilities are the log-softmax of the same logits.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [B, V] with B = len(rows) = {len(rows)}, got {tuple(logits.shape)}"
             )
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if any(row.params.processes_logits for row in rows):
+            process_logits_(logits, rows)
+        if constrain is not None:
+            constrain(logits)
         tokens = logits.argmax(dim=-1)  # [B]; the whole answer when every row is greedy
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if not sampled:
-            return tokens
-        index = torch.tensor(sampled, dtype=torch.long, device=logits.device)  # [S]
-        tokens[index] = self._draw(logits.float(), index, [rows[i] for i in sampled])
-        return tokens
+        if sampled:
+            index = host_values(sampled, torch.long, logits.device)  # [S]
+            tokens[index] = self._draw(logits, index, [rows[i] for i in sampled])
+        record_tokens(rows, tokens)
+        return SampledBatch(tokens, compute_logprobs(logits, tokens, rows))
 
     def _draw(
         self, logits: torch.Tensor, index: torch.Tensor, rows: Sequence[SamplingRow]
@@ -229,16 +330,16 @@ class Sampler:
         num_rows, vocab = len(rows), logits.shape[1]
         device = logits.device
         params = [row.params for row in rows]
-        temperature = torch.tensor([q.temperature for q in params], device=device)  # [S]
-        top_k = torch.tensor([q.top_k for q in params], dtype=torch.long, device=device)  # [S]
-        top_p = torch.tensor([q.top_p for q in params], device=device)  # [S]
+        temperature = host_values([q.temperature for q in params], torch.float32, device)  # [S]
+        top_k = host_values([q.top_k for q in params], torch.long, device)  # [S]
+        top_p = host_values([q.top_p for q in params], torch.float32, device)  # [S]
 
         weights, mask = self._scratch(num_rows, vocab, device)  # [S, V], [S, V]
         # (index_select with ``out=`` a view of a larger buffer takes a slow path: select first)
         selected = logits if num_rows == logits.shape[0] else logits.index_select(0, index)
         torch.div(selected, temperature[:, None], out=weights)
         filter_weights_(weights, top_k, top_p, self.nucleus_guess, mask_out=mask)
-        return inverse_cdf(weights, _uniforms(rows).to(device))
+        return inverse_cdf(weights, host_values(_uniforms(rows), torch.float64, device))
 
     def _scratch(
         self, num_rows: int, vocab: int, device: torch.device

@@ -115,9 +115,9 @@ class Scheduler:
                     continue
                 if not placed:
                     continue  # still loading: keep its place, look at the next one
-            if not self.allocator.can_allocate(seq.max_len):
+            if not self.allocator.can_allocate(seq.reserve_tokens):
                 break  # wait for finishing sequences to free blocks
-            seq.blocks = self.allocator.allocate(seq.max_len)
+            seq.blocks = self.allocator.allocate(seq.reserve_tokens)  # n > 1: every choice's
             chunk = min(seq.remaining_prompt, budget)
             plan.prefill.append((seq, chunk))
             budget -= chunk

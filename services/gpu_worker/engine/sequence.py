@@ -6,13 +6,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lorastream.core.errors import LorastreamError
 from lorastream.core.generation import GenerationEvent
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
+from lorastream.worker.engine.logits_processors import TokenHistory
 from lorastream.worker.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # llguidance is imported only once a request asks for a constraint
+    from lorastream.worker.engine.grammar import GrammarMatcher
 
 
 class RequestStream:
@@ -45,6 +50,25 @@ class RequestStream:
 
 
 @dataclass(eq=False)
+class ChoiceGroup:
+    """The n choices of one request (n > 1): one stream, the prompt's KV blocks shared.
+
+    The request is admitted as one sequence (choice 0) that reserves the KV blocks of all n;
+    once its prompt is prefilled it forks into n (choices.py).
+    """
+
+    n: int
+    reserve_tokens: int  # KV tokens reserved at admission for all n choices
+    members: list["Sequence"] = field(default_factory=list)
+    forked: bool = False
+
+    def retire(self, seq: "Sequence") -> bool:
+        """``seq`` finished; True when it was the group's last live sequence."""
+        seq.finished = True
+        return all(m.finished for m in self.members)
+
+
+@dataclass(eq=False)
 class Sequence:
     """Engine-side state of one request. Only the engine thread mutates it."""
 
@@ -63,6 +87,16 @@ class Sequence:
     slot: int = -1  # LoRA slot while running, -1 for the base model
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    history: TokenHistory | None = None  # device-side token counts, made at its first sample
+    choice: int = 0  # its index among the request's n choices
+    group: ChoiceGroup | None = None  # n > 1 only
+    finished: bool = False  # retired or failed (the engine puts nothing more on its stream)
+    matcher: GrammarMatcher | None = None  # structured outputs: its own place in the grammar
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV tokens to reserve at admission (every choice's, for n > 1)."""
+        return self.max_len if self.group is None else self.group.reserve_tokens
 
     @property
     def length(self) -> int:

@@ -1,15 +1,14 @@
 """Fetch an adapter's tensors into a host buffer: from the store by name, or from a local dir.
 
 Either way the bytes land chunk by chunk at their offsets in one preallocated host buffer and
-every tensor's sha256 is checked before anything else sees it. Store fetches into the host arena
-run in the fetch process when there is one (``fetch_process.py`` says why), else in the calling
-thread. ``chunk_delay_s`` is a test hook that slows every landed chunk, so tests can hold a load
+every tensor's digest (``core/checksum.py``: the manifest's fast one, else sha256) is checked
+before anything else sees it. Store fetches into the host arena run in the fetch process when
+there is one (``fetch_process.py`` says why), else in the calling thread. ``chunk_delay_s`` is a test hook that slows every landed chunk, so tests can hold a load
 in flight.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -18,10 +17,12 @@ from pathlib import Path
 import torch
 
 from lorastream.core.adapter_validation import content_id, validate_adapter_dir
+from lorastream.core.checksum import verify_tensor
 from lorastream.core.errors import InvalidAdapter, InvalidArgument, SourceUnavailable
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS
+from lorastream.core.versions import pinned_ref
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.fetch_process import FetchProcess
 from lorastream.worker.loading.host_buffer import HostAdapterBuffer
@@ -47,6 +48,11 @@ class AdapterFetcher:
     @property
     def has_store(self) -> bool:
         return self._client is not None
+
+    @property
+    def client(self) -> StoreClient | None:
+        """The store client (the catalogue's watch shares its channel); None without a store."""
+        return self._client
 
     @property
     def process(self) -> FetchProcess | None:
@@ -80,18 +86,21 @@ class AdapterFetcher:
         self, name: str, expected_id: str, storage: torch.Tensor | None = None
     ) -> HostAdapterBuffer:
         """Stream ``name`` from the store into a host buffer, verified: into ``storage`` (a
-        reserved host range, ``[>= nbytes]`` uint8) when given, else a new allocation."""
+        reserved host range, ``[>= nbytes]`` uint8) when given, else a new allocation. The
+        stream names ``expected_id``'s version of ``name`` (``name@id``): it stays fetchable when
+        the name moves on to other content meanwhile."""
+        ref = pinned_ref(name, expected_id)
         buffer = HostAdapterBuffer(self._device, storage)
         started = time.perf_counter()
         client = self._store(name)
         process = self._process
         if process is not None and storage is not None and process.memory.holds(storage):
             # The fetch process lands and verifies the bytes in ``storage``: shared memory.
-            manifest, landing = process.fetch(name, storage, self.chunk_bytes, self.chunk_delay_s)
+            manifest, landing = process.fetch(ref, storage, self.chunk_bytes, self.chunk_delay_s)
             buffer.adopt(manifest, landing)
         else:
             sink = SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
-            manifest = client.stream_tensors(name, sink, chunk_bytes=self.chunk_bytes)
+            manifest = client.stream_tensors(ref, sink, chunk_bytes=self.chunk_bytes)
         if manifest.adapter_id != expected_id:
             raise SourceUnavailable(
                 f"adapter {name} changed in the store while it was being fetched (now "
@@ -126,7 +135,8 @@ class AdapterFetcher:
                         raise InvalidAdapter(f"{path}: weights file shrank while being read")
                     buffer.write(index, done, data)
                     done += len(data)
-                if hashlib.sha256(buffer.view(index)).hexdigest() != staged.info.checksum:
+                info = staged.info
+                if not verify_tensor(buffer.view(index), info.checksum, info.fast_checksum)[0]:
                     raise InvalidAdapter(f"{path}: weights changed while being read; retry")
         finally:
             os.close(fd)

@@ -48,7 +48,8 @@ from lorastream.core.errors import (
 )
 from lorastream.core.generation import AdapterStatus
 from lorastream.worker.device.device import Device, Event, loader_thread_init
-from lorastream.worker.loading.adapter_weights import adapter_weights, check_fits
+from lorastream.worker.loading.adapter_weights import adapter_weights
+from lorastream.worker.loading.catalogue import StoreCatalogue
 from lorastream.worker.loading.cost_model import AdmissionCostModel
 from lorastream.worker.loading.device_tier import DeviceTier, StepAdapters
 from lorastream.worker.loading.entry import AdapterEntry
@@ -56,6 +57,7 @@ from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.loading.host_loader import HostLoader
 from lorastream.worker.loading.host_tier import HostTier
 from lorastream.worker.loading.landing import host_nbytes
+from lorastream.worker.loading.names import NameResolver
 from lorastream.worker.loading.status import (
     AdapterSnapshot,
     TierUsage,
@@ -103,53 +105,31 @@ class AdapterManager:
             initializer=loader_thread_init,
             initargs=(device.loader_priority,),
         )
+        self._resolver = NameResolver(
+            self._entries, self._names, self._lock, fetcher, config, slots.max_rank
+        )
         self._loader = HostLoader(
             self._entries, self._changed, self.host, fetcher, config, slots.max_rank,
             self.metrics, self._cost_model, self._pool if overlap else None, self._place,
         )
 
     def close(self) -> None:
+        self._resolver.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
 
     # -- names ------------------------------------------------------------------------------
     def resolve(self, name: str) -> str:
-        """The content id ``name`` stands for: its current content per the store, or a local
-        registration.
+        """The content id ``name`` (or ``name@<content-id prefix>``) stands for: a local
+        registration, else the store's per its watched catalogue (``names.py``): no store call
+        for a resident adapter, and resident adapters keep serving while the store is down.
+        Called from request threads."""
+        return self._resolver.resolve(name).adapter_id
 
-        Called from request threads. The store is asked every time, so a name re-registered
-        with new weights maps to its new content id; when the store cannot be reached, an
-        adapter this worker already holds keeps serving (logged).
-        """
-        return self._resolve(name).adapter_id
-
-    def _resolve(self, name: str) -> AdapterEntry:
-        with self._lock:
-            known = self._entries.get(self._names.get(name, ""))
-            if known is not None and (known.local_path is not None or known.pinned):
-                return known
-        if not self.fetcher.has_store:
-            if known is not None:
-                return known
-            raise AdapterNotFound(
-                f"unknown model {name!r}: not the base model and not an adapter loaded on this "
-                "worker (the worker has no --store to look it up)"
-            )
-        try:
-            manifest = self.fetcher.describe(name)
-        except SourceUnavailable:
-            if known is None:
-                raise
-            log.warning("store unreachable; serving %s from this worker's copy", name)
-            return known
-        check_fits(manifest, self.config, self.slots.max_rank)
-        with self._lock:
-            entry = self._entries.get(manifest.adapter_id)
-            if entry is None:
-                entry = AdapterEntry(manifest.adapter_id, name, manifest)
-                self._entries[manifest.adapter_id] = entry
-            self._names[name] = manifest.adapter_id
-            return entry
+    @property
+    def catalogue(self) -> StoreCatalogue | None:
+        """The store's catalogue as this worker sees it; None without a store."""
+        return self._resolver.catalogue
 
     def _register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:
         """Read, check and keep a local PEFT directory under ``name`` (blocking)."""
@@ -335,7 +315,7 @@ class AdapterManager:
         if local_path is not None:
             entry = self._register_local(name, local_path, pin)
         else:
-            entry = self._resolve(name)
+            entry = self._resolver.resolve(name)
             if pin:
                 with self._lock:
                     entry.pinned = True
@@ -376,8 +356,11 @@ class AdapterManager:
             self._device_tier.evict(entry)
             self.host.drop(entry)
             entry.pinned = False
-            if entry.adapter_id not in self._names.values():
+            others = [n for n, adapter_id in self._names.items() if adapter_id == entry.adapter_id]
+            if not others:
                 del self._entries[entry.adapter_id]
+            elif entry.name == name:  # a refetch asks the store by a name it still knows
+                entry.name = others[0]
             self._changed.notify_all()
 
     def status(self, name: str) -> AdapterStatus:

@@ -23,6 +23,7 @@ from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.linear import Linear
+from lorastream.worker.model.quant_linear import Quantization, QuantLinear
 from lorastream.worker.model.rope import RotaryEmbedding, apply_rotary
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -72,10 +73,23 @@ class LayerWeights:
 
 @dataclass
 class DecoderWeights:
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor | None  # [V, H] (None: a quantized tied lm_head serves the lookup)
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    lm_head: torch.Tensor | None  # [V, H] (the embedding itself when tied); None once taken over
+
+
+Projection = Linear | QuantLinear
+
+
+def projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization
+) -> Projection:
+    """The base model's ``x @ weight.T (+ bias)``: fp32/bf16 (linear.py) or int8
+    (quant_linear.py), as ``--quantization`` says."""
+    if quantization == "none":
+        return Linear(weight, bias)
+    return QuantLinear(weight, bias, quantization)
 
 
 class RMSNorm:
@@ -115,12 +129,22 @@ class _Layer:
 
 
 class DecoderModel:
-    """Inference-only decoder; ``forward`` returns logits of ``batch.logit_rows``."""
+    """Inference-only decoder; ``forward`` returns logits of ``batch.logit_rows``.
 
-    def __init__(self, config: ModelConfig, weights: DecoderWeights, device: torch.device) -> None:
+    ``quantization`` (``--quantization``): every projection and the lm_head as loaded ("none")
+    or quantized to int8 once, here (quant_linear.py); norms, embeddings (but a tied lm_head's,
+    which is the quantized lm_head), attention and the KV cache keep the model's dtype.
+    """
+
+    def __init__(
+        self, config: ModelConfig, weights: DecoderWeights, device: torch.device,
+        quantization: Quantization = "none",
+    ) -> None:
         self.config = config
         self.weights = weights
         self.device = device
+        self.quantization = quantization
+        assert weights.embed is not None and weights.lm_head is not None
         self.dtype = weights.embed.dtype
         self.rope = self._rope(config.rope_theta, config.rope_scaling)
         self.local_rope = (
@@ -142,19 +166,26 @@ class DecoderModel:
             for site in SITES
         }
         # The projections, each prepared once for fast products (see linear.py).
-        self.proj: list[tuple[Linear, Linear, Linear, Linear]] = []
+        self.proj: list[tuple[Projection, Projection, Projection, Projection]] = []
         self.layers: list[_Layer] = []
         for i, lw in enumerate(weights.layers):
             assert lw.wqkv is not None and lw.wo is not None
             assert lw.w_gate_up is not None and lw.w_down is not None
             self.proj.append((
-                Linear(lw.wqkv, lw.b_qkv), Linear(lw.wo, lw.b_o),
-                Linear(lw.w_gate_up, lw.b_gate_up), Linear(lw.w_down, lw.b_down),
+                projection(lw.wqkv, lw.b_qkv, quantization),
+                projection(lw.wo, lw.b_o, quantization),
+                projection(lw.w_gate_up, lw.b_gate_up, quantization),
+                projection(lw.w_down, lw.b_down, quantization),
             ))
             lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
             self.layers.append(self._layer(i, lw))
         self.final_norm = self._norm(weights.norm)
-        self.lm_head = Linear(weights.lm_head)  # tied: the embedding stays for the lookup
+        self.lm_head = projection(weights.lm_head, None, quantization)
+        self._embed_rows: QuantLinear | None = None  # the lookup from a quantized tied lm_head
+        if isinstance(self.lm_head, QuantLinear) and config.tie_word_embeddings:
+            self._embed_rows = self.lm_head  # as tied HF models do: one (quantized) matrix
+            weights.embed = None
+        weights.lm_head = None  # held by the lm_head (tied, unquantized: the embedding stays)
 
     def _rope(self, theta: float, scaling: dict[str, Any] | None) -> RotaryEmbedding:
         c = self.config
@@ -208,7 +239,11 @@ class DecoderModel:
         c, w = self.config, self.weights
         q_size, kv_size, inter = c.q_size, c.kv_size, c.intermediate_size
         t = batch.num_tokens
-        x = w.embed[batch.input_ids]  # [T, H]
+        if self._embed_rows is not None:
+            x = self._embed_rows.rows(batch.input_ids).to(self.dtype)  # [T, H]
+        else:
+            assert w.embed is not None
+            x = w.embed[batch.input_ids]  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope_tables = {False: self._cos_sin(self.rope, batch)}

@@ -25,11 +25,13 @@ BLOCK_SIZE = 16
 
 
 class BlockAllocator:
-    """Free list of cache blocks (host-side bookkeeping only)."""
+    """Free list of cache blocks (host-side bookkeeping only), with reference counts for blocks
+    that several sequences hold (the prompt blocks of the n choices of one request)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._refs: dict[int, int] = {}  # block -> holders, for blocks held more than once
 
     @staticmethod
     def blocks_for(tokens: int) -> int:
@@ -52,8 +54,23 @@ class BlockAllocator:
             raise CapacityExhausted(f"KV cache has {len(self._free)} free blocks, {need} needed")
         return [self._free.pop() for _ in range(need)]
 
+    def share(self, blocks: list[int], holders: int) -> None:
+        """``holders`` more sequences hold ``blocks``; each holder frees them once."""
+        for block in blocks:
+            self._refs[block] = self._refs.get(block, 1) + holders
+
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one hold on each block; a block is free again when its last holder let go."""
+        released = []
+        for block in blocks:
+            refs = self._refs.pop(block, 1)
+            if refs > 2:
+                self._refs[block] = refs - 1
+            elif refs == 2:
+                pass  # one holder is left: an ordinary, singly held block again
+            else:
+                released.append(block)
+        self._free.extend(reversed(released))
 
 
 class KVCache:

@@ -70,7 +70,10 @@ class _Reader:
                 f"({self._family()}) implies {list(shape)}"
             )
         self.used.add(name)
-        return tensor.to(device=self.device, dtype=self.dtype)
+        owned = tensor.to(device=self.device, dtype=self.dtype)
+        # A tensor of the memory-mapped file keeps the whole mapping resident (as file pages,
+        # ~the checkpoint's size): a copy of our own lets it go once loading is done.
+        return owned.clone() if owned.data_ptr() == tensor.data_ptr() else owned
 
     def maybe(self, present: bool, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.take(name, shape) if present else None

@@ -92,7 +92,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     # that disagrees with its config.json stops the worker here, naming the tensor.
     config = ModelConfig.from_dir(checkpoint, name=settings.base_model_name)
     weights = load_weights(checkpoint, config, dtype, torch_device)
-    model = DecoderModel(config, weights, torch_device)
+    model = DecoderModel(config, weights, torch_device, quantization=settings.quantization)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     device = Device(torch_device, loader_priority=settings.loader_priority_spec,
                     copy_turn_s=settings.copy_turn_ms / 1000,

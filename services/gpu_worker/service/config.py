@@ -100,6 +100,14 @@ class WorkerSettings(StoreTLSSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on CUDA."
     )
+    quantization: Literal["none", "int8", "int8-dynamic"] = Field(
+        "none",
+        description="Base weights: 'none' (as --dtype), 'int8' (every projection and the "
+        "lm_head quantized at load to int8 with per-output-channel scales, 4x fewer bytes than "
+        "fp32; weight-only, activations in bf16 on the CPU kernel) or 'int8-dynamic' (the same "
+        "weights, activations quantized per token to int8 too: faster at large batches, a second "
+        "rounding). Adapters keep their precision (docs/worker.md, Quantization).",
+    )
     max_loras: int = Field(8, gt=0, description="Device adapter slots.")
     max_lora_rank: int = Field(64, gt=0, description="Largest adapter rank a slot holds.")
     max_batch_size: int = Field(32, gt=0, description="Most sequences in one step.")
@@ -199,10 +207,10 @@ class WorkerSettings(StoreTLSSettings):
         "stop_grace_period).",
     )
     metrics_port: int | None = Field(
-        None,
+        9452,
         ge=0,
-        description="Serve Prometheus metrics on http://HOST:PORT/metrics (0: any free port; "
-        "unset: no metrics server).",
+        description="Serve Prometheus metrics on http://HOST:PORT/metrics (plain HTTP, on "
+        "--host; 0: any free port). docs/metrics.md lists them.",
     )
 
     def access_tokens(self) -> AccessTokens:

@@ -105,15 +105,15 @@ def serve(settings: WorkerSettings) -> None:
     built = build_server(settings, start_engine=False)
     server, port, engine = built.server, built.port, built.engine
     log.debug("%d startup objects frozen out of garbage collection", freeze_startup_heap())
+    if settings.metrics_port is not None:  # first: a port in use stops it before it serves
+        metrics_port = engine.adapters.metrics.serve(settings.metrics_port, settings.host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, metrics_port)
     server.start()
     log.info(
         "gpu worker serving %s on %s:%d over %s (store %s)",
         settings.base_model_name, settings.host, port,
         "plaintext" if settings.tls_cert is None else "TLS", settings.store or "none",
     )
-    if settings.metrics_port is not None:
-        metrics_port = engine.adapters.metrics.serve(settings.metrics_port, settings.host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", settings.host, metrics_port)
     try:
         serve_until_signalled(
             server, "gpu worker", grace=STOP_GRACE_S, run=engine.run, stop=engine.stop,

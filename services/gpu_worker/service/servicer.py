@@ -12,6 +12,7 @@ from lorastream.core.auth import Scope
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
 from lorastream.worker.engine.engine import Engine
+from lorastream.worker.service import tokenization
 from lorastream.worker.service.drain import WorkerDrain
 from lorastream.worker.service.operations import WorkerOperations
 
@@ -69,3 +70,16 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         self, request: pb.GetStatsRequest, context: grpc.ServicerContext
     ) -> pb.GetStatsResponse:
         return codec.stats_to_pb(self._ops.stats())
+
+    def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.ServicerContext
+    ) -> pb.TokenizeResponse:
+        tokenize = codec.tokenize_request_from_pb(request)
+        return codec.tokenized_to_pb(tokenization.tokenize(self._engine.intake, tokenize))
+
+    def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        return pb.DetokenizeResponse(
+            prompt=tokenization.detokenize(self._engine.intake, list(request.tokens))
+        )

@@ -1,0 +1,178 @@
+"""``bench engine --quantization MODE[,MODE]``: the engine over an fp32 base and over each int8
+mode (``--quantization`` of the worker), and HF transformers + PEFT, in one run.
+
+Per mode: base-only and mixed-adapter decode tok/s (measured as in engine.py: every mode's runs
+take turns within each repeat), the resident bytes of the base model (in a fresh process per mode:
+RSS after building the model minus before), and the greedy tokens' agreement with the fp32
+engine's (which is PEFT's, token for token: tests/worker/test_families.py) over the same mixed
+batch, position by position.
+
+Every mode runs in ONE engine: between runs, while it is idle, the engine's model is swapped for
+the same checkpoint built with the mode's quantization, so the KV cache, the adapter slots and the
+adapters are the same for all and a slow spell of the machine hits every mode alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lorastream.bench.engine import QUESTIONS, _decode_rates, _peft_rate
+from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
+from lorastream.core.generation import PromptInput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+FP32 = "none"
+GOAL_BASE_SPEEDUP = 1.6  # int8 base-only decode / fp32's
+GOAL_MULTI_SPEEDUP = 1.3  # int8 mixed-adapter decode / fp32's
+GOAL_AGREEMENT = 0.99
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _model_resident(checkpoint: str, quantization: str, out: "multiprocessing.Queue[object]"
+                    ) -> None:
+    """In a fresh process: RSS before and after building the model (weights loaded, quantized)."""
+    import gc
+
+    from lorastream.worker.model.config import ModelConfig
+    from lorastream.worker.model.decoder import DecoderModel
+    from lorastream.worker.model.weights import load_weights
+
+    cpu = torch.device("cpu")
+    config = ModelConfig.from_dir(Path(checkpoint))
+    before = _rss_bytes()
+    model = DecoderModel(config, load_weights(Path(checkpoint), config, torch.float32, cpu), cpu,
+                         quantization)  # type: ignore[arg-type]
+    gc.collect()
+    out.put({"rss_mb": round(_rss_bytes() / 1e6, 1),
+             "model_rss_mb": round((_rss_bytes() - before) / 1e6, 1)})
+    del model
+
+
+def resident_mb(checkpoint: Path, quantization: str) -> dict[str, float]:
+    """The base model's resident memory under ``quantization``, measured in a fresh process."""
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue[object] = ctx.Queue()
+    child = ctx.Process(target=_model_resident, args=(str(checkpoint), quantization, out))
+    child.start()
+    result = out.get(timeout=600)
+    child.join(60)
+    assert isinstance(result, dict)
+    return result
+
+
+def agreement(tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> float:
+    """Fraction of reference positions where ``tokens`` holds the same token."""
+    same = sum(a == b for i, ref in reference.items() for a, b in zip(tokens[i], ref))
+    total = sum(len(ref) for ref in reference.values())
+    return same / max(total, 1)
+
+
+def run_quant_bench(
+    model: str, quantizations: list[str], adapters: int = 32, rank: int = 16, prompts: int = 32,
+    new_tokens: int = 32, repeats: int = 3, include_peft: bool = True,
+) -> dict[str, object]:
+    from lorastream.worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.model.config import ModelConfig
+    from lorastream.worker.model.decoder import DecoderModel
+    from lorastream.worker.model.weights import load_weights
+    from lorastream.worker.service.bootstrap import build_engine
+    from lorastream.worker.service.config import WorkerSettings
+    from lorastream.worker.service.operations import WorkerOperations
+
+    modes = [FP32, *(q for q in quantizations if q != FP32)]
+    settings = WorkerSettings(
+        model=model, served_model_name="base", max_loras=adapters, max_lora_rank=rank,
+        max_batch_size=prompts, max_num_tokens=max(512, prompts * 64), kv_cache_bytes=1 << 30,
+    )
+    checkpoint = resolve_checkpoint(model, cache_dir=settings.model_cache_dir)
+    resident = {mode: resident_mb(checkpoint, mode) for mode in modes}  # before the big process
+    shape = checkpoint_shape(model)
+    with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:
+        dirs = [make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=rank, seed=i)
+                for i in range(adapters)]
+        engine = build_engine(settings, checkpoint=checkpoint)
+        config = ModelConfig.from_dir(checkpoint, name="base")
+        models = {FP32: engine.model} | {
+            mode: DecoderModel(config, load_weights(checkpoint, config, torch.float32,
+                                                    engine.model.device),
+                               engine.model.device, mode)  # type: ignore[arg-type]
+            for mode in modes[1:]
+        }
+        chat = getattr(engine.tokenizer, "chat_template", None) is not None
+        ids = [
+            tuple(engine.tokenize(PromptInput(messages=(("user", q),)) if chat
+                                  else PromptInput(text=q)))
+            for q in (QUESTIONS[i % len(QUESTIONS)] for i in range(prompts))
+        ]
+        multi_models = [f"a{i % adapters}" for i in range(prompts)]
+
+        def generate(mode: str, names: list[str], n: int) -> dict[int, list[int]]:
+            engine.model = models[mode]  # the engine is idle between runs
+            params = SamplingParams(max_tokens=n, ignore_eos=True)
+            streams = [engine.submit(m, PromptInput(token_ids=p), params)
+                       for m, p in zip(names, ids, strict=True)]
+            return {i: [t for event in s for t in event.token_ids] for i, s in enumerate(streams)}
+
+        def run(mode: str, names: list[str]) -> Callable[[int], None]:
+            def go(n: int) -> None:
+                generate(mode, names, n)
+
+            return go
+
+        def measure() -> tuple[list[float], dict[str, dict[int, list[int]]]]:
+            ops = WorkerOperations(engine)
+            for i, path in enumerate(dirs):
+                ops.load_adapter(f"a{i}", str(path))
+            runs = [run(mode, names) for mode in modes for names in (multi_models,
+                                                                       ["base"] * prompts)]
+            rates = _decode_rates(runs, prompts, new_tokens, repeats)
+            tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
+            return rates, tokens
+
+        rates, tokens = engine.run_while(measure)
+        peft = (_peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
+                if include_peft else None)
+    per_mode: dict[str, dict[str, object]] = {}
+    for j, mode in enumerate(modes):
+        multi, base = rates[2 * j], rates[2 * j + 1]
+        per_mode[mode] = {
+            "multi_adapter_decode_tok_s": round(multi, 1),
+            "base_only_decode_tok_s": round(base, 1),
+            "base_only_vs_fp32": round(base / rates[1], 3),
+            "multi_vs_fp32": round(multi / rates[0], 3),
+            "token_agreement_vs_fp32": round(agreement(tokens[mode], tokens[FP32]), 4),
+            **resident[mode],
+        }
+    result: dict[str, object] = {
+        "benchmark": "engine-quant",
+        "command": command_line(),
+        "model": model,
+        "adapters": adapters,
+        "rank": rank,
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "threads": torch.get_num_threads(),
+        "modes": per_mode,
+        "goal_base_only_vs_fp32": f">= {GOAL_BASE_SPEEDUP}",
+        "goal_multi_vs_fp32": f">= {GOAL_MULTI_SPEEDUP}",
+        "goal_token_agreement": f">= {GOAL_AGREEMENT}",
+    }
+    if peft is not None:
+        result["peft_mixed_batch_decode_tok_s"] = round(peft, 1)
+    result["machine"] = machine_info()
+    return result

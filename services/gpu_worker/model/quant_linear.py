@@ -1,0 +1,146 @@
+"""int8 base weights (``--quantization``): a projection quantized once at load, per output channel.
+
+Semantics::
+
+    # at load, from the fp32/bf16 checkpoint weight W [N, K]
+    scale[n] = max_k |W[n, k]| / 127, rounded up to a bf16 value    # [N], 1 where a row is 0
+    Wq[n, k] = clamp(round(W[n, k] / scale[n]), -127, 127)         # [N, K] int8
+    dequant(Wq)[n, k] = Wq[n, k] * scale[n]                        # what the model now holds
+
+    # per call, x [T, K] -> y [T, N] (+ bias[n]), returned in x's dtype
+    int8 (weight-only):  y[t, n] = sum_k x[t, k] * dequant(Wq)[n, k]
+    int8-dynamic:        s[t] = max_k |x[t, k]| / 127;  xq[t, k] = round(x[t, k] / s[t])
+                         y[t, n] = s[t] * scale[n] * sum_k xq[t, k] * Wq[n, k]   (int32 sums)
+
+The LoRA delta is not part of this: the decoder adds it, in the adapter's precision, into ``y``
+(the dequantized product), exactly as over the fp32 projection.
+
+Kernels, measured on this machine (2 cores of an AVX-512/VNNI EPYC, torch 2.13 CPU) at the
+default model's decode shapes, best of 30 calls, microseconds (weights cache-resident; a
+30-layer stack, whose weights are not, below):
+
+    shape [N x K]   rows  fp32 prepacked  int8pack bf16  int8pack fp32  dequant fp32  _int_mm (W8A8)
+    960 x 576         1        34              21             226            78            -
+    960 x 576        32       185             242            7337           808          112
+    3072 x 576        1        66              58             718          1697            -
+    3072 x 576       32       513             765           23551           975          218
+    576 x 1536        1        43              29             362            92            -
+    576 x 1536       32       291             358           11652           484          143
+    49152 x 576       1      3800            1589           11476         38462            -
+    49152 x 576      32      9714           18129               -         50678         4843
+
+    30 layers + lm_head: fp32 22.5 ms (1 row) / 52 ms (32 rows); int8pack bf16 10.6 / 86 ms.
+
+- ``aten._weight_int8pack_mm`` with **bf16** activations (fp32 accumulation, bf16 output) is the
+  fastest weight-only kernel: 2.1x the fp32 path at one row, where decoding reads weights
+  (bandwidth-bound), but it works row by row and falls behind fp32 from a few rows on. With fp32
+  activations it is scalar (10-40x slower): never used. It needs K a multiple of 16 (K = 577
+  crashed, K = 584 gave wrong sums): other K take the exact dequantize-then-matmul path.
+- Dequantizing on the fly (``x @ (Wq * scale).T``) writes an fp32 copy per call: slowest.
+- ``torch._int_mm`` (VNNI int8 dot products) is 2-2.4x the fp32 path at 32 rows, but needs int8
+  activations: the ``int8-dynamic`` mode, whose per-token activation rounding is a second error.
+- oneDNN's ``torch.ops.onednn.qlinear_pointwise`` also takes quantized activations (static
+  scales, a prepacked u8/s8 pair): what ``int8-dynamic`` does with ``_int_mm``, without a
+  per-call scale of our own; not used.
+
+Which dtype and padding each kernel needs on CUDA is the device layer's
+(:func:`~lorastream.worker.device.device.int8_matmul`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+
+from lorastream.worker.device.device import int8_matmul
+
+log = logging.getLogger(__name__)
+
+Quantization = Literal["none", "int8", "int8-dynamic"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic")
+
+_QMAX = 127
+_K_MULTIPLE = 16  # _weight_int8pack_mm's K (see the module docstring)
+_ROWS_PER_CHUNK = 4096  # quantize this many rows at once: bounds the fp32 temporaries
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> ``(Wq [N, K] int8, scale [N] fp32)``, per output channel, symmetric.
+
+    Each scale is rounded up to a bf16 value, so that the bf16 kernels and the fp32 reference
+    multiply by the same number, and no |W| / scale exceeds 127.
+    """
+    n = weight.shape[0]
+    wq = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # [N, K]
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)  # [N]
+    for start in range(0, n, _ROWS_PER_CHUNK):
+        w = weight[start : start + _ROWS_PER_CHUNK].float()  # [n', K]
+        exact = w.abs().amax(dim=1) / _QMAX  # [n']
+        s = (exact * (1 + 2**-7)).to(torch.bfloat16).float()  # bf16, >= exact
+        s = torch.where(exact > 0, s, torch.ones_like(s))
+        wq[start : start + _ROWS_PER_CHUNK] = torch.round(w / s[:, None]).clamp_(-_QMAX, _QMAX)
+        scale[start : start + _ROWS_PER_CHUNK] = s
+    return wq, scale
+
+
+def dequantize_int8(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``Wq [N, K] int8, scale [N]`` -> the fp32 weight [N, K] the quantized model computes with."""
+    return wq.float() * scale[:, None]
+
+
+class QuantLinear:
+    """A projection over int8 weights: ``linear(x)`` for x [T, K] -> [T, N] (see Semantics)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        mode: Quantization = "int8",
+    ) -> None:
+        if mode not in ("int8", "int8-dynamic"):
+            raise ValueError(f"QuantLinear mode {mode!r}: int8 or int8-dynamic")
+        self.mode = mode
+        self.out_features, self.in_features = weight.shape
+        self.weight_int8, self.scale = quantize_int8(weight)  # [N, K] int8, [N] fp32
+        self.bias = bias  # [N] or None
+        self._plan = int8_matmul(weight.device, weight.dtype)
+        self._scale_kernel = self.scale.to(self._plan.weight_only_dtype)  # [N]
+        # int8pack needs K % 16 == 0; the dynamic mode's _int_mm reads Wqᵀ as a strided view
+        self._exact = mode == "int8" and self.in_features % _K_MULTIPLE != 0
+        if self._exact:
+            log.debug("K = %d is not a multiple of %d: dequantize-then-matmul for this weight",
+                      self.in_features, _K_MULTIPLE)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized weight and its scales (bias not counted)."""
+        return self.weight_int8.numel() + 4 * self.scale.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
+        """Dequantized rows ``ids`` of the weight: the embedding lookup of a tied lm_head."""
+        return self.weight_int8[ids].float() * self.scale[ids, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if x.shape[0] == 0:
+            return x.new_empty((0, self.out_features))
+        if self.mode == "int8-dynamic":
+            y = self._dynamic(x)
+        elif self._exact:
+            y = x.float() @ dequantize_int8(self.weight_int8, self.scale).T  # [T, N]
+        else:
+            act = x.to(self._plan.weight_only_dtype)  # [T, K]
+            y = torch.ops.aten._weight_int8pack_mm(act, self.weight_int8, self._scale_kernel)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def _dynamic(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] fp32
+        x32 = x.float()
+        s = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12) / _QMAX  # [T, 1]
+        xq = torch.round(x32 / s).to(torch.int8)  # [T, K]
+        t = xq.shape[0]
+        if t < self._plan.int_mm_min_rows:  # CUDA's _int_mm: more than 16 rows
+            xq = torch.cat([xq, xq.new_zeros(self._plan.int_mm_min_rows - t, xq.shape[1])])
+        acc = torch._int_mm(xq, self.weight_int8.T)[:t]  # [T, N] int32
+        return acc * s * self.scale

@@ -1,0 +1,260 @@
+"""``--quantization int8`` / ``int8-dynamic``: the quantizer, the int8 projection, and every model
+family against transformers + PEFT over the *dequantized* int8 weights.
+
+Exact identity with PEFT is impossible on a quantized base, so the reference is HF with every
+``nn.Linear`` weight (the lm_head included; a tied embedding with it) replaced by
+``dequant(quant(W))`` — the weights the worker computes with — and PEFT on top. What remains is
+the kernels' arithmetic: on the CPU ``int8`` runs bf16 activations with a bf16 output,
+``int8-dynamic`` also rounds each token's activations to int8. Stated tolerances, per token:
+
+- logits: ``max |Δ| <= LOGIT_BOUND[mode] * max |logit|`` of that token's reference row;
+- greedy tokens, teacher-forced (every position sees the reference's prefix, so one near-tie
+  does not derail the rest of a sequence), over ONE mixed batch of the base model and three
+  adapters (ranks 4, 8, 16 rsLoRA; attention, MLP and all-linear targets): the argmax equals the
+  reference's at >= 99% of the *decisive* positions, those whose reference top-2 margin exceeds
+  the logit bound (measured: all of them, in every family), and at >= MIN_RAW_AGREEMENT of all.
+
+Measured on these tiny random models (near-flat logits over 256 tokens: many near-ties), worst
+family per mode: int8 max |Δ| 2.4% of max |logit|, raw agreement 97.6% (246/252, qwen2);
+int8-dynamic 19% (llama), raw 95.8% (mistral). The raw >= 99% of the issue holds on the default
+model (``bench engine --quantization int8`` reports it), not on these near-ties.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorastream.worker.device.device import Device
+from lorastream.worker.loading.adapter_weights import adapter_weights
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.decoder import DecoderModel
+from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
+from lorastream.worker.model.kv_cache import KVCache, slot_mapping
+from lorastream.worker.model.linear import Linear
+from lorastream.worker.model.quant_linear import QuantLinear, dequantize_int8, quantize_int8
+from lorastream.worker.model.weights import load_weights
+from tests.support.families import BASE, NEW_TOKENS, PROMPTS, adapter_specs
+from tests.support.models import FAMILY_CONFIGS, make_family_adapter, make_tiny_family
+from tests.worker.conftest import EngineFactory
+
+MODES = ["int8", "int8-dynamic"]
+# max |Δlogit| / max |logit| per token (measured worst over the 7 families: 0.024, 0.19)
+LOGIT_BOUND = {"int8": 0.03, "int8-dynamic": 0.25}
+MIN_DECISIVE_AGREEMENT = 0.99
+MIN_RAW_AGREEMENT = {"int8": 0.97, "int8-dynamic": 0.94}
+
+
+# -- the quantizer and the projection ----------------------------------------------------------
+@pytest.mark.parametrize("shape", [(96, 64), (7, 577), (4100, 32)], ids=str)
+def test_quantize_is_per_channel_symmetric_and_within_half_a_step(shape: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.logspace(-3, 1, shape[0])[:, None]  # rows of every scale
+    w[1] = 0.0  # an all-zero row
+    wq, scale = quantize_int8(w)
+    assert wq.dtype == torch.int8 and wq.shape == w.shape and scale.shape == (shape[0],)
+    assert int(wq.abs().max()) <= 127
+    assert torch.equal(scale, scale.bfloat16().float())  # the bf16 kernels' scales exactly
+    assert bool((wq[1] == 0).all())
+    err = (dequantize_int8(wq, scale) - w).abs()  # [N, K]
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-6)).all())
+    assert bool((wq.abs().amax(dim=1)[w.abs().amax(dim=1) > 0] >= 124).all())  # range is used
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [0, 1, 5, 32])
+@pytest.mark.parametrize("k", [64, 96, 72], ids=lambda k: f"K{k}")  # 72: not a multiple of 16
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_quant_linear_matches_the_dequantized_product(
+    mode: str, rows: int, k: int, bias: bool
+) -> None:
+    torch.manual_seed(1)
+    w, x = torch.randn(48, k) * 0.1, torch.randn(rows, k)
+    b = torch.randn(48) if bias else None
+    linear = QuantLinear(w, b, mode)  # type: ignore[arg-type]
+    expected = x @ dequantize_int8(linear.weight_int8, linear.scale).T  # [T, N]
+    if b is not None:
+        expected = expected + b
+    y = linear(x)
+    assert y.shape == (rows, 48) and y.dtype == torch.float32
+    if rows:
+        bound = {"int8": 1e-2, "int8-dynamic": 3e-2}[mode] * float(expected.abs().max())
+        assert float((y - expected).abs().max()) <= bound
+    assert linear.nbytes == 48 * k + 4 * 48  # a quarter of fp32's 4 * 48 * k, plus scales
+
+
+def test_an_int8_model_holds_a_quarter_of_the_fp32_projection_bytes(tmp_path: Path) -> None:
+    checkpoint = make_tiny_family("qwen3", tmp_path / "m")  # tied: the lookup reads the int8
+    config = ModelConfig.from_dir(checkpoint)
+    cpu = torch.device("cpu")
+    model = DecoderModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu, "int8")
+    projections = [p for layer in model.proj for p in layer] + [model.lm_head]
+    assert all(isinstance(p, QuantLinear) for p in projections)
+    fp32 = sum(4 * p.in_features * p.out_features for p in projections)  # type: ignore[union-attr]
+    int8 = sum(p.nbytes for p in projections)  # type: ignore[union-attr]
+    assert int8 < fp32 / 3.7  # a quarter, plus one fp32 scale per row of K = 64 bytes
+    assert model.weights.embed is None and model.weights.lm_head is None  # no fp32 copy kept
+    plain = DecoderModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu)
+    assert all(isinstance(p, Linear) for layer in plain.proj for p in layer)
+
+
+# -- every family against transformers + PEFT over the dequantized weights ----------------------
+def _dequantized_reference(checkpoint: Path, adapter: Path | None) -> torch.nn.Module:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):  # the lm_head too (and a tied embedding)
+                module.weight.copy_(dequantize_int8(*quantize_int8(module.weight)))
+    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
+def family_case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Path], dict[tuple[str, int], tuple[list[int], torch.Tensor]]]:
+    """(checkpoint, adapters, (name, prompt) -> (prompt + the reference's greedy tokens, the
+    reference's logits at every position [S, V]))."""
+    family, root = request.param, tmp_path_factory.mktemp(request.param)
+    checkpoint = make_tiny_family(family, root / "model")
+    adapters = {
+        name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]
+        for name, spec in adapter_specs(family).items()
+    }
+    reference = {}
+    for name in [BASE, *adapters]:
+        model = _dequantized_reference(checkpoint, adapters.get(name))
+        with torch.no_grad():
+            for i, prompt in enumerate(PROMPTS):
+                out = model.generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                    dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
+                )
+                sequence = out[0].tolist()
+                logits = model(torch.tensor([sequence])).logits[0]  # [S, V]
+                reference[(name, i)] = (sequence, logits)
+    return checkpoint, adapters, reference
+
+
+def _mixed_batch_logits(
+    checkpoint: Path, adapters: dict[str, Path], sequences: dict[tuple[str, int], list[int]],
+    mode: str,
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Every sequence in ONE forward (each under its adapter), logits at every row."""
+    cpu = torch.device("cpu")
+    config = ModelConfig.from_dir(checkpoint)
+    weights = load_weights(checkpoint, config, torch.float32, cpu)
+    model = DecoderModel(config, weights, cpu, mode)  # type: ignore[arg-type]
+    slots = LoraSlots(config, len(adapters), 16, torch.float32, cpu)
+    slot_of = {}
+    for slot, (name, path) in enumerate(adapters.items()):
+        w = adapter_weights(AdapterFetcher(Device("cpu"), None).read_local(name, path), config, 16)
+        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks))
+        slot_of[name] = slot
+    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 4 << 20,
+                 torch.float32, cpu)
+    backend = TorchLoraBackend(torch.float32, cpu)
+    ids: list[int] = []
+    positions: list[int] = []
+    cache: list[int] = []
+    token_slots: list[int] = []
+    spans, where = [], {}
+    for key, sequence in sequences.items():
+        table, start, n = kv.allocator.allocate(len(sequence)), len(ids), len(sequence)
+        ids += sequence
+        positions += range(n)
+        cache += slot_mapping(table, 0, n)
+        token_slots += [slot_of.get(key[0], -1)] * n
+        spans.append(PrefillSpan(start, n, n, torch.tensor(table)))
+        where[key] = (start, n)
+    batch = ForwardBatch(
+        torch.tensor(ids), torch.tensor(positions), torch.tensor(positions) + 1,
+        torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long), tuple(spans), torch.arange(len(ids)),
+    )
+    logits = model.forward(batch, kv, LoraStep(slots, backend, backend.prepare(token_slots, slots)))
+    return {key: logits[start : start + n] for key, (start, n) in where.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_int8_mixed_batch_agrees_with_peft_over_dequantized_weights(
+    family_case: tuple[Path, dict[str, Path], dict[tuple[str, int], tuple[list[int], torch.Tensor]]],
+    mode: str,
+) -> None:
+    checkpoint, adapters, reference = family_case
+    ours = _mixed_batch_logits(
+        checkpoint, adapters, {key: seq for key, (seq, _) in reference.items()}, mode
+    )
+    agree = positions = decisive_agree = decisive = 0
+    worst = 0.0
+    for key, (_, expected) in reference.items():
+        got = ours[key]  # [S, V]
+        scale = expected.abs().amax(dim=1)  # [S]
+        worst = max(worst, float(((got - expected).abs().amax(dim=1) / scale).max()))
+        same = got.argmax(dim=1) == expected.argmax(dim=1)  # [S]
+        top2 = expected.topk(2, dim=1).values  # [S, 2]
+        clear = (top2[:, 0] - top2[:, 1]) > LOGIT_BOUND[mode] * scale  # [S] not a near-tie
+        agree += int(same.sum())
+        positions += got.shape[0]
+        decisive_agree += int(same[clear].sum())
+        decisive += int(clear.sum())
+    assert worst <= LOGIT_BOUND[mode], f"max |Δlogit| / max |logit| = {worst:.4f}"
+    assert decisive_agree >= MIN_DECISIVE_AGREEMENT * decisive, f"{decisive_agree}/{decisive}"
+    assert agree >= MIN_RAW_AGREEMENT[mode] * positions, f"greedy agreement {agree}/{positions}"
+    n = len(PROMPTS[0])  # the prompt's rows: the same input under every adapter
+    for name in adapters:  # the adapters change the logits: the comparison proves something
+        assert not torch.allclose(ours[(name, 0)][:n], ours[(BASE, 0)][:n], atol=1e-2)
+
+
+# -- QLoRA adapters ----------------------------------------------------------------------------
+# What PEFT 0.21 writes into adapter_config.json for an adapter trained on a bitsandbytes 4-bit
+# base (prepare_model_for_kbit_training + LoraConfig): the same LoraConfig fields as any LoRA;
+# only the base's name says 4-bit. LoftQ initialisation (for quantized bases) records itself too.
+QLORA_CONFIGS = {
+    "qlora": {"base_model_name_or_path": "unsloth/tinyllama-chat-bnb-4bit",
+              "init_lora_weights": True, "loftq_config": {}, "inference_mode": True},
+    "qlora-loftq": {"base_model_name_or_path": "unsloth/tinyllama-chat-bnb-4bit",
+                    "init_lora_weights": "loftq",
+                    "loftq_config": {"loftq_bits": 4, "loftq_iter": 1}},
+}
+
+
+@pytest.mark.parametrize("variant", list(QLORA_CONFIGS))
+def test_a_qlora_adapter_validates_and_serves_like_any_other_on_an_int8_base(
+    variant: str, engine_factory: EngineFactory, tiny_model: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from lorastream.core.adapter_validation import validate_adapter_dir
+    from lorastream.core.generation import PromptInput, SamplingParams
+    from lorastream.worker.service.operations import WorkerOperations
+
+    plain = make_family_adapter(tiny_model, tmp_path / "plain", rank=8, targets="all-linear")
+    qlora = Path(shutil.copytree(plain, tmp_path / variant))
+    config = json.loads((plain / "adapter_config.json").read_text())
+    assert not QLORA_CONFIGS[variant].keys() - config.keys()  # PEFT writes these fields itself
+    (qlora / "adapter_config.json").write_text(json.dumps({**config, **QLORA_CONFIGS[variant]}))
+    validated = validate_adapter_dir(qlora)
+    assert validated.base_model == "unsloth/tinyllama-chat-bnb-4bit" and validated.rank == 8
+
+    engine = engine_factory(quantization="int8")
+    ops = WorkerOperations(engine)
+    ops.load_adapter("plain", str(plain))
+    ops.load_adapter(variant, str(qlora))
+    tokens = {}
+    for name in ("tiny", "plain", variant):
+        stream = engine.submit(name, PromptInput(token_ids=(5, 9, 33, 41, 7, 100)),
+                               SamplingParams(max_tokens=10))
+        tokens[name] = [t for event in stream for t in event.token_ids]
+    assert tokens[variant] == tokens["plain"]  # the same tensors: the same output
+    assert tokens[variant] != tokens["tiny"]  # and the adapter is applied
