@@ -39,7 +39,7 @@ _NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                     "stop", "ignore_eos", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "logit_bias", "min_tokens", "logprobs",
-                    "response_format", "structured_outputs")
+                    "response_format", "structured_outputs", "tools", "tool_choice")
 
 
 @dataclass

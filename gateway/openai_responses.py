@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorastream.core.generation import FinishReason, GenerationEvent, TokenLogprobs, TopLogprob
+from lorastream.gateway.tools import ToolCallStream, parse_tool_calls
 
 SSE_DONE = b"data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0
 """Logprobs below this (-inf: masked by min_tokens) are sent as this."""
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
+_TOOL_CALLS = "tool_calls"  # finish reason of a chat choice that ended in tool calls
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -82,7 +84,8 @@ class ResponseBuilder:
     """Bodies of one request: ``chat`` picks chat.completion shapes over text_completion."""
 
     def __init__(
-        self, model: str, chat: bool, request_id: str | None = None, logprobs: bool = False
+        self, model: str, chat: bool, request_id: str | None = None, logprobs: bool = False,
+        tools: bool = False,
     ) -> None:
         self.model = model
         self.chat = chat
@@ -90,7 +93,10 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.logprobs = logprobs
         """The request asked for logprobs: every choice carries them."""
+        self.tools = tools
+        """Chat with tools (tool_choice not "none"): tool-call blocks become ``tool_calls``."""
         self._text_offsets: dict[int, int] = {}  # completions: where a choice's next token starts
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, when streaming tools
 
     # -- whole responses ----------------------------------------------------------------------
     def response(self, done: Completed) -> dict[str, Any]:
@@ -103,11 +109,15 @@ class ResponseBuilder:
     def _choice(self, done: CompletedChoice) -> dict[str, Any]:
         logprobs = self._logprobs(done.logprobs, done.index)
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": done.text}
+            reason = done.finish_reason
+            calls = parse_tool_calls(done.text) if self.tools else (None, [])
+            if calls[1]:
+                message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+                reason = _TOOL_CALLS if reason == "stop" else reason
             return {
-                "index": done.index,
-                "message": {"role": "assistant", "content": done.text},
-                "logprobs": logprobs,
-                "finish_reason": done.finish_reason,
+                "index": done.index, "message": message, "logprobs": logprobs,
+                "finish_reason": reason,
             }
         return {
             "index": done.index, "text": done.text, "logprobs": logprobs,
@@ -121,15 +131,29 @@ class ResponseBuilder:
         return self._chunk({"role": "assistant", "content": ""}, None, index=index)
 
     def delta_chunk(self, event: GenerationEvent) -> dict[str, Any] | None:
-        """The chunk of one event; None when it carries neither text nor a finish reason."""
+        """The chunk of one event; None when it carries neither text nor a finish reason.
+
+        With tools, a choice's text from its first tool-call block on is held, and its last
+        chunk carries the parsed ``tool_calls`` (each whole, with its index) and finish reason
+        ``tool_calls``; text that turns out not to be a call is sent as content then."""
         reason = finish_reason(event)
-        if not event.text and reason is None and not (self.logprobs and event.logprobs):
+        text, calls = event.text, []
+        if self.tools:
+            stream = self._tool_streams.setdefault(event.index, ToolCallStream())
+            text = stream.feed(event.text)
+            if reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                reason = _TOOL_CALLS if calls and reason == "stop" else reason
+        if not text and reason is None and not (self.logprobs and event.logprobs):
             return None
         logprobs = self._logprobs(event.logprobs, event.index)
         if self.chat:
-            delta = {"content": event.text} if event.text else {}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
             return self._chunk(delta, reason, logprobs, event.index)
-        return self._chunk(event.text, reason, logprobs, event.index)
+        return self._chunk(text, reason, logprobs, event.index)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return {

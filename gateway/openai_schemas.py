@@ -1,15 +1,18 @@
 """OpenAI request bodies (pydantic), and their translation to the worker's plain types.
 
 Fields OpenAI defines that this server cannot honour are refused with a 400 naming the field (a
-silently ignored ``best_of`` or ``tools`` would hand the client something it did not ask for);
+silently ignored ``best_of`` or ``echo`` would hand the client something it did not ask for);
 each refusal is a field validator, so the error's ``param`` names the field. LoRAX's
 ``adapter_id`` is honoured like ``model`` (never ignored: a request naming an adapter must not be
-answered by the base model). Other unknown fields are ignored, as vLLM does, so vendor extensions
-do not break clients.
+answered by the base model). vLLM's extras that this server does not implement are refused the
+same way (gateway/vllm_extras.py). Other unknown fields are ignored, as vLLM does, so vendor
+extensions do not break clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
@@ -17,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import MAX_CHOICES, MAX_LOGPROBS, PromptInput, SamplingParams
 from lorastream.gateway.structured import structured_output
+from lorastream.gateway.tools import ToolUse, check_tool_choice, check_tools
+from lorastream.gateway.vllm_extras import VllmChatExtras, VllmExtras
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -33,7 +38,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(VllmExtras):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -183,8 +188,32 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for call in value or ():
+            _template_call(call)  # raises on a call a template could not render
+        return value
+
+    def extra(self) -> str:
+        """The keys besides role and content the chat template reads, as JSON ("" for none).
+
+        An earlier call's ``arguments`` (a JSON string in OpenAI's API) reach the template as
+        an object, which is what chat templates write back (vLLM does the same)."""
+        extra: dict[str, Any] = {}
+        if self.tool_calls:
+            extra["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            extra["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            extra["name"] = self.name
+        return json.dumps(extra) if extra else ""
 
     def text(self) -> str:
         if self.content is None:
@@ -199,7 +228,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, VllmChatExtras):
     """``POST /v1/chat/completions``; the worker renders ``messages`` with its chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -208,6 +237,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -228,18 +258,36 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @field_validator("tools")
     @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and value not in (False, []):
-            raise ValueError(f"{info.field_name} is not supported by this server; leave it unset")
-        return value
+    def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_tools(value) if value else None
 
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value not in (None, "none"):
-            raise ValueError("tools are not supported by this server, so tool_choice can only be "
-                             "'none'; leave it unset")
+    def _tool_choice(
+        cls, value: str | dict[str, Any] | None, info: ValidationInfo
+    ) -> str | dict[str, Any] | None:
+        check_tool_choice(value)
+        if value not in (None, "none") and not info.data.get("tools"):
+            raise ValueError("needs tools: give the tools the model may call, or leave it unset")
         return value
+
+    @property
+    def tool_use(self) -> ToolUse:
+        """The request's tools (docs/gateway.md, "Tools"); ``tool_choice`` defaults to auto."""
+        return ToolUse(tuple(self.tools or ()), self.tool_choice or "auto",
+                       self.parallel_tool_calls)
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        params = super().sampling(default_max_tokens)
+        forced = self.tool_use.constraint()
+        if forced is None:
+            return params
+        if params.structured is not None:
+            raise InvalidArgument(
+                "tool_choice: a forced tool call is a constraint of its own; drop "
+                "response_format or structured_outputs, or set tool_choice to 'auto'"
+            )
+        return dataclasses.replace(params, structured=forced)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -249,4 +297,20 @@ class ChatCompletionRequest(_GenerationRequest):
         messages = tuple(
             ("system" if m.role == "developer" else m.role, m.text()) for m in self.messages
         )
-        return PromptInput(messages=messages)
+        extras = tuple(m.extra() for m in self.messages)
+        return PromptInput(messages=messages, message_extras=extras if any(extras) else (),
+                           tools=self.tool_use.rendered)
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's earlier tool call as chat templates read it."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("each tool call needs function.name and function.arguments")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tool call arguments are not JSON: {exc}") from None
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -95,7 +95,9 @@ async def _generate(
         raise ApiError(400, str(exc), param="adapter_id", code="invalid_value") from exc
     if body.adapter_source is not None:
         await check_adapter_source(state, model, body.adapter_id, body.adapter_source)
-    builder = ResponseBuilder(model, chat, logprobs=body.top_logprobs_count() is not None)
+    tools = isinstance(body, ChatCompletionRequest) and body.tool_use.parses
+    builder = ResponseBuilder(model, chat, logprobs=body.top_logprobs_count() is not None,
+                              tools=tools)
     headers = {"x-request-id": builder.id}
     try:
         params = body.sampling(0 if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)

@@ -2,7 +2,7 @@
 
 The gateway's counterpart of ``lorastream.core.worker_client.WorkerClient``: the same calls, but
 awaitable, so a generation holds no thread and cancelling it (client gone, deadline) cancels the
-RPC at once. Protobuf messages are built and read only here and in ``lorastream.core.codec``.
+RPC at once. Protobuf messages are built and read only here and in ``lorastream.core.worker_codec``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lorastream.core import codec
+from lorastream.core import worker_codec
 from lorastream.core.errors import LorastreamError, ServerUnreachable
 from lorastream.core.generation import (
     AdapterStatus,
@@ -87,7 +87,7 @@ class GenerationCall:
         """The worker's events; ends quietly when cancelled through :meth:`cancel`."""
         try:
             async for msg in self._call:
-                yield codec.event_from_pb(msg)
+                yield worker_codec.event_from_pb(msg)
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError on a call cancelled locally: that ends the stream;
             # a cancellation of the task itself goes on.
@@ -129,7 +129,7 @@ class AsyncWorkerClient:
         request_id: str = "",
         timeout: float | None = None,
     ) -> GenerationCall:
-        request = codec.generate_request_to_pb(model, prompt, params, request_id)
+        request = worker_codec.generate_request_to_pb(model, prompt, params, request_id)
         return GenerationCall(self._stub.Generate(request, timeout=timeout), self.target)
 
     async def healthy(self, timeout: float) -> bool:
@@ -164,22 +164,23 @@ class AsyncWorkerClient:
     async def list_adapters(self) -> tuple[list[AdapterStatus], str]:
         """Adapters on the worker, and its base model's served name."""
         reply = await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
-        return [codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
+        return [worker_codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
 
     async def stats(self) -> WorkerStats:
-        return codec.stats_from_pb(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
+        reply = await self._call(self._stub.GetStats, pb.GetStatsRequest())
+        return worker_codec.stats_from_pb(reply)
 
     async def load_adapter(self, name: str, pin: bool, timeout: float) -> AdapterStatus:
         request = pb.LoadAdapterRequest(name=name, pin=pin)
         reply = await self._call(self._stub.LoadAdapter, request, timeout)
-        return codec.adapter_status_from_pb(reply.adapter)
+        return worker_codec.adapter_status_from_pb(reply.adapter)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
 
     async def tokenize(self, request: TokenizeInput) -> Tokenized:
-        reply = await self._call(self._stub.Tokenize, codec.tokenize_request_to_pb(request))
-        return codec.tokenized_from_pb(reply, request.return_token_strs)
+        reply = await self._call(self._stub.Tokenize, worker_codec.tokenize_request_to_pb(request))
+        return worker_codec.tokenized_from_pb(reply, request.return_token_strs)
 
     async def detokenize(self, tokens: list[int]) -> str:
         reply = await self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))

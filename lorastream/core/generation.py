@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.structured import StructuredOutput
@@ -205,11 +207,31 @@ def _integer(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class PromptInput:
-    """Exactly one of the three forms."""
+    """Exactly one of the three forms.
+
+    With ``messages``: ``message_extras`` holds, per message (or empty for none at all), a JSON
+    object of its other keys the chat template reads (an assistant's ``tool_calls``, a tool
+    result's ``tool_call_id`` and ``name``), "" for none; ``tools`` is the JSON array of tools the
+    template renders ("" for none).
+    """
 
     text: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content), chat template
     token_ids: tuple[int, ...] | None = None
+    message_extras: tuple[str, ...] = ()
+    tools: str = ""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as a chat template takes them: ``role``, ``content`` and the extras."""
+        extras = self.message_extras or ("",) * len(self.messages or ())
+        return [
+            {"role": role, "content": content, **(json.loads(extra) if extra else {})}
+            for (role, content), extra in zip(self.messages or (), extras, strict=True)
+        ]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as a chat template takes them (None: no tools)."""
+        return json.loads(self.tools) if self.tools else None
 
 
 class FinishReason(Enum):

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from lorastream.core import codec
+from lorastream.core import worker_codec
 from lorastream.core.generation import (
     AdapterStatus,
     GenerationEvent,
@@ -52,11 +52,11 @@ class WorkerClient:
         timeout: float | None = None,
     ) -> Iterator[GenerationEvent]:
         """Stream the generation; closing the iterator early cancels the request."""
-        request = codec.generate_request_to_pb(model, prompt, params, request_id)
+        request = worker_codec.generate_request_to_pb(model, prompt, params, request_id)
         call = self._stub.Generate(request, timeout=timeout)
         try:
             for msg in call:
-                yield codec.event_from_pb(msg)
+                yield worker_codec.event_from_pb(msg)
         except grpc.RpcError as err:
             raise_from_rpc_error(err)
         finally:
@@ -65,7 +65,7 @@ class WorkerClient:
     def load_adapter(self, name: str, local_path: str = "", pin: bool = False) -> AdapterStatus:
         request = pb.LoadAdapterRequest(name=name, local_path=local_path, pin=pin)
         reply = self._call(self._stub.LoadAdapter, request, timeout=600.0)
-        return codec.adapter_status_from_pb(reply.adapter)
+        return worker_codec.adapter_status_from_pb(reply.adapter)
 
     def unload_adapter(self, name: str) -> None:
         self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
@@ -73,14 +73,14 @@ class WorkerClient:
     def list_adapters(self) -> tuple[list[AdapterStatus], str]:
         """Adapters on the worker, and its base model's served name."""
         reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
-        return [codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
+        return [worker_codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
 
     def stats(self) -> WorkerStats:
-        return codec.stats_from_pb(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+        return worker_codec.stats_from_pb(self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
     def tokenize(self, request: TokenizeInput) -> Tokenized:
-        reply = self._call(self._stub.Tokenize, codec.tokenize_request_to_pb(request))
-        return codec.tokenized_from_pb(reply, request.return_token_strs)
+        reply = self._call(self._stub.Tokenize, worker_codec.tokenize_request_to_pb(request))
+        return worker_codec.tokenized_from_pb(reply, request.return_token_strs)
 
     def detokenize(self, tokens: list[int]) -> str:
         reply = self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))

@@ -160,7 +160,7 @@ def cluster_factory(
 
     def make(
         workers: int = 2, worker_overrides: dict[str, Any] | None = None,
-        **gateway_overrides: object,
+        checkpoint: Path | None = None, **gateway_overrides: object,
     ) -> Cluster:
         root = tmp_path_factory.mktemp("cluster")
         store_server, store_port, _ = create_store(StoreSettings(port=0, cache_dir=root / "store"))
@@ -173,12 +173,13 @@ def cluster_factory(
                     pass
         handles = []
         for i in range(workers):
+            model = checkpoint or tiny_model  # another checkpoint of the same weights
             settings = WorkerSettings(
-                model=str(tiny_model), served_model_name=BASE, port=0, store=store, max_loras=2,
+                model=str(model), served_model_name=BASE, port=0, store=store, max_loras=2,
                 kv_cache_bytes=16 << 20, model_cache_dir=root / f"models-{i}",
                 **(worker_overrides or {}),
             )
-            handle = WorkerHandle(settings, build_engine(settings, checkpoint=tiny_model))
+            handle = WorkerHandle(settings, build_engine(settings, checkpoint=model))
             handle.start()
             stoppers.append(handle.engine.stop)
             stoppers.append(handle.kill)

@@ -162,6 +162,15 @@ def test_an_unknown_model_is_a_not_found_error(cluster: Cluster, stream: bool) -
         ({"extra_body": {"adapter_source": "hub"}}, "adapter_source"),
         ({"extra_body": {"adapter_id": "mlp-r8"}}, "adapter_id"),  # model names another adapter
         ({"prompt": "x" * 3000}, "prompt"),  # longer than the 2048-token context
+        # vLLM's extras this server does not implement: refused, never ignored
+        ({"extra_body": {"min_p": 0.1}}, "min_p"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ({"extra_body": {"allowed_token_ids": [5]}}, "allowed_token_ids"),
+        ({"extra_body": {"bad_words": ["x"]}}, "bad_words"),
+        ({"extra_body": {"include_stop_str_in_output": True}}, "include_stop_str_in_output"),
+        ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
+        ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
     ],
 )
 def test_bad_parameters_are_bad_request_errors_naming_the_field(
@@ -187,6 +196,10 @@ def test_bad_parameters_are_bad_request_errors_naming_the_field(
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"n": 0}, "n"),
+        ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
+        ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
+        ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+         "chat_template_kwargs"),
     ],
 )
 def test_unsupported_chat_fields_are_refused_naming_the_field(
@@ -200,10 +213,11 @@ def test_unsupported_chat_fields_are_refused_naming_the_field(
     assert isinstance(error, dict) and error["param"] == param, error
 
 
-def test_tool_choice_none_and_logprobs_false_are_accepted(cluster: Cluster) -> None:
+def test_tool_choice_none_logprobs_false_and_neutral_extras_are_accepted(cluster: Cluster) -> None:
     reply = cluster.gateway.openai().chat.completions.create(
         model="attn-r4", messages=CHAT, max_tokens=2, tool_choice="none",  # type: ignore[arg-type]
-        logprobs=False,
+        logprobs=False, extra_body={"min_p": 0.0, "skip_special_tokens": True,
+                                    "add_generation_prompt": True},
     )
     assert reply.usage.completion_tokens >= 1
 

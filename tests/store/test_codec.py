@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
-from lorastream.core import codec
+from lorastream.core import codec, worker_codec
 from lorastream.core.checksum import crc32c
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import SamplingParams
@@ -102,13 +102,13 @@ def test_manifest_round_trips_through_protobuf() -> None:
 def test_max_tokens_travels_with_presence(
     max_tokens: int, on_the_wire: int | None, decoded: int
 ) -> None:
-    msg = codec.sampling_to_pb(SamplingParams(max_tokens=max_tokens))
+    msg = worker_codec.sampling_to_pb(SamplingParams(max_tokens=max_tokens))
     assert (msg.max_tokens if msg.HasField("max_tokens") else None) == on_the_wire
-    assert codec.sampling_from_pb(msg).max_tokens == decoded
+    assert worker_codec.sampling_from_pb(msg).max_tokens == decoded
 
 
 @pytest.mark.parametrize("value", [0, -5])
 def test_an_explicit_max_tokens_below_1_is_refused(value: int) -> None:
     msg = worker_pb2.SamplingParams(max_tokens=value)
     with pytest.raises(InvalidArgument, match="max_tokens must be >= 1"):
-        codec.sampling_from_pb(msg)
+        worker_codec.sampling_from_pb(msg)

@@ -71,11 +71,15 @@ def make_peft_adapter(
     return out_dir
 
 
-def save_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_LLAMA["vocab_size"]) -> Path:
+def save_tiny_tokenizer(
+    out_dir: Path, vocab_size: int = TINY_LLAMA["vocab_size"], newline: bool = False,
+    chat_template: str | None = None,
+) -> Path:
     """A character-level tokenizer of ``vocab_size`` ids for the tiny model, with a chat template.
 
-    Ids 0-2 are <unk>, <s>, </s> (the Llama defaults, so eos is 2); then printable ASCII; the
-    rest are filler tokens, so every id the model can emit decodes to something.
+    Ids 0-2 are <unk>, <s>, </s> (the Llama defaults, so eos is 2); then printable ASCII (and
+    "\n" with ``newline``); the rest are filler tokens, so every id the model can emit decodes to
+    something. ``chat_template`` replaces the default one.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -83,15 +87,17 @@ def save_tiny_tokenizer(out_dir: Path, vocab_size: int = TINY_LLAMA["vocab_size"
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for code in range(32, 127):
         vocab[chr(code)] = len(vocab)
+    if newline:
+        vocab["\n"] = len(vocab)
     while len(vocab) < vocab_size:
         vocab[f"<x{len(vocab)}>"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n" if newline else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
-    fast.chat_template = (
+    fast.chat_template = chat_template or (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )

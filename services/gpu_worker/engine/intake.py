@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import PromptInput
+from lorastream.worker.engine.chat_template import render_chat
 from lorastream.worker.engine.choices import new_group
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
 from lorastream.worker.engine.sampling import SamplingParams, make_generator
@@ -79,15 +80,7 @@ class RequestIntake:
                     f"0..{self.vocab_size - 1}"
                 )
         elif prompt.messages is not None:
-            if getattr(tok, "chat_template", None) is None:  # a base model, e.g. gemma3-270m
-                raise InvalidArgument(
-                    f"{self.model_name} has no chat template (a base model): chat messages "
-                    "cannot be formatted for it; use completions (a plain prompt) instead"
-                )
-            messages = [{"role": r, "content": c} for r, c in prompt.messages]
-            ids = list(tok.apply_chat_template(  # type: ignore[attr-defined]
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            ))
+            ids = list(render_chat(tok, self.model_name, prompt, tokenize=True))
         else:
             ids = list(tok(prompt.text or "").input_ids)  # type: ignore[operator]
         if not ids:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from lorastream.core import codec
+from lorastream.core import worker_codec
 from lorastream.core.auth import Scope
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as pb
 from lorastream.gpu_worker.v1 import gpu_worker_pb2_grpc as pb_grpc
@@ -39,18 +39,18 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
     ) -> Iterator[pb.GenerateResponse]:
         if self._drain is not None:
             self._drain.refuse_if_draining()
-        request_id, model, prompt, params = codec.generate_request_from_pb(request)
+        request_id, model, prompt, params = worker_codec.generate_request_from_pb(request)
         stream = self._engine.submit(model, prompt, params, request_id or None)
         # The client going away (or the deadline passing) cancels the request at once.
         context.add_callback(stream.cancel)
         for event in stream:
-            yield codec.event_to_pb(event)
+            yield worker_codec.event_to_pb(event)
 
     def LoadAdapter(
         self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext
     ) -> pb.LoadAdapterResponse:
         status = self._ops.load_adapter(request.name, request.local_path, request.pin)
-        return pb.LoadAdapterResponse(adapter=codec.adapter_status_to_pb(status))
+        return pb.LoadAdapterResponse(adapter=worker_codec.adapter_status_to_pb(status))
 
     def UnloadAdapter(
         self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext
@@ -62,20 +62,20 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> pb.ListAdaptersResponse:
         return pb.ListAdaptersResponse(
-            adapters=[codec.adapter_status_to_pb(s) for s in self._ops.list_adapters()],
+            adapters=[worker_codec.adapter_status_to_pb(s) for s in self._ops.list_adapters()],
             base_model=self._engine.base_model_name,
         )
 
     def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.ServicerContext
     ) -> pb.GetStatsResponse:
-        return codec.stats_to_pb(self._ops.stats())
+        return worker_codec.stats_to_pb(self._ops.stats())
 
     def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.ServicerContext
     ) -> pb.TokenizeResponse:
-        tokenize = codec.tokenize_request_from_pb(request)
-        return codec.tokenized_to_pb(tokenization.tokenize(self._engine.intake, tokenize))
+        tokenize = worker_codec.tokenize_request_from_pb(request)
+        return worker_codec.tokenized_to_pb(tokenization.tokenize(self._engine.intake, tokenize))
 
     def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.ServicerContext

@@ -12,6 +12,7 @@ from typing import Any
 
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.tokenization import TokenizeInput, Tokenized
+from lorastream.worker.engine.chat_template import render_chat
 from lorastream.worker.engine.intake import RequestIntake
 
 
@@ -22,15 +23,8 @@ def tokenize(intake: RequestIntake, request: TokenizeInput) -> Tokenized:
     if prompt.token_ids is not None:
         raise InvalidArgument("prompt: give text or chat messages to tokenize, not token ids")
     if prompt.messages is not None:
-        if getattr(tok, "chat_template", None) is None:
-            raise InvalidArgument(
-                f"messages: {intake.model_name} has no chat template (a base model), so chat "
-                "messages cannot be formatted for it; tokenize a plain prompt instead"
-            )
-        messages = [{"role": role, "content": content} for role, content in prompt.messages]
-        text = tok.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False
-        )
+        text = render_chat(tok, intake.model_name, prompt,
+                           add_generation_prompt=request.add_generation_prompt, tokenize=False)
     else:
         text = prompt.text or ""
     ids = [int(i) for i in tok(text, add_special_tokens=request.add_special_tokens).input_ids]
