@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # Tensor methods that read a tensor back to the host: on CUDA each one waits for the device.
 DEVICE_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -28,3 +30,17 @@ def no_device_reads(where: str = "on the step path") -> Iterator[None]:
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+class TorchCallLog(TorchFunctionMode):
+    """Inside the block, ``calls`` lists the name of every torch function called, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))

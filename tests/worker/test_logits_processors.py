@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers.generation.logits_process import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -25,6 +23,7 @@ from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.engine.logits_processors import TokenHistory, process_logits_
 from lorastream.worker.engine.sampling import Sampler, SamplingRow, make_generator
 from lorastream.worker.service.operations import WorkerOperations
+from tests.support.sync_free import TorchCallLog
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, peft_model
 
 VOCAB = 300
@@ -188,23 +187,11 @@ def test_sampling_counts_each_token_into_its_history() -> None:
     assert counts.sum() == 3 and counts[tokens[0]] >= 1
 
 
-class _CallLog(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        self.calls.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-
 def test_processing_and_logprobs_read_nothing_back_from_the_device() -> None:
     params = SamplingParams(presence_penalty=0.5, repetition_penalty=1.1, logit_bias=((3, 1.0),),
                             min_tokens=4, logprobs=5)
     rows = [_row(params, [1, 2, 3], [4]), _row(SamplingParams(), [5], [])] * 4
-    with _CallLog() as log:
+    with TorchCallLog() as log:
         Sampler().step(_logits(8), rows)
     reads = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero"}
     assert not reads & set(log.calls), sorted(reads & set(log.calls))

@@ -5,12 +5,9 @@ refused with a message that says what to fix."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -27,6 +24,7 @@ from lorastream.worker.engine.sampling import (
     inverse_cdf,
     make_generator,
 )
+from tests.support.sync_free import TorchCallLog
 
 VOCAB = 1000
 
@@ -83,21 +81,9 @@ def test_greedy_decoding_matches_hf_generate() -> None:
     assert ids[len(prompt):] == expected
 
 
-class _CallLog(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        self.calls.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-
 def test_all_greedy_batch_runs_a_single_argmax() -> None:
     logits, sampler, rows = random_logits(32), Sampler(), rows_of(SamplingParams(), 32)
-    with _CallLog() as log:
+    with TorchCallLog() as log:
         sampler.sample(logits, rows)
     assert [c for c in log.calls if c not in {"dim", "__get__", "shape"}] == ["argmax"]
 
