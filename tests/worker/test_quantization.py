@@ -258,3 +258,19 @@ def test_a_qlora_adapter_validates_and_serves_like_any_other_on_an_int8_base(
         tokens[name] = [t for event in stream for t in event.token_ids]
     assert tokens[variant] == tokens["plain"]  # the same tensors: the same output
     assert tokens[variant] != tokens["tiny"]  # and the adapter is applied
+
+
+@pytest.mark.parametrize(("device", "capability", "warned"), [
+    ("cpu", "AVX2", True), ("cpu", "DEFAULT", True), ("cpu", "AVX512", False),
+    ("cpu", "AVX512_BF16", False), ("cuda", "AVX2", False),
+])
+def test_a_cpu_without_avx512_is_told_int8_is_slower_there(
+    monkeypatch: pytest.MonkeyPatch, device: str, capability: str, warned: bool
+) -> None:
+    from lorastream.worker.device.device import int8_slow_here
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    note = int8_slow_here(torch.device(device))
+    assert (note is not None) == warned
+    if note is not None:
+        assert capability in note and "slower" in note

@@ -319,6 +319,22 @@ def int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
     return Int8Matmul(weight_only_dtype=torch.bfloat16, int_mm_min_rows=1)
 
 
+def int8_slow_here(device: torch.device) -> str | None:
+    """Why ``--quantization`` is likely slower than the unquantized path on this device, or None.
+
+    The CPU int8 kernels (model/quant_linear.py) are fast with AVX-512 (bf16 conversion, VNNI dot
+    products); on an AVX2-only CPU ``bench engine --quantization`` measured int8 weight-only at
+    0.73x the fp32 path's base-only decode and int8-dynamic at 0.09x (docs/worker.md)."""
+    if device.type != "cpu":
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return None
+    return (f"this CPU's best vector extension is {capability} (no AVX-512): the int8 kernels run "
+            "slower here than the fp32 path; quantization still cuts the base's resident bytes "
+            "about 4x")
+
+
 def host_reads_stall(device: torch.device) -> bool:
     """True where reading a tensor back to the host waits for the device's queued work (CUDA):
     step code then takes its sync-free variant. On the CPU a read costs nothing extra, so code

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.openmp import waits_actively
 from lorastream.core.tls import ClientTLS
-from lorastream.worker.device.device import Device
+from lorastream.worker.device.device import Device, int8_slow_here
 from lorastream.worker.device.priority import starvation_warning
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
@@ -93,6 +93,9 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     config = ModelConfig.from_dir(checkpoint, name=settings.base_model_name)
     weights = load_weights(checkpoint, config, dtype, torch_device)
     model = DecoderModel(config, weights, torch_device, quantization=settings.quantization)
+    slow = int8_slow_here(torch_device) if settings.quantization != "none" else None
+    if slow is not None:
+        log.warning("--quantization %s: %s", settings.quantization, slow)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     device = Device(torch_device, loader_priority=settings.loader_priority_spec,
                     copy_turn_s=settings.copy_turn_ms / 1000,
