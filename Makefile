@@ -62,7 +62,8 @@ protos: install-dev
 	$(PY) scripts/gen_protos.py
 
 # Every benchmark into docs/benchmarks/results/, then the page docs/BENCHMARKS.md from them
-# (< 15 min on 2 cores). bench-report only regenerates the page and plots from those results.
+# (87 min on a 2-core AVX2 EPYC at 17-21 GB/s, the soak's 10 minutes and 10,000 scale adapters
+# included). bench-report only regenerates the page and plots from those results.
 BENCH_RESULTS ?= docs/benchmarks/results
 LORASTREAM := $(VENV)/bin/lorastream
 
