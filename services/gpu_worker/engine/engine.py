@@ -29,7 +29,6 @@ import torch
 from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
 from lorastream.worker.device.device import Device, use_intra_op_threads
-from lorastream.worker.device.host_memory import release_free_heap
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.intake import RequestIntake
 from lorastream.worker.engine.choices import expand_for_choices, fork_choices
@@ -111,7 +110,6 @@ class Engine:
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._stepped_since_trim = False  # idle periods hand freed heap back (host_memory.py)
         self._submit_lock = threading.Lock()  # submit vs stop: nothing queued after the drain
         # The loop computes with the intra-op thread count of the thread that built the engine.
         self.compute_threads = torch.get_num_threads()
@@ -254,14 +252,11 @@ class Engine:
                 if plan.empty:
                     # Idle, or waiting on loads: poll loads every millisecond, else sleep.
                     timeout = 0.001 if self.scheduler.has_work else None
-                    if timeout is None and self._stepped_since_trim:  # idle: give back the heap
-                        self._stepped_since_trim = not release_free_heap()
                     self._wake.wait(timeout)
                     self._wake.clear()
                     continue
                 with self.device.step():  # on the CPU, slot copies wait for its end
                     self._step(plan)
-                self._stepped_since_trim = True
             except Exception:  # noqa: BLE001 - a bug must not kill the loop silently
                 log.exception("engine step failed; failing the running requests")
                 for seq in list(self.scheduler.running):
