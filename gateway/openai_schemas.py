@@ -293,13 +293,15 @@ class ChatCompletionRequest(_GenerationRequest, VllmChatExtras):
         return self.max_completion_tokens or self.max_tokens
 
     def prompt_input(self) -> PromptInput:
-        # OpenAI's "developer" role is the newer name of "system"; chat templates know the latter.
-        messages = tuple(
-            ("system" if m.role == "developer" else m.role, m.text()) for m in self.messages
-        )
-        extras = tuple(m.extra() for m in self.messages)
-        return PromptInput(messages=messages, message_extras=extras if any(extras) else (),
-                           tools=self.tool_use.rendered)
+        return chat_prompt(self.messages, self.tool_use.rendered)
+
+
+def chat_prompt(messages: list[ChatMessage], tools: str = "") -> PromptInput:
+    """The worker's chat prompt of OpenAI ``messages`` (chat completions and /tokenize alike)."""
+    # OpenAI's "developer" role is the newer name of "system"; chat templates know the latter.
+    turns = tuple(("system" if m.role == "developer" else m.role, m.text()) for m in messages)
+    extras = tuple(m.extra() for m in messages)
+    return PromptInput(messages=turns, message_extras=extras if any(extras) else (), tools=tools)
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from lorastream.gateway.adapter_ops import forget, load_into, run_preload
 from lorastream.gateway.auth import require_api_key, require_operate_scope
 from lorastream.gateway.errors import NoHealthyWorker, UpstreamTimeout
 from lorastream.gateway.http_errors import ApiError, api_error
-from lorastream.gateway.openai_schemas import ChatMessage, TokenId
+from lorastream.gateway.openai_schemas import ChatMessage, TokenId, chat_prompt
 from lorastream.gateway.state import GatewayState, gateway_state
 from lorastream.gateway.worker_channel import AsyncWorkerClient
 
@@ -113,10 +113,7 @@ class TokenizeBody(_TokenizerRequest):
             raise ApiError(400, "send either prompt or messages", param="prompt",
                            code="invalid_value")
         if self.messages is not None:
-            # as in chat completions: "developer" is the newer name of "system"
-            prompt = PromptInput(messages=tuple(
-                ("system" if m.role == "developer" else m.role, m.text()) for m in self.messages
-            ))
+            prompt = chat_prompt(self.messages)  # as chat completions render them
         else:
             prompt = PromptInput(text=self.prompt)
         special = self.add_special_tokens
