@@ -44,7 +44,10 @@ def _steps(gate: StepGate, record: _Recorder, count: int, seconds: float) -> Non
 
 
 def test_copies_run_between_steps_one_turn_per_gap_and_progress_while_steps_run() -> None:
-    gate = StepGate(turn_s=0.004)
+    # idle_s is long here: a stepper thread that the OS or the GIL keeps off the CPU for a few ms
+    # between two steps must not look like an idle engine (which gets turns back to back, see
+    # test_an_idle_engine_does_not_hold_copies_up); this test is about back-to-back steps.
+    gate = StepGate(turn_s=0.004, idle_s=1.0)
     stream = LoadStream(torch.device("cpu"), gate=gate)
     record = _Recorder()
     try:
@@ -61,7 +64,9 @@ def test_copies_run_between_steps_one_turn_per_gap_and_progress_while_steps_run(
         assert len(in_gap) <= 5, f"{len(in_gap)} copy operations ran in one gap"
     finished = max(end for _, end in record.ops)
     steps_before = sum(1 for _, end in record.steps if end <= finished)
-    assert steps_before <= 15, f"the copy took {steps_before} steps (10 turns of 4 ops needed)"
+    # 10 turns of 4 ops are needed; a preempted op makes its turn end early, so allow slack, but
+    # the copy must finish well within the 60 back-to-back steps (without turns it never would).
+    assert steps_before <= 30, f"the copy took {steps_before} steps (10 turns of 4 ops needed)"
 
 
 def test_an_idle_engine_does_not_hold_copies_up() -> None:
