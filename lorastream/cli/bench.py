@@ -161,9 +161,9 @@ def engine(
 ) -> None:
     """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
     require_bench_extra()
-    from lorastream.core.openmp import tune_openmp_waits
+    from lorastream.core.native_env import tune_native_libraries
 
-    tune_openmp_waits()  # as `worker serve` does, before torch loads
+    tune_native_libraries()  # as `worker serve` does, before torch loads
     from lorastream.bench.engine import run_engine_bench
 
     setup_logging(log_level)

@@ -19,9 +19,9 @@ app = typer.Typer(
 @with_settings(WorkerSettings)
 def serve(settings: WorkerSettings, log_level: str = LOG_LEVEL_OPTION) -> None:
     """Serve generation over gRPC until Ctrl-C. Each setting is a flag or a variable."""
-    from lorastream.core.openmp import tune_openmp_waits
+    from lorastream.core.native_env import tune_native_libraries
 
-    tune_openmp_waits()  # before torch loads (the settings do not load it)
+    tune_native_libraries()  # before torch loads (the settings do not load it)
     from lorastream.worker.service.server import serve as run
 
     setup_logging(log_level)

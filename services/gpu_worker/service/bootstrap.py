@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lorastream.core.errors import InvalidArgument
-from lorastream.core.openmp import waits_actively
+from lorastream.core.native_env import waits_actively
 from lorastream.core.tls import ClientTLS
 from lorastream.worker.device.device import Device, int8_slow_here
 from lorastream.worker.device.priority import starvation_warning

@@ -1,0 +1,136 @@
+"""`worker serve` and `bench engine` shorten OpenMP's spin-waits and bound oneDNN's caches before
+torch loads, unless the user chose; once torch is loaded it is too late and nothing is changed.
+With the caches bounded, a projection run on every row count up to a step's budget leaves the
+process's memory where it was; at oneDNN's and ideep's defaults it does not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lorastream.core.native_env import ONEDNN_CACHE_ENTRIES, SPIN_COUNT, waits_actively
+
+PROBE = (
+    "import os, sys; from lorastream.core.native_env import tune_openmp_waits; {before}"
+    "tune_openmp_waits(); print(os.environ.get('GOMP_SPINCOUNT'))"
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "before", "expected"),
+    [
+        ({}, "", SPIN_COUNT),
+        ({"GOMP_SPINCOUNT": "123"}, "", "123"),  # the user's value stays
+        ({"OMP_WAIT_POLICY": "active"}, "", "None"),  # so does the user's policy
+        ({}, "import torch; ", "None"),  # too late: libgomp has read its environment
+    ],
+)
+def test_spin_count_is_set_only_before_torch_and_never_over_the_users_choice(
+    env: dict[str, str], before: str, expected: str
+) -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(before=before)],
+        env={**clean, **env}, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert out == expected
+
+
+@pytest.mark.parametrize(
+    ("policy", "active"), [("ACTIVE", True), ("active", True), ("passive", False), (None, False)]
+)
+def test_an_active_wait_policy_is_recognised_in_any_case(
+    monkeypatch: pytest.MonkeyPatch, policy: str | None, active: bool
+) -> None:
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert waits_actively() is active
+
+
+CACHE_PROBE = (
+    "import os, sys; from lorastream.core.native_env import tune_native_libraries; {before}"
+    "tune_native_libraries(); "
+    "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), os.environ.get('LRU_CACHE_CAPACITY'))"
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "before", "expected"),
+    [
+        ({}, "", f"{ONEDNN_CACHE_ENTRIES} {ONEDNN_CACHE_ENTRIES}"),
+        ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "7"}, "", f"7 {ONEDNN_CACHE_ENTRIES}"),
+        ({}, "import torch; ", "None None"),  # too late
+    ],
+)
+def test_cache_capacities_are_set_only_before_torch_and_never_over_the_users_choice(
+    env: dict[str, str], before: str, expected: str
+) -> None:
+    clean = {
+        k: v for k, v in os.environ.items()
+        if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CACHE_PROBE.format(before=before)],
+        env={**clean, **env}, capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    assert out == expected
+
+
+# RSS growth in MB of a process whose prepacked projections (the default model's shapes) run on
+# every row count from 1 to 200 after a warm-up on a few of them. glibc's mmap threshold is fixed
+# in the probe: otherwise it rises with the largest block freed and the heap's high-water mark
+# (a one-off, tens of MB here) adds to what the caches hold.
+def _growth_mb(bound: bool) -> float:
+    code = f"""
+import os
+from lorastream.core.native_env import bound_onednn_caches
+if {bound}:
+    bound_onednn_caches()
+import torch
+from lorastream.worker.model.linear import Linear
+assert Linear(torch.zeros(8, 8)).prepacked
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+shapes = ((1536, 576), (576, 1536), (576, 576))
+layers = [(Linear(torch.randn(n, k) * 0.02), k) for n, k in shapes]
+def run(rows):
+    for linear, k in layers:
+        linear(torch.randn(rows, k))
+for rows in (1, 2, 4, 8):
+    run(rows)
+before = rss_mb()
+for rows in range(1, 201):
+    run(rows)
+print(rss_mb() - before)
+"""
+    clean = {
+        k: v for k, v in os.environ.items()
+        if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    }
+    clean["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return float(out)
+
+
+def test_bounded_caches_keep_memory_flat_over_every_row_count() -> None:
+    if not torch_has_onednn():
+        pytest.skip("this torch has no oneDNN: the projections do not prepack")
+    unbounded, bounded = _growth_mb(False), _growth_mb(True)
+    assert bounded < 40, f"RSS grew {bounded:.0f} MB over 200 row counts with bounded caches"
+    assert unbounded > 3 * bounded + 40, (
+        f"at the libraries' defaults RSS grew {unbounded:.0f} MB, bounded {bounded:.0f} MB: "
+        "the probe no longer shows what the bound is for"
+    )
+
+
+def torch_has_onednn() -> bool:
+    import torch
+
+    return torch.backends.mkldnn.is_available()
