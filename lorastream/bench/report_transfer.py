@@ -135,8 +135,8 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         "- **store**: the store reads the staged file chunk by chunk, checksums (CRC-32C) and "
         "frames each chunk as a `StreamAdapterTensorsResponse`; the client decodes and checks "
         "every chunk.\n"
-        "- **verified**: as store, plus landing every chunk at its offset in a preallocated "
-        "buffer and checking every tensor against the digest its manifest carries, i.e. what a "
+        "- **verified**: as store, plus landing every chunk at its offset in a buffer "
+        "allocated and faulted in once, as the worker's host arena is, and checking every tensor against the digest its manifest carries, i.e. what a "
         "worker does. One client per digest, each from a store staging with it: sha256 (what "
         "manifests staged before the fast digest get), BLAKE3, xxh3-128. The headline is "
         f"{digest}, the store's default.",

@@ -25,6 +25,7 @@ from typing import BinaryIO
 from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.core.adapter_validation import STAGED_FILES
 from lorastream.core.checksum import Buffer, TensorDigests
+from lorastream.store.writeback import Writeback
 
 
 class StreamDigests:
@@ -71,7 +72,8 @@ class DigestingWriter:
     """A write-only file object: each ``write`` appends to ``target`` and feeds the digests.
 
     It reports itself not seekable, so s3transfer writes its parts in order (buffering at most
-    its in-memory window) instead of seeking to each part's offset.
+    its in-memory window) instead of seeking to each part's offset. Each written stride of the
+    file starts its way to the disk at once (``writeback.py``).
     """
 
     def __init__(self, digests: StreamDigests, name: str, size: int, target: Path) -> None:
@@ -79,6 +81,7 @@ class DigestingWriter:
         self._name = name
         self._size = size
         self._file: BinaryIO = target.open("wb")
+        self._writeback = Writeback(self._file.fileno())  # the stager's fsync waits for less
         self._written = 0
         self._head = bytearray() if name == WEIGHTS_FILE else None  # until the header is parsed
         self._ranges: list[tuple[int, int]] = []  # absolute [begin, end) of each tensor, in order
@@ -93,6 +96,7 @@ class DigestingWriter:
         if self._name == WEIGHTS_FILE:
             self._feed_tensors(memoryview(data).cast("B"), self._written)
         self._written += len(data)
+        self._writeback.wrote(self._written)
         return len(data)
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ from lorastream.core.checksum import TENSOR_DIGESTS, verify_tensor
 from lorastream.core.errors import InvalidAdapter
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.store_client import BytesSink, StoreClient
-from lorastream.store import staging
+from lorastream.core.adapter_format import WEIGHTS_FILE
+from lorastream.store import staging, writeback
 from lorastream.store.config import StoreSettings
 from lorastream.store.digesting import StreamDigests
 from lorastream.store.server import create_server
@@ -205,6 +206,33 @@ def test_digests_fed_in_any_pieces_equal_the_ones_read_from_disk(
         nbytes, fed = hashed[staged.file_offset]
         assert nbytes == staged.info.nbytes
         assert (fed.sha256, fed.fast_checksum) == (staged.info.checksum, staged.info.fast_checksum)
+
+
+@pytest.mark.skipif(not writeback.available(), reason="no sync_file_range (not Linux)")
+def test_the_weights_start_to_the_disk_while_they_download(
+    adapter: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writeback, "DEFAULT_STRIDE", 4096)
+    started: dict[str, writeback.Writeback] = {}
+    real_writer = StreamDigests.writer
+
+    def writer(self: StreamDigests, name: str, size: int, target: Path) -> object:
+        w = real_writer(self, name, size, target)
+        started[name] = w._writeback
+        return w
+
+    monkeypatch.setattr(StreamDigests, "writer", writer)
+    digests = StreamDigests("xxh3-128", max_header_bytes=16 << 20)
+    for name in STAGED_FILES:
+        data = (adapter / name).read_bytes()
+        w = digests.writer(name, len(data), tmp_path / name)
+        for at in range(0, len(data), 1000):
+            w.write(data[at : at + 1000])
+        w.close()
+    size = (adapter / WEIGHTS_FILE).stat().st_size
+    assert size >= 3 * 4096
+    assert started[WEIGHTS_FILE].ranges == [(i * 4096, 4096) for i in range(size // 4096)]
+    assert digests.content_id == content_id(adapter) == content_id(tmp_path)  # bytes unchanged
 
 
 @pytest.mark.parametrize(
