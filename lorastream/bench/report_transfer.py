@@ -113,7 +113,10 @@ def _staging_parts(r: Result) -> list[str]:
         "writes them in order from its in-memory window), which feeds the content id's sha256 "
         "and every tensor's sha256 and fast digest as the bytes arrive. Validation then reads "
         "only the header and staging only fsyncs and renames: before, the two hash passes over "
-        "the staged files (tensor digests, then the content id) came after the download.",
+        "the staged files (tensor digests, then the content id) came after the download. The "
+        "fsync finds the file on disk already: a thread of the writer's `fdatasync`s it every "
+        "4 MB while the rest downloads (`lorastream/store/writeback.py`). Before, the stage "
+        "phase of this adapter took 0.15 s, nearly all of it that fsync.",
     ]
 
 

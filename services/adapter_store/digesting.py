@@ -72,8 +72,8 @@ class DigestingWriter:
     """A write-only file object: each ``write`` appends to ``target`` and feeds the digests.
 
     It reports itself not seekable, so s3transfer writes its parts in order (buffering at most
-    its in-memory window) instead of seeking to each part's offset. Each written stride of the
-    file starts its way to the disk at once (``writeback.py``).
+    its in-memory window) instead of seeking to each part's offset. A thread syncs the file to
+    disk every few MB written (``writeback.py``).
     """
 
     def __init__(self, digests: StreamDigests, name: str, size: int, target: Path) -> None:
@@ -81,7 +81,7 @@ class DigestingWriter:
         self._name = name
         self._size = size
         self._file: BinaryIO = target.open("wb")
-        self._writeback = Writeback(self._file.fileno())  # the stager's fsync waits for less
+        self._writeback = Writeback(self._file.fileno())  # the stager's fsync then waits for less
         self._written = 0
         self._head = bytearray() if name == WEIGHTS_FILE else None  # until the header is parsed
         self._ranges: list[tuple[int, int]] = []  # absolute [begin, end) of each tensor, in order
@@ -100,9 +100,14 @@ class DigestingWriter:
         return len(data)
 
     def close(self) -> None:
+        """Close the file; raises the error of a background sync (``writeback.py``)."""
         if self._file.closed:
             return
-        self._file.close()
+        try:
+            self._file.flush()
+            self._writeback.close()  # before the descriptor goes
+        finally:
+            self._file.close()
         self._digests._finished(self._name, self._written, self._size)
 
     # -- weights ------------------------------------------------------------------------------

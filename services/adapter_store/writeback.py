@@ -1,69 +1,100 @@
-"""Start writing a file's dirty pages to disk while it is still being written.
+"""Make a downloading file durable as it is written, so the fsync after the download is short.
 
 Staging ends with an fsync of every staged file (``staging.py``: a registered adapter survives a
-crash), and an fsync after the download waits for all of the file's bytes to reach the disk at
-once: 0.15 s of a 78 MB adapter's 1.05 s preload from S3 in ``bench transfer``. A writer that
-calls :meth:`Writeback.wrote` after each write has the kernel start writing each completed
-``stride`` of the file (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: asynchronous, it does not
-wait for the disk) while the rest downloads, so the final fsync waits only for the tail. It
-changes when bytes reach the disk, never whether: the fsync still follows.
+crash). Left to the end, that fsync waits for the whole file and its block allocations to reach
+the disk: 0.15 s of a 78 MB adapter's ~1 s preload from S3 in ``bench transfer``. A writer that
+reports its progress to a :class:`Writeback` has a thread of its own ``fdatasync`` the file
+after every ``stride`` bytes while the rest downloads; the final fsync then waits for the tail.
 
-``sync_file_range`` is Linux's; elsewhere (or if libc lacks it) :meth:`wrote` does nothing.
+Measured on this machine's disk (ext4), 78 MB written at a download's pace, then fsync:
+
+=====================================================  ============  ===========
+before the fsync                                       write phase   final fsync
+=====================================================  ============  ===========
+nothing                                                0.83 s        118-198 ms
+``sync_file_range(WRITE)`` every 8 MB                  0.84 s        80-94 ms
+``fdatasync`` every 8 MB on the writing thread         0.98 s        14 ms
+``fdatasync`` every 8 MB on a thread of its own        0.84 s        13-14 ms
+``fdatasync`` every 4 MB on a thread of its own        0.84 s        4.5 ms
+=====================================================  ============  ===========
+
+(``sync_file_range`` writes the pages but commits no metadata: the fsync still waited for the
+journal.) It changes when bytes reach the disk, never whether: the stager's fsync still
+follows. An error of a background ``fdatasync`` is kept and raised by :meth:`Writeback.close`:
+Linux reports a writeback error once per open file, so a later fsync might not see it again.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
+import os
+import threading
 
 log = logging.getLogger(__name__)
 
-SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages in the range, no wait
-DEFAULT_STRIDE = 8 << 20
-
-
-def _load_sync_file_range() -> "ctypes._NamedFuncPointer | None":
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-def available() -> bool:
-    """Whether early writeback works here (Linux with ``sync_file_range``)."""
-    return _sync_file_range is not None
+DEFAULT_STRIDE = 4 << 20
+_datasync = getattr(os, "fdatasync", os.fsync)  # fdatasync is not on every platform
 
 
 class Writeback:
-    """Early writeback of one file open for writing front to back (descriptor ``fd``)."""
+    """Background ``fdatasync`` of one file written front to back (descriptor ``fd``), every
+    ``stride`` bytes. :meth:`close` before the descriptor closes."""
 
     def __init__(self, fd: int, stride: int | None = None) -> None:
         self._fd = fd
         self._stride = DEFAULT_STRIDE if stride is None else stride
-        self._started = 0  # bytes [0, _started) have had their writeback started
-        self.ranges: list[tuple[int, int]] = []  # (offset, length) of each writeback started
+        self._cond = threading.Condition()
+        self._requested = 0  # sync the file up to here (a multiple of the stride)
+        self._synced = 0  # the file is durable up to here
+        self._error: Exception | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None  # started at the first whole stride
+        self.syncs = 0  # fdatasync calls made (tests, logs)
+
+    @property
+    def synced(self) -> int:
+        """Bytes [0, synced) are on disk."""
+        with self._cond:
+            return self._synced
 
     def wrote(self, end: int) -> None:
-        """The file now holds bytes [0, ``end``): start writing back every whole stride."""
-        if _sync_file_range is None or end - self._started < self._stride:
-            return
+        """The file now holds bytes [0, ``end``); returns at once."""
         upto = end - end % self._stride
-        if _sync_file_range(self._fd, self._started, upto - self._started,
-                            SYNC_FILE_RANGE_WRITE) != 0:
-            errno = ctypes.get_errno()
-            log.debug("sync_file_range failed (errno %d): the final fsync writes it all", errno)
-            self._stride = 1 << 62  # do not try again on this file
-            return
-        self.ranges.append((self._started, upto - self._started))
-        self._started = upto
+        with self._cond:
+            if upto <= self._requested or self._error is not None:
+                return
+            self._requested = upto
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="writeback", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Wait for the sync in progress and the one requested, stop; raise a sync's error."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._requested <= self._synced and not self._closing:
+                    self._cond.wait()
+                if self._requested <= self._synced:  # closing, nothing left
+                    return
+                target = self._requested
+            try:
+                _datasync(self._fd)
+            except Exception as err:  # noqa: BLE001 - kept, raised by close()
+                log.warning("background fdatasync failed: %s", err)
+                with self._cond:
+                    self._error = err
+                return
+            with self._cond:
+                self._synced = target
+                self.syncs += 1
