@@ -21,18 +21,6 @@ from typing import Any, NoReturn
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    HTTPClientError,
-    NoCredentialsError,
-    ParamValidationError,
-    PartialCredentialsError,
-)
-from botocore.exceptions import (
-    ConnectionError as BotoConnectionError,
-)
-from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError
 from s3transfer.manager import TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
@@ -42,7 +30,6 @@ from lorastream.core.errors import (
     InvalidAdapter,
     InvalidArgument,
     LorastreamError,
-    SourceUnavailable,
 )
 from lorastream.store.digesting import StreamDigests
 from lorastream.store.sources.base import (
@@ -52,6 +39,7 @@ from lorastream.store.sources.base import (
     ResolvedSource,
     select_adapter_files,
 )
+from lorastream.store.sources.s3_errors import s3_error
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +47,7 @@ MIB = 1 << 20
 
 # Legacy S3 rules (what MinIO and R2 accept is a subset): letters, digits, '.', '_', '-'.
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{2,254}$")
-_NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "NotFound", "404"}
-_DENIED = {
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "TokenRefreshRequired",
-    "AllAccessDisabled",
-    "AccountProblem",
-    "403",
-}
-_WRONG_REGION = {
-    "PermanentRedirect",
-    "AuthorizationHeaderMalformed",
-    "IllegalLocationConstraintException",
-    "301",
-}
+
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -349,72 +320,12 @@ class S3Source(AdapterSource):
         except Exception as err:  # noqa: BLE001 - mapped to a domain error
             self._raise_mapped(err, uri, key)
 
-    # -- errors -----------------------------------------------------------------------------
+    # -- errors (s3_errors.py) ---------------------------------------------------------------
     def _raise_mapped(self, err: Exception, uri: str, what: str) -> NoReturn:
         """Raise a domain error that says what to fix; local disk errors (ENOSPC) pass through."""
         if isinstance(err, LorastreamError) or (isinstance(err, OSError) and err.errno is not None):
             raise err
-        raise self._mapped(err, uri, what) from err
-
-    def _mapped(self, err: Exception, uri: str, what: str) -> LorastreamError:
-        """The domain error for a boto3/s3transfer failure on ``what``."""
-        where = self._where()
-        if isinstance(err, ClientError):
-            error = err.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            message = error.get("Message", "") or str(err)
-            if code == "NoSuchBucket":
-                return AdapterNotFound(
-                    f"{uri}: the bucket does not exist at {where}; check the bucket name and the "
-                    "S3 endpoint (AWS_ENDPOINT_URL)"
-                )
-            if code in _NOT_FOUND:
-                return AdapterNotFound(f"{uri}: {what} not found at {where}")
-            if code in _DENIED:
-                return SourceUnavailable(
-                    f"{uri}: S3 at {where} refused {what} ({code}: {message}); check credentials: "
-                    "the store uses the standard AWS chain (AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role), which must allow "
-                    "s3:ListBucket and s3:GetObject here"
-                )
-            if code in ("PreconditionFailed", "412"):
-                return _changed(uri, what)
-            if code in _WRONG_REGION:
-                return SourceUnavailable(
-                    f"{uri}: the bucket is in another region ({code}); set the store's S3 region "
-                    "(AWS_DEFAULT_REGION) to the bucket's region"
-                )
-            if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
-                return SourceUnavailable(
-                    f"{uri}: S3 at {where} kept failing on {what} after {self._max_attempts} "
-                    f"attempts ({status} {code}); retry later"
-                )
-            return SourceUnavailable(f"{uri}: S3 at {where} failed on {what}: {code}: {message}")
-        if isinstance(err, (NoCredentialsError, PartialCredentialsError)):
-            return SourceUnavailable(
-                f"{uri}: no usable AWS credentials ({err}); check credentials: set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role"
-            )
-        if isinstance(err, (BotoConnectionError, HTTPClientError, RetriesExceededError)):
-            return SourceUnavailable(
-                f"{uri}: cannot reach S3 at {where} after {self._max_attempts} attempts ({err}); "
-                "check the endpoint (AWS_ENDPOINT_URL) and the network"
-            )
-        if isinstance(err, S3DownloadFailedError):
-            return _changed(uri, what)
-        if isinstance(err, ParamValidationError):
-            return InvalidArgument(f"{uri}: {err}")
-        if isinstance(err, BotoCoreError):
-            return SourceUnavailable(f"{uri}: S3 at {where} failed on {what}: {err}")
-        return SourceUnavailable(f"{uri}: S3 download of {what} failed: {err!r}")
-
-
-def _changed(uri: str, what: str) -> SourceUnavailable:
-    return SourceUnavailable(
-        f"{uri}: {what} changed after its revision was resolved (If-Match failed); preload "
-        "again to fetch the new revision"
-    )
+        raise s3_error(err, uri, what, self._where(), self._max_attempts) from err
 
 
 def _target(dest: Path, uri: str, remote: RemoteFile) -> Path:
