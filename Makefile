@@ -62,8 +62,10 @@ protos: install-dev
 	$(PY) scripts/gen_protos.py
 
 # Every benchmark into docs/benchmarks/results/, then the page docs/BENCHMARKS.md from them
-# (87 min on a 2-core AVX2 EPYC at 17-21 GB/s, the soak's 10 minutes and 10,000 scale adapters
-# included). bench-report only regenerates the page and plots from those results.
+# (about 105 min on a 2-core AVX2 EPYC at 17-21 GB/s: 87 for the full run of 67565aa, plus the 18
+# the int8 run has taken since its agreement became teacher-forced; the soak's 10 minutes and
+# 10,000 scale adapters included). bench-report only regenerates the page and plots from those
+# results.
 BENCH_RESULTS ?= docs/benchmarks/results
 LORASTREAM := $(VENV)/bin/lorastream
 
