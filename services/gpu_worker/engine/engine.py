@@ -42,6 +42,7 @@ from lorastream.worker.engine.sampling import Sampler, SamplingParams, SamplingR
 from lorastream.worker.engine.scheduler import Scheduler, StepPlan
 from lorastream.worker.engine.sequence import RequestStream, Sequence
 from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.engine.token_outcome import take_token
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, LoraStep, staged_size
 from lorastream.worker.lora.slots import LoraSlots
@@ -349,30 +350,13 @@ class Engine:
         return children
 
     def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
-        if seq.matcher is not None:
-            try:
-                seq.matcher.accept(token)
-            except InvalidArgument as err:  # a bug: never hand out off-grammar output
-                log.error("request %s: %s", seq.request_id, err)
-                self._fail(seq, LorastreamError(f"internal error: {err}"))
-                return
-        seq.output_ids.append(token)
-        if seq.first_token_at is None:
-            seq.first_token_at = time.perf_counter()
+        try:
+            reason, text = take_token(seq, token)
+        except InvalidArgument as err:  # a bug: never hand out off-grammar output
+            log.error("request %s: %s", seq.request_id, err)
+            self._fail(seq, LorastreamError(f"internal error: {err}"))
+            return
         self.stats.generated_tokens += 1
-        reason: FinishReason | None = None
-        if token in seq.eos_ids or token in seq.params.stop_token_ids:
-            # The stop token is reported in token_ids but never rendered as text.
-            reason, text = FinishReason.STOP, seq.detokenizer.flush()
-        else:
-            step = seq.detokenizer.push(token)
-            text = step.delta
-            if step.stopped:
-                reason = FinishReason.STOP
-            elif seq.matcher is not None and seq.matcher.finished:  # the output is complete
-                reason, text = FinishReason.STOP, text + seq.detokenizer.flush()
-            elif seq.length >= seq.max_len:
-                reason, text = FinishReason.LENGTH, text + seq.detokenizer.flush()
         lps = (logprobs,) if logprobs is not None else ()
         if reason is None:
             seq.stream.put(GenerationEvent(
