@@ -114,7 +114,7 @@ def _staging_parts(r: Result) -> list[str]:
         "and every tensor's sha256 and fast digest as the bytes arrive. Validation then reads "
         "only the header and staging only fsyncs and renames: before, the two hash passes over "
         "the staged files (tensor digests, then the content id) came after the download. The "
-        "fsync finds the file on disk already: a thread of the writer's `fdatasync`s it every "
+        "fsync finds the file on disk already: a thread beside the writer `fdatasync`s it every "
         "4 MB while the rest downloads (`lorastream/store/writeback.py`). Before, the stage "
         "phase of this adapter took 0.15 s, nearly all of it that fsync.",
     ]
