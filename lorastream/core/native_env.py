@@ -45,7 +45,7 @@ def waits_actively() -> bool:
 
 # Entries of oneDNN's primitive cache and of ideep's cache (see the module's docstring).
 ONEDNN_CACHE_ENTRIES = "64"
-_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 def tune_native_libraries() -> None:
@@ -59,7 +59,7 @@ def bound_onednn_caches() -> None:
     if "torch" in sys.modules:
         log.debug("torch is already loaded: oneDNN's caches keep their capacity")
         return
-    for name in _CACHE_VARIABLES:
+    for name in CACHE_VARIABLES:
         os.environ.setdefault(name, ONEDNN_CACHE_ENTRIES)
 
 

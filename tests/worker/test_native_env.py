@@ -11,12 +11,27 @@ import sys
 
 import pytest
 
-from lorastream.core.native_env import ONEDNN_CACHE_ENTRIES, SPIN_COUNT, waits_actively
+from lorastream.core.native_env import (
+    CACHE_VARIABLES,
+    ONEDNN_CACHE_ENTRIES,
+    SPIN_COUNT,
+    waits_actively,
+)
 
 PROBE = (
     "import os, sys; from lorastream.core.native_env import tune_openmp_waits; {before}"
     "tune_openmp_waits(); print(os.environ.get('GOMP_SPINCOUNT'))"
 )
+
+
+def _python_output(code: str, unset: tuple[str, ...], env: dict[str, str]) -> str:
+    """What a fresh interpreter running ``code`` prints, with ``unset`` removed from this
+    process's environment and ``env`` added."""
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+        check=True,
+    ).stdout.strip()
 
 
 @pytest.mark.parametrize(
@@ -31,11 +46,7 @@ PROBE = (
 def test_spin_count_is_set_only_before_torch_and_never_over_the_users_choice(
     env: dict[str, str], before: str, expected: str
 ) -> None:
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE.format(before=before)],
-        env={**clean, **env}, capture_output=True, text=True, check=True,
-    ).stdout.strip()
+    out = _python_output(PROBE.format(before=before), ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"), env)
     assert out == expected
 
 
@@ -70,14 +81,7 @@ CACHE_PROBE = (
 def test_cache_capacities_are_set_only_before_torch_and_never_over_the_users_choice(
     env: dict[str, str], before: str, expected: str
 ) -> None:
-    clean = {
-        k: v for k, v in os.environ.items()
-        if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", CACHE_PROBE.format(before=before)],
-        env={**clean, **env}, capture_output=True, text=True, check=True,
-    ).stdout.strip()
+    out = _python_output(CACHE_PROBE.format(before=before), CACHE_VARIABLES, env)
     assert out == expected
 
 
@@ -108,15 +112,7 @@ for rows in range(1, 201):
     run(rows)
 print(rss_mb() - before)
 """
-    clean = {
-        k: v for k, v in os.environ.items()
-        if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-    }
-    clean["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    return float(out)
+    return float(_python_output(code, CACHE_VARIABLES, {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}))
 
 
 def test_bounded_caches_keep_memory_flat_over_every_row_count() -> None:
