@@ -73,7 +73,9 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                              "samples": {"itl_ms_no_loads": _samples(50.0),
                                          "itl_ms_during_loads": _samples(55.0)}},
             "cold_probe": {"probes": 3, "cold_ttft_ms": ttft * 3, "load_ms": ttft * 2,
-                           "warm_ttft_ms": ttft},
+                           "warm_ttft_ms": ttft, "link_ms": 625.0,
+                           "cold_vs_link_plus_warm": round(ttft * 3 / (625.0 + ttft), 3),
+                           "loader_cpu_ms_per_load": 290.0},
             "worker_peak_rss_mb": 1800,
             "worker_budgets_mb": {"host_adapters": 1074, "device_slots": 625, "kv_cache": 537},
         }
@@ -89,13 +91,15 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
         "overlap_on": mode(300.0, 1.1), "overlap_off": off,
         "ttft_p50_on_vs_off": 0.333, "goal_ttft_p50_on_vs_off": "<= 0.5",
         "itl_p99_during_loads_vs_none_overlap_on": 1.1, "goal_itl_p99_ratio": "<= 1.2",
+        "cold_ttft_vs_link_plus_resident_overlap_on": 0.977, "goal_cold_ttft_ratio": "<= 1.25",
         "copies_beside_steps": {"worker_flags": "--copy-turn-ms 0",
                                 "interference": mode(300.0, 1.7)["interference"]},
         "compute_threads_unbound": {"worker_flags": "--bind-compute-threads off",
                                     "interference": mode(300.0, 1.4)["interference"]},
         "fetch_turns_2ms": {"worker_flags": "--fetch-turn-ms 2",
                             "interference": mode(300.0, 1.25)["interference"],
-                            "cold_probe": {"cold_ttft_ms": 812.0, "load_ms": 700.0}},
+                            "cold_probe": {"cold_ttft_ms": 812.0, "load_ms": 700.0,
+                                           "cold_vs_link_plus_warm": 0.9}},
         "machine": _machine(),
     }
 
@@ -322,6 +326,31 @@ def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said
     _assert_no_leaks(page)
 
 
+@pytest.mark.parametrize(("cold_ratio", "verdict"), [(0.977, "met"), (1.3, "**not met**")])
+def test_the_cold_ttft_goal_stands_beside_the_itl_goal(cold_ratio: float, verdict: str) -> None:
+    serve = {**renderer_inputs()["serve"],
+             "cold_ttft_vs_link_plus_resident_overlap_on": cold_ratio}
+    page = render_page({"serve": serve}, {})
+    label = "| serve cold TTFT / (link time + resident TTFT), same run as the ITL (overlap on)"
+    goal_rows = [line for line in page.splitlines() if line.startswith(label)]
+    assert goal_rows and all(line.endswith(f"| {cold_ratio:.2f}× | ≤ 1.25 | {verdict} |")
+                             for line in goal_rows)  # the page's goals table and the section's
+    rows = {line.split(" | ")[0]: line for line in page.splitlines()}
+    # overlap on: cold 900 against link 625 + resident 300; off: 2,700 against 625 + 900
+    assert rows["| cold probe: the adapter's link time (ms)"].endswith("| 625.0 | 625.0 |")
+    assert rows["| cold probe: TTFT / (link time + resident TTFT)"].endswith("| 0.97× | 1.77× |")
+    # 290 ms of loader CPU over a 625 ms link on 2 cores: 23% of the box, a step 30% longer
+    assert "spent 290.0 ms of CPU per load" in page and "link time is 625.0 ms" in page
+    assert "they need 23% of the machine's 2 cores" in page and "runs 30% longer" in page
+    old = {k: v for k, v in serve.items() if k != "goal_cold_ttft_ratio"}
+    assert label not in render_page({"serve": old}, {})  # results from before the goal
+    no_cpu = {**serve, "overlap_on": {**serve["overlap_on"], "cold_probe": {
+        k: v for k, v in serve["overlap_on"]["cold_probe"].items()
+        if k != "loader_cpu_ms_per_load"}}}
+    assert "What a load at link speed costs" not in render_page({"serve": no_cpu}, {})
+    _assert_no_leaks(page)
+
+
 def test_serve_section_splits_ttft_by_the_first_request_for_each_adapter() -> None:
     serve = renderer_inputs()["serve"]
     page = render_page({"serve": serve}, {})
@@ -357,11 +386,11 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     assert rows["| defaults"].startswith("| defaults | 24 | ")
     assert "| 70.0 | 77.0 | 1.10× |" in rows["| defaults"]
     assert rows["| copies beside the steps (--copy-turn-ms 0)"].endswith(
-        "| 70.0 | 119.0 | 1.70× | – | – |")
+        "| 70.0 | 119.0 | 1.70× | – | – | – |")
     assert rows["| threads placed by the kernel (--bind-compute-threads off)"].endswith(
-        "| 70.0 | 98.0 | 1.40× | – | – |")
+        "| 70.0 | 98.0 | 1.40× | – | – | – |")
     assert rows["| fetch turns of 2 ms (--fetch-turn-ms 2)"].endswith(
-        "| 70.0 | 87.5 | 1.25× | 812.0 | 700.0 |")
+        "| 70.0 | 87.5 | 1.25× | 812.0 | 0.90× | 700.0 |")
     assert "4 rounds of 5.0 s each" in page
     no_fetch_turns = {k: v for k, v in serve.items() if k != "fetch_turns_2ms"}
     assert "fetch turns of 2 ms" not in render_page({"serve": no_fetch_turns}, {})

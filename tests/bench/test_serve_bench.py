@@ -31,9 +31,18 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
         assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
+        # a tiny adapter's load costs less CPU than the kernel's 10 ms accounting tick
+        assert 0 < probe["link_ms"] and probe["loader_cpu_ms_per_load"] >= 0
+        # the figures are rounded to 0.1 ms, the ratio computed before
+        assert probe["cold_vs_link_plus_warm"] == pytest.approx(
+            probe["cold_ttft_ms"] / (probe["link_ms"] + probe["warm_ttft_ms"]), rel=0.02)
         budgets = result[mode]["worker_budgets_mb"]
         assert set(budgets) == {"host_adapters", "device_slots", "kv_cache"}
         assert result[mode]["worker_peak_rss_mb"] > 0 and budgets["kv_cache"] > 0
+    cold = result["overlap_on"]["cold_probe"]["cold_vs_link_plus_warm"]
+    assert result["cold_ttft_vs_link_plus_resident_overlap_on"] == cold
+    assert result["cold_and_itl_goals_met_together"] == (
+        cold <= 1.25 and result["itl_p99_during_loads_vs_none_overlap_on"] <= 1.2)
     for name, flags in CPU_VARIANTS.items():
         assert result[name]["worker_flags"] == " ".join(flags)
         assert result[name]["interference"]["loads"] >= 2
