@@ -8,7 +8,9 @@ engine's (which is PEFT's, token for token: tests/worker/test_families.py) over 
 batch, teacher-forced: at every ``FORCED_EVERY``-th position of each fp32 sequence the mode is
 given the prompt and the fp32 tokens before it and generates one token (one near-tie then
 costs one position, not the rest of the sequence). The free-running agreement (each mode's own
-sequences compared position by position) is reported beside it.
+sequences compared position by position) is reported beside it, and so is the teacher-forced
+agreement over the *decisive* positions only, those whose reference top-2 margin exceeds the
+mode's stated logit tolerance (quant_reference.py): the criterion of the tolerance test.
 
 Every mode runs in ONE engine: between runs, while it is idle, the engine's model is swapped for
 the same checkpoint built with the mode's quantization, so the KV cache, the adapter slots and the
@@ -27,6 +29,7 @@ import torch
 
 from lorastream.bench.engine import QUESTIONS, _decode_rates, _peft_rate
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.quant_reference import reference_rows
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
 from lorastream.core.generation import PromptInput, SamplingParams
 
@@ -99,6 +102,7 @@ def run_quant_bench(
     from lorastream.worker.model.checkpoint import resolve_checkpoint
     from lorastream.worker.model.config import ModelConfig
     from lorastream.worker.model.decoder import DecoderModel
+    from lorastream.worker.model.quant_linear import LOGIT_TOLERANCE
     from lorastream.worker.model.weights import load_weights
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings
@@ -138,15 +142,16 @@ def run_quant_bench(
                        for m, p in zip(names, ids, strict=True)]
             return {i: [t for event in s for t in event.token_ids] for i, s in enumerate(streams)}
 
-        def forced(mode: str, reference: dict[int, list[int]]) -> float:
-            """Teacher-forced agreement of ``mode`` with ``reference`` (see the docstring)."""
+        def forced(mode: str, reference: dict[int, list[int]]) -> list[bool]:
+            """Per teacher-forced case, whether ``mode`` generated the ``reference`` token (see
+            the docstring)."""
             engine.model = models[mode]
             params = SamplingParams(max_tokens=1, ignore_eos=True)
             cases = forced_cases(reference)
             streams = [engine.submit(multi_models[i], PromptInput(
                 token_ids=ids[i] + tuple(reference[i][:k])), params) for i, k in cases]
             got = [[t for event in s for t in event.token_ids] for s in streams]
-            return sum(g == [reference[i][k]] for g, (i, k) in zip(got, cases)) / len(cases)
+            return [g == [reference[i][k]] for g, (i, k) in zip(got, cases)]
 
         def run(mode: str, names: list[str]) -> Callable[[int], None]:
             def go(n: int) -> None:
@@ -154,7 +159,8 @@ def run_quant_bench(
 
             return go
 
-        def measure() -> tuple[list[float], dict[str, dict[int, list[int]]], dict[str, float]]:
+        def measure() -> tuple[list[float], dict[str, dict[int, list[int]]],
+                               dict[str, list[bool]]]:
             ops = WorkerOperations(engine)
             for i, path in enumerate(dirs):
                 ops.load_adapter(f"a{i}", str(path))
@@ -164,18 +170,26 @@ def run_quant_bench(
             tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
             return rates, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
 
-        rates, tokens, forced_agreement = engine.run_while(measure)
+        rates, tokens, forced_hits = engine.run_while(measure)
+        cases = forced_cases(tokens[FP32])
+        reference = reference_rows(checkpoint, dirs, ids, multi_models, tokens[FP32], cases)
         peft = (_peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
                 if include_peft else None)
+    fp32_tokens = torch.tensor([tokens[FP32][i][k] for i, k in cases])  # [C]
     per_mode: dict[str, dict[str, object]] = {}
     for j, mode in enumerate(modes):
         multi, base = rates[2 * j], rates[2 * j + 1]
+        hits = torch.tensor(forced_hits[mode])  # [C] bool
+        decisive = reference.decisive(LOGIT_TOLERANCE.get(mode, 0.0))  # [C] bool
         per_mode[mode] = {
             "multi_adapter_decode_tok_s": round(multi, 1),
             "base_only_decode_tok_s": round(base, 1),
             "base_only_vs_fp32": round(base / rates[1], 3),
             "multi_vs_fp32": round(multi / rates[0], 3),
-            "token_agreement_vs_fp32": round(forced_agreement[mode], 4),
+            "token_agreement_vs_fp32": round(float(hits.float().mean()), 4),
+            "decisive_positions": int(decisive.sum()),
+            "token_agreement_decisive_vs_fp32": (
+                round(float(hits[decisive].float().mean()), 4) if decisive.any() else None),
             "free_running_agreement_vs_fp32": round(agreement(tokens[mode], tokens[FP32]), 4),
             **resident[mode],
         }
@@ -187,7 +201,11 @@ def run_quant_bench(
         "rank": rank,
         "prompts": prompts,
         "new_tokens": new_tokens,
-        "forced_positions": len(forced_cases(tokens[FP32])),
+        "forced_positions": len(cases),
+        # transformers + PEFT's argmax against the fp32 engine's tokens at those positions: the
+        # reference the decisive positions are judged by is the same model (expected 1.0)
+        "reference_argmax_vs_fp32": round(float((reference.argmax == fp32_tokens).float()
+                                                .mean()), 4),
         "threads": torch.get_num_threads(),
         "modes": per_mode,
         "goal_base_only_vs_fp32": f">= {GOAL_BASE_SPEEDUP}",

@@ -41,18 +41,40 @@ def quant_goals(r: Result) -> list[list[str]]:
                      m.get("token_agreement_vs_fp32"),
                      r.get("goal_token_agreement"), percent=True),
         ]
+        if "token_agreement_decisive_vs_fp32" in m:  # results from before it have none
+            rows.append(goal_row(
+                f"{mode} greedy tokens equal to fp32's at decisive positions (teacher-forced; "
+                "reference top-2 margin above the stated logit tolerance)",
+                m.get("token_agreement_decisive_vs_fp32"), r.get("goal_token_agreement"),
+                percent=True))
     return rows
+
+
+def _decisive(m: Mapping[str, object]) -> str:
+    """The decisive positions' agreement, with how many there were."""
+    if "token_agreement_decisive_vs_fp32" not in m:
+        return pct(None)
+    shown = pct(m.get("token_agreement_decisive_vs_fp32"))
+    return f"{shown} of {number(m.get('decisive_positions'), 0)}"
+
+
+def _reference(r: Result) -> str:
+    same = r.get("reference_argmax_vs_fp32")
+    if same is None:
+        return ""
+    return (f" The reference's argmax equals the fp32 engine's token at {pct(same)} of the "
+            "teacher-forced positions.")
 
 
 def quant_section(r: Result, plots: Mapping[str, str]) -> str:
     header = ("base weights", "base-only decode tok/s", "× fp32", "mixed-adapter decode tok/s",
-              "× fp32", "tokens equal to fp32's (teacher-forced)", "(free-running)",
-              "model resident (MB)", "process RSS (MB)")
+              "× fp32", "tokens equal to fp32's (teacher-forced)", "(decisive positions)",
+              "(free-running)", "model resident (MB)", "process RSS (MB)")
     rows = [
         [_SHOWN.get(mode, mode), number(m.get("base_only_decode_tok_s")),
          ratio(m.get("base_only_vs_fp32")), number(m.get("multi_adapter_decode_tok_s")),
          ratio(m.get("multi_vs_fp32")), pct(m.get("token_agreement_vs_fp32")),
-         pct(m.get("free_running_agreement_vs_fp32")),
+         _decisive(m), pct(m.get("free_running_agreement_vs_fp32")),
          number(m.get("model_rss_mb"), 0), number(m.get("rss_mb"), 0)]
         for mode, m in _modes(r).items()
     ]
@@ -70,7 +92,13 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         f"{text(r.get('forced_positions'))} positions (every 4th of each fp32 sequence: the "
         "mode is given the prompt and the fp32 tokens before it and generates one, so a "
         "near-tie costs that position only); free-running: each mode's own greedy sequences "
-        "compared position by position, where one early near-tie changes the rest.",
+        "compared position by position, where one early near-tie changes the rest. Decisive "
+        "positions: those of the teacher-forced ones where the reference, transformers + PEFT "
+        "in fp32 over the fp32 sequence, has a top-2 margin above the mode's stated logit "
+        "tolerance (a share of the row's largest |logit|, `LOGIT_TOLERANCE` in "
+        "services/gpu_worker/model/quant_linear.py, what `make test`'s tolerance test bounds "
+        "the mode's error by): an error within the tolerance cannot flip those, and at the "
+        "others either token is as good an answer as the tolerance promises." + _reference(r),
         table(header, rows),
         peft_line,
         "Where the time goes (docs/worker.md, Quantization): a decode step at one row reads "

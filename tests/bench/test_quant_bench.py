@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from lorastream.bench.engine import run_engine_bench
 from lorastream.bench.engine_quant import agreement, forced_cases
+from lorastream.bench.quant_reference import ReferenceRows
 from lorastream.bench.report import render_page
 from tests.support.models import make_tiny_family
 
@@ -18,6 +21,15 @@ def test_agreement_counts_equal_positions_of_the_reference() -> None:
 
 def test_forced_cases_take_every_fourth_position_of_each_sequence() -> None:
     assert forced_cases({0: list(range(9)), 1: [7, 7]}) == [(0, 0), (0, 4), (0, 8), (1, 0)]
+
+
+def test_a_position_is_decisive_when_its_margin_exceeds_the_tolerance() -> None:
+    rows = ReferenceRows(margin=torch.tensor([0.5, 0.2, 0.0, 3.0]),
+                         scale=torch.tensor([10.0, 10.0, 10.0, 100.0]),
+                         argmax=torch.tensor([1, 2, 3, 4]))
+    # tolerance 3%: a margin must exceed 0.3 of a row whose max |logit| is 10, 3.0 of one of 100
+    assert rows.decisive(0.03).tolist() == [True, False, False, False]
+    assert rows.decisive(0.0).tolist() == [True, True, False, True]  # fp32: only exact ties
 
 
 def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
@@ -32,10 +44,17 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     assert modes["none"]["token_agreement_vs_fp32"] == 1.0  # fp32 forced on its own tokens
     assert modes["none"]["free_running_agreement_vs_fp32"] == 1.0
     assert result["forced_positions"] == 2  # positions 0 of 3 tokens, in 2 sequences
+    assert result["reference_argmax_vs_fp32"] == 1.0  # transformers + PEFT: the fp32 tokens
+    assert modes["none"]["token_agreement_decisive_vs_fp32"] == 1.0
     for m in modes.values():
         assert m["base_only_decode_tok_s"] > 0 and m["multi_adapter_decode_tok_s"] > 0
         assert m["model_rss_mb"] > 0 and m["rss_mb"] >= m["model_rss_mb"]
         assert 0.0 <= m["token_agreement_vs_fp32"] <= 1.0
         assert 0.0 <= m["free_running_agreement_vs_fp32"] <= 1.0
+        assert 0 <= m["decisive_positions"] <= result["forced_positions"]
     page = render_page({"engine-int8": result}, {})
     assert "| int8 weight-only |" in page and "int8 base-only decode / fp32" in page
+    assert "| int8 greedy tokens equal to fp32's at decisive positions" in page
+    decisive = modes["int8"]["decisive_positions"]
+    row = next(line for line in page.splitlines() if line.startswith("| int8 weight-only |"))
+    assert f" of {decisive} |" in row
