@@ -81,7 +81,8 @@ def _hash_table(r: Result) -> str | None:
         return None
     labels = {"sha256": "sha256", "blake3": "BLAKE3, one thread",
               "blake3_auto": "BLAKE3, its thread pool (max_threads=AUTO)",
-              "xxh3_128": "xxh3-128", "crc32c": "CRC-32C (every chunk, already)"}
+              "xxh3_128": "xxh3-128",
+              "crc32c": "CRC-32C (each end, per chunk, when the receiver checks chunks only)"}
     return table(["check, tensor by tensor over the adapter", "GB/s alone"],
                  [[labels.get(k, k), number(v, 2)] for k, v in rates.items()])
 
@@ -134,13 +135,16 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         table(GOALS_HEADER, transfer_goals(r)),
         plot_image(plots, "transfer", "Transfer rate against chunk size"),
         "- **bare**: a server streaming pre-cut raw `bytes` chunks from memory, to a client that "
-        "only counts them: the fastest gRPC moves these bytes here.\n"
+        "only counts them, with the store client's stream channel options (single-threaded "
+        "unary-stream calls, `STREAM_GRPC_OPTIONS`): the fastest gRPC moves these bytes here.\n"
         "- **store**: the store reads the staged file chunk by chunk, checksums (CRC-32C) and "
         "frames each chunk as a `StreamAdapterTensorsResponse`; the client decodes and checks "
         "every chunk.\n"
-        "- **verified**: as store, plus landing every chunk at its offset in a buffer "
-        "allocated and faulted in once, as the worker's host arena is, and checking every tensor against the digest its manifest carries, i.e. what a "
-        "worker does. One client per digest, each from a store staging with it: sha256 (what "
+        "- **verified**: what a worker does: the store frames the chunks as for store, but "
+        "without their CRC-32C (the client sets `skip_chunk_crc`: the tensor digests cover the "
+        "bytes end to end), and the client lands every chunk at its offset in a buffer "
+        "allocated and faulted in once, as the worker's host arena is, and checks every tensor "
+        "against the digest its manifest carries. One client per digest, each from a store staging with it: sha256 (what "
         "manifests staged before the fast digest get), BLAKE3, xxh3-128. The headline is "
         f"{digest}, the store's default.",
         *([hash_table] if hash_table else []),

@@ -8,13 +8,15 @@ clients round by round (bare, store, verified, bare, ...) so that drift hits all
 chunk size gets one unmeasured warm-up round, then ``repeats`` measured rounds.
 
 - bare: a server streaming pre-cut raw ``bytes`` chunks from memory with identity serializers,
-  to a client that only counts them: the fastest gRPC can move these bytes.
+  to a client that only counts them, over the store client's stream channel options
+  (single-threaded unary-stream calls): the fastest gRPC can move these bytes.
 - store: the store reads the staged file chunk by chunk, checksums (CRC-32C) and frames each
   chunk as a ``StreamAdapterTensorsResponse``; the client decodes and checks every chunk.
-- verified (one client per tensor digest, each from a store staging with that digest): as
-  store, plus landing every chunk at its offset in a buffer allocated and faulted in once (as
-  the worker's host arena is) and the per-tensor check
-  the manifest asks for, i.e. what the worker does: sha256 (manifests without a fast digest),
+- verified (one client per tensor digest, each from a store staging with that digest): what the
+  worker does (``StoreClient.stream_tensors``): the store frames the chunks as for store but
+  without their CRC-32C (``skip_chunk_crc``: the tensor digests cover the bytes end to end), and
+  the client lands every chunk at its offset in a buffer allocated and faulted in once (as the
+  worker's host arena is) and runs the per-tensor check the manifest asks for: sha256 (manifests without a fast digest),
   blake3, xxh3-128 (the default, :data:`~lorastream.core.checksum.DEFAULT_TENSOR_DIGEST`).
 
 The same run times each digest alone over the adapter's tensors (``hash_GBps``) and, unless
@@ -37,7 +39,12 @@ import grpc
 
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.core.checksum import BLAKE3, DEFAULT_TENSOR_DIGEST, SHA256, XXH3_128
-from lorastream.core.store_client import GRPC_OPTIONS, BytesSink, StoreClient
+from lorastream.core.store_client import (
+    GRPC_OPTIONS,
+    STREAM_GRPC_OPTIONS,
+    BytesSink,
+    StoreClient,
+)
 
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 # verified client -> the tensor digest its store stages with
@@ -118,7 +125,8 @@ def _run_client(kind: str, target: str, conn: Connection) -> None:
     """A measuring client: on each chunk size from ``conn``, stream once and send back bytes/s;
     a size of 0 ends it."""
     if kind == "bare":
-        channel = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+        # the store client's stream options (single-threaded unary-stream): the same gRPC path
+        channel = grpc.insecure_channel(target, options=STREAM_GRPC_OPTIONS)
         call = channel.unary_stream(_BARE_METHOD)
 
         def run(chunk_bytes: int) -> int:

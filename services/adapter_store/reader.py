@@ -59,8 +59,11 @@ def iter_chunks(
     start_tensor: int = 0,
     start_offset: int = 0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    with_crc: bool = True,
 ) -> Iterator[TensorChunk]:
-    """Yield the tensors of ``manifest`` from ``path`` from (start_tensor, start_offset) on.
+    """Yield the tensors of ``manifest`` from ``path`` from (start_tensor, start_offset) on;
+    ``with_crc=False``: each chunk's ``crc32c`` is 0, not computed (the receiver checks whole
+    tensors against the manifest's digests instead).
 
     ``file_offsets[i]`` is the absolute byte offset of tensor ``i`` in the file. The resume point
     is checked before the first yield (InvalidArgument); a file shorter than the manifest says
@@ -69,7 +72,7 @@ def iter_chunks(
     check_resume_point(manifest, start_tensor, start_offset, chunk_bytes)
     if len(file_offsets) != len(manifest.tensors):
         raise ValueError("one file offset per tensor is required")
-    return _read(manifest, path, file_offsets, start_tensor, start_offset, chunk_bytes)
+    return _read(manifest, path, file_offsets, start_tensor, start_offset, chunk_bytes, with_crc)
 
 
 def _read(
@@ -79,6 +82,7 @@ def _read(
     start_tensor: int,
     start_offset: int,
     chunk_bytes: int,
+    with_crc: bool,
 ) -> Iterator[TensorChunk]:
     layout = StreamLayout(manifest)
     base = file_offsets[0] if file_offsets else 0
@@ -99,7 +103,7 @@ def _read(
                     "delete the adapter and preload it again"
                 )
             index, offset = layout.position(flat)
-            yield TensorChunk(index, offset, data, crc32c(data))
+            yield TensorChunk(index, offset, data, crc32c(data) if with_crc else 0)
             flat += want
     finally:
         os.close(fd)
@@ -118,9 +122,11 @@ class StreamLease:
         self._close_lock = threading.Lock()
 
     def chunks(
-        self, start_tensor: int = 0, start_offset: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+        self, start_tensor: int = 0, start_offset: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES, with_crc: bool = True,
     ) -> Iterator[TensorChunk]:
-        """The adapter's raw tensor bytes from (start_tensor, start_offset) on, chunk by chunk."""
+        """The adapter's raw tensor bytes from (start_tensor, start_offset) on, chunk by chunk
+        (``with_crc``: see :func:`iter_chunks`)."""
         if self._closed:
             raise RuntimeError("stream lease already closed")
         return iter_chunks(
@@ -130,6 +136,7 @@ class StreamLease:
             start_tensor,
             start_offset,
             chunk_bytes,
+            with_crc,
         )
 
     def close(self) -> None:

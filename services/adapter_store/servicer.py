@@ -168,7 +168,9 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
         with self._store.open_stream(request.name, request.adapter_id or None) as lease:
             self._store.metrics.stream_opened()
             yield pb.StreamAdapterTensorsResponse(manifest=codec.manifest_to_pb(lease.manifest))
-            for chunk in lease.chunks(request.start_tensor, request.start_offset, chunk_bytes):
+            chunks = lease.chunks(request.start_tensor, request.start_offset, chunk_bytes,
+                                  with_crc=not request.skip_chunk_crc)
+            for chunk in chunks:
                 if self._chunk_delay_s:
                     time.sleep(self._chunk_delay_s)
                 if self._egress is not None:

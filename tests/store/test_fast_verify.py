@@ -14,13 +14,14 @@ import blake3
 import pytest
 import xxhash
 
-from lorastream.core import codec
+from lorastream.core import checksum, codec
 from lorastream.core.adapter_validation import STAGED_FILES, content_id, validate_adapter_dir
 from lorastream.core.checksum import TENSOR_DIGESTS, verify_tensor
 from lorastream.core.errors import InvalidAdapter
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.store_client import BytesSink, StoreClient
 from lorastream.core.adapter_format import WEIGHTS_FILE
+from lorastream.store import reader as store_reader
 from lorastream.store import staging, writeback
 from lorastream.store.config import StoreSettings
 from lorastream.store.digesting import StreamDigests
@@ -160,6 +161,55 @@ def test_a_byte_rotted_on_the_stores_disk_fails_the_landing_check(
     expected = f"{digest} mismatch for a tensor .*delete and preload"
     with pytest.raises(InvalidAdapter, match=expected):
         store.client.stream_tensors("a", BytesSink(), chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("reader", ["stream_tensors", "iter_chunks"])
+def test_only_a_receiver_without_tensor_digests_gets_chunk_crcs(
+    open_store, adapter: Path, monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
+    """``stream_tensors`` checks every tensor's digest, so it asks the store for no per-chunk
+    CRC-32C and the store computes none; ``iter_chunks`` checks chunks only and gets them."""
+    store = open_store()
+    _preload(store, adapter)
+    computed: list[int] = []
+
+    def counting_crc32c(data: bytes | memoryview) -> int:
+        computed.append(len(data))
+        return checksum.crc32c(data)
+
+    monkeypatch.setattr(store_reader, "crc32c", counting_crc32c)  # the store's side
+    if reader == "stream_tensors":
+        sink = BytesSink()
+        manifest = store.client.stream_tensors("a", sink, chunk_bytes=4096)
+        assert computed == []
+        assert sum(len(b) for b in sink.buffers) == manifest.total_bytes  # all landed, verified
+    else:
+        chunks = list(store.client.iter_chunks("a", chunk_bytes=4096))
+        assert len(computed) == len(chunks) > 1
+        assert all(c.crc32c == checksum.crc32c(c.data) for c in chunks)
+
+
+@pytest.mark.parametrize("digest", TENSOR_DIGESTS)
+def test_without_chunk_crcs_a_damaged_byte_still_fails_its_tensor(
+    open_store, adapter: Path, monkeypatch: pytest.MonkeyPatch, digest: str
+) -> None:
+    """A byte damaged between the store's read and the receiver (here: in the store's reader,
+    after the disk) is caught by the tensor's digest, now that no chunk CRC looks at it."""
+    store = open_store(digest)
+    manifest = _preload(store, adapter)
+    real_pread = store_reader.os.pread
+    calls = 0
+
+    def damaging_pread(fd: int, n: int, offset: int) -> bytes:
+        nonlocal calls
+        calls += 1
+        data = real_pread(fd, n, offset)
+        return data[:5] + bytes([data[5] ^ 1]) + data[6:] if calls == 3 else data
+
+    monkeypatch.setattr(store_reader.os, "pread", damaging_pread)
+    with pytest.raises(InvalidAdapter, match=f"{digest} mismatch for a tensor .*damaged in transit"):
+        store.client.stream_tensors("a", BytesSink(), chunk_bytes=4096)
+    assert calls >= 3 and manifest.total_bytes > 3 * 4096
 
 
 @pytest.mark.parametrize("corrupt", [False, True])

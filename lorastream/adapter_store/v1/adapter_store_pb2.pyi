@@ -190,18 +190,20 @@ class UnpinAdapterResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_common_pb2.AdapterManifest, _Mapping]] = ...) -> None: ...
 
 class StreamAdapterTensorsRequest(_message.Message):
-    __slots__ = ("name", "adapter_id", "start_tensor", "start_offset", "chunk_bytes")
+    __slots__ = ("name", "adapter_id", "start_tensor", "start_offset", "chunk_bytes", "skip_chunk_crc")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     START_TENSOR_FIELD_NUMBER: _ClassVar[int]
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CHUNK_CRC_FIELD_NUMBER: _ClassVar[int]
     name: str
     adapter_id: str
     start_tensor: int
     start_offset: int
     chunk_bytes: int
-    def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., start_tensor: _Optional[int] = ..., start_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    skip_chunk_crc: bool
+    def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., start_tensor: _Optional[int] = ..., start_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., skip_chunk_crc: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data", "crc32c")
