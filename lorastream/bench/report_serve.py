@@ -195,7 +195,7 @@ def _cold_probe_explained(r: Result, c: Mapping[str, Any]) -> str:
         "arrives and the copy as soon as the last chunk landed, so the load itself is the only "
         "wait left. It is bounded by the store link and, on a CPU, by the CPU time decoding "
         "leaves the idle-priority fetch, which is little while streams decode back to back."
-        + _fetch_turns_probe(r)
+        + _fetch_turns_probe(r) + _layer_order_bound(cold, load)
     ) + (
         " TTFT with overlap falls below half of TTFT without it only where loads stall the batch "
         "long enough to double the wait of the requests behind them, which this trace's load "
@@ -224,6 +224,23 @@ def _loader_budget_explained(r: Result) -> str:
         "turns, if asked for: the table above), so the two goals hold together only as far as "
         "that share suffices; holding both in every run needs fewer CPU cycles per byte on the "
         "loaders' side."
+    )
+
+
+def _layer_order_bound(cold: float, load: float) -> str:
+    """What layer-ordered admission could win at most, from the cold probe's figures."""
+    tail = cold - load
+    if tail <= 0:
+        return ""
+    return (
+        " Layer-ordered admission (a cold request's prefill starting once the layers it is "
+        "about to run have landed, each layer behind its own event) is not built: it could hide "
+        f"at most what follows the load, cold TTFT less LoadAdapter, {ms(tail)} ms here (the "
+        f"copy into the slot, the step in progress, the prefill step), {tail / cold:.0%} of the "
+        "cold TTFT, and less in practice, since the link delivers a layer several times slower "
+        "than a step computes one, so the prefill could start only with the last few layers "
+        "still in flight. On a CPU, a step that waited for a late layer would stall every "
+        "stream in its batch, which overlapped loading exists to prevent."
     )
 
 

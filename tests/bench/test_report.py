@@ -319,6 +319,9 @@ def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said
     assert "first token came after 900.0 ms" in page and "600.0 ms (LoadAdapter)" in page
     assert "300.0 ms (the step in progress" in page and "900.0 ms together" in page
     assert ("which this trace's load does not do" in page) is said
+    # layer-ordered admission's bound: cold 900 less load 600
+    assert "at most what follows the load, cold TTFT less LoadAdapter, 300.0 ms here" in page
+    assert "33% of the cold TTFT" in page
     assert ("With fetch turns of 2 ms (the table above) the same probe's first token came after "
             "812.0 ms and LoadAdapter took 700.0 ms.") in page
     no_turns = {k: v for k, v in serve.items() if k != "fetch_turns_2ms"}
