@@ -3,7 +3,7 @@
 A name points at one content id at a time (its current version); every registration that changes
 what it points at appends a version to its history (1, 2, 3, ...). A request names either the
 current version, ``name``, or a pinned one, ``name@<content-id prefix>``: ``@`` never occurs in a
-name (``lorastream.store.registry.validate_name``), so the split is unambiguous.
+name (``lorastream.store.names.validate_name``), so the split is unambiguous.
 """
 
 from __future__ import annotations

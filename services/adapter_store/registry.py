@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -45,8 +44,6 @@ REGISTRY_FILE = "registry.sqlite3"
 LEGACY_FILE = "registry.json"  # format 1, before SQLite
 _LEGACY_FORMAT = 1
 _SCHEMA_VERSION = 2  # 1: names only; 2: names and their versions
-MAX_NAME_LENGTH = 128
-_NAME = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 _COLUMNS = "name, adapter_id, source_uri, revision, created_at, last_used_at, pinned"
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS names (
@@ -78,20 +75,6 @@ _BACKFILL = (
     "last_used_at) SELECT name, 1, adapter_id, source_uri, revision, created_at, last_used_at "
     "FROM names WHERE NOT EXISTS (SELECT 1 FROM versions v WHERE v.name = names.name)"
 )
-
-
-def validate_name(name: str) -> str:
-    """Adapter names: ``/``-separated segments of letters, digits, ``.``, ``_``, ``-``."""
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument("adapter name is empty")
-    if len(name) > MAX_NAME_LENGTH:
-        raise InvalidArgument(f"adapter name is {len(name)} characters; at most {MAX_NAME_LENGTH}")
-    if not _NAME.fullmatch(name) or any(set(seg) == {"."} for seg in name.split("/")):
-        raise InvalidArgument(
-            f"invalid adapter name {name!r}: use segments of letters, digits, '.', '_', '-' "
-            "separated by '/', with no leading '/' and no '.' or '..' segments"
-        )
-    return name
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""The adapter store's core: names, shared downloads, the disk budget and stream leases.
+"""The adapter store's core: names and their versions, watches, and shared downloads.
 
-Plain Python, called by the gRPC servicer from a thread pool; one lock guards all state, and no
-download, validation or tensor read happens while holding it.
+Plain Python, called by the gRPC servicer from a thread pool. The staged contents, their leases,
+the disk budget and eviction are a :class:`StagedContents` it owns (``staged_contents.py``). One
+RLock, created here and shared with it, guards the name registry, the downloads in flight and the
+staged contents together (the change feed, ``watch.py``, has its own); no download, validation or
+tensor read happens while holding it.
 
 Lifecycle of a preload of ``uri`` as ``name``::
 
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from lorastream.core.adapter_validation import DEFAULT_MAX_HEADER_BYTES
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST
-from lorastream.core.errors import AdapterNotFound, AlreadyExists, Conflict, InvalidAdapter
+from lorastream.core.errors import AdapterNotFound, AlreadyExists, Conflict
 from lorastream.core.listing import AdapterFilter
 from lorastream.core.manifest import AdapterManifest, PreloadProgress
 from lorastream.core.upload import UploadChunk, UploadHeader, push_uri
@@ -46,20 +49,16 @@ from lorastream.core.versions import (
     parse_ref,
 )
 from lorastream.store.metrics import StoreMetrics
+from lorastream.store.names import validate_name
 from lorastream.store.reader import StreamLease
-from lorastream.store.registry import Registry, RegistryEntry, validate_name
+from lorastream.store.registry import Registry, RegistryEntry
 from lorastream.store.sources import SourceRegistry
-from lorastream.store.sources.base import AdapterSource, ResolvedSource
+from lorastream.store.sources.base import AdapterSource
 from lorastream.store.sources.upload import UploadSource
+from lorastream.store.staged_contents import StagedContents
+from lorastream.store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
 from lorastream.store.versions import entry_for_ref, pick_rollback
 from lorastream.store.watch import ChangeFeed
-from lorastream.store.staging import (
-    PhaseCallback,
-    ProgressFn,
-    SharedDownload,
-    StagedAdapter,
-    Stager,
-)
 
 __all__ = ["AdapterStore", "StreamLease", "validate_name"]
 
@@ -83,62 +82,37 @@ class AdapterStore:
     ) -> None:
         if cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be positive, got {cache_bytes}")
-        self._budget = cache_bytes
         self._max_upload_bytes = max_upload_bytes
         self._sources = sources
-        self._lock = threading.RLock()
-        self._stager = Stager(Path(cache_dir), max_header_bytes, tensor_digest)
-        self._stager.remove_stale_temp()
+        self._lock = threading.RLock()  # registry, flights and contents (module docstring)
+        stager = Stager(Path(cache_dir), max_header_bytes, tensor_digest)
+        stager.remove_stale_temp()
         self._registry = Registry(Path(cache_dir))
-        self._staged: dict[str, StagedAdapter] = {}
-        self._leases: dict[str, int] = {}  # adapter_id -> open leases (streams, preloads)
         self._flights: dict[str, SharedDownload] = {}  # uri -> download in progress
-        self._reserved = 0  # estimated bytes of downloads in progress
         self.changes = ChangeFeed()  # what watches see (watch.py)
         self.metrics = metrics or StoreMetrics()
-        self._recover()
-        self.metrics.watch(self)
-
-    # -- startup ----------------------------------------------------------------------------
-    def _recover(self) -> None:
-        """Load staged adapters; drop names without files and files without names."""
-        for adapter_id in self._stager.staged_ids():
-            try:
-                staged = self._stager.load(adapter_id)
-            except InvalidAdapter as err:
-                log.warning("removing unreadable staged adapter: %s", err)
-                self._stager.remove(adapter_id)
-                continue
-            self._staged[adapter_id] = staged
-            self._registry.sizes[adapter_id] = staged.size_bytes
-        lost = [e.name for e in self._registry.matching() if e.adapter_id not in self._staged]
-        for name in lost:
-            log.warning("adapter %s lost its staged files; preload it again", name)
-        self._registry.drop_current(lost)
-        for adapter_id in list(self._staged):
-            if not self._registry.is_referenced(adapter_id):
-                log.warning("removing staged adapter %s that no name refers to", adapter_id[:12])
-                self._drop_files(adapter_id)
-        log.info(
-            "adapter store at %s: %d names, %d bytes of %d",
-            self._stager.cache_dir, len(self._registry), self._registry.bytes_used, self._budget,
+        self._contents = StagedContents(
+            stager, self._registry, cache_bytes, self._lock, self.metrics,
+            on_evict=lambda name, adapter_id: self._publish(name, adapter_id, None),
         )
+        self._contents.recover()
+        self.metrics.watch(self)
 
     # -- queries ----------------------------------------------------------------------------
     @property
     def bytes_used(self) -> int:
         with self._lock:
-            return self._registry.bytes_used
+            return self._contents.bytes_used
 
     @property
     def bytes_budget(self) -> int:
-        return self._budget
+        return self._contents.budget
 
     @property
     def staged_count(self) -> int:
         """Adapter contents on disk (names sharing files count once)."""
         with self._lock:
-            return len(self._staged)
+            return len(self._contents)
 
     def list(
         self, where: AdapterFilter = AdapterFilter(), after: str = "", limit: int | None = None
@@ -218,7 +192,7 @@ class AdapterStore:
             self._registry.delete([name])
             self._publish(name, entry.adapter_id, None)
             for adapter_id in {entry.adapter_id, *(v.adapter_id for v in history)}:
-                self._collect(adapter_id)
+                self._contents.collect(adapter_id)
         log.info("deleted adapter %s and its history", name)
         self._settle()
 
@@ -285,7 +259,7 @@ class AdapterStore:
             try:
                 manifest = self._register(name, uri, revision, staged, pin=pin, force=force)
             finally:
-                self._release(staged.adapter_id)
+                self._contents.release(staged.adapter_id)
         log.info("staged %s from %s as %s", name, uri, staged.adapter_id[:12])
         self._settle()
         emit(PreloadProgress("done", manifest.total_bytes, manifest.total_bytes, "", manifest))
@@ -311,7 +285,7 @@ class AdapterStore:
                 )
         source = UploadSource(header, chunks, self._max_upload_bytes)
         try:
-            staged = self._stage(source, source.resolve(uri), lambda *_: None, lambda: 1)
+            staged = self._contents.stage(source, source.resolve(uri), lambda *_: None, lambda: 1)
         except BaseException as err:
             log.warning("push of %s failed: %s", name, err)
             raise
@@ -319,7 +293,7 @@ class AdapterStore:
             try:
                 manifest = self._register(name, uri, "", staged, pin=header.pin, force=header.force)
             finally:
-                self._release(staged.adapter_id)
+                self._contents.release(staged.adapter_id)
         log.info("staged pushed adapter %s as %s", name, staged.adapter_id[:12])
         self._settle()
         return manifest
@@ -339,8 +313,7 @@ class AdapterStore:
                     f"adapter {name} now has content {entry.adapter_id}, not {adapter_id}: it was "
                     "replaced since this stream began; restart the stream from the beginning"
                 )
-            staged = self._staged[entry.adapter_id]
-            self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + 1
+            staged = self._contents.lease(entry.adapter_id)
             entry.last_used_at = time.time()
             try:
                 if parse_ref(name).pinned:
@@ -350,7 +323,9 @@ class AdapterStore:
             except Exception:  # noqa: BLE001 - a stale last-use time must not fail a stream
                 log.warning("could not record the last use of %s", name, exc_info=True)
             manifest = self._manifest_of(entry)
-        return StreamLease(manifest, staged, lambda: self._release_locked(staged.adapter_id))
+        return StreamLease(
+            manifest, staged, lambda: self._contents.release_locked(staged.adapter_id)
+        )
 
     # -- internals (callers hold self._lock unless noted) -----------------------------------
     def _entry(self, name: str) -> RegistryEntry:
@@ -365,7 +340,7 @@ class AdapterStore:
         return self._entry(ref) if not parse_ref(ref).pinned else entry_for_ref(self._registry, ref)
 
     def _manifest_of(self, entry: RegistryEntry) -> AdapterManifest:
-        return self._staged[entry.adapter_id].manifest(
+        return self._contents[entry.adapter_id].manifest(
             name=entry.name,
             source_uri=entry.source_uri,
             revision=entry.revision,
@@ -396,7 +371,7 @@ class AdapterStore:
                 del self._flights[flight.uri]
                 return flight.participants
 
-            staged = self._stage(source, resolved, flight.on_phase, claim)
+            staged = self._contents.stage(source, resolved, flight.on_phase, claim)
             flight.result = (staged, resolved.revision)
         except BaseException as err:
             with self._lock:
@@ -406,59 +381,6 @@ class AdapterStore:
             log.warning("preload of %s failed: %s", flight.uri, err)
         finally:
             flight.finished.set()
-
-    def _stage(
-        self,
-        source: AdapterSource,
-        resolved: ResolvedSource,
-        on_phase: PhaseCallback,
-        claim: Callable[[], int],
-    ) -> StagedAdapter:
-        """Reserve room, fetch + validate + hash in a temp dir, commit (call unlocked); the
-        staged content comes back holding ``claim()`` leases (called under the lock at commit)."""
-        estimate = 0
-        try:
-            with self._lock:
-                self._make_room(resolved.total_bytes, protect=())
-                estimate = resolved.total_bytes
-                self._reserved += estimate
-            prepared = self.metrics.timed_fetch(
-                resolved.uri, lambda: self._stager.prepare(source, resolved, on_phase)
-            )
-            with self._lock:
-                self._reserved -= estimate
-                estimate = 0
-                try:
-                    if prepared.adapter_id not in self._staged:
-                        self._make_room(prepared.size_bytes, protect=(prepared.adapter_id,))
-                    staged, _ = self._stager.commit(prepared)
-                finally:
-                    self._stager.discard(prepared)
-                self._staged[staged.adapter_id] = staged
-                self._registry.sizes[staged.adapter_id] = staged.size_bytes
-                self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + claim()
-                return staged
-        except BaseException:
-            with self._lock:
-                self._reserved -= estimate
-            raise
-
-    def _make_room(self, need: int, protect: tuple[str, ...]) -> None:
-        """Evict LRU unpinned, unleased content until ``need`` bytes fit beside reservations."""
-        leased = [aid for aid, n in self._leases.items() if n > 0]
-        plan = self._registry.plan_eviction(
-            need, self._budget - self._reserved, protected=[*leased, *protect]
-        )
-        if not plan:
-            return
-        evicted = {aid: self._registry.names_of(aid) for aid in plan}
-        self.metrics.evicted(self._registry.sizes.get(aid, 0) for aid in plan)
-        self._registry.drop_current(name for names in evicted.values() for name in names)
-        for adapter_id, names in evicted.items():
-            for name in names:
-                self._publish(name, adapter_id, None)
-            log.info("evicting %s (%s) to make room", adapter_id[:12], ", ".join(names))
-            self._drop_files(adapter_id)
 
     def _register(
         self, name: str, uri: str, revision: str, staged: StagedAdapter, *, pin: bool, force: bool
@@ -482,26 +404,5 @@ class AdapterStore:
         self._registry.put(entry)
         self._publish(name, old.adapter_id if old else None, entry.adapter_id)
         if old is not None and old.adapter_id != staged.adapter_id:
-            self._collect(old.adapter_id)
+            self._contents.collect(old.adapter_id)
         return self._manifest_of(entry)
-
-    def _release_locked(self, adapter_id: str) -> None:
-        with self._lock:
-            self._release(adapter_id)
-
-    def _release(self, adapter_id: str) -> None:
-        self._leases[adapter_id] -= 1
-        if self._leases[adapter_id] == 0:
-            del self._leases[adapter_id]
-        self._collect(adapter_id)
-
-    def _collect(self, adapter_id: str) -> None:
-        """Remove content no name refers to and no lease holds."""
-        if adapter_id in self._staged and not self._leases.get(adapter_id):
-            if not self._registry.is_referenced(adapter_id):
-                self._drop_files(adapter_id)
-
-    def _drop_files(self, adapter_id: str) -> None:
-        self._staged.pop(adapter_id, None)
-        self._registry.sizes.pop(adapter_id, None)
-        self._stager.remove(adapter_id)

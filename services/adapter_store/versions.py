@@ -12,7 +12,8 @@ import time
 
 from lorastream.core.errors import AdapterNotFound, InvalidArgument
 from lorastream.core.versions import AdapterVersion, VersionSelector, parse_ref
-from lorastream.store.registry import Registry, RegistryEntry, validate_name
+from lorastream.store.names import validate_name
+from lorastream.store.registry import Registry, RegistryEntry
 
 
 def _no_such_name(name: str) -> AdapterNotFound:
