@@ -455,7 +455,9 @@ def tiny_filesystem(tmp_path: Path):
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the RLIMIT_FSIZE test "
                     "below covers a failing write")
     yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=False)
+    # lazily: the test's stores close after this fixture ends (they were requested before it)
+    # and still hold their registry file open in it; a plain umount would fail with EBUSY
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
 
 
 def test_disk_full_during_staging_leaves_nothing_and_the_store_keeps_serving(
