@@ -33,6 +33,7 @@ from lorastream.bench.synthetic import (
 from lorastream.core.generation import PromptInput, SamplingParams
 
 if TYPE_CHECKING:
+    from lorastream.bench.peft_peer import MixedPeft
     from lorastream.worker.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
@@ -174,8 +175,11 @@ def run_engine_bench(
         # fast this machine reads them, on this thread (its torch threads), after the runs.
         distinct = min(adapters, prompts)
         reads = read_ms(step_read_views(engine.slots, distinct))
+        from lorastream.bench.peft_peer import load_mixed_peft
+
         peft = (
-            _peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
+            _peft_rate(load_mixed_peft(checkpoint, dirs), [list(p) for p in ids], new_tokens,
+                       repeats)
             if include_peft
             else None
         )
@@ -212,22 +216,14 @@ def run_engine_bench(
 
 
 def _peft_rate(
-    checkpoint: Path, dirs: list[Path], prompts: list[list[int]], new_tokens: int, repeats: int
+    peft: MixedPeft, prompts: list[list[int]], new_tokens: int, repeats: int
 ) -> float:
     """HF transformers + PEFT, every adapter loaded, one mixed-adapter batch (adapter_names=)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from lorastream.bench.peft_peer import left_padded
 
-    from lorastream.bench.peft_peer import left_padded, pad_token
-
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model = PeftModel.from_pretrained(base, dirs[0], adapter_name="a0")
-    for i, path in enumerate(dirs[1:], start=1):
-        model.load_adapter(path, adapter_name=f"a{i}")
-    model.eval()
-    pad = pad_token(base.config)
+    model, pad = peft.model, peft.pad
     input_ids, mask = left_padded(prompts, pad)  # [B, S]
-    names = [f"a{i % len(dirs)}" for i in range(len(prompts))]
+    names = [f"a{i % peft.adapters}" for i in range(len(prompts))]
 
     def run(n: int) -> None:
         with torch.no_grad():

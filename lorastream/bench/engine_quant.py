@@ -29,6 +29,7 @@ import torch
 
 from lorastream.bench.engine import QUESTIONS, _decode_rates, _peft_rate
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.peft_peer import load_mixed_peft
 from lorastream.bench.quant_reference import reference_rows
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
 from lorastream.core.generation import PromptInput, SamplingParams
@@ -172,8 +173,10 @@ def run_quant_bench(
 
         rates, tokens, forced_hits = engine.run_while(measure)
         cases = forced_cases(tokens[FP32])
-        reference = reference_rows(checkpoint, dirs, ids, multi_models, tokens[FP32], cases)
-        peft = (_peft_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens, repeats)
+        # one HF + PEFT model for both: the reference logits and, if asked, PEFT's decode rate
+        peft_model = load_mixed_peft(checkpoint, dirs)
+        reference = reference_rows(peft_model, ids, multi_models, tokens[FP32], cases)
+        peft = (_peft_rate(peft_model, [list(p) for p in ids], new_tokens, repeats)
                 if include_peft else None)
     fp32_tokens = torch.tensor([tokens[FP32][i][k] for i, k in cases])  # [C]
     per_mode: dict[str, dict[str, object]] = {}

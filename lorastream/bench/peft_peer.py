@@ -11,7 +11,9 @@ requests are available at t=0 (offline), which favours PEFT over the online Pois
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +28,29 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return input_ids, mask
+
+
+@dataclass(frozen=True)
+class MixedPeft:
+    """HF transformers + PEFT in fp32 with adapters ``a0 .. a<adapters-1>`` all loaded, for
+    mixed-adapter batches (``adapter_names=``)."""
+
+    model: Any  # peft.PeftModel
+    pad: int  # the pad id for left-padded batches (:func:`pad_token`)
+    adapters: int
+
+
+def load_mixed_peft(checkpoint: Path, dirs: list[Path]) -> MixedPeft:
+    """The base model from ``checkpoint`` with adapter ``dirs[i]`` loaded as ``a<i>``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, dirs[0], adapter_name="a0")
+    for i, path in enumerate(dirs[1:], start=1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    model.eval()
+    return MixedPeft(model, pad_token(base.config), len(dirs))
 
 
 def pad_token(config: object) -> int:

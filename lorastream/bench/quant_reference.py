@@ -12,9 +12,12 @@ tolerance can promise. The same criterion is the tolerance test's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lorastream.bench.peft_peer import MixedPeft
 
 GROUP = 8  # sequences per forward: bounds the [B, S, V] logits held at once
 
@@ -33,25 +36,16 @@ class ReferenceRows:
 
 
 def reference_rows(
-    checkpoint: Path, adapter_dirs: list[Path], prompts: list[tuple[int, ...]],
-    adapter_of: list[str], tokens: dict[int, list[int]], cases: list[tuple[int, int]],
+    peft: MixedPeft, prompts: list[tuple[int, ...]], adapter_of: list[str],
+    tokens: dict[int, list[int]], cases: list[tuple[int, int]],
 ) -> ReferenceRows:
     """Teacher-forced reference logits at ``cases`` ((sequence, position) pairs): sequence ``i``
-    is ``prompts[i] + tokens[i]`` under adapter ``adapter_of[i]`` (``a<j>`` for
-    ``adapter_dirs[j]``, or ``base``), and position ``k``'s row is the one that predicts
-    ``tokens[i][k]``. One left-padded forward per group of sequences, mixed-adapter
-    (``adapter_names=``)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    is ``prompts[i] + tokens[i]`` under adapter ``adapter_of[i]`` (one of ``peft``'s ``a<j>``,
+    or ``base``), and position ``k``'s row is the one that predicts ``tokens[i][k]``. One
+    left-padded forward per group of sequences, mixed-adapter (``adapter_names=``)."""
+    from lorastream.bench.peft_peer import left_padded
 
-    from lorastream.bench.peft_peer import left_padded, pad_token
-
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model = PeftModel.from_pretrained(base, adapter_dirs[0], adapter_name="a0")
-    for j, path in enumerate(adapter_dirs[1:], start=1):
-        model.load_adapter(path, adapter_name=f"a{j}")
-    model.eval()
-    pad = pad_token(base.config)
+    model, pad = peft.model, peft.pad
     wanted: dict[int, list[int]] = {}
     for i, k in cases:
         wanted.setdefault(i, []).append(k)
