@@ -10,6 +10,7 @@ from typing import Any
 
 from lorastream.bench.report_format import (
     GOALS_HEADER,
+    Goal,
     MISSING,
     Result,
     as_number,
@@ -211,6 +212,8 @@ def _loader_budget_explained(r: Result) -> str:
     if not cpu or not link:
         return ""
     share = cpu / link / cores
+    goal = Goal.parse(r.get("goal_itl_p99_ratio"))
+    allowed = f"{goal.threshold - 1:.0%}" if goal is not None else MISSING
     return (
         f"**What a load at link speed costs the decode here.** The loaders (the store, which on "
         f"this box shares the worker's cores, and the worker's fetch process) spent {ms(cpu)} ms "
@@ -218,7 +221,7 @@ def _loader_budget_explained(r: Result) -> str:
         f"link speed they need {share:.0%} of the machine's {number(cores, 0)} cores for that "
         "long, taken from decode steps that otherwise keep both cores busy. A step that loses "
         f"that share runs {1 / (1 - min(share, 0.99)) - 1:.0%} longer, where the interference "
-        "goal allows 20% at the p99. Most of the loaders' CPU is gRPC's own per-byte work on "
+        f"goal allows {allowed} at the p99. Most of the loaders' CPU is gRPC's own per-byte work on "
         "both ends of the stream, not the landing and checksums (docs/worker.md, \"Cold "
         "adapters on a CPU\"). The worker leaves the loaders what decoding leaves (and fetch "
         "turns, if asked for: the table above), so the two goals hold together only as far as "
