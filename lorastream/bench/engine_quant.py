@@ -12,6 +12,15 @@ sequences compared position by position) is reported beside it, and so is the te
 agreement over the *decisive* positions only, those whose reference top-2 margin exceeds the
 mode's stated logit tolerance (quant_reference.py): the criterion of the tolerance test.
 
+Where the time goes: per mode, the milliseconds a decode step of the batch spends in the base
+projections alone (every layer's four and the lm_head over [prompts, K] inputs, best of
+``PROJECTION_PASSES`` passes taking turns between modes); with the fp32 step time from its
+decode rate, that bounds what any int8 kernel can give: the rest of the step (attention, norms,
+the LoRA delta, sampling) does not change with the base's precision. ``int8_arithmetic_bound``
+is the speedup if the projections took ``1 / INT8_MAC_RATE`` of fp32's time and nothing else
+changed: AVX2 multiplies int8 (vpmaddubsw + vpmaddwd: 32 multiply-adds per two instructions) at
+twice the rate of fp32 (FMA: 8 per instruction).
+
 Every mode runs in ONE engine: between runs, while it is idle, the engine's model is swapped for
 the same checkpoint built with the mode's quantization, so the KV cache, the adapter slots and the
 adapters are the same for all and a slow spell of the machine hits every mode alike.
@@ -22,7 +31,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
@@ -34,6 +45,9 @@ from lorastream.bench.quant_reference import reference_rows
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
 from lorastream.core.generation import PromptInput, SamplingParams
 
+if TYPE_CHECKING:
+    from lorastream.worker.model.decoder import DecoderModel
+
 log = logging.getLogger(__name__)
 
 FP32 = "none"
@@ -41,6 +55,8 @@ GOAL_BASE_SPEEDUP = 1.6  # int8 base-only decode / fp32's
 GOAL_MULTI_SPEEDUP = 1.3  # int8 mixed-adapter decode / fp32's
 GOAL_AGREEMENT = 0.99
 FORCED_EVERY = 4  # teacher-forced positions: 0, 4, 8, ... of each sequence
+PROJECTION_PASSES = 7
+INT8_MAC_RATE = 2  # int8 multiply-adds per cycle over fp32's on AVX2 (see the docstring)
 
 
 def _rss_bytes() -> int:
@@ -81,6 +97,33 @@ def resident_mb(checkpoint: Path, quantization: str) -> dict[str, float]:
     child.join(60)
     assert isinstance(result, dict)
     return result
+
+
+def projection_ms(models: Mapping[str, DecoderModel], rows: int,
+                  passes: int = PROJECTION_PASSES) -> dict[str, float]:
+    """Per model: milliseconds one decode step of ``rows`` rows spends in its base projections
+    alone (every layer's four and the lm_head, in the forward's order, over random
+    [rows, K] inputs), the best of ``passes`` passes; the models take turns within each pass."""
+    best = dict.fromkeys(models, float("inf"))
+    stacks = {
+        name: [(p, torch.randn(rows, p.in_features, dtype=model.dtype, device=model.device))
+               for p in [*(p for layer in model.proj for p in layer), model.lm_head]]
+        for name, model in models.items()
+    }
+    for _ in range(passes):
+        for name, stack in stacks.items():
+            start = time.perf_counter()
+            for projection, x in stack:
+                projection(x)  # [rows, K] -> [rows, N]
+            best[name] = min(best[name], (time.perf_counter() - start) * 1000)
+    return best
+
+
+def arithmetic_bound(step_ms: float, fp32_projections_ms: float) -> float:
+    """The speedup over a step of ``step_ms`` if its projections took ``1 / INT8_MAC_RATE`` of
+    ``fp32_projections_ms`` and nothing else changed."""
+    saved = fp32_projections_ms * (1 - 1 / INT8_MAC_RATE)
+    return step_ms / max(step_ms - saved, 1e-9)
 
 
 def agreement(tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> float:
@@ -161,17 +204,19 @@ def run_quant_bench(
             return go
 
         def measure() -> tuple[list[float], dict[str, dict[int, list[int]]],
-                               dict[str, list[bool]]]:
+                               dict[str, list[bool]], dict[str, float]]:
             ops = WorkerOperations(engine)
             for i, path in enumerate(dirs):
                 ops.load_adapter(f"a{i}", str(path))
             runs = [run(mode, names) for mode in modes for names in (multi_models,
                                                                        ["base"] * prompts)]
             rates = _decode_rates(runs, prompts, new_tokens, repeats)
+            projections = projection_ms(models, prompts)
             tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
-            return rates, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
+            return (rates, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes},
+                    projections)
 
-        rates, tokens, forced_hits = engine.run_while(measure)
+        rates, tokens, forced_hits, projections = engine.run_while(measure)
         cases = forced_cases(tokens[FP32])
         # one HF + PEFT model for both: the reference logits and, if asked, PEFT's decode rate
         peft_model = load_mixed_peft(checkpoint, dirs)
@@ -194,6 +239,7 @@ def run_quant_bench(
             "token_agreement_decisive_vs_fp32": (
                 round(float(hits[decisive].float().mean()), 4) if decisive.any() else None),
             "free_running_agreement_vs_fp32": round(agreement(tokens[mode], tokens[FP32]), 4),
+            "projections_ms_per_step": round(projections[mode], 1),
             **resident[mode],
         }
     result: dict[str, object] = {
@@ -211,6 +257,16 @@ def run_quant_bench(
                                                 .mean()), 4),
         "threads": torch.get_num_threads(),
         "modes": per_mode,
+        # the fp32 decode step (from the decode rates) and the bound of the module docstring
+        "fp32_step_ms": {"base_only": round(1000 * prompts / rates[1], 1),
+                         "multi_adapter": round(1000 * prompts / rates[0], 1)},
+        "int8_arithmetic_bound": {
+            "base_only_vs_fp32": round(arithmetic_bound(1000 * prompts / rates[1],
+                                                        projections[FP32]), 3),
+            "multi_vs_fp32": round(arithmetic_bound(1000 * prompts / rates[0],
+                                                    projections[FP32]), 3),
+            "int8_mac_rate_vs_fp32": INT8_MAC_RATE,
+        },
         "goal_base_only_vs_fp32": f">= {GOAL_BASE_SPEEDUP}",
         "goal_multi_vs_fp32": f">= {GOAL_MULTI_SPEEDUP}",
         "goal_token_agreement": f">= {GOAL_AGREEMENT}",

@@ -101,10 +101,32 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         "others either token is as good an answer as the tolerance promises." + _reference(r),
         table(header, rows),
         peft_line,
-        "Where the time goes (docs/worker.md, Quantization): a decode step at one row reads "
-        "every weight once, so int8 weight-only (`aten._weight_int8pack_mm`, bf16 activations) "
-        "is up to 2.1× the fp32 path there; at 32 rows the fp32 product is compute-bound and "
-        "that kernel, which works row by row, is slower than fp32. `int8-dynamic` multiplies "
-        "int8 by int8 (`torch._int_mm`, VNNI): fast at 32 rows, at the price of rounding each "
-        "token's activations to int8 as well.",
+        _where_the_time_goes(r),
     ])
+
+
+def _where_the_time_goes(r: Result) -> str:
+    modes = _modes(r)
+    general = (
+        "Where the time goes (docs/worker.md, Quantized base weights): a decode step at one row "
+        "reads every weight once, so int8 weight-only (`aten._weight_int8pack_mm`, bf16 "
+        "activations) can beat fp32 there where the CPU converts bf16 fast (AVX-512); at 32 "
+        "rows the fp32 product is bound by multiply-adds, and weight-only int8 needs the same "
+        "ones plus a conversion. `int8-dynamic` multiplies int8 by int8 (fbgemm on x86, "
+        "`torch._int_mm` elsewhere), at the price of rounding each token's activations to int8 "
+        "and of 7-bit weights.")
+    step, bound = r.get("fp32_step_ms"), r.get("int8_arithmetic_bound")
+    if not (isinstance(step, Mapping) and isinstance(bound, Mapping)):
+        return general  # results from before these figures
+    spent = ", ".join(f"{_SHOWN.get(mode, mode)} {number(m.get('projections_ms_per_step'))} ms"
+                      for mode, m in modes.items())
+    return general + (
+        f" In this run the fp32 decode step took {number(step.get('base_only'))} ms base-only "
+        f"and {number(step.get('multi_adapter'))} ms with the mixed adapters; the base "
+        f"projections alone (every layer's and the lm_head over {text(r.get('prompts'))} rows) "
+        f"took {spent}. The rest of the step (attention, norms, the LoRA delta, sampling) does "
+        "not change with the base's precision, so even an int8 product at "
+        f"{text(bound.get('int8_mac_rate_vs_fp32'))}× fp32's multiply-add rate (AVX2: "
+        "vpmaddubsw + vpmaddwd, 32 per two instructions, against FMA's 8 per one) and no "
+        f"overhead would give at most {ratio(bound.get('base_only_vs_fp32'))} base-only and "
+        f"{ratio(bound.get('multi_vs_fp32'))} mixed.")

@@ -4,11 +4,17 @@ decode rates, resident memory and token agreement; the page gains its rows and g
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from lorastream.bench.engine import run_engine_bench
-from lorastream.bench.engine_quant import agreement, forced_cases
+from lorastream.bench.engine_quant import (
+    agreement,
+    arithmetic_bound,
+    forced_cases,
+    projection_ms,
+)
 from lorastream.bench.quant_reference import ReferenceRows
 from lorastream.bench.report import render_page
 from tests.support.models import make_tiny_family
@@ -21,6 +27,32 @@ def test_agreement_counts_equal_positions_of_the_reference() -> None:
 
 def test_forced_cases_take_every_fourth_position_of_each_sequence() -> None:
     assert forced_cases({0: list(range(9)), 1: [7, 7]}) == [(0, 0), (0, 4), (0, 8), (1, 0)]
+
+
+def test_the_projection_time_runs_every_projection_and_the_lm_head_once_per_pass() -> None:
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    class Projection:
+        def __init__(self, name: str, k: int) -> None:
+            self.name, self.in_features = name, k
+
+        def __call__(self, x: torch.Tensor) -> None:
+            calls.append((self.name, tuple(x.shape)))
+
+    model = SimpleNamespace(
+        proj=[[Projection(f"{i}.{j}", 8 + j) for j in range(4)] for i in range(2)],
+        lm_head=Projection("lm_head", 8), dtype=torch.float32, device=torch.device("cpu"))
+    times = projection_ms({"m": model}, rows=5, passes=3)  # type: ignore[dict-item]
+    assert list(times) == ["m"] and times["m"] >= 0
+    one_pass = [("0.0", (5, 8)), ("0.1", (5, 9)), ("0.2", (5, 10)), ("0.3", (5, 11)),
+                ("1.0", (5, 8)), ("1.1", (5, 9)), ("1.2", (5, 10)), ("1.3", (5, 11)),
+                ("lm_head", (5, 8))]
+    assert calls == one_pass * 3
+
+
+def test_the_arithmetic_bound_halves_only_the_projections() -> None:
+    # a 200 ms step of which 120 ms are projections: at twice the rate they take 60 ms
+    assert arithmetic_bound(200.0, 120.0) == 200.0 / 140.0
 
 
 def test_a_position_is_decisive_when_its_margin_exceeds_the_tolerance() -> None:
@@ -52,9 +84,13 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
         assert 0.0 <= m["token_agreement_vs_fp32"] <= 1.0
         assert 0.0 <= m["free_running_agreement_vs_fp32"] <= 1.0
         assert 0 <= m["decisive_positions"] <= result["forced_positions"]
+        assert m["projections_ms_per_step"] > 0
+    bound = result["int8_arithmetic_bound"]
+    assert 1.0 < bound["base_only_vs_fp32"] and 1.0 < bound["multi_vs_fp32"]
     page = render_page({"engine-int8": result}, {})
     assert "| int8 weight-only |" in page and "int8 base-only decode / fp32" in page
     assert "| int8 greedy tokens equal to fp32's at decisive positions" in page
     decisive = modes["int8"]["decisive_positions"]
     row = next(line for line in page.splitlines() if line.startswith("| int8 weight-only |"))
     assert f" of {decisive} |" in row
+    assert "the base projections alone" in page and "would give at most" in page

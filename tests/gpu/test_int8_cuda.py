@@ -25,7 +25,12 @@ from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.quant_linear import QuantLinear, dequantize_int8, quantize_int8
+from lorastream.worker.model.quant_linear import (
+    WEIGHT_QMAX,
+    QuantLinear,
+    dequantize_int8,
+    quantize_int8,
+)
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, peft_model
@@ -52,13 +57,14 @@ def test_cuda_quant_linear_matches_the_dequantized_product(
     assert float((y.float() - expected).abs().max()) <= bound
 
 
-def _dequantized_peft(tiny_model: Path, adapter: Path | None, cuda: torch.device
+def _dequantized_peft(tiny_model: Path, adapter: Path | None, cuda: torch.device, mode: str
                       ) -> torch.nn.Module:
     model = peft_model(tiny_model, None)
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(dequantize_int8(*quantize_int8(module.weight)))
+            if isinstance(module, torch.nn.Linear):  # int8-dynamic's weights are 7-bit
+                weight = quantize_int8(module.weight, WEIGHT_QMAX[mode])
+                module.weight.copy_(dequantize_int8(*weight))
     if adapter is not None:
         from peft import PeftModel
 
@@ -103,7 +109,7 @@ def test_cuda_int8_mixed_batch_logits_agree_with_peft_over_dequantized_weights(
     ).to(cuda)
     logits = model.forward(batch, kv, LoraStep(slots, backend, backend.prepare(token_slots, slots)))
     for row, name in enumerate(names):
-        reference = _dequantized_peft(tiny_model, tiny_adapters.get(name), cuda)
+        reference = _dequantized_peft(tiny_model, tiny_adapters.get(name), cuda, mode)
         with torch.no_grad():
             expected = reference(torch.tensor([prompt], device=cuda)).logits[0, -1]  # [V]
         err = float((logits[row] - expected).abs().max() / expected.abs().max())

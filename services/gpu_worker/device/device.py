@@ -319,20 +319,28 @@ def int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
     return Int8Matmul(weight_only_dtype=torch.bfloat16, int_mm_min_rows=1)
 
 
-def int8_slow_here(device: torch.device) -> str | None:
-    """Why ``--quantization`` is likely slower than the unquantized path on this device, or None.
+def int8_slow_here(device: torch.device, mode: str) -> str | None:
+    """Why ``--quantization mode`` is likely slower than the unquantized path on this device, or
+    None.
 
-    The CPU int8 kernels (model/quant_linear.py) are fast with AVX-512 (bf16 conversion, VNNI dot
-    products); on an AVX2-only CPU ``bench engine --quantization`` measured int8 weight-only at
-    0.73x the fp32 path's base-only decode and int8-dynamic at 0.09x (docs/worker.md)."""
+    The weight-only kernel (``int8``) is fast only with AVX-512 (bf16 conversion); on an
+    AVX2-only CPU ``bench engine --quantization`` measured it at 0.6-0.76x the fp32 path's
+    decode: at decode batches the fp32 product is bound by multiply-adds, and weight-only int8
+    needs the same ones plus a conversion. ``int8-dynamic`` multiplies in int8: fbgemm's AVX2
+    kernels where torch has fbgemm (x86 builds), faster than fp32 (docs/worker.md); without
+    fbgemm it runs ``torch._int_mm``, fast only with AVX-512 VNNI."""
     if device.type != "cpu":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512"):
         return None
-    return (f"this CPU's best vector extension is {capability} (no AVX-512): the int8 kernels run "
-            "slower here than the fp32 path; quantization still cuts the base's resident bytes "
-            "about 4x")
+    if mode == "int8-dynamic" and "fbgemm" in torch.backends.quantized.supported_engines:
+        return None
+    hint = (" (--quantization int8-dynamic runs fbgemm's int8 kernels, faster than fp32 here)"
+            if "fbgemm" in torch.backends.quantized.supported_engines else "")
+    return (f"this CPU's best vector extension is {capability} (no AVX-512): the {mode} kernels "
+            f"run slower here than the fp32 path{hint}; quantization still cuts the base's "
+            "resident bytes about 4x")
 
 
 def host_reads_stall(device: torch.device) -> bool:

@@ -37,7 +37,7 @@ class Linear:
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True
     ) -> None:
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.bias = bias  # [N] or None
         self._packed: torch.Tensor | None = None
         if prepack and _can_prepack(weight):

@@ -2,21 +2,33 @@
 
 Semantics::
 
-    # at load, from the fp32/bf16 checkpoint weight W [N, K]
-    scale[n] = max_k |W[n, k]| / 127, rounded up to a bf16 value    # [N], 1 where a row is 0
-    Wq[n, k] = clamp(round(W[n, k] / scale[n]), -127, 127)         # [N, K] int8
+    # at load, from the fp32/bf16 checkpoint weight W [N, K]; Q = WEIGHT_QMAX[mode]:
+    # 127 for int8, 63 for int8-dynamic (7-bit weights, see "Why 63" below)
+    scale[n] = max_k |W[n, k]| / Q, rounded up to a bf16 value      # [N], 1 where a row is 0
+    Wq[n, k] = clamp(round(W[n, k] / scale[n]), -Q, Q)             # [N, K] int8
     dequant(Wq)[n, k] = Wq[n, k] * scale[n]                        # what the model now holds
 
     # per call, x [T, K] -> y [T, N] (+ bias[n]), returned in x's dtype
     int8 (weight-only):  y[t, n] = sum_k x[t, k] * dequant(Wq)[n, k]
-    int8-dynamic:        s[t] = max_k |x[t, k]| / 127;  xq[t, k] = round(x[t, k] / s[t])
+    int8-dynamic:        a[t] = max_k |x[t, k]|;  xq[t, k] = round(x[t, k] * (127 / a[t]))
+                         s[t] = a[t] / 127   (fp32; round: half to even)
                          y[t, n] = s[t] * scale[n] * sum_k xq[t, k] * Wq[n, k]   (int32 sums)
 
 The LoRA delta is not part of this: the decoder adds it, in the adapter's precision, into ``y``
 (the dequantized product), exactly as over the fp32 projection.
 
-Kernels, measured on this machine (2 cores of an AVX-512/VNNI EPYC, torch 2.13 CPU) at the
-default model's decode shapes, best of 30 calls, microseconds (weights cache-resident; a
+**Why 63 for int8-dynamic.** x86's int8 dot product without VNNI (AVX2's ``vpmaddubsw``, what
+fbgemm runs there) multiplies unsigned 8-bit activations by signed 8-bit weights and adds each
+pair into a *saturating* int16: 2 * 255 * 127 overflows it, 2 * 255 * 63 = 32130 does not. 7-bit
+weights keep every sum exact with 8-bit activations on every CPU; the same weights on CUDA and
+VNNI CPUs keep the mode's tokens the same everywhere. Measured on the 7 tiny families against
+the dequantized reference (tests/worker/test_quantization.py): 7-bit weights left the worst
+logit error where 8/8 bits had it (0.22 vs 0.19 of the largest logit, agreement 96-99% vs
+95-99%); 7-bit activations instead raised it in 5 of 7 families (to 0.15 from 0.05 for mistral)
+and lowered agreement to 92-98%.
+
+Kernels, measured on 2 cores of an AVX-512/VNNI EPYC (torch 2.13 CPU) at the default model's
+decode shapes, best of 30 calls, microseconds (weights cache-resident; a
 30-layer stack, whose weights are not, below):
 
     shape [N x K]   rows  fp32 prepacked  int8pack bf16  int8pack fp32  dequant fp32  _int_mm (W8A8)
@@ -39,9 +51,18 @@ default model's decode shapes, best of 30 calls, microseconds (weights cache-res
 - Dequantizing on the fly (``x @ (Wq * scale).T``) writes an fp32 copy per call: slowest.
 - ``torch._int_mm`` (VNNI int8 dot products) is 2-2.4x the fp32 path at 32 rows, but needs int8
   activations: the ``int8-dynamic`` mode, whose per-token activation rounding is a second error.
-- oneDNN's ``torch.ops.onednn.qlinear_pointwise`` also takes quantized activations (static
-  scales, a prepacked u8/s8 pair): what ``int8-dynamic`` does with ``_int_mm``, without a
-  per-call scale of our own; not used.
+- On an AVX2-only EPYC (2 cores, torch 2.13; ``_int_mm`` there is a reference loop, 20-40x
+  slower than fp32) the dynamic mode runs fbgemm: ``quantized.linear_with_input_q_dq_qweight_
+  dq_output_fp32`` on the prepacked 7-bit weight, given xq (integers, scale 1, zero point 128:
+  the u8 it multiplies is xq + 128), so its int32 sums are ours and ``s[t]`` is applied after.
+  Microseconds as above (fp32 prepacked / fbgemm): 960 x 576 at 32 rows 299 / 198, 3072 x 576
+  977 / 542, 576 x 1536 434 / 285, 49152 x 576 36637 / 14446; at one row 88 / 62 ... 11677 /
+  2026. Weight-only int8 cannot beat fp32 there at 32 rows: the fp32 product already runs at
+  ~60% of the FMA peak, and converting int8 weights costs instructions on top of the same FMAs.
+  fbgemm is reached through torch's quantized-tensor API, which torch deprecates; where it is
+  missing (not an x86 build, a future torch) the mode takes ``_int_mm``, same sums.
+- oneDNN's ``torch.ops.onednn.qlinear_pointwise`` (static scales, a prepacked u8/s8 pair) was no
+  faster than fp32 on the AVX2 EPYC; not used.
 
 Which dtype and padding each kernel needs on CUDA is the device layer's
 (:func:`~lorastream.worker.device.device.int8_matmul`).
@@ -50,6 +71,7 @@ Which dtype and padding each kernel needs on CUDA is the device layer's
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Literal
 
 import torch
@@ -63,30 +85,33 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic")
 
 # The stated tolerance per token against transformers + PEFT over the dequantized weights:
 # max |logit - reference logit| <= LOGIT_TOLERANCE[mode] * max |reference logit| of that row
-# (tests/worker/test_quantization.py; measured worst over the 7 families: 0.024 and 0.19). A
+# (tests/worker/test_quantization.py; measured worst over the 7 families: 0.024 and 0.22). A
 # position whose reference top-2 margin is within it is a near-tie: either token may win there.
 LOGIT_TOLERANCE = {"int8": 0.03, "int8-dynamic": 0.25}
 
-_QMAX = 127
+_ACT_QMAX = 127  # int8-dynamic's activations: 8 bits per token
+WEIGHT_QMAX = {"int8": 127, "int8-dynamic": 63}  # see "Why 63 for int8-dynamic"
+_U8_ZERO = 128  # fbgemm reads xq + 128 as its unsigned activation
 _K_MULTIPLE = 16  # _weight_int8pack_mm's K (see the module docstring)
 _ROWS_PER_CHUNK = 4096  # quantize this many rows at once: bounds the fp32 temporaries
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``W [N, K]`` -> ``(Wq [N, K] int8, scale [N] fp32)``, per output channel, symmetric.
+def quantize_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> ``(Wq [N, K] int8, scale [N] fp32)``, per output channel, symmetric, with
+    ``|Wq| <= qmax``.
 
     Each scale is rounded up to a bf16 value, so that the bf16 kernels and the fp32 reference
-    multiply by the same number, and no |W| / scale exceeds 127.
+    multiply by the same number, and no |W| / scale exceeds ``qmax``.
     """
     n = weight.shape[0]
     wq = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)  # [N, K]
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)  # [N]
     for start in range(0, n, _ROWS_PER_CHUNK):
         w = weight[start : start + _ROWS_PER_CHUNK].float()  # [n', K]
-        exact = w.abs().amax(dim=1) / _QMAX  # [n']
+        exact = w.abs().amax(dim=1) / qmax  # [n']
         s = (exact * (1 + 2**-7)).to(torch.bfloat16).float()  # bf16, >= exact
         s = torch.where(exact > 0, s, torch.ones_like(s))
-        wq[start : start + _ROWS_PER_CHUNK] = torch.round(w / s[:, None]).clamp_(-_QMAX, _QMAX)
+        wq[start : start + _ROWS_PER_CHUNK] = torch.round(w / s[:, None]).clamp_(-qmax, qmax)
         scale[start : start + _ROWS_PER_CHUNK] = s
     return wq, scale
 
@@ -96,6 +121,23 @@ def dequantize_int8(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return wq.float() * scale[:, None]
 
 
+def _fbgemm_prepack(wq: torch.Tensor, scale: torch.Tensor) -> object | None:
+    """fbgemm's prepacked form of ``Wq`` with its per-channel scales, or None where torch has no
+    fbgemm (not an x86 build) or no longer has the quantized-tensor API it is reached through."""
+    if (wq.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines
+            or not hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")):
+        return None
+    try:
+        with warnings.catch_warnings():  # the quantized-tensor API's deprecation notice
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(
+                wq, scale.double(), torch.zeros(wq.shape[0], dtype=torch.long), 0)
+            return torch.ops.quantized.linear_prepack(qweight, None)
+    except (RuntimeError, AttributeError) as err:  # a build without it: _int_mm does the same
+        log.debug("no fbgemm prepacking for a %s weight: %s", list(wq.shape), err)
+        return None
+
+
 class QuantLinear:
     """A projection over int8 weights: ``linear(x)`` for x [T, K] -> [T, N] (see Semantics)."""
 
@@ -103,11 +145,12 @@ class QuantLinear:
         self, weight: torch.Tensor, bias: torch.Tensor | None = None,
         mode: Quantization = "int8",
     ) -> None:
-        if mode not in ("int8", "int8-dynamic"):
+        if mode not in WEIGHT_QMAX:
             raise ValueError(f"QuantLinear mode {mode!r}: int8 or int8-dynamic")
         self.mode = mode
         self.out_features, self.in_features = weight.shape
-        self.weight_int8, self.scale = quantize_int8(weight)  # [N, K] int8, [N] fp32
+        # [N, K] int8, [N] fp32
+        self.weight_int8, self.scale = quantize_int8(weight, WEIGHT_QMAX[mode])
         self.bias = bias  # [N] or None
         self._plan = int8_matmul(weight.device, weight.dtype)
         self._scale_kernel = self.scale.to(self._plan.weight_only_dtype)  # [N]
@@ -116,10 +159,20 @@ class QuantLinear:
         if self._exact:
             log.debug("K = %d is not a multiple of %d: dequantize-then-matmul for this weight",
                       self.in_features, _K_MULTIPLE)
+        self._fbgemm = (_fbgemm_prepack(self.weight_int8, self.scale)
+                        if mode == "int8-dynamic" else None)
+
+    @property
+    def kernel(self) -> str:
+        """The op the product runs on (what the module docstring's tables compare)."""
+        if self.mode == "int8-dynamic":
+            return "fbgemm" if self._fbgemm is not None else "int_mm"
+        return "dequantize" if self._exact else "int8pack"
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the quantized weight and its scales (bias not counted)."""
+        """Bytes of the quantized weight and its scales (bias not counted; fbgemm's prepacked
+        copy of the dynamic mode's weight, about as large, neither)."""
         return self.weight_int8.numel() + 4 * self.scale.numel()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
@@ -143,10 +196,19 @@ class QuantLinear:
 
     def _dynamic(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] fp32
         x32 = x.float()
-        s = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12) / _QMAX  # [T, 1]
-        xq = torch.round(x32 / s).to(torch.int8)  # [T, K]
-        t = xq.shape[0]
+        amax = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [T, 1]
+        scaled = x32 * (_ACT_QMAX / amax)  # [T, K] in [-127, 127]; rounded below
+        s = amax / _ACT_QMAX  # [T, 1]
+        if self._fbgemm is not None:
+            # fbgemm rounds ``scaled`` (scale 1, zero point 128: round half to even, as
+            # torch.round), sums (xq + 128) * Wq in int32 minus 128 * sum_k Wq, and multiplies by
+            # scale[n]; each op here costs ~10 us at decode shapes, so none is spent on rounding
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                scaled, 1.0, _U8_ZERO, self._fbgemm)  # [T, N] fp32
+            return y.mul_(s)
+        xq8 = scaled.round_().to(torch.int8)  # [T, K]
+        t = xq8.shape[0]
         if t < self._plan.int_mm_min_rows:  # CUDA's _int_mm: more than 16 rows
-            xq = torch.cat([xq, xq.new_zeros(self._plan.int_mm_min_rows - t, xq.shape[1])])
-        acc = torch._int_mm(xq, self.weight_int8.T)[:t]  # [T, N] int32
+            xq8 = torch.cat([xq8, xq8.new_zeros(self._plan.int_mm_min_rows - t, xq8.shape[1])])
+        acc = torch._int_mm(xq8, self.weight_int8.T)[:t]  # [T, N] int32
         return acc * s * self.scale

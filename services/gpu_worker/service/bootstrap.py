@@ -93,7 +93,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     config = ModelConfig.from_dir(checkpoint, name=settings.base_model_name)
     weights = load_weights(checkpoint, config, dtype, torch_device)
     model = DecoderModel(config, weights, torch_device, quantization=settings.quantization)
-    slow = int8_slow_here(torch_device) if settings.quantization != "none" else None
+    quantized = settings.quantization != "none"
+    slow = int8_slow_here(torch_device, settings.quantization) if quantized else None
     if slow is not None:
         log.warning("--quantization %s: %s", settings.quantization, slow)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
