@@ -1,4 +1,4 @@
-"""The persistent name registry (SQLite) and the disk budget's eviction policy.
+"""The persistent name registry (SQLite).
 
 ``cache/registry.sqlite3`` maps each name to a content id with its source, revision, pin flag and
 last use. Every change is one SQLite transaction in WAL mode with ``synchronous=FULL``: a
@@ -16,10 +16,8 @@ A ``registry.json`` from earlier versions is imported on first start, in one tra
 renamed to ``registry.json.migrated``; a schema 1 database (names only) gets its history table in
 one transaction, each name's current content as its version 1.
 
-Eviction works on content ids, not names: a content id is evictable when none of the names that
-point at it now is pinned and nobody streams it; old versions are unpinned content like any other.
-The least recently used (latest use among its names and versions) goes first, and with it every
-name that points at it now (their history stays).
+It also keeps the bytes of each staged content id (in memory) and answers what the disk budget's
+eviction policy (``eviction.py``) reads: each content id's last use, pins and names.
 
 Not thread-safe: the store calls it under its own lock.
 """
@@ -281,53 +279,15 @@ class Registry:
             for n, v, aid, uri, rev, created in rows
         ]
 
-    def pinned_names(self) -> list[str]:
-        return [e.name for e in self.matching(AdapterFilter(pinned=True))]
-
-    def eviction_order(self, protected: Iterable[str]) -> list[str]:
-        """Evictable content ids, least recently used first.
-
-        ``protected`` are ids that must stay (being streamed, being committed, or already going).
-        """
-        keep = set(protected)
-        last_used: dict[str, float] = {}
-        pinned: set[str] = set()
+    def content_use(self) -> dict[str, tuple[float, bool]]:
+        """content id -> (its latest use among the names and versions that hold it, whether a
+        name pointing at it now is pinned): what eviction orders by (``eviction.py``)."""
         rows = self._db.execute(
             "SELECT adapter_id, MAX(used), MAX(pinned) FROM (SELECT adapter_id, "
             "last_used_at AS used, pinned FROM names UNION ALL SELECT adapter_id, last_used_at, "
             "0 FROM versions) GROUP BY adapter_id"
         )
-        for adapter_id, used, any_pinned in rows:
-            last_used[adapter_id] = used
-            if any_pinned:
-                pinned.add(adapter_id)
-        candidates = [aid for aid in self.sizes if aid not in pinned and aid not in keep]
-        return sorted(candidates, key=lambda aid: (last_used.get(aid, 0.0), aid))
-
-    def plan_eviction(self, need: int, budget: int, protected: Iterable[str]) -> list[str]:
-        """Content ids to evict, LRU first, so that ``need`` more bytes fit in ``budget``.
-
-        Raises CapacityExhausted (naming the budget and what holds it) when even evicting every
-        evictable id would not be enough.
-        """
-        protected = set(protected)
-        free = budget - self.bytes_used
-        plan: list[str] = []
-        for aid in self.eviction_order(protected):
-            if free >= need:
-                break
-            plan.append(aid)
-            free += self.sizes[aid]
-        if free >= need:
-            return plan
-        pinned = self.pinned_names()
-        streamed = sorted(n for aid in protected for n in self.names_of(aid))
-        raise CapacityExhausted(
-            f"adapter cache budget {budget} bytes cannot fit {need} more bytes: "
-            f"{self.bytes_used} bytes are staged; pinned: {', '.join(pinned) or 'none'}; "
-            f"in use: {', '.join(streamed) or 'none'}. Unpin or delete adapters, or raise the "
-            "cache budget (--cache-bytes)"
-        )
+        return {adapter_id: (used, bool(any_pinned)) for adapter_id, used, any_pinned in rows}
 
     # -- internals ----------------------------------------------------------------------------
     @contextlib.contextmanager

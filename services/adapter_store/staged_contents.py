@@ -4,10 +4,10 @@ eviction.
 Owns, by content id: the staged adapters under ``cache/adapters`` (through a
 :class:`~lorastream.store.staging.Stager`), the leases that keep them on disk (open streams, and a
 finished download until each preload sharing it registered its name), and the disk budget: the
-bytes staged (kept in ``Registry.sizes``, which the registry's history and eviction plan read;
+bytes staged (kept in ``Registry.sizes``, which the registry's history and ``eviction.py`` read;
 only this class writes it) and the estimated bytes of downloads in progress (reserved).
 
-Eviction works on content ids (``Registry.plan_eviction``): least recently used first, never a
+Eviction works on content ids (``eviction.plan_eviction``): least recently used first, never a
 leased id, never one a name pinned, never one the caller protects (the content being committed);
 it unbinds the names that point at the evicted content. Content no name and no history refers to
 is removed when its last lease closes (:meth:`StagedContents.collect`). At startup
@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 
 from lorastream.core.errors import InvalidAdapter
+from lorastream.store.eviction import plan_eviction
 from lorastream.store.metrics import StoreMetrics
 from lorastream.store.registry import Registry
 from lorastream.store.sources.base import AdapterSource, ResolvedSource
@@ -168,8 +169,8 @@ class StagedContents:
     def _make_room(self, need: int, protect: tuple[str, ...]) -> None:
         """Evict LRU unpinned, unleased content until ``need`` bytes fit beside reservations."""
         leased = [aid for aid, n in self._leases.items() if n > 0]
-        plan = self._registry.plan_eviction(
-            need, self.budget - self._reserved, protected=[*leased, *protect]
+        plan = plan_eviction(
+            self._registry, need, self.budget - self._reserved, protected=[*leased, *protect]
         )
         if not plan:
             return

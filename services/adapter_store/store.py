@@ -1,10 +1,11 @@
 """The adapter store's core: names and their versions, watches, and shared downloads.
 
 Plain Python, called by the gRPC servicer from a thread pool. The staged contents, their leases,
-the disk budget and eviction are a :class:`StagedContents` it owns (``staged_contents.py``). One
-RLock, created here and shared with it, guards the name registry, the downloads in flight and the
-staged contents together (the change feed, ``watch.py``, has its own); no download, validation or
-tensor read happens while holding it.
+the disk budget and eviction are a :class:`StagedContents` it owns (``staged_contents.py``); the
+downloads in flight a :class:`DownloadsInFlight` (``flights.py``). One RLock, created here and
+shared with both, guards the name registry, the downloads in flight and the staged contents
+together (the change feed, ``watch.py``, has its own); no download, validation or tensor read
+happens while holding it.
 
 Lifecycle of a preload of ``uri`` as ``name``::
 
@@ -15,8 +16,8 @@ Lifecycle of a preload of ``uri`` as ``name``::
 A push (:meth:`AdapterStore.push`) takes the same path from "reserve" on, its source being the
 upload stream itself (``push://<name>``); pushes are never shared.
 
-Two preloads of the same URI share one download (a :class:`SharedDownload`): the second waits
-for the first's result and sees its progress events. A :class:`StreamLease` pins a content id's
+Two preloads of the same URI share one download (``flights.py``): the second waits for the
+first's result and sees its progress events. A :class:`StreamLease` pins a content id's
 files while a stream reads them: deleting or replacing a name drops the name at once, but the
 files go only when the last lease closes, and eviction skips leased ids.
 
@@ -48,15 +49,15 @@ from lorastream.core.versions import (
     WatchMessage,
     parse_ref,
 )
+from lorastream.store.flights import DownloadsInFlight
 from lorastream.store.metrics import StoreMetrics
 from lorastream.store.names import validate_name
 from lorastream.store.reader import StreamLease
 from lorastream.store.registry import Registry, RegistryEntry
 from lorastream.store.sources import SourceRegistry
-from lorastream.store.sources.base import AdapterSource
 from lorastream.store.sources.upload import UploadSource
 from lorastream.store.staged_contents import StagedContents
-from lorastream.store.staging import ProgressFn, SharedDownload, StagedAdapter, Stager
+from lorastream.store.staging import ProgressFn, StagedAdapter, Stager
 from lorastream.store.versions import entry_for_ref, pick_rollback
 from lorastream.store.watch import ChangeFeed
 
@@ -88,7 +89,6 @@ class AdapterStore:
         stager = Stager(Path(cache_dir), max_header_bytes, tensor_digest)
         stager.remove_stale_temp()
         self._registry = Registry(Path(cache_dir))
-        self._flights: dict[str, SharedDownload] = {}  # uri -> download in progress
         self.changes = ChangeFeed()  # what watches see (watch.py)
         self.metrics = metrics or StoreMetrics()
         self._contents = StagedContents(
@@ -96,6 +96,7 @@ class AdapterStore:
             on_evict=lambda name, adapter_id: self._publish(name, adapter_id, None),
         )
         self._contents.recover()
+        self._flights = DownloadsInFlight(self._contents, self._lock)  # flights.py
         self.metrics.watch(self)
 
     # -- queries ----------------------------------------------------------------------------
@@ -238,7 +239,7 @@ class AdapterStore:
                 staged_before = self._set_pinned(name, True) if pin else self._manifest_of(existing)
             else:
                 staged_before = None
-                flight, owner = self._join_or_start(uri, name)
+                flight, owner = self._flights.join_or_start(uri, name)
         self.metrics.preload_requested(cached=staged_before is not None)
         if staged_before is not None:
             total = staged_before.total_bytes
@@ -247,7 +248,7 @@ class AdapterStore:
         flight.subscribe(emit)
         try:
             if owner:
-                self._fly(flight, source)
+                self._flights.fly(flight, source)
             flight.finished.wait()
         finally:
             flight.unsubscribe(emit)
@@ -348,39 +349,6 @@ class AdapterStore:
             pinned=entry.pinned,
             last_used_at=entry.last_used_at,
         )
-
-    def _join_or_start(self, uri: str, name: str) -> tuple[SharedDownload, bool]:
-        """The download of ``uri`` in progress (joined), or a new one; True when new."""
-        flight = self._flights.get(uri)
-        if flight is None:
-            flight = self._flights[uri] = SharedDownload(uri)
-            return flight, True
-        flight.participants += 1
-        log.info("preload of %s joins the download of %s in progress", name, uri)
-        return flight, False
-
-    def _fly(self, flight: SharedDownload, source: AdapterSource) -> None:
-        """Run ``flight``'s download to the end (unlocked); sets its result or error."""
-        try:
-            flight.on_phase("resolving", 0, 0)
-            resolved = source.resolve(flight.uri)
-
-            def claim() -> int:
-                # Under the lock, at commit: no preload joins from now on; each participant
-                # registers its name, then releases the lease taken for it here.
-                del self._flights[flight.uri]
-                return flight.participants
-
-            staged = self._contents.stage(source, resolved, flight.on_phase, claim)
-            flight.result = (staged, resolved.revision)
-        except BaseException as err:
-            with self._lock:
-                if self._flights.get(flight.uri) is flight:
-                    del self._flights[flight.uri]
-            flight.error = err
-            log.warning("preload of %s failed: %s", flight.uri, err)
-        finally:
-            flight.finished.set()
 
     def _register(
         self, name: str, uri: str, revision: str, staged: StagedAdapter, *, pin: bool, force: bool

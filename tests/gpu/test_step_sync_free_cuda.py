@@ -4,8 +4,9 @@
 ``.item()``, a read back to the host, a pageable copy, a ``synchronize``). It is on for the whole
 engine step -- slot events, metadata staging and its copy, the LoRA metadata, the forward, the
 compute event, the sampler -- and off only for the step's one transfer to the host, the sampled
-tokens (``Engine._step``: ``sampled.tokens.tolist()``). tests/worker/test_step_sync_free.py checks
-the same path on the CPU by forbidding the Tensor methods that would sync.
+tokens (``step_sampling.sample_step``: ``sampled.tokens.tolist()``).
+tests/worker/test_step_sync_free.py checks the same path on the CPU by forbidding the Tensor
+methods that would sync.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _ids(length: int, seed: int) -> list[int]:
 
 def _row(params: SamplingParams, prompt: list[int], output: list[int],
          eos: frozenset[int] = frozenset({EOS})) -> SamplingRow:
-    """A sampling row as the engine builds it (engine._sampling_row)."""
+    """A sampling row as the engine builds it (step_sampling.sampling_row)."""
     history = None
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
         history = TokenHistory(prompt, output, VOCAB, torch.device("cpu"))

@@ -3,8 +3,8 @@
 Request threads call :meth:`Engine.submit` (validation, tokenization and the adapter lookup
 happen there, off the step loop, in :mod:`~lorastream.worker.engine.intake`) and read events from
 the returned :class:`RequestStream`. One engine thread runs the loop: take new requests and
-cancellations, schedule, run one forward step for the whole mixed batch, sample, stream tokens,
-retire finished sequences.
+cancellations, schedule, run one forward step for the whole mixed batch, sample (in
+:mod:`~lorastream.worker.engine.step_sampling`), stream tokens, retire finished sequences.
 
 The loop runs either on a thread of its own (:meth:`Engine.start`) or on the calling thread
 (:meth:`Engine.run`, :meth:`Engine.run_while`). The worker process and ``bench engine`` use the
@@ -15,7 +15,6 @@ that thread is then the only multi-threaded one in the process (see
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -31,17 +30,13 @@ from lorastream.core.generation import FinishReason, GenerationEvent, PromptInpu
 from lorastream.worker.device.device import Device, use_intra_op_threads
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.intake import RequestIntake
-from lorastream.worker.engine.choices import expand_for_choices, fork_choices
-from lorastream.worker.engine.logits_processors import (
-    TokenHistory,
-    host_values,
-    needs_history,
-    token_logprobs,
-)
-from lorastream.worker.engine.sampling import Sampler, SamplingParams, SamplingRow
+from lorastream.worker.engine.choices import fork_choices
+from lorastream.worker.engine.logits_processors import token_logprobs
+from lorastream.worker.engine.sampling import Sampler, SamplingParams
 from lorastream.worker.engine.scheduler import Scheduler, StepPlan
 from lorastream.worker.engine.sequence import RequestStream, Sequence
 from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.engine.step_sampling import sample_step
 from lorastream.worker.engine.token_outcome import take_token
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, LoraStep, staged_size
@@ -294,51 +289,20 @@ class Engine:
         lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]
         self.adapters.mark_read(adapters, self.device.record_compute())  # rule 2
-        # n > 1: a request whose prompt just completed forks; its logits row serves each choice
-        samplers, logit_rows = expand_for_choices(inputs.samplers, self._fork)
-        if logit_rows is not None:
-            logits = logits.index_select(0, host_values(logit_rows, torch.long, logits.device))
-        sampled = self.sampler.step(
-            logits, [self._sampling_row(s, logits) for s in samplers], self._constrain(samplers)
+        drawn = sample_step(
+            self.sampler, logits, inputs.samplers, self._fork, lambda: self.intake.grammar
         )
-        tokens = sampled.tokens.tolist()  # the one device -> host transfer of the step
-        logprobs = sampled.logprobs.to_host() if sampled.logprobs is not None else {}
         for seq, count in inputs.fed:
             seq.num_computed += count
         decode = self.tokenizer.decode  # type: ignore[attr-defined]
-        for i, (seq, token) in enumerate(zip(samplers, tokens, strict=True)):
-            self._emit(seq, int(token), token_logprobs(int(token), logprobs.get(i), decode))
+        for i, (seq, token) in enumerate(zip(drawn.sequences, drawn.tokens, strict=True)):
+            self._emit(seq, int(token), token_logprobs(int(token), drawn.logprobs.get(i), decode))
         self.adapters.observe_step(rows, time.perf_counter() - started)
         self.stats.steps += 1
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
         self.stats.step_seconds += time.perf_counter() - started
         self.stats.decode_tokens += len(plan.decode)
         self.stats.prefill_tokens += sum(chunk for _, chunk in plan.prefill)
-
-    def _sampling_row(self, seq: Sequence, logits: torch.Tensor) -> SamplingRow:
-        """logits [B, V]: the step's, for their vocabulary width and device."""
-        params = seq.params
-        if seq.history is None and needs_history(params):
-            seq.history = TokenHistory(
-                seq.prompt_ids, seq.output_ids, logits.shape[-1], logits.device
-            )
-        generated = len(seq.output_ids)
-        stop_ids = (
-            seq.eos_ids | frozenset(params.stop_token_ids)
-            if generated < params.min_tokens else frozenset()
-        )
-        return SamplingRow(params, seq.generator, seq.history, generated, stop_ids)
-
-    def _constrain(self, samplers: list[Sequence]) -> Callable[[torch.Tensor], None] | None:
-        """The grammar mask of the step's constrained rows (None when every row is free).
-
-        It runs after penalties, logit bias and min_tokens, so the draw, greedy argmax and
-        logprobs all see the masked logits; free rows are untouched.
-        """
-        rows = [(i, seq.matcher) for i, seq in enumerate(samplers) if seq.matcher is not None]
-        if not rows:
-            return None
-        return functools.partial(self.intake.grammar.mask_, rows=rows)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Choices 1 .. n-1 of a request whose prompt was just prefilled, now running."""
