@@ -74,7 +74,7 @@ bench: install-dev gemma
 	$(LORASTREAM) bench transfer --chunk-sizes 64K,256K,1M,4M --output $(BENCH_RESULTS)/transfer.json
 	$(LORASTREAM) bench engine --repeats 2 --output $(BENCH_RESULTS)/engine.json
 	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
-	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 2 --output $(BENCH_RESULTS)/engine-int8.json
+	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 4 --output $(BENCH_RESULTS)/engine-int8.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
 	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
 	$(LORASTREAM) bench push --output $(BENCH_RESULTS)/push.json

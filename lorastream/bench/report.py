@@ -70,7 +70,7 @@ BENCHES = (
           "--output {results}/engine-gemma3-270m.json",
           sections.engine_gemma_section, sections.engine_goals),
     Bench("engine-int8", "Engine over a quantized base: fp32 vs int8 vs int8-dynamic (engine-int8)",
-          "lorastream bench engine --quantization int8,int8-dynamic --repeats 2 "
+          "lorastream bench engine --quantization int8,int8-dynamic --repeats 4 "
           "--output {results}/engine-int8.json",
           report_quant.quant_section, report_quant.quant_goals),
     Bench("serve", "Serving cold adapters: overlapped loading on vs off (serve)",

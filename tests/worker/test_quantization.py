@@ -39,6 +39,7 @@ from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
 from lorastream.worker.model.linear import Linear
+from lorastream.worker.model import quant_linear
 from lorastream.worker.model.quant_linear import (
     LOGIT_TOLERANCE,
     WEIGHT_QMAX,
@@ -108,7 +109,9 @@ def _integer_reference(linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:  #
 
 @pytest.mark.parametrize("kernel", ["fbgemm", "int_mm"])
 @pytest.mark.parametrize("case", ["random", "saturating"])
-def test_the_dynamic_mode_sums_exactly_on_every_kernel(kernel: str, case: str) -> None:
+def test_the_dynamic_mode_sums_exactly_on_every_kernel(
+    kernel: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both CPU kernels compute the Semantics' int32 sums exactly. "saturating": every activation
     at +-127 against every weight at the 7-bit limit of its sign, the sums AVX2's int16 pair adds
     would overflow with 8-bit weights (2 * 255 * 127 > 32767): fbgemm must still be exact."""
@@ -119,14 +122,33 @@ def test_the_dynamic_mode_sums_exactly_on_every_kernel(kernel: str, case: str) -
     if case == "saturating":
         w = torch.where(torch.arange(96)[:, None] % 2 == 0, 1.0, -1.0).expand(96, 576).clone()
         x = torch.where(torch.arange(9)[:, None] % 3 == 0, -1.0, 1.0).expand(9, 576).clone()
+    if kernel == "int_mm":  # the path a torch without fbgemm takes
+        monkeypatch.setattr(quant_linear, "_fbgemm_prepack", lambda wq, scale: None)
     linear = QuantLinear(w, None, "int8-dynamic")
-    if kernel == "int_mm":
-        linear._fbgemm = None  # the path a build without fbgemm takes
     assert linear.kernel == kernel
     assert int(linear.weight_int8.abs().max()) == WEIGHT_QMAX["int8-dynamic"] == 63
     expected = _integer_reference(linear, x)  # [T, N] float64
     y = linear(x)
     assert float((y.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                    reason="this torch build has no fbgemm (not x86): int8-dynamic runs _int_mm")
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # a tied lm_head, and an untied one
+def test_fbgemm_holds_the_only_int8_copy_except_a_tied_lm_heads_rows(
+    tmp_path: Path, family: str
+) -> None:
+    checkpoint = make_tiny_family(family, tmp_path / "m")
+    config = ModelConfig.from_dir(checkpoint)
+    cpu = torch.device("cpu")
+    weights = load_weights(checkpoint, config, torch.float32, cpu)
+    expected = quantize_int8(weights.layers[0].wqkv, WEIGHT_QMAX["int8-dynamic"])[0]  # [N, K]
+    model = DecoderModel(config, weights, cpu, "int8-dynamic")
+    for layer in model.proj:
+        assert all(p.kernel == "fbgemm" and p._int8 is None for p in layer)  # type: ignore
+    assert torch.equal(model.proj[0][0].weight_int8, expected)  # unpacked from fbgemm's copy
+    assert isinstance(model.lm_head, QuantLinear)
+    assert (model.lm_head._int8 is not None) == config.tie_word_embeddings
 
 
 def test_an_int8_model_holds_a_quarter_of_the_fp32_projection_bytes(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from lorastream.core.native_env import release_freed_memory
 from lorastream.worker.model.attention import paged_attention, write_kv
 from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
@@ -83,13 +84,15 @@ Projection = Linear | QuantLinear
 
 
 def projection(
-    weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization,
+    keep_rows: bool = False,
 ) -> Projection:
     """The base model's ``x @ weight.T (+ bias)``: fp32/bf16 (linear.py) or int8
-    (quant_linear.py), as ``--quantization`` says."""
+    (quant_linear.py), as ``--quantization`` says (``keep_rows``: a tied lm_head, whose rows
+    are also the embedding)."""
     if quantization == "none":
         return Linear(weight, bias)
-    return QuantLinear(weight, bias, quantization)
+    return QuantLinear(weight, bias, quantization, keep_rows=keep_rows)
 
 
 class RMSNorm:
@@ -180,12 +183,14 @@ class DecoderModel:
             lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
             self.layers.append(self._layer(i, lw))
         self.final_norm = self._norm(weights.norm)
-        self.lm_head = projection(weights.lm_head, None, quantization)
+        self.lm_head = projection(weights.lm_head, None, quantization,
+                                  keep_rows=config.tie_word_embeddings)
         self._embed_rows: QuantLinear | None = None  # the lookup from a quantized tied lm_head
         if isinstance(self.lm_head, QuantLinear) and config.tie_word_embeddings:
             self._embed_rows = self.lm_head  # as tied HF models do: one (quantized) matrix
             weights.embed = None
         weights.lm_head = None  # held by the lm_head (tied, unquantized: the embedding stays)
+        release_freed_memory()  # the loaded weights the projections copied are freed now
 
     def _rope(self, theta: float, scaling: dict[str, Any] | None) -> RotaryEmbedding:
         c = self.config

@@ -143,14 +143,17 @@ class QuantLinear:
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-        mode: Quantization = "int8",
+        mode: Quantization = "int8", keep_rows: bool = False,
     ) -> None:
+        """``keep_rows``: :meth:`rows` will be called every step (a tied lm_head's embedding
+        lookup), so the int8 matrix stays held even where fbgemm keeps its own packed copy."""
         if mode not in WEIGHT_QMAX:
             raise ValueError(f"QuantLinear mode {mode!r}: int8 or int8-dynamic")
         self.mode = mode
         self.out_features, self.in_features = weight.shape
-        # [N, K] int8, [N] fp32
-        self.weight_int8, self.scale = quantize_int8(weight, WEIGHT_QMAX[mode])
+        # [N, K] int8 (None once fbgemm holds the only copy), [N] fp32
+        self._int8: torch.Tensor | None
+        self._int8, self.scale = quantize_int8(weight, WEIGHT_QMAX[mode])
         self.bias = bias  # [N] or None
         self._plan = int8_matmul(weight.device, weight.dtype)
         self._scale_kernel = self.scale.to(self._plan.weight_only_dtype)  # [N]
@@ -159,8 +162,21 @@ class QuantLinear:
         if self._exact:
             log.debug("K = %d is not a multiple of %d: dequantize-then-matmul for this weight",
                       self.in_features, _K_MULTIPLE)
-        self._fbgemm = (_fbgemm_prepack(self.weight_int8, self.scale)
+        self._fbgemm = (_fbgemm_prepack(self._int8, self.scale)
                         if mode == "int8-dynamic" else None)
+        if self._fbgemm is not None and not keep_rows:
+            self._int8 = None  # fbgemm's packed copy is the one the product reads
+
+    @property
+    def weight_int8(self) -> torch.Tensor:  # [N, K] int8
+        """``Wq``: the held matrix, or (fbgemm holding the only copy) unpacked from fbgemm's,
+        a full copy per call: for references and tests, not for a step."""
+        if self._int8 is not None:
+            return self._int8
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qweight, _ = torch.ops.quantized.linear_unpack(self._fbgemm)
+            return qweight.int_repr()
 
     @property
     def kernel(self) -> str:
@@ -171,9 +187,9 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the quantized weight and its scales (bias not counted; fbgemm's prepacked
-        copy of the dynamic mode's weight, about as large, neither)."""
-        return self.weight_int8.numel() + 4 * self.scale.numel()
+        """Bytes of one int8 copy of the weight and its scales (bias not counted; where fbgemm's
+        packed copy and the held matrix are both kept, a tied lm_head, twice the first term)."""
+        return self.out_features * self.in_features + 4 * self.scale.numel()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
         """Dequantized rows ``ids`` of the weight: the embedding lookup of a tied lm_head."""

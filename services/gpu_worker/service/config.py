@@ -104,9 +104,10 @@ class WorkerSettings(StoreTLSSettings):
         "none",
         description="Base weights: 'none' (as --dtype), 'int8' (every projection and the "
         "lm_head quantized at load to int8 with per-output-channel scales, 4x fewer bytes than "
-        "fp32; weight-only, activations in bf16 on the CPU kernel) or 'int8-dynamic' (the same "
-        "weights, activations quantized per token to int8 too: faster at large batches, a second "
-        "rounding). Adapters keep their precision (docs/worker.md, Quantization).",
+        "fp32; weight-only, activations in bf16 on the CPU kernel: fast with AVX-512) or "
+        "'int8-dynamic' (7-bit weights, activations quantized per token to int8 too, multiplied "
+        "in int8: fbgemm's kernels on any x86 CPU, faster than fp32 at decode batches; a second "
+        "rounding). Adapters keep their precision (docs/worker.md, Quantized base weights).",
     )
     max_loras: int = Field(8, gt=0, description="Device adapter slots.")
     max_lora_rank: int = Field(64, gt=0, description="Largest adapter rank a slot holds.")
