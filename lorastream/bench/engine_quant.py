@@ -14,12 +14,10 @@ mode's stated logit tolerance (quant_reference.py): the criterion of the toleran
 
 Where the time goes: per mode, the milliseconds a decode step of the batch spends in the base
 projections alone (every layer's four and the lm_head over [prompts, K] inputs, best of
-``PROJECTION_PASSES`` passes taking turns between modes); with the fp32 step time from its
-decode rate, that bounds what any int8 kernel can give: the rest of the step (attention, norms,
-the LoRA delta, sampling) does not change with the base's precision. ``int8_arithmetic_bound``
-is the speedup if the projections took ``1 / INT8_MAC_RATE`` of fp32's time and nothing else
-changed: AVX2 multiplies int8 (vpmaddubsw + vpmaddwd: 32 multiply-adds per two instructions) at
-twice the rate of fp32 (FMA: 8 per instruction).
+``PROJECTION_PASSES`` passes taking turns between modes, with the engine's loop stopped), beside
+the fp32 step time from its decode rate. The rest of the step is not a fixed cost: it ran faster
+over int8 bases than over fp32 (62 vs 88 ms in one run), as 4x fewer weight bytes stream through
+the caches each step.
 
 Every mode runs in ONE engine: between runs, while it is idle, the engine's model is swapped for
 the same checkpoint built with the mode's quantization, so the KV cache, the adapter slots and the
@@ -56,7 +54,6 @@ GOAL_MULTI_SPEEDUP = 1.3  # int8 mixed-adapter decode / fp32's
 GOAL_AGREEMENT = 0.99
 FORCED_EVERY = 4  # teacher-forced positions: 0, 4, 8, ... of each sequence
 PROJECTION_PASSES = 7
-INT8_MAC_RATE = 2  # int8 multiply-adds per cycle over fp32's on AVX2 (see the docstring)
 
 
 def _rss_bytes() -> int:
@@ -117,13 +114,6 @@ def projection_ms(models: Mapping[str, DecoderModel], rows: int,
                 projection(x)  # [rows, K] -> [rows, N]
             best[name] = min(best[name], (time.perf_counter() - start) * 1000)
     return best
-
-
-def arithmetic_bound(step_ms: float, fp32_projections_ms: float) -> float:
-    """The speedup over a step of ``step_ms`` if its projections took ``1 / INT8_MAC_RATE`` of
-    ``fp32_projections_ms`` and nothing else changed."""
-    saved = fp32_projections_ms * (1 - 1 / INT8_MAC_RATE)
-    return step_ms / max(step_ms - saved, 1e-9)
 
 
 def agreement(tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> float:
@@ -258,16 +248,9 @@ def run_quant_bench(
                                                 .mean()), 4),
         "threads": torch.get_num_threads(),
         "modes": per_mode,
-        # the fp32 decode step (from the decode rates) and the bound of the module docstring
+        # the fp32 decode step, from its decode rates (beside the modes' projection times)
         "fp32_step_ms": {"base_only": round(1000 * prompts / rates[1], 1),
                          "multi_adapter": round(1000 * prompts / rates[0], 1)},
-        "int8_arithmetic_bound": {
-            "base_only_vs_fp32": round(arithmetic_bound(1000 * prompts / rates[1],
-                                                        projections[FP32]), 3),
-            "multi_vs_fp32": round(arithmetic_bound(1000 * prompts / rates[0],
-                                                    projections[FP32]), 3),
-            "int8_mac_rate_vs_fp32": INT8_MAC_RATE,
-        },
         "goal_base_only_vs_fp32": f">= {GOAL_BASE_SPEEDUP}",
         "goal_multi_vs_fp32": f">= {GOAL_MULTI_SPEEDUP}",
         "goal_token_agreement": f">= {GOAL_AGREEMENT}",
