@@ -304,19 +304,28 @@ class Int8Matmul:
     ``weight_only_dtype``: the activation dtype ``aten._weight_int8pack_mm`` runs in. On the CPU
     bf16: its fp32 path is scalar (10-40x slower at decode shapes, quant_linear.py's table); on
     CUDA the model's dtype. ``int_mm_min_rows``: ``torch._int_mm`` on CUDA needs more than 16
-    rows (fewer are padded with zero rows); the CPU takes any.
+    rows (fewer are padded with zero rows); the CPU takes any. ``fbgemm``: int8-dynamic
+    multiplies through fbgemm (a CPU, and a torch built with it and its fp32-output op: x86),
+    else through ``torch._int_mm``.
     """
 
     weight_only_dtype: torch.dtype
     int_mm_min_rows: int
+    fbgemm: bool
+
+
+def _torch_has_fbgemm() -> bool:
+    return ("fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"))
 
 
 def int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
     """The int8 matmul settings of ``device`` for a model computing in ``dtype``."""
     if device.type == "cuda":  # pragma: no cover - needs a GPU
         half = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        return Int8Matmul(weight_only_dtype=half, int_mm_min_rows=17)
-    return Int8Matmul(weight_only_dtype=torch.bfloat16, int_mm_min_rows=1)
+        return Int8Matmul(weight_only_dtype=half, int_mm_min_rows=17, fbgemm=False)
+    return Int8Matmul(weight_only_dtype=torch.bfloat16, int_mm_min_rows=1,
+                      fbgemm=_torch_has_fbgemm())
 
 
 def int8_slow_here(device: torch.device, mode: str) -> str | None:
@@ -334,10 +343,11 @@ def int8_slow_here(device: torch.device, mode: str) -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512"):
         return None
-    if mode == "int8-dynamic" and "fbgemm" in torch.backends.quantized.supported_engines:
+    fbgemm = int8_matmul(device, torch.float32).fbgemm  # the kernel int8-dynamic takes here
+    if mode == "int8-dynamic" and fbgemm:
         return None
     hint = (" (--quantization int8-dynamic runs fbgemm's int8 kernels, faster than fp32 here)"
-            if "fbgemm" in torch.backends.quantized.supported_engines else "")
+            if fbgemm else "")
     return (f"this CPU's best vector extension is {capability} (no AVX-512): the {mode} kernels "
             f"run slower here than the fp32 path{hint}; quantization still cuts the base's "
             "resident bytes about 4x")

@@ -122,11 +122,8 @@ def dequantize_int8(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _fbgemm_prepack(wq: torch.Tensor, scale: torch.Tensor) -> object | None:
-    """fbgemm's prepacked form of ``Wq`` with its per-channel scales, or None where torch has no
-    fbgemm (not an x86 build) or no longer has the quantized-tensor API it is reached through."""
-    if (wq.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines
-            or not hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")):
-        return None
+    """fbgemm's prepacked form of ``Wq`` with its per-channel scales (where the device layer says
+    fbgemm is there: ``Int8Matmul.fbgemm``), or None if torch refuses to pack it."""
     try:
         with warnings.catch_warnings():  # the quantized-tensor API's deprecation notice
             warnings.simplefilter("ignore")
@@ -163,7 +160,7 @@ class QuantLinear:
             log.debug("K = %d is not a multiple of %d: dequantize-then-matmul for this weight",
                       self.in_features, _K_MULTIPLE)
         self._fbgemm = (_fbgemm_prepack(self._int8, self.scale)
-                        if mode == "int8-dynamic" else None)
+                        if mode == "int8-dynamic" and self._plan.fbgemm else None)
         if self._fbgemm is not None and not keep_rows:
             self._int8 = None  # fbgemm's packed copy is the one the product reads
 
