@@ -66,7 +66,12 @@ def _decode_rates(
             start = time.perf_counter()
             run(new_tokens)
             full = time.perf_counter() - start
-            best[i] = max(best[i], prompts * (new_tokens - 1) / max(full - one, 1e-9))
+            # a tiny model's prefill varies more than its decode takes: full - one can come out
+            # at or below zero, and then the whole run's rate (a lower bound) stands in for it
+            decode_s = full - one
+            rate = (prompts * (new_tokens - 1) / decode_s if decode_s > 0
+                    else prompts * new_tokens / full)
+            best[i] = max(best[i], rate)
     return best
 
 

@@ -56,6 +56,11 @@ FORCED_EVERY = 4  # teacher-forced positions: 0, 4, 8, ... of each sequence
 PROJECTION_PASSES = 7
 
 
+def _figures(ms: float) -> float:
+    """``ms`` to three significant figures: never 0.0 for a time, however tiny the model."""
+    return float(f"{ms:.3g}")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -230,7 +235,7 @@ def run_quant_bench(
             "token_agreement_decisive_vs_fp32": (
                 round(float(hits[decisive].float().mean()), 4) if decisive.any() else None),
             "free_running_agreement_vs_fp32": round(agreement(tokens[mode], tokens[FP32]), 4),
-            "projections_ms_per_step": round(projections[mode], 1),
+            "projections_ms_per_step": _figures(projections[mode]),
             **resident[mode],
         }
     result: dict[str, object] = {
@@ -249,8 +254,8 @@ def run_quant_bench(
         "threads": torch.get_num_threads(),
         "modes": per_mode,
         # the fp32 decode step, from its decode rates (beside the modes' projection times)
-        "fp32_step_ms": {"base_only": round(1000 * prompts / rates[1], 1),
-                         "multi_adapter": round(1000 * prompts / rates[0], 1)},
+        "fp32_step_ms": {"base_only": _figures(1000 * prompts / rates[1]),
+                         "multi_adapter": _figures(1000 * prompts / rates[0])},
         "goal_base_only_vs_fp32": f">= {GOAL_BASE_SPEEDUP}",
         "goal_multi_vs_fp32": f">= {GOAL_MULTI_SPEEDUP}",
         "goal_token_agreement": f">= {GOAL_AGREEMENT}",
