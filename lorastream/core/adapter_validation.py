@@ -12,6 +12,13 @@ overlaps, nothing past the end), and every ``end - begin == prod(shape) * itemsi
 LoRA A/B weights of supported projections; each (layer, module) has both A ``[r, in]`` and B
 ``[out, r]`` with the config's ``r``. Then every tensor's raw bytes are hashed (sha256 and the fast
 digest, in one read pass) in bounded chunks, so memory stays flat whatever the adapter's size.
+
+The tensors are listed in **layer order** (:func:`layer_order`), which is the order the store
+streams them in, so a receiver has layer 0 whole first, then layer 1, and so on. The file's own
+order is lexicographic by key (safetensors sorts the names), which puts layer 10 before layer 2::
+
+    file order:   layers.0.* layers.1.* layers.10.* layers.11.* layers.2.* ... layers.9.*
+    layer order:  layers.0.* layers.1.* layers.2.* ... layers.9.* layers.10.* layers.11.*
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ class ValidatedAdapter:
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...]  # short names present in the weights, sorted
-    tensors: tuple[StagedTensor, ...]  # in file order (ascending offset)
+    tensors: tuple[StagedTensor, ...]  # in layer order (layer_order), the stream's order
 
     def manifest(
         self,
@@ -315,6 +322,13 @@ def _digest_range(fd: int, start: int, length: int, fast: str, label: str) -> Te
     return digests
 
 
+def layer_order(name: str) -> tuple[int, int, str]:
+    """Sort key of a tensor in a manifest: layer ascending, then the key; tensors of no layer
+    (``parse_lora_key`` gives None) last, by key."""
+    key = parse_lora_key(name)
+    return (1, 0, name) if key is None else (0, key.layer, name)
+
+
 STAGED_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # the order the content id hashes them in
 
 
@@ -368,6 +382,7 @@ def validate_adapter_dir(
             tensors.append(StagedTensor(info, file_offset=data_start + e.begin))
     finally:
         os.close(fd)
+    tensors.sort(key=lambda t: layer_order(t.info.name))  # read in file order, listed by layer
     log.debug("%s: %d tensors, rank %d, targets %s", label, len(tensors), config.rank, targets)
     return ValidatedAdapter(
         base_model=config.base_model,

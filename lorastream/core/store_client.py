@@ -1,8 +1,11 @@
 """Client of the adapter store, shared by the CLI, the worker and the gateway.
 
 The tensor stream lands in a :class:`TensorSink` chunk by chunk at each chunk's offset (no
-concatenation of bytes objects); every chunk's CRC-32C and every tensor's digest (core/checksum.py) are verified, and a
-stream cut by a dead store resumes from the last verified (tensor, offset).
+concatenation of bytes objects); every tensor's digest (core/checksum.py) is verified as its last
+byte lands, and the sink told so (``verified``: tensors come in layer order, so a receiver can
+tell when an adapter's leading layers are whole); a stream cut by a dead store resumes from the
+last verified (tensor, offset). The raw chunk stream (``iter_chunks``) checks each chunk's CRC-32C
+instead.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class TensorSink(Protocol):
     def view(self, tensor_index: int) -> memoryview:
         """The bytes of a completely received tensor, for checksum verification."""
 
+    def verified(self, tensor_index: int) -> None:
+        """Tensor ``tensor_index`` landed whole and its digest matched (once per tensor and
+        stream: a resumed stream goes on after the last tensor verified)."""
+
 
 class BytesSink:
     """A sink with one preallocated ``bytearray`` per tensor (the CLI's ``pull`` uses it)."""
@@ -86,6 +93,9 @@ class BytesSink:
 
     def view(self, tensor_index: int) -> memoryview:
         return self._views[tensor_index]
+
+    def verified(self, tensor_index: int) -> None:
+        pass
 
 
 class AdapterWatch:
@@ -341,9 +351,10 @@ class StoreClient:
         position.
 
         A tensor's digest (the manifest's fast checksum, else its sha256) is checked as soon as
-        its last byte landed. That covers every byte end to end, from the store's staging to
-        this buffer, so the stream asks for no per-chunk CRC-32C: one pass over the bytes less
-        on each end (a store from before ``skip_chunk_crc`` still sends it; it goes unread).
+        its last byte landed, then ``sink.verified`` is called. That covers every byte end to
+        end, from the store's staging to this buffer, so the stream asks for no per-chunk
+        CRC-32C: one pass over the bytes less on each end (a store from before
+        ``skip_chunk_crc`` still sends it; it goes unread).
         """
         if (chunk.tensor_index, chunk.offset) != position:
             raise InvalidAdapter(
@@ -366,4 +377,5 @@ class StoreClient:
                         "the store's disk); retry, and if it fails again delete and preload it "
                         "again"
                     )
+                sink.verified(index)
         return layout.position(layout.flat(chunk.tensor_index, chunk.offset) + len(chunk.data))

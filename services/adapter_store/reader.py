@@ -1,12 +1,17 @@
 """Chunked reads of a staged weights file, so a stream's memory stays flat.
 
-A validated weights file holds its tensors contiguously in manifest order (validation checks the
-tiling), which is exactly the stream's layout (``lorastream.core.stream_layout``): each chunk is one
-``os.pread`` of ``chunk_bytes`` (less at the end) that may run across tensor boundaries. Example
-with ``chunk_bytes=4``, tensor 0 of 10 bytes and tensor 1 of 4 bytes, resuming at (0, 6)::
+The stream lays the tensors end to end in manifest order (``lorastream.core.stream_layout``) and a
+chunk may run across tensor boundaries. The file holds them contiguously in its own order
+(validation checks the tiling), which is lexicographic by key; the manifest lists them in layer
+order (``adapter_validation.layer_order``). So a chunk is read as the few file ranges it covers:
+one ``os.pread`` per run of manifest-consecutive tensors that also follow each other in the file
+(a manifest staged before layer order is in file order: one run, one read per chunk). Example with
+``chunk_bytes=4``, tensor 0 of 10 bytes at file offset 20 and tensor 1 of 4 bytes at offset 8,
+resuming at (0, 6)::
 
-    (0, 6, 4 bytes) (1, 0, 4 bytes)          # t0[6:10], then t1[0:4]
+    (0, 6, 4 bytes) (1, 0, 4 bytes)          # t0[6:10] = file[26:30], then t1[0:4] = file[8:12]
     from (0, 0):  (0, 0, 4) (0, 4, 4) (0, 8, 4 bytes = t0[8:10] + t1[0:2]) (1, 2, 2)
+                                      # the third chunk: file[28:30] + file[8:10], two reads
 
 Reads go through ``pread`` rather than mmap because mapped pages count toward the process's
 resident memory while a stream touches them.
@@ -14,6 +19,7 @@ resident memory while a stream touches them.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -75,6 +81,51 @@ def iter_chunks(
     return _read(manifest, path, file_offsets, start_tensor, start_offset, chunk_bytes, with_crc)
 
 
+class FileRuns:
+    """Where the stream's flat bytes lie in the file: runs of manifest-consecutive tensors that
+    are contiguous in the file too, as (flat start, file offset, length)."""
+
+    def __init__(self, layout: StreamLayout, file_offsets: Sequence[int]) -> None:
+        runs: list[tuple[int, int, int]] = []
+        for index, size in enumerate(layout.sizes):
+            if not size:
+                continue  # an empty tensor takes no bytes, in the stream or the file
+            if runs and runs[-1][1] + runs[-1][2] == file_offsets[index]:
+                flat, file_offset, length = runs[-1]
+                runs[-1] = (flat, file_offset, length + size)
+            else:
+                runs.append((layout.starts[index], file_offsets[index], size))
+        self.runs = runs
+        self._flat_starts = [flat for flat, _, _ in runs]
+
+    def ranges(self, flat: int, length: int) -> Iterator[tuple[int, int]]:
+        """The (file offset, length) ranges of flat bytes ``[flat, flat + length)``, in order."""
+        k = bisect.bisect_right(self._flat_starts, flat) - 1
+        end = flat + length
+        while flat < end:
+            run_flat, file_offset, run_length = self.runs[k]
+            take = min(end, run_flat + run_length) - flat
+            yield file_offset + flat - run_flat, take
+            flat += take
+            k += 1
+
+
+def _pread_ranges(fd: int, ranges: list[tuple[int, int]], total: int) -> bytes | memoryview | None:
+    """The bytes of ``ranges`` (``total`` in all) read end to end; None if the file is short.
+    One range is one ``pread``; more land in one buffer, each read into its place."""
+    if len(ranges) == 1:
+        data = os.pread(fd, total, ranges[0][0])
+        return data if len(data) == total else None
+    buffer = bytearray(total)
+    view = memoryview(buffer)
+    at = 0
+    for file_offset, length in ranges:
+        if os.preadv(fd, [view[at : at + length]], file_offset) != length:
+            return None
+        at += length
+    return view
+
+
 def _read(
     manifest: AdapterManifest,
     path: Path,
@@ -85,19 +136,14 @@ def _read(
     with_crc: bool,
 ) -> Iterator[TensorChunk]:
     layout = StreamLayout(manifest)
-    base = file_offsets[0] if file_offsets else 0
-    if any(off != base + start for off, start in zip(file_offsets, layout.starts, strict=True)):
-        raise InvalidAdapter(
-            f"staged file of {manifest.name} ({path}) does not hold its tensors contiguously in "
-            "manifest order; delete the adapter and preload it again"
-        )
+    runs = FileRuns(layout, file_offsets)
     fd = os.open(path, os.O_RDONLY)
     try:
         flat = layout.flat(start_tensor, start_offset)
         while flat < layout.total:
             want = min(chunk_bytes, layout.total - flat)
-            data = os.pread(fd, want, base + flat)
-            if len(data) != want:
+            data = _pread_ranges(fd, list(runs.ranges(flat, want)), want)
+            if data is None:
                 raise InvalidAdapter(
                     f"staged file of {manifest.name} ({path}) is shorter than its manifest; "
                     "delete the adapter and preload it again"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from lorastream.core import errors
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
-from lorastream.core.adapter_validation import validate_adapter_dir
+from lorastream.core.adapter_validation import layer_order, validate_adapter_dir
 from tests.store.fixtures_core import (  # noqa: F401 - fixtures
     StoreFactory,
     assert_cache_clean,
@@ -54,8 +54,8 @@ def test_valid_peft_adapter_yields_config_fields_offsets_and_checksums(
     original = load_file(str(directory / WEIGHTS_FILE))
     assert {t.info.name for t in result.tensors} == set(original)
     raw = (directory / WEIGHTS_FILE).read_bytes()
-    offsets = [t.file_offset for t in result.tensors]
-    assert offsets == sorted(offsets)  # file order: streams read sequentially
+    names = [t.info.name for t in result.tensors]
+    assert names == sorted(names, key=layer_order)  # layer order: the stream's (test_layer_order)
     for t in result.tensors:
         expected = original[t.info.name].numpy().tobytes()
         assert raw[t.file_offset : t.file_offset + t.info.nbytes] == expected

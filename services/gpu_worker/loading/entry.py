@@ -34,6 +34,10 @@ class AdapterEntry:
     host_bytes: int = 0  # reserved against the host budget (set when the fetch begins)
     host_offset: int | None = None  # its range in the host arena; None: allocated on its own
     fetching: bool = False
+    # Leading layers landed in host memory, verified, per the manifest's own layer count
+    # (layer_progress.manifest_layers): grows while the fetch runs, that count once the weights
+    # are set, 0 when a fetch starts or fails.
+    layers_landed: int = 0
     error: LorastreamError | None = None
     slot: int | None = None
     slot_event: Event | None = None  # completion of the copy into ``slot``

@@ -7,6 +7,9 @@ it -- gRPC's included -- runs at that priority. Then it serves jobs from the con
 
     -> ("init", store_target, store_token, threads, store_tls)   store_tls: ClientTLS | None
     -> ("fetch", job, name, offset, nbytes, chunk_bytes, chunk_delay_s)
+    <- ("layers", job, count)   the adapter's first ``count`` layers landed, verified (sent as
+                                the count grows, before "done"; layers per the manifest,
+                                ``layer_progress.LayerProgress``)
     <- ("done", job, manifest, landing_seconds)   landed at [offset, offset + nbytes), verified
     <- ("error", job, LorastreamError)
 
@@ -60,7 +63,8 @@ def serve(memory_fd: int, memory_bytes: int, conn_fd: int, prefault: bool = Fals
     def fetch(job: int, name: str, offset: int, nbytes: int, chunk_bytes: int,
               delay_s: float) -> None:
         try:
-            buffer = LandingBuffer(memory[offset : offset + nbytes])
+            buffer = LandingBuffer(memory[offset : offset + nbytes],
+                                   on_layers=lambda count: reply(("layers", job, count)))
             sink = SlowSink(buffer, delay_s) if delay_s else buffer
             manifest = client.stream_tensors(name, sink, chunk_bytes=chunk_bytes)
             reply(("done", job, manifest, buffer.landing_seconds))

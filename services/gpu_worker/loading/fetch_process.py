@@ -14,7 +14,8 @@ them holds the worker's GIL.
 How the bytes get back. The host tier's arena is one ``memfd`` both processes map
 (:class:`SharedHostMemory`); the worker reserves a range for the adapter, the fetch process
 lands and verifies the chunks there, and replies with the manifest. Nothing is copied between the
-processes. On CUDA the mapping is pinned in place (``Device.pin_host``).
+processes. On CUDA the mapping is pinned in place (``Device.pin_host``). On the way it reports
+each time more of the adapter's leading layers have landed, verified (``on_layers``).
 
 If the fetch process dies, the fetches it had fail with a clear error and the next fetch starts
 a new one.
@@ -39,6 +40,7 @@ from lorastream.core.manifest import AdapterManifest
 from lorastream.core.tls import ClientTLS
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.fetch_child import map_shared
+from lorastream.worker.loading.layer_progress import LayersCallback
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +89,23 @@ class _Child:
         self._socket = ours  # shut down on close: that wakes the reader blocked on it
         self.conn = Connection(os.dup(ours.fileno()))
         self.jobs: dict[int, Future[_Fetched]] = {}
-        self.lock = threading.Lock()  # guards jobs and sends
+        self.on_layers: dict[int, LayersCallback] = {}  # of the jobs that asked
+        self.lock = threading.Lock()  # guards jobs, on_layers and sends
         self.alive = True
         self.conn.send(("init", store, token, threads, tls))
         self.reader = threading.Thread(target=self._read, name="fetch-replies", daemon=True)
         self.reader.start()
         log.info("fetch process %d started (priority %s)", self.proc.pid, priority)
 
-    def submit(self, job: int, message: tuple[object, ...]) -> Future[_Fetched]:
+    def submit(self, job: int, message: tuple[object, ...],
+               on_layers: LayersCallback | None = None) -> Future[_Fetched]:
         future: Future[_Fetched] = Future()
         with self.lock:
             if not self.alive:
                 raise SourceUnavailable("the adapter fetch process exited; retry the request")
             self.jobs[job] = future
+            if on_layers is not None:
+                self.on_layers[job] = on_layers
             self.conn.send(message)
         return future
 
@@ -107,8 +113,12 @@ class _Child:
         try:
             while True:
                 kind, job, *rest = self.conn.recv()
+                if kind == "layers":
+                    self._report_layers(job, rest[0])
+                    continue
                 with self.lock:
                     future = self.jobs.pop(job)
+                    self.on_layers.pop(job, None)
                 if kind == "done":
                     future.set_result((rest[0], rest[1]))
                 else:
@@ -118,7 +128,7 @@ class _Child:
         code = self.proc.wait()
         with self.lock:
             self.alive = False
-            failed, self.jobs = list(self.jobs.values()), {}
+            failed, self.jobs, self.on_layers = list(self.jobs.values()), {}, {}
         if failed or code:
             log.warning("fetch process %d exited with code %s; %d fetches failed",
                         self.proc.pid, code, len(failed))
@@ -127,6 +137,17 @@ class _Child:
                 f"the adapter fetch process exited (code {code}) during the fetch; retry the "
                 "request"
             ))
+
+    def _report_layers(self, job: int, count: int) -> None:
+        """Call ``job``'s layers callback, if it gave one; its failure fails nothing here."""
+        with self.lock:
+            callback = self.on_layers.get(job)
+        if callback is None:
+            return
+        try:
+            callback(count)
+        except Exception:  # noqa: BLE001 - the reader serves every job: it must go on
+            log.exception("layers callback of fetch job %d failed", job)
 
     def close(self) -> None:
         with self.lock:
@@ -161,9 +182,13 @@ class FetchProcess:
         return self._child.proc.pid
 
     def fetch(self, name: str, storage: torch.Tensor, chunk_bytes: int = 0,
-              chunk_delay_s: float = 0.0) -> _Fetched:
+              chunk_delay_s: float = 0.0, on_layers: LayersCallback | None = None) -> _Fetched:
         """Land ``name``'s tensors in ``storage`` (a range of the shared memory), verified;
-        returns its manifest and the seconds spent landing chunks. Blocks until done."""
+        returns its manifest and the seconds spent landing chunks. Blocks until done.
+
+        ``on_layers(count)`` is called, on the thread that reads the fetch process's replies,
+        each time the count of the adapter's leading layers landed and verified grows (all
+        calls come before this returns); an exception it raises is logged and ignored."""
         offset = self.memory.offset_of(storage)
         assert offset is not None, "storage outside the shared host memory"
         with self._lock:
@@ -173,7 +198,7 @@ class FetchProcess:
             child, job = self._child, next(self._ids)
         message = ("fetch", job, name, offset, storage.numel(), chunk_bytes, chunk_delay_s)
         try:
-            return child.submit(job, message).result()
+            return child.submit(job, message, on_layers).result()
         except LorastreamError:
             raise
         except (OSError, ValueError) as err:  # the connection broke under the send

@@ -3,8 +3,10 @@
 Either way the bytes land chunk by chunk at their offsets in one preallocated host buffer and
 every tensor's digest (``core/checksum.py``: the manifest's fast one, else sha256) is checked
 before anything else sees it. Store fetches into the host arena run in the fetch process when
-there is one (``fetch_process.py`` says why), else in the calling thread. ``chunk_delay_s`` is a test hook that slows every landed chunk, so tests can hold a load
-in flight.
+there is one (``fetch_process.py`` says why), else in the calling thread. Either way a store
+fetch reports, through ``on_layers``, each time more of the adapter's leading layers have landed
+verified (the store streams them in layer order; ``layer_progress.py``). ``chunk_delay_s`` is a
+test hook that slows every landed chunk, so tests can hold a load in flight.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lorastream.worker.device.device import Device
 from lorastream.worker.loading.fetch_process import FetchProcess
 from lorastream.worker.loading.host_buffer import HostAdapterBuffer
 from lorastream.worker.loading.landing import SlowSink
+from lorastream.worker.loading.layer_progress import LayersCallback
 
 log = logging.getLogger(__name__)
 
@@ -83,22 +86,27 @@ class AdapterFetcher:
         return self._store(name).describe(name)
 
     def fetch(
-        self, name: str, expected_id: str, storage: torch.Tensor | None = None
+        self, name: str, expected_id: str, storage: torch.Tensor | None = None,
+        on_layers: LayersCallback | None = None,
     ) -> HostAdapterBuffer:
         """Stream ``name`` from the store into a host buffer, verified: into ``storage`` (a
         reserved host range, ``[>= nbytes]`` uint8) when given, else a new allocation. The
         stream names ``expected_id``'s version of ``name`` (``name@id``): it stays fetchable when
-        the name moves on to other content meanwhile."""
+        the name moves on to other content meanwhile. ``on_layers(count)`` is called, before
+        this returns, each time the count of leading layers landed and verified grows (layers
+        per the manifest: ``layer_progress.manifest_layers``)."""
         ref = pinned_ref(name, expected_id)
-        buffer = HostAdapterBuffer(self._device, storage)
         started = time.perf_counter()
         client = self._store(name)
         process = self._process
         if process is not None and storage is not None and process.memory.holds(storage):
             # The fetch process lands and verifies the bytes in ``storage``: shared memory.
-            manifest, landing = process.fetch(ref, storage, self.chunk_bytes, self.chunk_delay_s)
+            buffer = HostAdapterBuffer(self._device, storage)
+            manifest, landing = process.fetch(ref, storage, self.chunk_bytes, self.chunk_delay_s,
+                                              on_layers)
             buffer.adopt(manifest, landing)
         else:
+            buffer = HostAdapterBuffer(self._device, storage, on_layers)
             sink = SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
             manifest = client.stream_tensors(ref, sink, chunk_bytes=self.chunk_bytes)
         if manifest.adapter_id != expected_id:
@@ -138,6 +146,7 @@ class AdapterFetcher:
                 info = staged.info
                 if not verify_tensor(buffer.view(index), info.checksum, info.fast_checksum)[0]:
                     raise InvalidAdapter(f"{path}: weights changed while being read; retry")
+                buffer.verified(index)
         finally:
             os.close(fd)
         return buffer

@@ -15,15 +15,18 @@ from lorastream.core.adapter_format import parse_lora_key
 from lorastream.core.manifest import AdapterManifest
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.landing import LandingBuffer
+from lorastream.worker.loading.layer_progress import LayersCallback
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class HostAdapterBuffer(LandingBuffer):
-    """A :class:`~lorastream.core.store_client.TensorSink` over one preallocated host buffer."""
+    """A :class:`~lorastream.core.store_client.TensorSink` over one preallocated host buffer;
+    ``on_layers(count)`` as the leading layers land, verified (see ``LandingBuffer``)."""
 
-    def __init__(self, device: Device, storage: torch.Tensor | None = None) -> None:
-        super().__init__()
+    def __init__(self, device: Device, storage: torch.Tensor | None = None,
+                 on_layers: LayersCallback | None = None) -> None:
+        super().__init__(on_layers=on_layers)
         self._device = device
         self._host = storage  # [>= nbytes] uint8 to land in (an arena range), else allocated
         self.buffer: torch.Tensor | None = None  # [nbytes] uint8, pinned on CUDA

@@ -2,7 +2,9 @@
 against the base model (rule 6) before anything can copy them into a slot.
 
 With overlap, fetches run on the fetch threads; without it, on the caller's thread. A failed
-fetch fails the adapter with its error (rule 5), never the worker.
+fetch fails the adapter with its error (rule 5), never the worker. While a fetch runs, the
+entry's ``layers_landed`` follows the adapter's leading layers as they land verified (the store
+streams them in layer order), and waiters are notified each time it grows.
 
 The loader shares the adapter manager's entries and lock: the manager calls :meth:`ensure`
 with its lock free (a fetch may run there), and the loader takes the lock for every change,
@@ -31,6 +33,7 @@ from lorastream.worker.loading.entry import AdapterEntry
 from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.loading.host_tier import HostTier
 from lorastream.worker.loading.landing import host_nbytes
+from lorastream.worker.loading.layer_progress import manifest_layers
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
 
@@ -92,6 +95,7 @@ class HostLoader:
             if not self.host.reserve(self._entries.values(), entry, need):
                 return  # every byte is held by adapters in use: wait, retried at the next step
             entry.fetching = True
+            entry.layers_landed = 0
             self._fetches += 1
             entry.fetch_started = time.perf_counter()
             storage = self.host.storage(entry)
@@ -124,10 +128,20 @@ class HostLoader:
             entry.error = err
             self._changed.notify_all()
 
+    def _layers_landed(self, entry: AdapterEntry, count: int) -> None:
+        """A fetch's report that ``entry``'s first ``count`` layers landed, verified."""
+        with self._changed:
+            if entry.fetching and count > entry.layers_landed:
+                entry.layers_landed = count
+                self._changed.notify_all()
+
     def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
         try:
             started = time.perf_counter()
-            buffer = self.fetcher.fetch(entry.name, entry.adapter_id, storage)
+            buffer = self.fetcher.fetch(
+                entry.name, entry.adapter_id, storage,
+                on_layers=lambda count: self._layers_landed(entry, count),
+            )
             elapsed = time.perf_counter() - started
             self.metrics.fetch_seconds.observe(elapsed)
             self._cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
@@ -136,6 +150,7 @@ class HostLoader:
             weights = adapter_weights(buffer, self.config, self.max_rank)
             with self._changed:
                 entry.weights = weights  # its bytes were reserved when the fetch began
+                entry.layers_landed = manifest_layers(buffer.manifest)
         except LorastreamError as err:
             self.fail(entry, err)
         except Exception as err:  # noqa: BLE001 - any failure fails the adapter, never the worker
@@ -146,7 +161,7 @@ class HostLoader:
                 entry.fetching = False
                 self._fetches -= 1
                 if entry.weights is None:
-                    self.host.drop(entry)  # release the reservation
+                    self.host.drop(entry)  # release the reservation (layers_landed: 0)
                 waited_for = entry.refs > 0 and entry.error is None
                 self._changed.notify_all()
         if self._pool is not None and waited_for:

@@ -77,3 +77,4 @@ class HostTier:
         if entry.host_offset is not None:
             self.arena.free(entry.host_offset)
         entry.weights, entry.host_bytes, entry.host_offset = None, 0, None
+        entry.layers_landed = 0

@@ -22,6 +22,7 @@ import numpy as np
 from lorastream.core.adapter_format import parse_lora_key
 from lorastream.core.errors import SourceUnavailable
 from lorastream.core.manifest import AdapterManifest, TensorInfo
+from lorastream.worker.loading.layer_progress import LayerProgress, LayersCallback
 
 ALIGN = 64
 
@@ -52,14 +53,21 @@ class LandingBuffer:
     """A :class:`~lorastream.core.store_client.TensorSink`: chunks land at their offset in ``storage``
     (a ``[>= nbytes]`` uint8 array, e.g. a range of the host arena); no bytes object is joined.
 
+    ``on_layers(count)`` is called each time the count of leading layers whose tensors are all
+    verified grows (:class:`~lorastream.worker.loading.layer_progress.LayerProgress`).
+
     Subclasses that keep their memory in another type override :meth:`_reserved` and
     :meth:`_take`.
     """
 
-    def __init__(self, storage: np.ndarray | None = None) -> None:
+    def __init__(
+        self, storage: np.ndarray | None = None, on_layers: LayersCallback | None = None
+    ) -> None:
         self._storage = storage
+        self._on_layers = on_layers
         self.manifest: AdapterManifest | None = None
         self.offsets: list[int] = []
+        self.progress: LayerProgress | None = None  # with on_layers, from begin()
         self._np: np.ndarray | None = None  # [nbytes] uint8
         self.landing_seconds = 0.0  # time spent in write(), for the landing histogram
 
@@ -84,6 +92,10 @@ class LandingBuffer:
             )
         self.manifest, self.offsets = manifest, offsets
         self._np = self._take(total)
+        if self._on_layers is not None:
+            self.progress = LayerProgress(manifest)
+            if self.progress.landed:  # leading layers with nothing to land (no or empty tensors)
+                self._on_layers(self.progress.landed)
 
     def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
         assert self._np is not None
@@ -96,6 +108,13 @@ class LandingBuffer:
         assert self._np is not None and self.manifest is not None
         start = self.offsets[tensor_index]
         return memoryview(self._np[start : start + self.manifest.tensors[tensor_index].nbytes])
+
+    def verified(self, tensor_index: int) -> None:
+        if self.progress is None or self._on_layers is None:
+            return
+        landed = self.progress.verified(tensor_index)
+        if landed is not None:
+            self._on_layers(landed)
 
 
 class SlowSink:
@@ -114,3 +133,6 @@ class SlowSink:
 
     def view(self, tensor_index: int) -> memoryview:
         return self._inner.view(tensor_index)
+
+    def verified(self, tensor_index: int) -> None:
+        self._inner.verified(tensor_index)

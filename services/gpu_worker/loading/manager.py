@@ -57,6 +57,7 @@ from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.loading.host_loader import HostLoader
 from lorastream.worker.loading.host_tier import HostTier
 from lorastream.worker.loading.landing import host_nbytes
+from lorastream.worker.loading.layer_progress import manifest_layers
 from lorastream.worker.loading.names import NameResolver
 from lorastream.worker.loading.status import (
     AdapterSnapshot,
@@ -151,6 +152,7 @@ class AdapterManager:
                         "or raise --host-cache-bytes"
                     )
                 entry.weights = weights
+                entry.layers_landed = manifest_layers(buffer.manifest)
             self._entries[weights.adapter_id] = entry
             entry.local_path = path
             entry.pinned = entry.pinned or pin
