@@ -53,3 +53,47 @@ def test_a_reused_slot_holds_only_the_new_adapter(
         assert torch.equal(reused.b[module], fresh.b[module]), module
     assert reused.table[1] == fresh.table[1] and reused.table[1].rank == rank
     assert any(reused.a[m][:, 1].abs().sum() > 0 for m in reused.a)  # the new one is there
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "first_layer_only"),
+    [
+        ("all-r64", "attn-r4", False),
+        ("attn-r4", "all-r64", False),
+        ("all-r64", "all-r16-rslora", True),
+    ],
+)
+def test_layer_by_layer_writes_finish_each_layer_in_turn(
+    tiny_model: Path, tiny_adapters: dict[str, Path], old: str, new: str, first_layer_only: bool
+) -> None:
+    """``layer_write_ops``: job 0 records the adapter; after job ``1 + l`` layers ``0 .. l`` of
+    the slot are what a whole write leaves and later layers still hold the old adapter; at the
+    end the slot is the whole write's, its neighbour untouched."""
+    config = ModelConfig.from_dir(tiny_model)
+    layered = LoraSlots(config, 3, 64, torch.float32, torch.device("cpu"))
+    whole = LoraSlots(config, 3, 64, torch.float32, torch.device("cpu"))
+    for slots in (layered, whole):
+        slots.write(2, "n", *_blocks(tiny_model, tiny_adapters["mlp-r8"], False))
+        slots.write(1, "old", *_blocks(tiny_model, tiny_adapters[old], False))
+    before = {m: (layered.a[m].clone(), layered.b[m].clone()) for m in layered.a}
+    rank, scaling, blocks = _blocks(tiny_model, tiny_adapters[new], first_layer_only)
+    whole.write(1, "new", rank, scaling, blocks)
+    jobs = layered.layer_write_ops(1, "new", rank, scaling, blocks)
+    assert len(jobs) == 1 + config.num_layers
+    for op in jobs[0]:
+        op()
+    assert layered.table[1] == whole.table[1] and layered.table[1].rank == rank
+    for layer, job in enumerate(jobs[1:]):
+        for op in job:
+            op()
+        for m in layered.a:
+            done, left = slice(0, layer + 1), slice(layer + 1, None)
+            assert torch.equal(layered.a[m][done], whole.a[m][done]), (m, layer)
+            assert torch.equal(layered.b[m][done], whole.b[m][done]), (m, layer)
+            assert torch.equal(layered.a[m][left], before[m][0][left]), (m, layer)
+            assert torch.equal(layered.b[m][left], before[m][1][left]), (m, layer)
+    changed = False
+    for m in layered.a:
+        assert torch.equal(layered.a[m], whole.a[m]) and torch.equal(layered.b[m], whole.b[m])
+        changed |= not torch.equal(layered.a[m][:, 1], before[m][0][:, 1])
+    assert changed  # the new adapter differs from the old: the comparison proves something

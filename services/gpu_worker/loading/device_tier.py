@@ -23,6 +23,7 @@ from lorastream.worker.device.device import COMPLETED, Device, Event
 from lorastream.worker.loading.adapter_weights import AdapterWeights
 from lorastream.worker.loading.cost_model import AdmissionCostModel
 from lorastream.worker.loading.entry import AdapterEntry
+from lorastream.worker.loading.layered_copy import LayeredCopy
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 
@@ -72,6 +73,43 @@ class DeviceTier:
             self._copy_ops(slot, weights), after=self._slot_read[slot]
         )
         return True
+
+    def claim_layers(self, entries: Iterable[AdapterEntry], entry: AdapterEntry,
+                     weights: AdapterWeights, landed: int) -> bool:
+        """:meth:`claim` for an adapter whose layers are still landing (``landed`` of them so
+        far): the copy goes layer by layer (:class:`LayeredCopy`), each layer's once it landed
+        (:meth:`land_layers`). ``weights`` maps the host buffer, landed or not: only the copies
+        of landed layers read it. Not timed for the cost model: a layered copy's span includes
+        the wait for its bytes."""
+        slot = self._free_slot(entries)
+        if slot is None:
+            return False
+        entry.slot = slot
+        entry.copy_started = time.perf_counter()
+        self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
+        jobs = self.slots.layer_write_ops(
+            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
+        )
+        copy = LayeredCopy(self.device.load_stream, jobs, after=self._slot_read[slot])
+        copy.land(landed)
+        entry.slot_event = copy
+        return True
+
+    @staticmethod
+    def land_layers(entry: AdapterEntry, landed: int) -> None:
+        """Layers ``0 .. landed - 1`` of ``entry`` are in host memory: copy those not yet on
+        their way (a no-op unless its copy is a :class:`LayeredCopy`)."""
+        if isinstance(entry.slot_event, LayeredCopy):
+            entry.slot_event.land(landed)
+
+    def layers_ready(self, entry: AdapterEntry) -> int:
+        """Leading layers of ``entry`` in its slot (never blocks): all of them once
+        :meth:`ready`, some while a layered copy runs, else 0."""
+        if self.ready(entry):
+            return self.slots.num_layers
+        if entry.slot is not None and isinstance(entry.slot_event, LayeredCopy):
+            return entry.slot_event.layers_ready()
+        return 0
 
     def evict(self, entry: AdapterEntry) -> None:
         if entry.slot is not None:

@@ -51,6 +51,7 @@ class LoraSlots:
         device: torch.device,
     ) -> None:
         self.num_slots = num_slots
+        self.num_layers = config.num_layers
         self.max_rank = max_rank
         self.storage_rank = storage_rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN
         shapes = config.module_shapes()
@@ -147,6 +148,47 @@ class LoraSlots:
         info = SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
         ops.append(partial(self.table.__setitem__, slot, info))
         return ops
+
+    def layer_write_ops(
+        self,
+        slot: int,
+        adapter_id: str,
+        rank: int,
+        scaling: float,
+        blocks: list[tuple[int, str, str, torch.Tensor]],
+    ) -> list[list[Callable[[], None]]]:
+        """:meth:`write_ops` split by layer, for an adapter whose layers land one after another:
+        job 0 records the slot's adapter (a prefill that runs the first layers reads its rank and
+        scaling), job ``1 + l`` zeroes what layer ``l`` of the slot must not keep and copies the
+        adapter's layer ``l`` in. Run in order, the jobs write what :meth:`write_ops` writes;
+        after jobs ``0 .. l`` ran, layers ``0 .. l - 1`` of the slot are final.
+
+        Example, 3 layers, q_proj adapted in layers 0 and 1 only: job 1 copies L0 q.A and q.B
+        and zeroes L0 of every other module; job 3 zeroes L2 of every module.
+        """
+        num_layers = self.num_layers
+        by_layer: list[list[Callable[[], None]]] = [[] for _ in range(num_layers)]
+        covered: dict[tuple[str, str], set[int]] = {}
+        for layer, module, ab, block in blocks:
+            covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
+        for module in self.a:
+            a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
+            for ab, rows in (("A", a), ("B", b)):
+                layers = covered.get((module, ab), set())
+                for layer in range(num_layers):
+                    if layer not in layers:
+                        by_layer[layer].append(rows[layer].zero_)
+                    elif rank < self.storage_rank:
+                        tail = rows[layer, rank:] if ab == "A" else rows[layer, :, rank:]
+                        by_layer[layer].append(tail.zero_)
+        for first, module, ab, block in blocks:
+            rows = self.a[module] if ab == "A" else self.b[module]
+            for i in range(block.shape[0]):
+                target = (rows[first + i, slot, :rank] if ab == "A"
+                          else rows[first + i, slot, :, :rank])
+                by_layer[first + i].append(partial(_copy, target, block[i]))
+        info = SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
+        return [[partial(self.table.__setitem__, slot, info)], *by_layer]
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (its weights stay until the next write)."""

@@ -241,20 +241,41 @@ class DecoderModel:
     def forward(
         self, batch: ForwardBatch, kv: KVCache, lora: LoraHook | None = None
     ) -> torch.Tensor:  # [n, V] float32
-        c, w = self.config, self.weights
-        q_size, kv_size, inter = c.q_size, c.kv_size, c.intermediate_size
-        t = batch.num_tokens
+        """Every layer over ``batch``: :meth:`embed`, :meth:`run_layers` over all of them,
+        :meth:`head`."""
+        x = self.embed(batch)
+        x = self.run_layers(x, batch, kv, lora, 0, len(self.layers))
+        return self.head(x, batch)
+
+    @torch.inference_mode()
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, H]
+        """The input embeddings of the batch's tokens (scaled where the family scales them)."""
         if self._embed_rows is not None:
             x = self._embed_rows.rows(batch.input_ids).to(self.dtype)  # [T, H]
         else:
-            assert w.embed is not None
-            x = w.embed[batch.input_ids]  # [T, H]
+            assert self.weights.embed is not None
+            x = self.weights.embed[batch.input_ids]  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        return x
+
+    @torch.inference_mode()
+    def run_layers(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache, lora: LoraHook | None,
+        start: int, stop: int,
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
+        """Layers ``start .. stop - 1`` over the hidden states ``x`` of ``batch``'s tokens,
+        writing their keys and values into ``kv``: a forward may run in several such spans,
+        ``x`` carried from one to the next (a prefill that starts while its adapter's later
+        layers are still landing), with results identical to one pass."""
+        c = self.config
+        q_size, kv_size, inter = c.q_size, c.kv_size, c.intermediate_size
+        t = batch.num_tokens
         rope_tables = {False: self._cos_sin(self.rope, batch)}
         if self.local_rope is not None:
             rope_tables[True] = self._cos_sin(self.local_rope, batch)
-        for i, layer in enumerate(self.layers):
+        for i in range(start, stop):
+            layer = self.layers[i]
             wqkv, wo, w_gate_up, w_down = self.proj[i]
             h = layer.attn_norm(x)
             qkv = wqkv(h)  # [T, q + 2 kv]
@@ -290,8 +311,13 @@ class DecoderModel:
             if layer.post_mlp_norm is not None:
                 down = layer.post_mlp_norm(down)
             x = x + down
+        return x
+
+    @torch.inference_mode()
+    def head(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [T, H] -> [n, V]
+        """The logits (float32) of ``batch.logit_rows`` from the last layer's hidden states."""
         rows = self.final_norm(x[batch.logit_rows])  # [n, H]
         logits = self.lm_head(rows)  # [n, V]
-        if c.final_softcap is not None:
-            logits = soft_cap(logits, c.final_softcap)
+        if self.config.final_softcap is not None:
+            logits = soft_cap(logits, self.config.final_softcap)
         return logits.float()

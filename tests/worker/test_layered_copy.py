@@ -1,0 +1,113 @@
+"""A slot filled layer by layer as an adapter's layers land (``DeviceTier.claim_layers``): each
+layer's copy goes on the load stream once that layer landed, a prefill may read the leading
+layers whose copies completed, and the slot counts as ready (rule 1) only after the last.
+Runs the CPU load stream for real."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lorastream.worker.device.device import Device, HostEvent
+from lorastream.worker.loading.adapter_weights import AdapterWeights, adapter_weights
+from lorastream.worker.loading.cost_model import AdmissionCostModel
+from lorastream.worker.loading.device_tier import DeviceTier
+from lorastream.worker.loading.entry import AdapterEntry, Residency
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.metrics import WorkerMetrics
+from lorastream.worker.model.config import ModelConfig
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def device() -> Iterator[Device]:
+    device = Device("cpu")
+    yield device
+    device.close()
+
+
+def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _adapter(device: Device, config: ModelConfig, path: Path) -> tuple[AdapterEntry,
+                                                                       AdapterWeights]:
+    buffer = AdapterFetcher(device, None).read_local(path.name, path)
+    assert buffer.manifest is not None
+    weights = adapter_weights(buffer, config, 64)
+    return AdapterEntry(weights.adapter_id, path.name, buffer.manifest), weights
+
+
+def _layer_equal(a: LoraSlots, b: LoraSlots, layer: int, slot: int) -> bool:
+    return all(torch.equal(a.a[m][layer, slot], b.a[m][layer, slot])
+               and torch.equal(a.b[m][layer, slot], b.b[m][layer, slot]) for m in a.a)
+
+
+def test_a_slot_fills_layer_by_layer_as_layers_land(
+    device: Device, tiny_model: Path, tiny_adapters: dict[str, Path]
+) -> None:
+    config = ModelConfig.from_dir(tiny_model)
+    layers = config.num_layers
+    assert layers >= 2
+    slots = LoraSlots(config, 2, 64, torch.float32, CPU)
+    whole = LoraSlots(config, 2, 64, torch.float32, CPU)
+    tier = DeviceTier(slots, device, WorkerMetrics(), AdmissionCostModel())
+    old, old_weights = _adapter(device, config, tiny_adapters["all-r64"])
+    for target in (slots, whole):  # the slot held another adapter: every layer gets replaced
+        target.write(0, old.adapter_id, old_weights.rank, old_weights.scaling,
+                     list(old_weights.blocks))
+    entry, weights = _adapter(device, config, tiny_adapters["attn-r4"])
+    whole.write(0, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks))
+    reading = HostEvent()  # a step still reads slot 0 (rule 2)
+    tier.mark_read([0], reading)
+
+    assert tier.claim_layers([entry], entry, weights, landed=1)
+    assert entry.slot == 0
+    time.sleep(0.05)
+    assert tier.layers_ready(entry) == 0  # nothing is written while the step may read
+    assert not tier.ready(entry) and entry.residency is Residency.LOADING
+    reading.set()
+    _until(lambda: tier.layers_ready(entry) == 1)
+    assert _layer_equal(slots, whole, 0, 0)
+    assert not _layer_equal(slots, whole, 1, 0)  # layer 1 has not landed: still the old one
+    assert not tier.ready(entry) and entry.copying
+    assert slots.table[0].adapter_id == entry.adapter_id and slots.table[0].rank == 4
+
+    tier.land_layers(entry, layers)
+    assert entry.slot_event is not None and entry.slot_event.wait(5)
+    assert tier.ready(entry) and tier.layers_ready(entry) == layers
+    assert entry.residency is Residency.DEVICE
+    for layer in range(layers):
+        assert _layer_equal(slots, whole, layer, 0), layer
+
+
+def test_a_layered_copy_waits_for_its_layers_whatever_the_stream_runs(
+    device: Device, tiny_model: Path, tiny_adapters: dict[str, Path]
+) -> None:
+    """Layers not landed are never copied, however long the stream runs; an adapter copied
+    whole afterwards into another slot is not held up by the layers still to land."""
+    config = ModelConfig.from_dir(tiny_model)
+    slots = LoraSlots(config, 2, 64, torch.float32, CPU)
+    tier = DeviceTier(slots, device, WorkerMetrics(), AdmissionCostModel())
+    entry, weights = _adapter(device, config, tiny_adapters["mlp-r8"])
+    other, other_weights = _adapter(device, config, tiny_adapters["attn-r4"])
+    assert tier.claim_layers([entry], entry, weights, landed=0)
+    assert tier.claim([entry, other], other, other_weights)
+    assert other.slot_event is not None and other.slot_event.wait(5)
+    assert tier.ready(other)
+    assert tier.layers_ready(entry) == 0 and not tier.ready(entry)
+    assert entry.slot_event is not None and not entry.slot_event.wait(0.05)
+    assert all(slots.a[m][:, entry.slot].abs().sum() == 0 for m in slots.a)  # nothing copied
+    for landed in range(1, config.num_layers + 1):
+        tier.land_layers(entry, landed)
+        _until(lambda: tier.layers_ready(entry) == landed)
+    assert tier.ready(entry)
