@@ -25,7 +25,9 @@ measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside
 the compute threads placed by the kernel rather than bound one per core
 (``--bind-compute-threads off``, ``services/gpu_worker/device/cpu_binding.py``); and store fetches
 given a turn of the cores before each step while they are in flight (``--fetch-turn-ms 2``,
-``step_gate.py``; off by default), which trades the running streams' ITL for load time.
+``step_gate.py``; off by default), which trades the running streams' ITL for load time; and,
+not a CPU measure, layer-ordered admission (``--layered-admission on``; off by default), whose
+cold probe against the defaults' is what it wins.
 
 The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
 and on a 2-core benchmark box it would otherwise take the cores the worker decodes on (at
@@ -328,6 +330,9 @@ CPU_VARIANTS = {
     # fetches get a turn of the cores before each step while in flight (step_gate.py; off by
     # default: faster loads beside decoding, at the running streams' expense)
     "fetch_turns_2ms": ("--fetch-turn-ms", "2"),
+    # not a CPU measure: a cold request admitted once its adapter's first layers are in a slot,
+    # its prefill run layer by layer as they land (engine/landing.py; off by default)
+    "layered_admission": ("--layered-admission", "on"),
 }
 
 

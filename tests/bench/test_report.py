@@ -100,6 +100,10 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
                             "interference": mode(300.0, 1.25)["interference"],
                             "cold_probe": {"cold_ttft_ms": 812.0, "load_ms": 700.0,
                                            "cold_vs_link_plus_warm": 0.9}},
+        "layered_admission": {"worker_flags": "--layered-admission on",
+                              "interference": mode(300.0, 1.15)["interference"],
+                              "cold_probe": {"cold_ttft_ms": 750.0, "load_ms": 650.0,
+                                             "cold_vs_link_plus_warm": 0.8}},
         "machine": _machine(),
     }
 
@@ -326,6 +330,16 @@ def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said
             "812.0 ms and LoadAdapter took 700.0 ms.") in page
     no_turns = {k: v for k, v in serve.items() if k != "fetch_turns_2ms"}
     assert "With fetch turns" not in render_page({"serve": no_turns}, {})
+    assert ("With it on (the table above), the same probe's first token came after 750.0 ms "
+            "against 900.0 ms with the defaults (0.83x; LoadAdapter 650.0 ms): it pays here."
+            ) in page
+    assert "| layered admission (--layered-admission on) |" in page
+    slow = {**serve, "layered_admission": {**serve["layered_admission"], "cold_probe": {
+        "cold_ttft_ms": 880.0, "load_ms": 700.0}}}
+    assert "(0.98x; LoadAdapter 700.0 ms): no gain beyond the run-to-run spread here" in (
+        render_page({"serve": slow}, {}))
+    no_layered = {k: v for k, v in serve.items() if k != "layered_admission"}
+    assert "With it on" not in render_page({"serve": no_layered}, {})
     _assert_no_leaks(page)
 
 
@@ -396,7 +410,10 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     assert rows["| fetch turns of 2 ms (--fetch-turn-ms 2)"].endswith(
         "| 70.0 | 87.5 | 1.25× | 812.0 | 0.90× | 700.0 |")
     assert "4 rounds of 5.0 s each" in page
-    no_fetch_turns = {k: v for k, v in serve.items() if k != "fetch_turns_2ms"}
+    assert rows["| layered admission (--layered-admission on)"].endswith(
+        "| 70.0 | 80.5 | 1.15× | 750.0 | 0.80× | 650.0 |")
+    no_fetch_turns = {k: v for k, v in serve.items()
+                      if k not in ("fetch_turns_2ms", "layered_admission")}
     assert "fetch turns of 2 ms" not in render_page({"serve": no_fetch_turns}, {})
     older = {k: v for k, v in no_fetch_turns.items() if k != "compute_threads_unbound"}
     assert "threads placed by the kernel" not in render_page({"serve": older}, {})

@@ -30,6 +30,7 @@ from lorastream.core.generation import FinishReason, GenerationEvent, PromptInpu
 from lorastream.worker.device.device import Device, use_intra_op_threads
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.intake import RequestIntake
+from lorastream.worker.engine.landing import LandingPrefills
 from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.logits_processors import token_logprobs
 from lorastream.worker.engine.sampling import Sampler, SamplingParams
@@ -79,6 +80,7 @@ class Engine:
         max_seq_len: int,
         default_max_tokens: int,
         prefetch_depth: int = 8,
+        layered_admission: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -94,7 +96,9 @@ class Engine:
             max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens,
             prefetch_depth=prefetch_depth if adapters.overlap else 0,
+            layered=layered_admission and adapters.overlap,
         )
+        self.landing = LandingPrefills(model, kv, slots, backend, adapters, device)
         self.sampler = Sampler()
         self.staging = StepStaging(device, capacity=16 * max_num_tokens + 4096)
         self.intake = RequestIntake(
@@ -182,7 +186,7 @@ class Engine:
             else:  # the loop is gone: its state is ours to wind down
                 self._intake()
                 gone = SourceUnavailable("the worker is shutting down; retry the request")
-                for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                for seq in self._admitted_or_waiting():
                     self._fail(seq, gone)
             self._wound_down = True
             self.adapters.close()
@@ -245,6 +249,10 @@ class Engine:
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)
+                if self.scheduler.landing:  # prefills whose adapter still lands: landed layers
+                    with self.device.step():
+                        for seq, err in self.landing.advance(self.scheduler.landing):
+                            self._fail(seq, err)
                 if plan.empty:
                     # Idle, or waiting on loads: poll loads every millisecond, else sleep.
                     timeout = 0.001 if self.scheduler.has_work else None
@@ -255,7 +263,7 @@ class Engine:
                     self._step(plan)
             except Exception:  # noqa: BLE001 - a bug must not kill the loop silently
                 log.exception("engine step failed; failing the running requests")
-                for seq in list(self.scheduler.running):
+                for seq in [*self.scheduler.running, *self.scheduler.landing]:
                     self._fail(seq, LorastreamError("internal error in the engine step"))
 
     def _intake(self) -> None:
@@ -265,8 +273,12 @@ class Engine:
             except queue.Empty:
                 return
 
+    def _admitted_or_waiting(self) -> list[Sequence]:
+        s = self.scheduler
+        return [*s.waiting, *s.running, *s.landing]
+
     def _drop_cancelled(self) -> None:
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+        for seq in self._admitted_or_waiting():
             if seq.cancelled:
                 self._retire(seq, FinishReason.CANCELLED, (), "")
 

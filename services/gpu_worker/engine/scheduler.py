@@ -12,6 +12,11 @@ Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequenc
    the extra prefill step it would otherwise cost, new prefills are held for it (briefly; see
    ``cost_model.py``), so they are prefilled together.
 
+With ``layered`` (``--layered-admission``), a request whose adapter is still landing is
+admitted once its first layers are in a slot: it takes its KV blocks and waits in ``landing``
+while the engine runs its prompt through the layers as they arrive (``landing.py``); when the
+last one ran it joins ``running`` with one prompt token left, which the next step prefills.
+
 Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
 adapters fetched and placed in free (or idle) slots while the batch keeps decoding.
 
@@ -57,21 +62,24 @@ class Scheduler:
         max_batch_size: int,
         max_num_tokens: int,
         prefetch_depth: int,
+        layered: bool = False,
     ) -> None:
         self.allocator = allocator
         self.adapters = adapters
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefetch_depth = prefetch_depth
+        self.layered = layered
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.landing: list[Sequence] = []  # admitted, prefilled layer by layer as they land
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.landing)
 
     def waiting_on_loads(self) -> int:
         return sum(
@@ -81,6 +89,10 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        landed = [seq for seq in self.landing if seq.num_computed >= len(seq.prompt_ids) - 1]
+        for seq in landed:  # its prompt is cached but the last token: the batch takes it on
+            self.landing.remove(seq)
+            self.running.append(seq)
         budget = self.max_num_tokens
         for seq in self.running:
             if not seq.prefilling and budget > 0:
@@ -104,26 +116,40 @@ class Scheduler:
             return
         admitted: list[Sequence] = []
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(admitted) >= self.max_batch_size:
+            taken = len(self.running) + len(self.landing) + len(admitted)
+            if budget <= 0 or taken >= self.max_batch_size:
                 break
+            layered = False
             if seq.adapter_id is not None:
                 try:
                     placed = self.adapters.place(seq.adapter_id)
+                    layered = not placed and self._lands_layered(seq)
                 except LorastreamError as err:  # its adapter cannot be loaded (rule 5)
                     plan.failed.append((seq, err))
                     self.waiting.remove(seq)
                     continue
-                if not placed:
+                if not placed and not layered:
                     continue  # still loading: keep its place, look at the next one
             if not self.allocator.can_allocate(seq.reserve_tokens):
                 break  # wait for finishing sequences to free blocks
             seq.blocks = self.allocator.allocate(seq.reserve_tokens)  # n > 1: every choice's
+            if layered:
+                self.landing.append(seq)
+                self.waiting.remove(seq)
+                continue
             chunk = min(seq.remaining_prompt, budget)
             plan.prefill.append((seq, chunk))
             budget -= chunk
             admitted.append(seq)
             self.waiting.remove(seq)
         self.running.extend(admitted)
+
+    def _lands_layered(self, seq: Sequence) -> bool:
+        """Admit ``seq`` while its adapter still lands? With ``layered``, once the first layers
+        of it are in a slot, for a prompt of more than one token (the last one is prefilled in
+        the batch, which samples the first token)."""
+        return (self.layered and len(seq.prompt_ids) > 1 and seq.adapter_id is not None
+                and self.adapters.place_layered(seq.adapter_id) > 0)
 
     def _prefetch(self) -> None:
         """Start loads for the adapters of the next waiting requests (bounded by slots)."""
@@ -137,6 +163,8 @@ class Scheduler:
         """Take ``seq`` out (running or waiting) and free its blocks. The engine releases refs."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.landing:
+            self.landing.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.blocks:

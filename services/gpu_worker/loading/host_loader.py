@@ -53,10 +53,13 @@ class HostLoader:
         cost_model: AdmissionCostModel,
         pool: Executor | None,
         landed: Callable[[AdapterEntry], object],
+        layers_changed: Callable[[AdapterEntry], object] = lambda entry: None,
     ) -> None:
         """``entries`` and ``changed`` (a condition on its lock) are the manager's; ``pool``
         runs the fetches (None: on the caller's thread); ``landed(entry)`` is called, outside
-        the lock, when a fetch in the pool lands an adapter a request waits for."""
+        the lock, when a fetch in the pool lands an adapter a request waits for;
+        ``layers_changed(entry)``, with the lock held, when more of its layers landed, when its
+        fetch ended and when it failed (layer-ordered admission follows it)."""
         self._entries = entries
         self._changed = changed
         self.host = host
@@ -67,6 +70,7 @@ class HostLoader:
         self._cost_model = cost_model
         self._pool = pool
         self._landed = landed
+        self._layers_changed = layers_changed
         self._fetches = 0  # store fetches in flight (entries with ``fetching`` set)
 
     @property
@@ -133,6 +137,7 @@ class HostLoader:
         with self._changed:
             if entry.fetching and count > entry.layers_landed:
                 entry.layers_landed = count
+                self._layers_changed(entry)
                 self._changed.notify_all()
 
     def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
@@ -162,6 +167,7 @@ class HostLoader:
                 self._fetches -= 1
                 if entry.weights is None:
                     self.host.drop(entry)  # release the reservation (layers_landed: 0)
+                self._layers_changed(entry)
                 waited_for = entry.refs > 0 and entry.error is None
                 self._changed.notify_all()
         if self._pool is not None and waited_for:

@@ -51,14 +51,23 @@ class LayeredCopy(Event):
             self._submitted.set()
 
     def layers_ready(self) -> int:
-        """Leading layers whose copy completed (never blocks); 0 until the record job ran."""
-        events = list(self._events)
+        """Leading layers whose copy completed (never blocks); 0 until the record job ran.
+        A job that failed ends the count (its layer is not ready, nor any after it)."""
         ready = 0
-        for event in events:
-            if not event.query():
+        for event in list(self._events):
+            if not event.query() or getattr(event, "error", None) is not None:
                 break
             ready += 1
         return max(0, ready - 1)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error of the first job that failed, if one did (the manager fails the load)."""
+        for event in list(self._events):
+            error = getattr(event, "error", None)
+            if error is not None:
+                return error
+        return None
 
     def query(self) -> bool:
         return self._submitted.is_set() and self._events[-1].query()

@@ -43,6 +43,7 @@ from pathlib import Path
 from lorastream.core.errors import (
     AdapterNotFound,
     CapacityExhausted,
+    InvalidAdapter,
     InvalidArgument,
     SourceUnavailable,
 )
@@ -57,6 +58,7 @@ from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.loading.host_loader import HostLoader
 from lorastream.worker.loading.host_tier import HostTier
 from lorastream.worker.loading.landing import host_nbytes
+from lorastream.worker.loading.layered_admission import follow_landing, landing_weights
 from lorastream.worker.loading.layer_progress import manifest_layers
 from lorastream.worker.loading.names import NameResolver
 from lorastream.worker.loading.status import (
@@ -95,6 +97,7 @@ class AdapterManager:
         self.metrics = metrics or WorkerMetrics()
         self.host = HostTier(device, host_budget, self.metrics, fetcher.landing_memory)
         self._cost_model = AdmissionCostModel()
+        self._device = device
         self._device_tier = DeviceTier(slots, device, self.metrics, self._cost_model)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a fetch ended, a reference dropped
@@ -112,6 +115,7 @@ class AdapterManager:
         self._loader = HostLoader(
             self._entries, self._changed, self.host, fetcher, config, slots.max_rank,
             self.metrics, self._cost_model, self._pool if overlap else None, self._place,
+            lambda entry: follow_landing(self._device_tier, entry),
         )
 
     def close(self) -> None:
@@ -237,6 +241,33 @@ class AdapterManager:
                 self._device_tier.evict(entry)
         with self._lock:
             return self._device_tier.ready(entry) and entry.error is None
+
+    def place_layered(self, adapter_id: str) -> int:
+        """:meth:`place`, and for an adapter still landing a slot filled layer by layer
+        (``layered_admission.py``): the leading layers a prefill may run now, all of them
+        (``slots.num_layers``) once it is ready. Raises the adapter's error."""
+        if self.place(adapter_id):
+            return self.slots.num_layers
+        with self._lock:
+            entry = self._entries[adapter_id]
+            if entry.slot is None and entry.fetching and entry.layers_landed and self.overlap:
+                try:
+                    weights = landing_weights(entry, self.host, self._device, self.config,
+                                              self.slots.max_rank)
+                except InvalidAdapter as err:  # it does not fit this base model (rule 6)
+                    self._loader.fail(entry, err)
+                    raise
+                if weights is not None:
+                    self._device_tier.claim_layers(self._entries.values(), entry, weights,
+                                                   entry.layers_landed)
+            return self._device_tier.layers_ready(entry)
+
+    def layers_ready(self, adapter_id: str) -> int:
+        """Leading layers of the adapter in its slot (never blocks); raises its error."""
+        entry = self._entry(adapter_id)
+        self._raise_error(entry)
+        with self._lock:
+            return self._device_tier.layers_ready(entry)
 
     def prefetch(self, adapter_ids: Iterable[str], limit: int) -> None:
         """Start loads for the first ``limit`` distinct adapters of ``adapter_ids`` (the next

@@ -194,6 +194,15 @@ class WorkerSettings(StoreTLSSettings):
         True,
         description="Load adapters on the load stream while decoding (off: load before the step).",
     )
+    layered_admission: bool = Field(
+        False,
+        description="Admit a request whose adapter is still arriving from the store once its "
+        "first layers are in a slot, and run its prefill through each layer as that layer "
+        "lands (the store streams adapters in layer order); its first token then needs only "
+        "the last layers' share of the prefill after the load. Needs overlap loading. Off by "
+        "default until `lorastream bench serve` shows it pays on your hardware "
+        "(docs/design.md, 'Layer-ordered admission').",
+    )
     lora_backend: Literal["torch", "triton"] = Field(
         "torch", description="LoRA delta implementation (triton needs CUDA)."
     )

@@ -1,0 +1,96 @@
+"""Prefills that start while their adapter's layers are still landing (``--layered-admission``;
+docs/design.md, "Layer-ordered admission").
+
+A request admitted that way sits in ``Scheduler.landing``: it holds its KV blocks, and its
+adapter a slot that fills layer by layer as the store's stream lands them
+(``loading/layered_admission.py``). After each scheduling round the engine runs its prompt but
+the last token through the layers whose copies have completed, and keeps the hidden states on
+the sequence for the next round. Example, 30 layers, a prompt of 40 tokens: rounds that find 4,
+4, 11 and 30 layers ready run layers 0-3, none, 4-10 and 11-29 over tokens 0-38. Then the cache
+holds the prompt but its last token, and the sequence joins the batch as an ordinary prefilling
+sequence with one token left: the next step samples its first token as for any request
+(logprobs, grammars, n > 1 unchanged).
+
+Decode steps never wait for a layer: this runs between them, as far as the landed layers allow.
+Each span is one batch of one sequence; it reads only layers whose own copy completed, and its
+read of the slot is recorded like a step's (rule 2).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lorastream.core.errors import LorastreamError
+from lorastream.worker.device.device import Device
+from lorastream.worker.engine.scheduler import StepPlan
+from lorastream.worker.engine.sequence import Sequence
+from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.lora.backend import LoraBackend, LoraStep
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.decoder import DecoderModel
+from lorastream.worker.model.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class LandingPrefills:
+    def __init__(self, model: DecoderModel, kv: KVCache, slots: LoraSlots,
+                 backend: LoraBackend, adapters: AdapterManager, device: Device) -> None:
+        self.model = model
+        self.kv = kv
+        self.slots = slots
+        self.backend = backend
+        self.adapters = adapters
+        self.device = device
+        self.layers_run = 0  # layer spans' layers, summed over sequences
+        self.early_layers = 0  # of those, run while the adapter had not landed whole
+
+    @staticmethod
+    def done(seq: Sequence) -> bool:
+        """Its prompt but the last token is cached: it may join the batch."""
+        return seq.num_computed >= len(seq.prompt_ids) - 1
+
+    def advance(self, landing: list[Sequence]) -> list[tuple[Sequence, LorastreamError]]:
+        """Run each landing sequence's prompt (but its last token) through the layers now ready;
+        the sequences whose adapter failed, with its error (rule 5: they fail with it)."""
+        failed: list[tuple[Sequence, LorastreamError]] = []
+        num_layers = self.slots.num_layers
+        for seq in landing:
+            if self.done(seq):
+                continue
+            assert seq.adapter_id is not None, "only adapter requests land layer by layer"
+            try:
+                ready = self.adapters.layers_ready(seq.adapter_id)
+            except LorastreamError as err:
+                failed.append((seq, err))
+                continue
+            if ready <= seq.landing_layers:
+                continue
+            self._run(seq, ready)
+            if ready < num_layers:
+                self.early_layers += ready - seq.landing_layers
+            self.layers_run += ready - seq.landing_layers
+            seq.landing_layers = ready
+            if ready == num_layers:
+                seq.num_computed = len(seq.prompt_ids) - 1
+                seq.landing_hidden = None
+        return failed
+
+    def _run(self, seq: Sequence, stop: int) -> None:
+        """Layers ``seq.landing_layers .. stop - 1`` over its prompt but the last token."""
+        assert seq.adapter_id is not None
+        step = self.adapters.prepare_step([seq.adapter_id])  # its slot; its copy still runs
+        seq.slot = step.slots[0]
+        chunk = len(seq.prompt_ids) - 1
+        inputs = build_step_inputs(StepPlan(prefill=[(seq, chunk)]), None)
+        batch = inputs.batch.to(self.model.device)
+        meta = self.backend.prepare(inputs.token_slots, self.slots)
+        lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
+        start = seq.landing_layers
+        x = self.model.embed(batch) if start == 0 else seq.landing_hidden  # [n, H]
+        assert x is not None
+        seq.landing_hidden = self.model.run_layers(x, batch, self.kv, lora, start, stop)
+        self.adapters.mark_read(step, self.device.record_compute())  # rule 2
+        log.debug("request %s: layers %d-%d of its prefill ran while its adapter lands",
+                  seq.request_id, start, stop - 1)

@@ -1,0 +1,113 @@
+"""Layer-ordered admission (``--layered-admission``): a cold request is admitted once its
+adapter's first layers are in a slot, its prefill runs each layer as it lands, and its tokens
+are HF + PEFT's. Slowed with the fetch's chunk delay so the layers land far apart; real store
+on loopback, real engine. Leaks are checked at teardown (``engine_factory``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lorastream.core import errors
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.store_client import StoreClient
+from lorastream.worker.engine.engine import Engine
+from tests.store.test_fast_verify import _flip_byte
+from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
+
+pytestmark = pytest.mark.timeout(120)  # a request stuck in landing fails, not hangs, the run
+
+
+def _slow(engine: Engine) -> None:
+    """About 0.2 s per layer of the tiny model's rank-64 adapter: its layers land apart."""
+    engine.adapters.fetcher.chunk_bytes = 8192
+    engine.adapters.fetcher.chunk_delay_s = 0.01
+
+
+@pytest.mark.parametrize("layered", [True, False], ids=["layered", "whole"])
+def test_a_cold_request_runs_its_landed_layers_early_and_gives_peft_tokens(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    layered: bool,
+) -> None:
+    engine = engine_factory(store=store.target, layered_admission=layered)
+    _slow(engine)
+    assert greedy_tokens(engine, "all-r64", 1) == reference[("all-r64", 1)]
+    layers = engine.slots.num_layers
+    if layered:  # all of its prefill's layers ran before its last token's step; some early
+        assert engine.landing.layers_run == layers
+        assert 0 < engine.landing.early_layers < layers
+    else:
+        assert engine.landing.layers_run == 0
+
+
+def test_streams_decoding_meanwhile_and_a_resident_adapter_stay_exact(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    """A cold request lands layer by layer while the base model and a resident adapter decode
+    in the batch; every one of them gets its own reference tokens, n > 1 included."""
+    engine = engine_factory(store=store.target, layered_admission=True)
+    assert greedy_tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]  # now resident
+    _slow(engine)
+    results: dict[str, list[int]] = {}
+
+    def run(name: str, prompt: int) -> None:
+        results[f"{name}/{prompt}"] = greedy_tokens(engine, name, prompt)
+
+    threads = [threading.Thread(target=run, args=a) for a in
+               [("tiny", 0), ("attn-r4", 2), ("all-r16-rslora", 1), ("mlp-r8", 0)]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == {
+        "tiny/0": reference[("base", 0)], "attn-r4/2": reference[("attn-r4", 2)],
+        "all-r16-rslora/1": reference[("all-r16-rslora", 1)],
+        "mlp-r8/0": reference[("mlp-r8", 0)],
+    }
+    assert engine.landing.early_layers > 0
+    # two choices of one cold request: forked after the last prompt token, as for any request
+    stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[1])),
+                           SamplingParams(max_tokens=6, n=2))
+    by_choice: dict[int, list[int]] = {0: [], 1: []}
+    for event in stream:
+        by_choice[event.index] += list(event.token_ids)
+    assert by_choice[0] == by_choice[1] == reference[("all-r64", 1)][:6]
+
+
+def test_a_damaged_later_layer_fails_the_request_after_its_early_layers_ran(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    """Layer 0 lands and runs; a byte of the last layer was damaged on the store's disk: the
+    request fails with the digest error (never served by a partial adapter), its slot and
+    blocks come back, and a request for a sound adapter goes on."""
+    with StoreClient(store.target) as client:
+        manifest = client.describe("all-r64")
+    last = max(i for i, t in enumerate(manifest.tensors) if ".layers.1." in t.name)
+    _flip_byte(store.cache, manifest, last)
+    engine = engine_factory(store=store.target, layered_admission=True)
+    _slow(engine)
+    with pytest.raises(errors.InvalidAdapter, match="mismatch"):
+        greedy_tokens(engine, "all-r64", 1)
+    assert engine.landing.early_layers >= 1
+    state = engine.adapters.inspect("all-r64")
+    assert state is not None and state.slot is None  # the partly filled slot was taken back
+    assert greedy_tokens(engine, "mlp-r8", 0) == reference[("mlp-r8", 0)]
+
+
+def test_a_request_cancelled_while_its_adapter_lands_leaves_nothing_behind(
+    engine_factory: EngineFactory, store: StoreStack
+) -> None:
+    engine = engine_factory(store=store.target, layered_admission=True)
+    _slow(engine)
+    stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[1])),
+                           SamplingParams(max_tokens=12))
+    deadline = time.monotonic() + 30
+    while not engine.landing.layers_run and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.scheduler.landing  # admitted, prefilling layer by layer
+    stream.cancel()
+    events = list(stream)
+    assert events and events[-1].finish_reason is not None
+    assert not engine.scheduler.landing
