@@ -14,6 +14,7 @@ from lorastream.core import errors
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.engine.engine import Engine
+from lorastream.worker.engine.landing import round_stop
 from tests.store.test_fast_verify import _flip_byte
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
@@ -40,6 +41,29 @@ def test_a_cold_request_runs_its_landed_layers_early_and_gives_peft_tokens(
         assert 0 < engine.landing.early_layers < layers
     else:
         assert engine.landing.layers_run == 0
+
+
+@pytest.mark.parametrize(("done", "ready", "tokens", "budget", "stop"), [
+    (0, 30, 38, 2048, 30),  # a short prompt: every landed layer at once
+    (0, 30, 4000, 2048, 15),  # a long one: half the layers' worth of a full step
+    (15, 30, 4000, 2048, 30),
+    (3, 5, 4000, 2048, 5),  # never past what is ready
+    (0, 30, 100_000, 8, 1),  # at least one layer a round
+])
+def test_a_round_runs_at_most_a_step_s_worth_of_token_layers(
+    done: int, ready: int, tokens: int, budget: int, stop: int
+) -> None:
+    assert round_stop(done, ready, tokens, budget, 30) == stop
+
+
+def test_a_long_prompt_goes_over_several_rounds_and_stays_exact(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    """``max_num_tokens`` 8: the 18 tokens before prompt 1's last one take a layer a round."""
+    engine = engine_factory(store=store.target, layered_admission=True, max_num_tokens=8)
+    _slow(engine)
+    assert greedy_tokens(engine, "all-r64", 1) == reference[("all-r64", 1)]
+    assert engine.landing.layers_run == engine.landing.spans == engine.slots.num_layers
 
 
 def test_streams_decoding_meanwhile_and_a_resident_adapter_stay_exact(

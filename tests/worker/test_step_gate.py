@@ -69,6 +69,25 @@ def test_copies_run_between_steps_one_turn_per_gap_and_progress_while_steps_run(
     assert steps_before <= 30, f"the copy took {steps_before} steps (10 turns of 4 ops needed)"
 
 
+def test_small_jobs_queued_back_to_back_share_a_turn() -> None:
+    """40 jobs of one short operation each (an adapter copied layer by layer) take a few turns
+    of ``turn_s``, not one gap between steps each; steps and copies still never overlap."""
+    gate = StepGate(turn_s=0.004, idle_s=1.0)
+    stream = LoadStream(torch.device("cpu"), gate=gate)
+    record = _Recorder()
+    try:
+        with gate.step():  # the jobs queue up during a step, as layers land during one
+            events = [stream.submit([lambda: record.op(0.0005)]) for _ in range(40)]
+            busy(0.005)
+        _steps(gate, record, count=30, seconds=0.005)
+        assert all(e.wait(5) and e.error is None for e in events)
+    finally:
+        stream.close()
+    assert len(record.ops) == 40
+    assert gate.turns <= 12  # 40 x 0.5 ms in turns of 4 ms (one op past the budget at most)
+    assert not [(s, o) for s in record.steps for o in record.ops if _overlap(s, o)]
+
+
 def test_an_idle_engine_does_not_hold_copies_up() -> None:
     gate = StepGate(turn_s=0.002)
     stream = LoadStream(torch.device("cpu"), gate=gate)

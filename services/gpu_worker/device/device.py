@@ -133,6 +133,33 @@ class _Job:
     done: HostEvent = field(default_factory=HostEvent)
 
 
+class _Turn:
+    """The copy thread's turns of the step gate (``step_gate.py``): one begins before an
+    operation when none is open, and one that has copied for ``turn_s`` ends before the next
+    operation, whichever job that belongs to; so consecutive small jobs (an adapter copied layer
+    by layer as its layers land) share a turn instead of taking one gap between steps each."""
+
+    def __init__(self, gate: StepGate) -> None:
+        self.gate = gate
+        self._began: float | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._began is not None
+
+    def before_op(self) -> None:
+        if self._began is not None and time.perf_counter() - self._began >= self.gate.turn_s:
+            self.end()
+        if self._began is None:
+            self.gate.begin_turn()
+            self._began = time.perf_counter()
+
+    def end(self) -> None:
+        if self._began is not None:
+            self.gate.end_turn()
+            self._began = None
+
+
 class LoadStream:
     """Runs adapter copies off the compute path, in submission order.
 
@@ -178,34 +205,30 @@ class LoadStream:
 
     def _run(self) -> None:
         loader_thread_init(self.loader_priority)
-        while (job := self._jobs.get()) is not None:
+        turn = _Turn(self.gate)
+        while True:
+            try:  # a job queued behind the one just copied goes on in the same turn
+                job = self._jobs.get_nowait() if turn.open else self._jobs.get()
+            except queue.Empty:
+                turn.end()
+                continue
+            if job is None:
+                break
             try:
-                if job.after is not None:
+                if job.after is not None and not job.after.query():
+                    turn.end()  # never hold a turn (and the steps) while waiting on a step
                     job.after.wait()
                 if self.copy_delay_s:
+                    turn.end()
                     time.sleep(self.copy_delay_s)
-                self._run_in_turns(job.ops, job.done)
+                for op in job.ops:
+                    turn.before_op()
+                    op()
+                job.done.set()  # inside the turn: an engine waiting for it sees the copy done
             except BaseException as exc:  # noqa: BLE001 - reported through the event
                 log.exception("copy on the load stream failed")
                 job.done.set(exc)
-
-    def _run_in_turns(self, ops: CopyOps, done: HostEvent) -> None:
-        """Run ``ops`` in turns of the gate (each ends once it copied for ``turn_s``) and set
-        ``done`` inside the last one, so an engine waiting for that turn sees the copy done."""
-        gate, began = self.gate, None
-        try:
-            for index, op in enumerate(ops, 1):
-                if began is None:
-                    gate.begin_turn()
-                    began = time.perf_counter()
-                op()
-                if index < len(ops) and time.perf_counter() - began >= gate.turn_s:
-                    gate.end_turn()
-                    began = None
-            done.set()
-        finally:
-            if began is not None:
-                gate.end_turn()
+        turn.end()
 
     def close(self) -> None:
         if not self._cuda:

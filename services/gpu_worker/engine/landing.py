@@ -11,7 +11,9 @@ holds the prompt but its last token, and the sequence joins the batch as an ordi
 sequence with one token left: the next step samples its first token as for any request
 (logprobs, grammars, n > 1 unchanged).
 
-Decode steps never wait for a layer: this runs between them, as far as the landed layers allow.
+Decode steps never wait for a layer: this runs between them, as far as the landed layers allow,
+and a round runs at most a full step's worth of token-layers (``max_num_tokens`` tokens through
+every layer), so a long prompt goes on over several rounds.
 Each span is one batch of one sequence; it reads only layers whose own copy completed, and its
 read of the slot is recorded like a step's (rule 2).
 """
@@ -34,10 +36,22 @@ from lorastream.worker.model.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
+def round_stop(done: int, ready: int, tokens: int, max_num_tokens: int, num_layers: int) -> int:
+    """The layer a round runs up to: ``ready``, but at most a full step's token-layers
+    (``max_num_tokens`` through ``num_layers``) over ``tokens``, and at least one layer.
+    Example: 30 layers, ``max_num_tokens`` 2048, a 4000-token prompt: 15 layers a round."""
+    return min(ready, done + max(1, max_num_tokens * num_layers // max(tokens, 1)))
+
+
 class LandingPrefills:
     def __init__(self, model: DecoderModel, kv: KVCache, slots: LoraSlots,
-                 backend: LoraBackend, adapters: AdapterManager, device: Device) -> None:
+                 backend: LoraBackend, adapters: AdapterManager, device: Device,
+                 max_num_tokens: int) -> None:
+        """``max_num_tokens``: a round runs at most the token-layers of a full step's worth
+        (``max_num_tokens`` tokens through every layer), so a long prompt's layers, landed all
+        at once, do not hold the running streams for longer than a step would."""
         self.model = model
+        self.max_num_tokens = max_num_tokens
         self.kv = kv
         self.slots = slots
         self.backend = backend
@@ -45,6 +59,7 @@ class LandingPrefills:
         self.device = device
         self.layers_run = 0  # layer spans' layers, summed over sequences
         self.early_layers = 0  # of those, run while the adapter had not landed whole
+        self.spans = 0  # spans run (one sequence, consecutive layers, one round)
 
     @staticmethod
     def done(seq: Sequence) -> bool:
@@ -67,7 +82,10 @@ class LandingPrefills:
                 continue
             if ready <= seq.landing_layers:
                 continue
+            ready = round_stop(seq.landing_layers, ready, len(seq.prompt_ids) - 1,
+                               self.max_num_tokens, num_layers)
             self._run(seq, ready)
+            self.spans += 1
             if ready < num_layers:
                 self.early_layers += ready - seq.landing_layers
             self.layers_run += ready - seq.landing_layers
