@@ -82,11 +82,12 @@ class LandingPrefills:
                 continue
             if ready <= seq.landing_layers:
                 continue
+            landed_whole = ready == num_layers
             ready = round_stop(seq.landing_layers, ready, len(seq.prompt_ids) - 1,
                                self.max_num_tokens, num_layers)
             self._run(seq, ready)
             self.spans += 1
-            if ready < num_layers:
+            if not landed_whole:
                 self.early_layers += ready - seq.landing_layers
             self.layers_run += ready - seq.landing_layers
             seq.landing_layers = ready
