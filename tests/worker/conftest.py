@@ -143,11 +143,17 @@ class StoreStack:
 
 @pytest.fixture
 def store(tiny_adapters: dict[str, Path], tmp_path: Path) -> Iterator[StoreStack]:
-    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
+    yield from staged_store(tmp_path / "store", tiny_adapters)
+
+
+def staged_store(cache: Path, adapters: dict[str, Path]) -> Iterator[StoreStack]:
+    """A store on loopback over ``cache`` with ``adapters`` (name -> PEFT dir) preloaded,
+    stopped when the generator is closed (a fixture's body)."""
+    server, port, _ = create_store(StoreSettings(port=0, cache_dir=cache))
     server.start()
-    stack = StoreStack(f"127.0.0.1:{port}", port, tmp_path / "store", server)
+    stack = StoreStack(f"127.0.0.1:{port}", port, cache, server)
     with StoreClient(stack.target) as client:
-        for name, path in tiny_adapters.items():
+        for name, path in adapters.items():
             for _ in client.preload(str(path), name):
                 pass
     yield stack

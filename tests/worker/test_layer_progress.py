@@ -21,9 +21,6 @@ from safetensors.torch import load_file
 from lorastream.core.adapter_format import WEIGHTS_FILE, parse_lora_key
 from lorastream.core.errors import InvalidAdapter
 from lorastream.core.manifest import AdapterManifest, TensorInfo
-from lorastream.core.store_client import StoreClient
-from lorastream.store.config import StoreSettings
-from lorastream.store.server import create_server as create_store
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.cost_model import AdmissionCostModel
 from lorastream.worker.loading.entry import AdapterEntry
@@ -38,7 +35,7 @@ from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
 from tests.store.test_fast_verify import _flip_byte
 from tests.support.models import ALL_LINEAR, make_peft_adapter, make_tiny_llama
-from tests.worker.conftest import StoreStack
+from tests.worker.conftest import StoreStack, staged_store
 
 LAYERS = 12
 HOST_BYTES = 4 << 20
@@ -127,13 +124,7 @@ def deep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture
 def deep_store(deep: tuple[Path, Path], tmp_path: Path) -> Iterator[StoreStack]:
     """A store on loopback with the 12-layer adapter staged as "deep"."""
-    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
-    server.start()
-    stack = StoreStack(f"127.0.0.1:{port}", port, tmp_path / "store", server)
-    with StoreClient(stack.target) as client:
-        list(client.preload(str(deep[1]), "deep"))
-    yield stack
-    stack.server.stop(None).wait()
+    yield from staged_store(tmp_path / "store", {"deep": deep[1]})
 
 
 PATHS = ["fetch-process", "in-process"]

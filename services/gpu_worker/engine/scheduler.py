@@ -145,9 +145,9 @@ class Scheduler:
         self.running.extend(admitted)
 
     def _lands_layered(self, seq: Sequence) -> bool:
-        """Admit ``seq`` while its adapter still lands? With ``layered``, once the first layers
-        of it are in a slot, for a prompt of more than one token (the last one is prefilled in
-        the batch, which samples the first token)."""
+        """Admit ``seq``, whose adapter :meth:`AdapterManager.place` found not ready, while it
+        still lands? With ``layered``, once its first layers are in a slot, for a prompt of more
+        than one token (the last one is prefilled in the batch, which samples the first token)."""
         return (self.layered and len(seq.prompt_ids) > 1 and seq.adapter_id is not None
                 and self.adapters.place_layered(seq.adapter_id) > 0)
 

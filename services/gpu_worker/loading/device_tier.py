@@ -63,12 +63,9 @@ class DeviceTier:
         """Take a free slot, or the least recently used idle one, for ``entry`` and submit the
         copy of ``weights`` into it on the load stream, after the last step that read the slot.
         False when every slot holds an adapter in use or pinned."""
-        slot = self._free_slot(entries)
+        slot = self._take_slot(entries, entry)
         if slot is None:
             return False
-        entry.slot = slot
-        entry.copy_started = time.perf_counter()
-        self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
         entry.slot_event = self.device.load_stream.submit(
             self._copy_ops(slot, weights), after=self._slot_read[slot]
         )
@@ -81,12 +78,9 @@ class DeviceTier:
         (:meth:`land_layers`). ``weights`` maps the host buffer, landed or not: only the copies
         of landed layers read it. Not timed for the cost model: a layered copy's span includes
         the wait for its bytes."""
-        slot = self._free_slot(entries)
+        slot = self._take_slot(entries, entry)
         if slot is None:
             return False
-        entry.slot = slot
-        entry.copy_started = time.perf_counter()
-        self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
         jobs = self.slots.layer_write_ops(
             slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
         )
@@ -155,6 +149,15 @@ class DeviceTier:
             slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
         )
         return [start, *ops, observe]
+
+    def _take_slot(self, entries: Iterable[AdapterEntry], entry: AdapterEntry) -> int | None:
+        """:meth:`_free_slot`, recorded as ``entry``'s (its copy not submitted yet)."""
+        slot = self._free_slot(entries)
+        if slot is not None:
+            entry.slot = slot
+            entry.copy_started = time.perf_counter()
+            self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
+        return slot
 
     def _free_slot(self, entries: Iterable[AdapterEntry]) -> int | None:
         """An empty slot, or the LRU slot of an idle unpinned adapter (evicted)."""

@@ -243,11 +243,9 @@ class AdapterManager:
             return self._device_tier.ready(entry) and entry.error is None
 
     def place_layered(self, adapter_id: str) -> int:
-        """:meth:`place`, and for an adapter still landing a slot filled layer by layer
-        (``layered_admission.py``): the leading layers a prefill may run now, all of them
-        (``slots.num_layers``) once it is ready. Raises the adapter's error."""
-        if self.place(adapter_id):
-            return self.slots.num_layers
+        """For an adapter :meth:`place` found not ready yet: if it is still landing, a slot
+        filled layer by layer (``layered_admission.py``); the leading layers a prefill may run
+        now. Raises InvalidAdapter when its manifest does not fit the base model."""
         with self._lock:
             entry = self._entries[adapter_id]
             if entry.slot is None and entry.fetching and entry.layers_landed and self.overlap:

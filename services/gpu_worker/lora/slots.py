@@ -41,6 +41,21 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source, non_blocking=True)
 
 
+Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B", block)
+
+
+def _covered(blocks: Blocks) -> dict[tuple[str, str], set[int]]:
+    """(module, "A"|"B") -> the layers ``blocks`` write."""
+    covered: dict[tuple[str, str], set[int]] = {}
+    for layer, module, ab, block in blocks:
+        covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
+    return covered
+
+
+def _slot_info(adapter_id: str, rank: int, scaling: float, blocks: Blocks) -> SlotInfo:
+    return SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
+
+
 class LoraSlots:
     def __init__(
         self,
@@ -122,9 +137,7 @@ class LoraSlots:
         (``step_gate.py``). Copies are non-blocking (pinned host memory on CUDA).
         """
         ops: list[Callable[[], None]] = []
-        covered: dict[tuple[str, str], set[int]] = {}
-        for layer, module, ab, block in blocks:
-            covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
+        covered = _covered(blocks)
         for module in self.a:
             a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
             for ab, rows in (("A", a), ("B", b)):
@@ -145,7 +158,7 @@ class LoraSlots:
             for first in range(0, block.shape[0], step):
                 part = slice(first, first + step)
                 ops.append(partial(_copy, target[part], block[part]))
-        info = SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
+        info = _slot_info(adapter_id, rank, scaling, blocks)
         ops.append(partial(self.table.__setitem__, slot, info))
         return ops
 
@@ -168,9 +181,7 @@ class LoraSlots:
         """
         num_layers = self.num_layers
         by_layer: list[list[Callable[[], None]]] = [[] for _ in range(num_layers)]
-        covered: dict[tuple[str, str], set[int]] = {}
-        for layer, module, ab, block in blocks:
-            covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
+        covered = _covered(blocks)
         for module in self.a:
             a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
             for ab, rows in (("A", a), ("B", b)):
@@ -187,7 +198,7 @@ class LoraSlots:
                 target = (rows[first + i, slot, :rank] if ab == "A"
                           else rows[first + i, slot, :, :rank])
                 by_layer[first + i].append(partial(_copy, target, block[i]))
-        info = SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
+        info = _slot_info(adapter_id, rank, scaling, blocks)
         return [[partial(self.table.__setitem__, slot, info)], *by_layer]
 
     def clear(self, slot: int) -> None:
