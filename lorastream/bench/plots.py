@@ -119,6 +119,8 @@ def transfer_plot(transfer: Mapping[str, Any], out_png: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
     for key, label, color, marker in (
         ("bare_mb_s", "bare gRPC (raw bytes)", "tab:gray", "o"),
+        *((("bare_kept_mb_s", "bare gRPC, freed buffers kept", "black", "x"),)
+          if any("bare_kept_mb_s" in p for p in points) else ()),
         ("store_mb_s", "store stream (CRC-32C checked)", "tab:blue", "s"),
         *((("verified_sha256_mb_s", "landed + sha256", "tab:red", "v"),
            ("verified_blake3_mb_s", "landed + BLAKE3", "tab:orange", "D"),

@@ -34,6 +34,10 @@ def transfer_goals(r: Result) -> list[list[str]]:
     if "goal_verified" in r:
         rows.append(goal_row(f"verified stream ({text(r.get('verified_digest'))}) / bare gRPC{at}",
                              r.get("store_verified_vs_bare"), r.get("goal_verified")))
+    if "goal_verified_kept" in r:
+        rows.append(goal_row(
+            f"verified stream ({text(r.get('verified_digest'))}) / bare gRPC, both keeping freed "
+            f"buffers{at}", r.get("store_verified_vs_bare_kept"), r.get("goal_verified_kept")))
     staging = r.get("staging")
     if isinstance(staging, Mapping):
         mb = as_number(staging.get("adapter_bytes"))
@@ -63,16 +67,58 @@ def _stream_table(r: Result) -> str:
                  ratio(p.get("store_vs_bare")), ratio(p.get("verified_vs_bare"))] for p in points]
         return table(["chunk", "bare gRPC MB/s", "store MB/s", "store, landed + sha256 MB/s",
                       "store / bare", "verified / bare"], rows)
-    header = ["chunk", "bare gRPC MB/s", "store MB/s / bare"]
+    kept = any("bare_kept_mb_s" in p for p in points)
+    header = ["chunk", "bare gRPC MB/s"]
+    header += ["bare, buffers kept: MB/s / bare"] if kept else []
+    header += ["store MB/s / bare"]
     header += [f"verified, {d}: MB/s / bare" for _, d in by_digest]
     rows = []
     for p in points:
-        row = [format_bytes(as_number(p.get("chunk_bytes")) or 0), number(p.get("bare_mb_s"), 0),
-               f"{number(p.get('store_mb_s'), 0)} / {ratio(p.get('store_vs_bare'))}"]
+        row = [format_bytes(as_number(p.get("chunk_bytes")) or 0), number(p.get("bare_mb_s"), 0)]
+        if kept:
+            row.append(f"{number(p.get('bare_kept_mb_s'), 0)} / "
+                       f"{ratio(p.get('bare_kept_vs_bare'))}")
+        row.append(f"{number(p.get('store_mb_s'), 0)} / {ratio(p.get('store_vs_bare'))}")
         row += [f"{number(p.get(f'{k}_mb_s'), 0)} / {ratio(p.get(f'{k}_vs_bare'))}"
                 for k, _ in by_digest]
         rows.append(row)
     return table(header, rows)
+
+
+def _headline(r: Result) -> Mapping[str, Any] | None:
+    chunk = as_number(r.get("chunk_bytes"))
+    return next((p for p in _points(r) if as_number(p.get("chunk_bytes")) == chunk), None)
+
+
+def _buffers_parts(r: Result) -> list[str]:
+    """What keeping freed buffers is worth, from the headline point's client CPU per MB."""
+    head = _headline(r)
+    if head is None or "bare_kept_cpu_ms_per_mb" not in head:
+        return []
+    clients = [("bare", "bare gRPC"), ("bare_kept", "bare gRPC, buffers kept"),
+               ("store", "store (CRC-32C per chunk)"),
+               *((k, f"verified, {d}, buffers kept") for k, d in _VERIFIED)]
+    rows = [[label, number(head.get(f"{k}_cpu_ms_per_mb"), 2), number(head.get(f"{k}_mb_s"), 0)]
+            for k, label in clients if f"{k}_cpu_ms_per_mb" in head]
+    return [
+        "**Freed buffers.** Every message is received into buffers of its own (gRPC's, then "
+        "Python's `bytes`), freed once the chunk is landed. At glibc's defaults a freed 1 MB "
+        "buffer goes back to the system, so the next message faults in fresh pages, about 3 µs "
+        "each on these VMs: more than the receive itself. The worker's fetch process therefore "
+        "has glibc keep freed buffers for the next message (`native_env.keep_freed_buffers`, "
+        "`mallopt`), and so do the verified clients here; `bare, buffers kept` is the bare "
+        "client given the same setting, to compare on equal terms. Client CPU per MB at the "
+        f"{format_bytes(as_number(head.get('chunk_bytes')) or 0)} point (the client process, "
+        "every thread, median over rounds):",
+        table(["client", "CPU ms per MB", "MB/s"], rows),
+        "On equal terms the verified stream runs at "
+        f"{ratio(head.get('verified_vs_bare_kept'))} of the bare one: its client does what the "
+        "bare one does plus, per byte, one landing copy into the arena and one "
+        "hash pass, and per chunk the framing and per-tensor checks in Python, all on the one "
+        "core the store does not use. The landing copy is the worker's job (the arena is what "
+        "the load stream copies to the device from), and gRPC's Python API hands each message "
+        "over as a new `bytes`, so no receive lands in place.",
+    ]
 
 
 def _hash_table(r: Result) -> str | None:
@@ -136,7 +182,10 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         plot_image(plots, "transfer", "Transfer rate against chunk size"),
         "- **bare**: a server streaming pre-cut raw `bytes` chunks from memory, to a client that "
         "only counts them, with the store client's stream channel options (single-threaded "
-        "unary-stream calls, `STREAM_GRPC_OPTIONS`): the fastest gRPC moves these bytes here.\n"
+        "unary-stream calls, `STREAM_GRPC_OPTIONS`): the fastest gRPC moves these bytes here "
+        "in a process at glibc's defaults.\n"
+        "- **bare, buffers kept**: the same client in a process that keeps freed buffers (see "
+        "Freed buffers, below).\n"
         "- **store**: the store reads the staged file chunk by chunk, checksums (CRC-32C) and "
         "frames each chunk as a `StreamAdapterTensorsResponse`; the client decodes and checks "
         "every chunk.\n"
@@ -144,9 +193,10 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         "without their CRC-32C (the client sets `skip_chunk_crc`: the tensor digests cover the "
         "bytes end to end), and the client lands every chunk at its offset in a buffer "
         "allocated and faulted in once, as the worker's host arena is, and checks every tensor "
-        "against the digest its manifest carries. One client per digest, each from a store staging with it: sha256 (what "
-        "manifests staged before the fast digest get), BLAKE3, xxh3-128. The headline is "
-        f"{digest}, the store's default.",
+        "against the digest its manifest carries. One client per digest, each from a store "
+        "staging with it: sha256 (what manifests staged before the fast digest get), BLAKE3, "
+        f"xxh3-128. The headline is {digest}, the store's default. Its process keeps freed "
+        "buffers, as the worker's fetch process does.",
         *([hash_table] if hash_table else []),
         "Why xxh3-128 by default: sha256 bounds the verified stream (it hashes at about the "
         "rate gRPC delivers, on the same cores); BLAKE3 is about 2.5× faster per core but its "
@@ -156,6 +206,7 @@ def transfer_section(r: Result, plots: Mapping[str, str]) -> str:
         "changed on the store's disk after staging), not someone who can rewrite staged files "
         "to match it; the content id stays sha256 over the staged files, checked by the store "
         "(docs/store.md, Verification). `--tensor-digest blake3` keeps tamper evidence.",
+        *_buffers_parts(r),
         *_staging_parts(r),
         "What makes the store stream about as fast as bare gRPC:\n\n"
         "- **chunks run across tensor boundaries** (`lorastream/core/stream_layout.py`): one "

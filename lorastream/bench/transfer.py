@@ -10,14 +10,19 @@ chunk size gets one unmeasured warm-up round, then ``repeats`` measured rounds.
 - bare: a server streaming pre-cut raw ``bytes`` chunks from memory with identity serializers,
   to a client that only counts them, over the store client's stream channel options
   (single-threaded unary-stream calls): the fastest gRPC can move these bytes.
+- bare_kept: the same client in a process that keeps freed buffers, as the verified clients and
+  the worker's fetch process do (``native_env.keep_freed_buffers``): what that setting is worth
+  to gRPC alone, so that the verified stream is also compared with a bare one on equal terms.
 - store: the store reads the staged file chunk by chunk, checksums (CRC-32C) and frames each
   chunk as a ``StreamAdapterTensorsResponse``; the client decodes and checks every chunk.
 - verified (one client per tensor digest, each from a store staging with that digest): what the
   worker does (``StoreClient.stream_tensors``): the store frames the chunks as for store but
   without their CRC-32C (``skip_chunk_crc``: the tensor digests cover the bytes end to end), and
   the client lands every chunk at its offset in a buffer allocated and faulted in once (as the
-  worker's host arena is) and runs the per-tensor check the manifest asks for: sha256 (manifests without a fast digest),
-  blake3, xxh3-128 (the default, :data:`~lorastream.core.checksum.DEFAULT_TENSOR_DIGEST`).
+  worker's host arena is) and runs the per-tensor check the manifest asks for: sha256 (manifests
+  without a fast digest), blake3, xxh3-128 (the default,
+  :data:`~lorastream.core.checksum.DEFAULT_TENSOR_DIGEST`). Its process keeps freed buffers, as
+  the fetch process does.
 
 The same run times each digest alone over the adapter's tensors (``hash_GBps``) and, unless
 ``staging_mb`` is 0, a preload from S3 against boto3's own download (``transfer_staging.py``).
@@ -39,6 +44,7 @@ import grpc
 
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.core.checksum import BLAKE3, DEFAULT_TENSOR_DIGEST, SHA256, XXH3_128
+from lorastream.core.native_env import keep_freed_buffers
 from lorastream.core.store_client import (
     GRPC_OPTIONS,
     STREAM_GRPC_OPTIONS,
@@ -49,7 +55,11 @@ from lorastream.core.store_client import (
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 # verified client -> the tensor digest its store stages with
 VERIFIED = {"verified_sha256": SHA256, "verified_blake3": BLAKE3, "verified_xxh3": XXH3_128}
-CLIENTS = ("bare", "store", *VERIFIED)
+CLIENTS = ("bare", "bare_kept", "store", *VERIFIED)
+# Clients whose process keeps freed message buffers, as the worker's fetch process does
+# (native_env.keep_freed_buffers): the verified ones, and bare_kept, a bare client given the same
+# setting to show what it is worth to gRPC alone.
+KEEP_FREED_BUFFERS = ("bare_kept", *VERIFIED)
 DEFAULT_VERIFIED = next(k for k, d in VERIFIED.items() if d == DEFAULT_TENSOR_DIGEST)
 HEADLINE_CHUNK_BYTES = 1 << 20  # the point whose figures are also reported at top level
 MAX_CHUNK_BYTES = 8 << 20  # the store's limit per message
@@ -122,9 +132,11 @@ def _run_store_server(cache_dir: str, digest: str, ports: "mp.Queue[int]") -> No
 
 
 def _run_client(kind: str, target: str, conn: Connection) -> None:
-    """A measuring client: on each chunk size from ``conn``, stream once and send back bytes/s;
-    a size of 0 ends it."""
-    if kind == "bare":
+    """A measuring client: on each chunk size from ``conn``, stream once and send back (bytes/s,
+    this process's CPU seconds per MB); a size of 0 ends it."""
+    if kind in KEEP_FREED_BUFFERS:
+        keep_freed_buffers()
+    if kind in ("bare", "bare_kept"):
         # the store client's stream options (single-threaded unary-stream): the same gRPC path
         channel = grpc.insecure_channel(target, options=STREAM_GRPC_OPTIONS)
         call = channel.unary_stream(_BARE_METHOD)
@@ -146,9 +158,10 @@ def _run_client(kind: str, target: str, conn: Connection) -> None:
             return client.stream_tensors("bench", sink, chunk_bytes=chunk_bytes).total_bytes
 
     while chunk_bytes := conn.recv():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()  # every thread of the process
         nbytes = run(chunk_bytes)
-        conn.send(nbytes / (time.perf_counter() - start))
+        conn.send((nbytes / (time.perf_counter() - start),
+                   (time.process_time() - cpu) / (nbytes / 1e6)))
 
 
 def _start(target: Callable[..., None], *args: object) -> tuple[mp.process.BaseProcess, int]:
@@ -161,9 +174,10 @@ def _start(target: Callable[..., None], *args: object) -> tuple[mp.process.BaseP
 
 def _measure(
     adapter_mb: float, chunk_sizes: Sequence[int], repeats: int, staging_mb: float
-) -> tuple[int, int, dict[int, dict[str, list[float]]], dict[str, float], dict[str, object] | None]:
-    """(adapter bytes, rank, chunk size -> client -> bytes/s of each measured round, digest ->
-    GB/s alone, the staging comparison or None)."""
+) -> tuple[int, int, dict[int, dict[str, list[float]]], dict[int, dict[str, list[float]]],
+           dict[str, float], dict[str, object] | None]:
+    """(adapter bytes, rank, chunk size -> client -> bytes/s of each measured round, the same
+    -> the client's CPU seconds per MB, digest -> GB/s alone, the staging comparison or None)."""
     # Imported here: synthetic imports torch, which the spawned servers and clients do not need.
     from lorastream.bench.synthetic import (
         ALL_LINEAR,
@@ -179,6 +193,7 @@ def _measure(
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     rates = {size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
+    cpu = {size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
     with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:
         adapter_dir = make_synthetic_adapter(Path(tmp) / "adapter", rank=rank)
         hash_rates = measure_hash_rates(adapter_dir)
@@ -198,7 +213,7 @@ def _measure(
             conns: dict[str, Connection] = {}
             for kind in CLIENTS:
                 digest = VERIFIED.get(kind, DEFAULT_TENSOR_DIGEST)
-                port = bare_port if kind == "bare" else store_ports[digest]
+                port = bare_port if kind in ("bare", "bare_kept") else store_ports[digest]
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_run_client, args=(kind, f"127.0.0.1:{port}", child), daemon=True
@@ -210,9 +225,10 @@ def _measure(
                 for round_ in range(repeats + 1):  # round 0 warms up this chunk size
                     for kind, conn in conns.items():
                         conn.send(size)
-                        rate = conn.recv()
+                        rate, cpu_per_mb = conn.recv()
                         if round_:
                             rates[size][kind].append(rate)
+                            cpu[size][kind].append(cpu_per_mb)
             for conn in conns.values():
                 conn.send(0)
         finally:
@@ -224,7 +240,7 @@ def _measure(
 
             staged_dir = make_synthetic_adapter(Path(tmp) / "s3-adapter", rank=rank_for(staging_mb))
             staging = measure_staging(staged_dir, staging_repeats(repeats))
-    return total, rank, rates, hash_rates, staging
+    return total, rank, rates, cpu, hash_rates, staging
 
 
 def staging_repeats(repeats: int) -> int:
@@ -271,19 +287,23 @@ def measure_hash_rates(adapter_dir: Path) -> dict[str, float]:
     return rates
 
 
-def _point(chunk_bytes: int, rates: dict[str, list[float]]) -> dict[str, float]:
-    """``<client>_mb_s`` and ``<client>_vs_bare`` of every client; ``verified_*`` are those of
-    the default digest's client. Ratios are medians over rounds of (rate / bare rate of the same
-    round)."""
+def _point(chunk_bytes: int, rates: dict[str, list[float]], cpu: dict[str, list[float]]
+           ) -> dict[str, float]:
+    """``<client>_mb_s``, ``<client>_vs_bare`` and ``<client>_cpu_ms_per_mb`` (the client
+    process's CPU time) of every client; ``verified_*`` are those of the default digest's client.
+    Ratios are medians over rounds of (rate / bare rate of the same round)."""
     median = statistics.median
     point: dict[str, float] = {"chunk_bytes": chunk_bytes}
     for kind in CLIENTS:
         point[f"{kind}_mb_s"] = round(median(rates[kind]) / 1e6, 1)
+        point[f"{kind}_cpu_ms_per_mb"] = round(median(cpu[kind]) * 1e3, 3)
         if kind != "bare":
             ratios = [r / b for r, b in zip(rates[kind], rates["bare"], strict=True)]
             point[f"{kind}_vs_bare"] = round(median(ratios), 3)
     point["verified_mb_s"] = point[f"{DEFAULT_VERIFIED}_mb_s"]
     point["verified_vs_bare"] = point[f"{DEFAULT_VERIFIED}_vs_bare"]
+    kept = [r / b for r, b in zip(rates[DEFAULT_VERIFIED], rates["bare_kept"], strict=True)]
+    point["verified_vs_bare_kept"] = round(median(kept), 3)
     return point
 
 
@@ -302,8 +322,9 @@ def run_transfer_bench(
     sizes = checked_chunk_sizes(chunk_sizes or [chunk_bytes])
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    total, rank, rates, hash_rates, staging = _measure(adapter_mb, sizes, repeats, staging_mb)
-    points = [_point(size, rates[size]) for size in sizes]
+    total, rank, rates, cpu, hash_rates, staging = _measure(adapter_mb, sizes, repeats,
+                                                            staging_mb)
+    points = [_point(size, rates[size], cpu[size]) for size in sizes]
     head = min(points, key=lambda p: abs(math.log2(p["chunk_bytes"] / HEADLINE_CHUNK_BYTES)))
     return {
         "benchmark": "transfer",
@@ -325,6 +346,10 @@ def run_transfer_bench(
         "goal_met": head["store_vs_bare"] >= 0.8,
         "goal_verified": "store_verified_vs_bare >= 0.8",
         "goal_verified_met": head["verified_vs_bare"] >= 0.8,
+        # against a bare client that keeps freed buffers too (KEEP_FREED_BUFFERS)
+        "bare_kept_MBps": head["bare_kept_mb_s"],
+        "store_verified_vs_bare_kept": head["verified_vs_bare_kept"],
+        "goal_verified_kept": "store_verified_vs_bare_kept >= 0.8",
         "hash_GBps": hash_rates,
         "staging": staging,
         "points": points,

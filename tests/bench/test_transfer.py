@@ -61,11 +61,15 @@ def test_sweep_reports_one_point_per_chunk_size_and_the_1m_point_at_top_level() 
     for point in points:
         for kind in CLIENTS:
             assert point[f"{kind}_mb_s"] > 0, kind
+            assert point[f"{kind}_cpu_ms_per_mb"] > 0, kind  # the client process's CPU
+        assert point["verified_vs_bare_kept"] > 0
     head = points[1]
     assert result["chunk_bytes"] == 1 << 20
     assert result["store_vs_bare"] == head["store_vs_bare"]
     assert result["bare_grpc_MBps"] == head["bare_mb_s"]
     assert result["goal"] == "store_vs_bare >= 0.8"
+    assert result["bare_kept_MBps"] == head["bare_kept_mb_s"]
+    assert result["store_verified_vs_bare_kept"] == head["verified_vs_bare_kept"]
     assert isinstance(result["command"], str) and isinstance(result["machine"], dict)
     # every tensor digest measured in the same run; the headline is the default's
     assert result["verified_digest"] == DEFAULT_TENSOR_DIGEST
@@ -112,3 +116,28 @@ def test_the_section_shows_every_digest_and_the_staging_goal() -> None:
                      | {"verified_mb_s": 450.0, "verified_vs_bare": 0.45}]
     assert "store, landed + sha256 MB/s" in transfer_section(old, {})
     assert len(transfer_goals(old)) == 1
+
+
+def test_the_section_compares_with_a_bare_client_that_keeps_freed_buffers() -> None:
+    point = {"chunk_bytes": 1 << 20, "bare_mb_s": 900.0, "bare_cpu_ms_per_mb": 1.1,
+             "bare_kept_mb_s": 1500.0, "bare_kept_vs_bare": 1.667, "bare_kept_cpu_ms_per_mb": 0.6,
+             "store_mb_s": 700.0, "store_vs_bare": 0.78, "store_cpu_ms_per_mb": 1.2,
+             "verified_xxh3_mb_s": 950.0, "verified_xxh3_vs_bare": 1.05,
+             "verified_xxh3_cpu_ms_per_mb": 0.95, "verified_mb_s": 950.0,
+             "verified_vs_bare": 1.05, "verified_vs_bare_kept": 0.633}
+    result = {"adapter_bytes": 96_000_000, "adapter_rank": 79, "repeats": 3,
+              "chunk_bytes": 1 << 20, "store_vs_bare": 0.78, "goal": "store_vs_bare >= 0.8",
+              "store_verified_vs_bare": 1.05, "verified_digest": "xxh3-128",
+              "goal_verified": "store_verified_vs_bare >= 0.8",
+              "store_verified_vs_bare_kept": 0.633,
+              "goal_verified_kept": "store_verified_vs_bare_kept >= 0.8", "points": [point]}
+    goals = transfer_goals(result)
+    assert [(row[1], row[3]) for row in goals] == [
+        ("0.78×", "**not met**"), ("1.05×", "met"), ("0.63×", "**not met**")]
+    assert "both keeping freed buffers" in goals[2][0]
+    section = transfer_section(result, {})
+    for shown in ("bare, buffers kept: MB/s / bare", "1,500 / 1.67×", "**Freed buffers.**",
+                  "| bare gRPC, buffers kept | 0.60 | 1,500 |",
+                  "| verified, xxh3-128, buffers kept | 0.95 | 950 |",
+                  "On equal terms the verified stream runs at 0.63×"):
+        assert shown in section, shown

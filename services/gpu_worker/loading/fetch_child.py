@@ -3,7 +3,8 @@
 Started by :class:`~lorastream.worker.loading.fetch_process.FetchProcess` as
 ``python -m lorastream.worker.loading.fetch_child --memory-fd M --conn-fd C --priority P``.
 It lowers its own CPU priority first, before anything starts a thread, so that every thread of
-it -- gRPC's included -- runs at that priority. Then it serves jobs from the connection:
+it -- gRPC's included -- runs at that priority, and has glibc keep freed message buffers
+(``native_env.keep_freed_buffers``). Then it serves jobs from the connection:
 
     -> ("init", store_target, store_token, threads, store_tls)   store_tls: ClientTLS | None
     -> ("fetch", job, name, offset, nbytes, chunk_bytes, chunk_delay_s)
@@ -23,6 +24,7 @@ import argparse
 import mmap
 import os
 
+from lorastream.core.native_env import keep_freed_buffers
 from lorastream.worker.device.priority import lower_priority
 
 
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--priority", default="idle", help="idle, or nice:N")
     args = parser.parse_args()
     lower_priority(args.priority)  # before any thread starts: they all inherit it
+    keep_freed_buffers()  # before the first message: each would fault in fresh pages
     serve(args.memory_fd, args.memory_bytes, args.conn_fd, args.prefault)
 
 
