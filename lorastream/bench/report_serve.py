@@ -250,13 +250,18 @@ def _layered_probe(r: Result, cold: float) -> str:
     layered, load = as_number(probe.get("cold_ttft_ms")), as_number(probe.get("load_ms"))
     if layered is None or load is None:
         return ""
-    verdict = ("it pays here" if layered < 0.95 * cold else
+    verdict = ("faster in this run; it stays off by default because the gain has not held "
+               "from run to run (docs/worker.md, Layer-ordered admission)"
+               if layered < 0.95 * cold else
                "no gain beyond the run-to-run spread here, so it stays off by default")
+    ratio = as_number(get(r, "layered_admission", "interference", "itl_p99_ratio"))
+    cost = (f" The running streams' ITL p99 ratio during loads was {ratio:.2f}× with it on."
+            if ratio is not None else "")
     return (
         f" With it on (the table above), the same probe's first token came after {ms(layered)} "
         f"ms against {ms(cold)} ms with the defaults ({layered / cold:.2f}x; LoadAdapter "
         f"{ms(load)} ms): {verdict}. The layers that landed are prefilled between the decode "
-        "steps, so the running streams never wait for a layer."
+        f"steps, so the running streams never wait for a layer.{cost}"
     )
 
 

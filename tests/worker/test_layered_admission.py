@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -15,6 +16,7 @@ from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.engine.landing import round_stop
+from lorastream.worker.loading.device_tier import DeviceTier
 from tests.store.test_fast_verify import _flip_byte
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
@@ -101,7 +103,8 @@ def test_streams_decoding_meanwhile_and_a_resident_adapter_stay_exact(
 
 
 def test_a_damaged_later_layer_fails_the_request_after_its_early_layers_ran(
-    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Layer 0 lands and runs; a byte of the last layer was damaged on the store's disk: the
     request fails with the digest error (never served by a partial adapter), its slot and
@@ -112,9 +115,22 @@ def test_a_damaged_later_layer_fails_the_request_after_its_early_layers_ran(
     _flip_byte(store.cache, manifest, last)
     engine = engine_factory(store=store.target, layered_admission=True)
     _slow(engine)
+    calls: list[tuple[str, list[int]]] = []  # each span holds its slot until its read is recorded
+    for name in ("hold", "release"):
+        original = getattr(DeviceTier, name)
+
+        def spy(self: DeviceTier, slots: list[int], *args: object, _name: str = name,
+                _original: Callable[..., None] = original) -> None:
+            calls.append((_name, list(slots)))
+            _original(self, slots, *args)
+
+        monkeypatch.setattr(DeviceTier, name, spy)
     with pytest.raises(errors.InvalidAdapter, match="mismatch"):
         greedy_tokens(engine, "all-r64", 1)
     assert engine.landing.early_layers >= 1
+    assert len(calls) == 2 * engine.landing.spans
+    assert all(calls[i][0] == "hold" and calls[i + 1] == ("release", calls[i][1])
+               for i in range(0, len(calls), 2))
     state = engine.adapters.inspect("all-r64")
     assert state is not None and state.slot is None  # the partly filled slot was taken back
     assert greedy_tokens(engine, "mlp-r8", 0) == reference[("mlp-r8", 0)]

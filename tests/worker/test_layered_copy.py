@@ -111,3 +111,34 @@ def test_a_layered_copy_waits_for_its_layers_whatever_the_stream_runs(
         tier.land_layers(entry, landed)
         _until(lambda: tier.layers_ready(entry) == landed)
     assert tier.ready(entry)
+
+
+def test_a_slot_a_span_reads_goes_to_no_other_adapter_until_the_read_is_recorded(
+    device: Device, tiny_model: Path, tiny_adapters: dict[str, Path]
+) -> None:
+    """A layered prefill's span holds its slot (``hold``) from the slot's lookup to the record of
+    its read (``release``). If the adapter's fetch fails meanwhile and takes the slot back, no
+    other adapter gets it before then, and the one that gets it after copies only once the
+    span's read completed (rule 2)."""
+    config = ModelConfig.from_dir(tiny_model)
+    slots = LoraSlots(config, 2, 64, torch.float32, CPU)
+    tier = DeviceTier(slots, device, WorkerMetrics(), AdmissionCostModel())
+    landing, landing_weights = _adapter(device, config, tiny_adapters["all-r64"])
+    busy, busy_weights = _adapter(device, config, tiny_adapters["mlp-r8"])
+    late, late_weights = _adapter(device, config, tiny_adapters["attn-r4"])
+    assert tier.claim_layers([landing], landing, landing_weights, landed=1)
+    slot = landing.slot
+    assert slot is not None
+    tier.hold([slot])  # a span looked the slot up and runs
+    tier.evict(landing)  # its fetch failed: the slot holds part of an adapter that will not come
+    assert tier.claim([landing, busy], busy, busy_weights)
+    assert busy.slot != slot  # the other slot, though the held one looks free
+    busy.refs = 1  # in use: not evictable
+    assert not tier.claim([busy, late], late, late_weights)  # nothing free until the release
+    span_read = HostEvent()  # the span's kernels, still running
+    tier.release([slot], span_read)
+    assert tier.claim([busy, late], late, late_weights)
+    assert late.slot == slot and late.slot_event is not None
+    assert not late.slot_event.wait(0.05)  # the copy waits for the span's read
+    span_read.set()
+    assert late.slot_event.wait(5) and tier.ready(late)

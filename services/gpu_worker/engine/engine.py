@@ -98,8 +98,7 @@ class Engine:
             prefetch_depth=prefetch_depth if adapters.overlap else 0,
             layered=layered_admission and adapters.overlap,
         )
-        self.landing = LandingPrefills(model, kv, slots, backend, adapters, device,
-                                       max_num_tokens)
+        self.landing = LandingPrefills(model, kv, slots, backend, adapters, max_num_tokens)
         self.sampler = Sampler()
         self.staging = StepStaging(device, capacity=16 * max_num_tokens + 4096)
         self.intake = RequestIntake(

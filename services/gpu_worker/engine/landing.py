@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 
 from lorastream.core.errors import LorastreamError
-from lorastream.worker.device.device import Device
 from lorastream.worker.engine.scheduler import StepPlan
 from lorastream.worker.engine.sequence import Sequence
 from lorastream.worker.engine.step_inputs import build_step_inputs
@@ -45,8 +44,7 @@ def round_stop(done: int, ready: int, tokens: int, max_num_tokens: int, num_laye
 
 class LandingPrefills:
     def __init__(self, model: DecoderModel, kv: KVCache, slots: LoraSlots,
-                 backend: LoraBackend, adapters: AdapterManager, device: Device,
-                 max_num_tokens: int) -> None:
+                 backend: LoraBackend, adapters: AdapterManager, max_num_tokens: int) -> None:
         """``max_num_tokens``: a round runs at most the token-layers of a full step's worth
         (``max_num_tokens`` tokens through every layer), so a long prompt's layers, landed all
         at once, do not hold the running streams for longer than a step would."""
@@ -56,7 +54,6 @@ class LandingPrefills:
         self.slots = slots
         self.backend = backend
         self.adapters = adapters
-        self.device = device
         self.layers_run = 0  # layer spans' layers, summed over sequences
         self.early_layers = 0  # of those, run while the adapter had not landed whole
         self.spans = 0  # spans run (one sequence, consecutive layers, one round)
@@ -99,17 +96,17 @@ class LandingPrefills:
     def _run(self, seq: Sequence, stop: int) -> None:
         """Layers ``seq.landing_layers .. stop - 1`` over its prompt but the last token."""
         assert seq.adapter_id is not None
-        step = self.adapters.prepare_step([seq.adapter_id])  # its slot; its copy still runs
-        seq.slot = step.slots[0]
-        chunk = len(seq.prompt_ids) - 1
-        inputs = build_step_inputs(StepPlan(prefill=[(seq, chunk)]), None)
-        batch = inputs.batch.to(self.model.device)
-        meta = self.backend.prepare(inputs.token_slots, self.slots)
-        lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
-        start = seq.landing_layers
-        x = self.model.embed(batch) if start == 0 else seq.landing_hidden  # [n, H]
-        assert x is not None
-        seq.landing_hidden = self.model.run_layers(x, batch, self.kv, lora, start, stop)
-        self.adapters.mark_read(step, self.device.record_compute())  # rule 2
+        # its slot, its copy still running; the read recorded however the span ends (rule 2)
+        with self.adapters.landing_step(seq.adapter_id) as step:
+            seq.slot = step.slots[0]
+            chunk = len(seq.prompt_ids) - 1
+            inputs = build_step_inputs(StepPlan(prefill=[(seq, chunk)]), None)
+            batch = inputs.batch.to(self.model.device)
+            meta = self.backend.prepare(inputs.token_slots, self.slots)
+            lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
+            start = seq.landing_layers
+            x = self.model.embed(batch) if start == 0 else seq.landing_hidden  # [n, H]
+            assert x is not None
+            seq.landing_hidden = self.model.run_layers(x, batch, self.kv, lora, start, stop)
         log.debug("request %s: layers %d-%d of its prefill ran while its adapter lands",
                   seq.request_id, start, stop - 1)

@@ -52,6 +52,7 @@ class DeviceTier:
         self.metrics = metrics
         self.cost_model = cost_model
         self._slot_read: list[Event] = [COMPLETED] * slots.num_slots  # rule 2
+        self._held: set[int] = set()  # slots a step reads, its read not recorded yet (hold)
 
     @staticmethod
     def ready(entry: AdapterEntry) -> bool:
@@ -131,6 +132,30 @@ class DeviceTier:
         for slot in slot_ids:
             self._slot_read[slot] = event
 
+    def hold(self, slot_ids: Iterable[int]) -> None:
+        """A step is about to read ``slot_ids`` and its read is not recorded yet: hand them to
+        no other adapter meanwhile, even if their own is evicted (:meth:`release` ends it)."""
+        self._held.update(slot for slot in slot_ids if slot >= 0)
+
+    def release(self, slot_ids: Iterable[int], event: Event) -> None:
+        """The step behind ``event`` read ``slot_ids`` (rule 2); they may be taken again."""
+        for slot in slot_ids:
+            if slot >= 0:
+                self._slot_read[slot] = event
+                self._held.discard(slot)
+
+    def eta(self, entry: AdapterEntry, now: float) -> float | None:
+        """Expected seconds until ``entry`` is usable in a slot; None when no load is under way
+        (the cost model's estimate)."""
+        nbytes = entry.manifest.total_bytes
+        if entry.fetching:
+            return self.cost_model.eta(nbytes, entry.fetch_started, True, now)
+        if entry.slot is not None and entry.slot_event is not None:
+            if entry.slot_event.query():
+                return 0.0
+            return self.cost_model.eta(nbytes, entry.copy_started, False, now)
+        return None
+
     def _copy_ops(self, slot: int, weights: AdapterWeights) -> list[Callable[[], None]]:
         """The load-stream job: zero ``slot`` and copy the adapter in, timed from its first
         operation to its last (on the CPU that includes the steps between its turns)."""
@@ -163,7 +188,7 @@ class DeviceTier:
         """An empty slot, or the LRU slot of an idle unpinned adapter (evicted)."""
         occupants = {e.slot: e for e in entries if e.slot is not None}
         for slot in range(self.slots.num_slots):
-            if slot not in occupants:
+            if slot not in occupants and slot not in self._held:
                 return slot
         idle = [e for e in occupants.values() if e.refs == 0 and not e.pinned]
         if not idle:

@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -290,25 +291,13 @@ class AdapterManager:
         with self._lock:
             entries = [self._entries.get(adapter_id) for adapter_id in adapter_ids]
             etas = [
-                self._eta(e, now) for e in entries
+                self._device_tier.eta(e, now) for e in entries
                 if e is not None and e.error is None and not self._device_tier.ready(e)
             ]
         if etas and self._cost_model.should_hold(etas):
             return True
         self._cost_model.released()
         return False
-
-    def _eta(self, entry: AdapterEntry, now: float) -> float | None:
-        """Expected seconds until ``entry`` is usable in a slot; None when no load is under way
-        (lock held)."""
-        nbytes = entry.manifest.total_bytes
-        if entry.fetching:
-            return self._cost_model.eta(nbytes, entry.fetch_started, True, now)
-        if entry.slot is not None and entry.slot_event is not None:
-            if entry.slot_event.query():
-                return 0.0
-            return self._cost_model.eta(nbytes, entry.copy_started, False, now)
-        return None
 
     # -- the step -----------------------------------------------------------------------------
     def prepare_step(self, adapter_ids: Sequence[str | None]) -> StepAdapters:
@@ -324,6 +313,25 @@ class AdapterManager:
         """Record that the step behind ``event`` read its slots (rule 2)."""
         with self._lock:
             self._device_tier.mark_read(step.read, event)
+
+    @contextmanager
+    def landing_step(self, adapter_id: str) -> Iterator[StepAdapters]:
+        """:meth:`prepare_step` for a layer span of a request whose adapter still lands, then
+        :meth:`mark_read` with the compute stream's event, however the span ends.
+
+        The adapter's fetch may fail meanwhile and take its slot back (``follow_landing``, on
+        the thread that reads the fetch's reports); until the span's read is recorded the slot
+        is handed to no other adapter, whose copy would otherwise not wait for the span's
+        kernels (rule 2; on a CPU the span has run by then, on CUDA it may still be queued)."""
+        with self._lock:
+            step = self._device_tier.step([self._entries[adapter_id]])
+            self._device_tier.hold(step.slots)
+        try:
+            yield step
+        finally:
+            event = self._device.record_compute()
+            with self._lock:
+                self._device_tier.release(step.slots, event)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step of ``tokens`` took ``seconds``: the cost model's step cost."""
