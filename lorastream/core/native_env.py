@@ -103,7 +103,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Allocations up to this size come from the heap, not a mapping of their own: above the largest
 # stream message (8 MiB of data, the store's limit) and the gRPC buffers holding one; 32 MiB is
-# the most glibc accepts on 64-bit.
+# also as far as glibc's own adjustment would ever raise it on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
 RECEIVE_MMAP_THRESHOLD = 32 << 20
 # Free memory at the heap's top kept for the next allocations rather than returned: room for a
 # few messages in flight on each of the fetch threads.
