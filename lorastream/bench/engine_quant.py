@@ -10,7 +10,10 @@ given the prompt and the fp32 tokens before it and generates one token (one near
 costs one position, not the rest of the sequence). The free-running agreement (each mode's own
 sequences compared position by position) is reported beside it, and so is the teacher-forced
 agreement over the *decisive* positions only, those whose reference top-2 margin exceeds the
-mode's stated logit tolerance (quant_reference.py): the criterion of the tolerance test.
+mode's stated logit tolerance (quant_reference.py): the criterion of the tolerance test. The
+same teacher-forced tokens are also compared with transformers + PEFT over the mode's own
+dequantized weights (``quant_reference.dequantized_base``), the reference the token goal is
+stated against: that leaves the mode's arithmetic, not its weight rounding.
 
 Where the time goes: per mode, the milliseconds a decode step of the batch spends in the base
 projections alone (every layer's four and the lm_head over [prompts, K] inputs, best of
@@ -39,7 +42,7 @@ import torch
 from lorastream.bench.engine import QUESTIONS, _decode_rates, _peft_rate
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.peft_peer import load_mixed_peft
-from lorastream.bench.quant_reference import reference_rows
+from lorastream.bench.quant_reference import ReferenceRows, dequantized_base, reference_rows
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
 from lorastream.core.generation import PromptInput, SamplingParams
 
@@ -141,7 +144,7 @@ def run_quant_bench(
     from lorastream.worker.model.checkpoint import resolve_checkpoint
     from lorastream.worker.model.config import ModelConfig
     from lorastream.worker.model.decoder import DecoderModel
-    from lorastream.worker.model.quant_linear import LOGIT_TOLERANCE
+    from lorastream.worker.model.quant_linear import LOGIT_TOLERANCE, WEIGHT_QMAX
     from lorastream.worker.model.weights import load_weights
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings
@@ -181,16 +184,17 @@ def run_quant_bench(
                        for m, p in zip(names, ids, strict=True)]
             return {i: [t for event in s for t in event.token_ids] for i, s in enumerate(streams)}
 
-        def forced(mode: str, reference: dict[int, list[int]]) -> list[bool]:
-            """Per teacher-forced case, whether ``mode`` generated the ``reference`` token (see
-            the docstring)."""
+        def forced(mode: str, reference: dict[int, list[int]]) -> list[int]:
+            """Per teacher-forced case, the token ``mode`` generates after the ``reference``
+            tokens before it (see the docstring)."""
             engine.model = models[mode]
             params = SamplingParams(max_tokens=1, ignore_eos=True)
             cases = forced_cases(reference)
             streams = [engine.submit(multi_models[i], PromptInput(
                 token_ids=ids[i] + tuple(reference[i][:k])), params) for i, k in cases]
             got = [[t for event in s for t in event.token_ids] for s in streams]
-            return [g == [reference[i][k]] for g, (i, k) in zip(got, cases)]
+            assert all(len(g) == 1 for g in got), "one token per teacher-forced case"
+            return [g[0] for g in got]
 
         def run(mode: str, names: list[str]) -> Callable[[int], None]:
             def go(n: int) -> None:
@@ -199,7 +203,7 @@ def run_quant_bench(
             return go
 
         def measure() -> tuple[list[float], dict[str, dict[int, list[int]]],
-                               dict[str, list[bool]]]:
+                               dict[str, list[int]]]:
             ops = WorkerOperations(engine)
             for i, path in enumerate(dirs):
                 ops.load_adapter(f"a{i}", str(path))
@@ -209,7 +213,7 @@ def run_quant_bench(
             tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
             return rates, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
 
-        rates, tokens, forced_hits = engine.run_while(measure)
+        rates, tokens, forced_tokens = engine.run_while(measure)
         # with the engine's loop stopped: while it runs, even idle, this thread's products
         # share the cores with its OpenMP team (fp32's stack measured 212 ms instead of 122)
         projections = projection_ms(models, prompts)
@@ -217,13 +221,20 @@ def run_quant_bench(
         # one HF + PEFT model for both: the reference logits and, if asked, PEFT's decode rate
         peft_model = load_mixed_peft(checkpoint, dirs)
         reference = reference_rows(peft_model, ids, multi_models, tokens[FP32], cases)
+        dequantized: dict[str, ReferenceRows] = {}  # the same over each mode's int8 weights
+        for mode in modes:
+            if mode in WEIGHT_QMAX:
+                with dequantized_base(peft_model, WEIGHT_QMAX[mode]):
+                    dequantized[mode] = reference_rows(peft_model, ids, multi_models,
+                                                       tokens[FP32], cases)
         peft = (_peft_rate(peft_model, [list(p) for p in ids], new_tokens, repeats)
                 if include_peft else None)
     fp32_tokens = torch.tensor([tokens[FP32][i][k] for i, k in cases])  # [C]
     per_mode: dict[str, dict[str, object]] = {}
     for j, mode in enumerate(modes):
         multi, base = rates[2 * j], rates[2 * j + 1]
-        hits = torch.tensor(forced_hits[mode])  # [C] bool
+        got = torch.tensor(forced_tokens[mode])  # [C]
+        hits = got == fp32_tokens  # [C] bool
         decisive = reference.decisive(LOGIT_TOLERANCE.get(mode, 0.0))  # [C] bool
         per_mode[mode] = {
             "multi_adapter_decode_tok_s": round(multi, 1),
@@ -235,6 +246,9 @@ def run_quant_bench(
             "token_agreement_decisive_vs_fp32": (
                 round(float(hits[decisive].float().mean()), 4) if decisive.any() else None),
             "free_running_agreement_vs_fp32": round(agreement(tokens[mode], tokens[FP32]), 4),
+            **({"token_agreement_vs_dequantized_reference": round(float(
+                (got == dequantized[mode].argmax).float().mean()), 4)}
+               if mode in dequantized else {}),
             "projections_ms_per_step": _figures(projections[mode]),
             **resident[mode],
         }

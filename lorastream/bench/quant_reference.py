@@ -1,5 +1,7 @@
 """Which teacher-forced positions of ``bench engine --quantization`` are decisive: the reference
-logits there, from HF transformers + PEFT in fp32 over the fp32 engine's own sequences.
+logits there, from HF transformers + PEFT in fp32 over the fp32 engine's own sequences; and the
+same reference over a mode's dequantized weights (:func:`dequantized_base`), the comparison the
+issue states the token goal against.
 
 A position is decisive for a mode when the reference's top-2 margin exceeds the mode's stated
 logit tolerance (``LOGIT_TOLERANCE[mode] * max |logit|`` of that row,
@@ -11,6 +13,8 @@ tolerance can promise. The same criterion is the tolerance test's
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,3 +74,26 @@ def reference_rows(
                                  int(row.argmax()))
     margin, scale, argmax = zip(*(found[case] for case in cases), strict=True)
     return ReferenceRows(torch.tensor(margin), torch.tensor(scale), torch.tensor(argmax))
+
+
+@contextmanager
+def dequantized_base(peft: MixedPeft, qmax: int) -> Iterator[None]:
+    """Meanwhile ``peft``'s base projections and lm_head hold their int8-dequantized weights, as
+    the engine's ``--quantization`` mode of weight range ``qmax`` computes them
+    (``quantize_int8``: per output channel, scales rounded up to bf16); the LoRA A and B keep
+    theirs. A tied embedding shares the lm_head's weight, as the engine's int8 rows serve its
+    lookups. Restored on exit."""
+    from lorastream.worker.model.quant_linear import dequantize_int8, quantize_int8
+
+    saved: list[tuple[torch.nn.Linear, torch.Tensor]] = []
+    with torch.no_grad():
+        for name, module in peft.model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
+                saved.append((module, module.weight.detach().clone()))
+                module.weight.copy_(dequantize_int8(*quantize_int8(module.weight, qmax)))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, weight in saved:
+                module.weight.copy_(weight)

@@ -14,7 +14,7 @@ from lorastream.bench.engine_quant import (
     forced_cases,
     projection_ms,
 )
-from lorastream.bench.quant_reference import ReferenceRows
+from lorastream.bench.quant_reference import ReferenceRows, dequantized_base
 from lorastream.bench.report import render_page
 from tests.support.models import make_tiny_family
 
@@ -79,12 +79,53 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
         assert 0.0 <= m["free_running_agreement_vs_fp32"] <= 1.0
         assert 0 <= m["decisive_positions"] <= result["forced_positions"]
         assert m["projections_ms_per_step"] > 0
+    for mode in ("int8", "int8-dynamic"):  # against HF + PEFT over the mode's own weights
+        assert 0.0 <= modes[mode]["token_agreement_vs_dequantized_reference"] <= 1.0
+    assert "token_agreement_vs_dequantized_reference" not in modes["none"]
     step = result["fp32_step_ms"]
     assert step["base_only"] > 0 and step["multi_adapter"] > 0
     page = render_page({"engine-int8": result}, {})
     assert "| int8 weight-only |" in page and "int8 base-only decode / fp32" in page
     assert "| int8 greedy tokens equal to fp32's at decisive positions" in page
+    assert ("| int8-dynamic greedy tokens equal to transformers + PEFT's over the mode's "
+            "dequantized weights (teacher-forced) |") in page
     decisive = modes["int8"]["decisive_positions"]
     row = next(line for line in page.splitlines() if line.startswith("| int8 weight-only |"))
     assert f" of {decisive} |" in row
     assert "the base projections alone" in page
+
+
+def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
+    tmp_path: Path,
+) -> None:
+    """Inside ``dequantized_base`` every base projection and the lm_head hold the int8 mode's
+    dequantized weights (the tied embedding with it); the adapters' A and B are untouched; on
+    exit every weight is back, bit for bit."""
+    from lorastream.bench.peft_peer import load_mixed_peft
+    from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
+    from lorastream.worker.model.quant_linear import (
+        WEIGHT_QMAX,
+        dequantize_int8,
+        quantize_int8,
+    )
+
+    checkpoint = make_tiny_family("llama", tmp_path / "m")
+    adapter = make_synthetic_adapter(tmp_path / "a0", checkpoint_shape(str(checkpoint)), rank=4)
+    peft = load_mixed_peft(checkpoint, [adapter])
+    before = {name: p.detach().clone() for name, p in peft.model.named_parameters()}
+    base = {name: m for name, m in peft.model.named_modules()
+            if isinstance(m, torch.nn.Linear) and ".lora_" not in name}
+    assert any(name.endswith("q_proj.base_layer") for name in base) and any(
+        name.endswith("lm_head") for name in base)
+    for mode in ("int8", "int8-dynamic"):
+        with dequantized_base(peft, WEIGHT_QMAX[mode]):
+            for name, module in base.items():
+                original = before[f"{name}.weight"]
+                expected = dequantize_int8(*quantize_int8(original, WEIGHT_QMAX[mode]))
+                assert torch.equal(module.weight, expected), name
+                assert not torch.equal(module.weight, original), name
+            for name, p in peft.model.named_parameters():
+                if ".lora_" in name:
+                    assert torch.equal(p, before[name]), name
+        for name, p in peft.model.named_parameters():
+            assert torch.equal(p, before[name]), name
