@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from lorastream.bench.report_format import (
     Result,
+    as_number,
     goal_row,
     number,
     paragraphs,
@@ -142,6 +143,22 @@ def _where_the_time_goes(r: Result) -> str:
         f" In this run the fp32 decode step took {number(step.get('base_only'))} ms base-only "
         f"and {number(step.get('multi_adapter'))} ms with the mixed adapters; the base "
         f"projections alone (every layer's and the lm_head over {text(r.get('prompts'))} rows) "
-        f"took {spent}. The rest of the step (attention, norms, the LoRA delta, sampling) also "
-        "runs faster over an int8 base: a quarter of the weight bytes streams through the "
-        "caches each step.")
+        f"took {spent}." + _rest(r, modes))
+
+
+def _rest(r: Result, modes: Mapping[str, Mapping[str, object]]) -> str:
+    """The base-only step less its projections, per mode: what the projections leave."""
+    prompts = as_number(r.get("prompts"))
+    parts = []
+    for mode, m in modes.items():
+        rate = as_number(m.get("base_only_decode_tok_s"))
+        projections = as_number(m.get("projections_ms_per_step"))
+        if prompts and rate and projections is not None:
+            rest = 1000 * prompts / rate - projections
+            parts.append(f"{_SHOWN.get(mode, mode)} {number(rest)} ms")
+    if not parts:
+        return ""
+    return (" The rest of a base-only step (its time from the decode rate less the "
+            "projections: attention, norms, sampling, the activations' rounding where a mode "
+            f"has it) came to {', '.join(parts)}: the projections are what the mode changes, "
+            "and the rest is what bounds its speed-up.")

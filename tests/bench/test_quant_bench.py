@@ -93,6 +93,8 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     row = next(line for line in page.splitlines() if line.startswith("| int8 weight-only |"))
     assert f" of {decisive} |" in row
     assert "the base projections alone" in page
+    assert "The rest of a base-only step (its time from the decode rate less the projections" in (
+        page)
 
 
 def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
