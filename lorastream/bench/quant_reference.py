@@ -1,7 +1,7 @@
 """Which teacher-forced positions of ``bench engine --quantization`` are decisive: the reference
 logits there, from HF transformers + PEFT in fp32 over the fp32 engine's own sequences; and the
 same reference over a mode's dequantized weights (:func:`dequantized_base`), the comparison the
-issue states the token goal against.
+token goal is stated against.
 
 A position is decisive for a mode when the reference's top-2 margin exceeds the mode's stated
 logit tolerance (``LOGIT_TOLERANCE[mode] * max |logit|`` of that row,
