@@ -87,22 +87,27 @@ def test_staging_can_be_skipped() -> None:
     assert run_transfer_bench(adapter_mb=1, repeats=1, staging_mb=0)["staging"] is None
 
 
+def _result(point: dict[str, float], store_vs_bare: float, verified_vs_bare: float,
+            **extra: object) -> dict[str, object]:
+    """A transfer result of one 1 MiB point, as run_transfer_bench writes it."""
+    return {"adapter_bytes": 96_000_000, "adapter_rank": 79, "repeats": 3,
+            "chunk_bytes": 1 << 20, "store_vs_bare": store_vs_bare,
+            "goal": "store_vs_bare >= 0.8", "store_verified_vs_bare": verified_vs_bare,
+            "verified_digest": "xxh3-128", "goal_verified": "store_verified_vs_bare >= 0.8",
+            "points": [point], **extra}
+
+
 def test_the_section_shows_every_digest_and_the_staging_goal() -> None:
     point = {"chunk_bytes": 1 << 20, "bare_mb_s": 1000.0, "store_mb_s": 900.0,
              "store_vs_bare": 0.9, "verified_sha256_mb_s": 450.0, "verified_sha256_vs_bare": 0.45,
              "verified_blake3_mb_s": 700.0, "verified_blake3_vs_bare": 0.7,
              "verified_xxh3_mb_s": 850.0, "verified_xxh3_vs_bare": 0.85,
              "verified_mb_s": 850.0, "verified_vs_bare": 0.85}
-    result = {"adapter_bytes": 96_000_000, "adapter_rank": 79, "repeats": 3,
-              "chunk_bytes": 1 << 20, "store_vs_bare": 0.9, "goal": "store_vs_bare >= 0.8",
-              "store_verified_vs_bare": 0.85, "verified_digest": "xxh3-128",
-              "goal_verified": "store_verified_vs_bare >= 0.8",
-              "hash_GBps": {"sha256": 1.8, "xxh3_128": 24.0},
-              "staging": {"adapter_bytes": 78_000_000, "repeats": 1, "boto3_s": 1.0,
-                          "preload_s": 1.2, "preload_vs_boto3": 0.83,
-                          "goal": "preload_vs_boto3 >= 0.9",
-                          "preload_phases_s": {"download": 1.0, "stage": 0.2}},
-              "points": [point]}
+    result = _result(point, 0.9, 0.85, hash_GBps={"sha256": 1.8, "xxh3_128": 24.0},
+                     staging={"adapter_bytes": 78_000_000, "repeats": 1, "boto3_s": 1.0,
+                              "preload_s": 1.2, "preload_vs_boto3": 0.83,
+                              "goal": "preload_vs_boto3 >= 0.9",
+                              "preload_phases_s": {"download": 1.0, "stage": 0.2}})
     goals = transfer_goals(result)
     assert [row[1] for row in goals] == ["0.90×", "0.85×", "0.83×"]
     assert [row[3] for row in goals][1:] == ["met", "**not met**"]
@@ -125,12 +130,8 @@ def test_the_section_compares_with_a_bare_client_that_keeps_freed_buffers() -> N
              "verified_xxh3_mb_s": 950.0, "verified_xxh3_vs_bare": 1.05,
              "verified_xxh3_cpu_ms_per_mb": 0.95, "verified_mb_s": 950.0,
              "verified_vs_bare": 1.05, "verified_vs_bare_kept": 0.633}
-    result = {"adapter_bytes": 96_000_000, "adapter_rank": 79, "repeats": 3,
-              "chunk_bytes": 1 << 20, "store_vs_bare": 0.78, "goal": "store_vs_bare >= 0.8",
-              "store_verified_vs_bare": 1.05, "verified_digest": "xxh3-128",
-              "goal_verified": "store_verified_vs_bare >= 0.8",
-              "store_verified_vs_bare_kept": 0.633,
-              "goal_verified_kept": "store_verified_vs_bare_kept >= 0.8", "points": [point]}
+    result = _result(point, 0.78, 1.05, store_verified_vs_bare_kept=0.633,
+                     goal_verified_kept="store_verified_vs_bare_kept >= 0.8")
     goals = transfer_goals(result)
     assert [(row[1], row[3]) for row in goals] == [
         ("0.78×", "**not met**"), ("1.05×", "met"), ("0.63×", "**not met**")]
