@@ -48,7 +48,7 @@ def quant_goals(r: Result) -> list[list[str]]:
                 "reference top-2 margin above the stated logit tolerance)",
                 m.get("token_agreement_decisive_vs_fp32"), r.get("goal_token_agreement"),
                 percent=True))
-        if "token_agreement_vs_dequantized_reference" in m:  # the comparison
+        if "token_agreement_vs_dequantized_reference" in m:  # what the token goal is stated against
             rows.append(goal_row(
                 f"{mode} greedy tokens equal to transformers + PEFT's over the mode's "
                 "dequantized weights (teacher-forced)",

@@ -55,7 +55,8 @@ from lorastream.core.store_client import (
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 # verified client -> the tensor digest its store stages with
 VERIFIED = {"verified_sha256": SHA256, "verified_blake3": BLAKE3, "verified_xxh3": XXH3_128}
-CLIENTS = ("bare", "bare_kept", "store", *VERIFIED)
+BARE = ("bare", "bare_kept")  # clients of the bare server
+CLIENTS = (*BARE, "store", *VERIFIED)
 # Clients whose process keeps freed message buffers, as the worker's fetch process does
 # (native_env.keep_freed_buffers): the verified ones, and bare_kept, a bare client given the same
 # setting to show what it is worth to gRPC alone.
@@ -136,7 +137,7 @@ def _run_client(kind: str, target: str, conn: Connection) -> None:
     this process's CPU seconds per MB); a size of 0 ends it."""
     if kind in KEEP_FREED_BUFFERS:
         keep_freed_buffers()
-    if kind in ("bare", "bare_kept"):
+    if kind in BARE:
         # the store client's stream options (single-threaded unary-stream): the same gRPC path
         channel = grpc.insecure_channel(target, options=STREAM_GRPC_OPTIONS)
         call = channel.unary_stream(_BARE_METHOD)
@@ -213,7 +214,7 @@ def _measure(
             conns: dict[str, Connection] = {}
             for kind in CLIENTS:
                 digest = VERIFIED.get(kind, DEFAULT_TENSOR_DIGEST)
-                port = bare_port if kind in ("bare", "bare_kept") else store_ports[digest]
+                port = bare_port if kind in BARE else store_ports[digest]
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_run_client, args=(kind, f"127.0.0.1:{port}", child), daemon=True

@@ -139,10 +139,9 @@ class DeviceTier:
 
     def release(self, slot_ids: Iterable[int], event: Event) -> None:
         """The step behind ``event`` read ``slot_ids`` (rule 2); they may be taken again."""
-        for slot in slot_ids:
-            if slot >= 0:
-                self._slot_read[slot] = event
-                self._held.discard(slot)
+        read = [slot for slot in slot_ids if slot >= 0]
+        self.mark_read(read, event)
+        self._held.difference_update(read)
 
     def eta(self, entry: AdapterEntry, now: float) -> float | None:
         """Expected seconds until ``entry`` is usable in a slot; None when no load is under way
