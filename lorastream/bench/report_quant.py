@@ -117,7 +117,9 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         "weights dequantized (`bench/quant_reference.py`, `dequantized_base`), the comparison "
         "the token goal is stated against: what is left is the mode's arithmetic (bf16 "
         "activations for int8, per-token int8 activations for int8-dynamic), not its weight "
-        "rounding." + _reference(r),
+        "rounding. Carrying the activations at about 16 bits instead reaches the goal but runs "
+        "the projections no faster than fp32 on an AVX2 CPU (measured: docs/worker.md, \"What "
+        "99% costs on this CPU\")." + _reference(r),
         table(header, rows),
         peft_line,
         _where_the_time_goes(r),
