@@ -9,7 +9,8 @@ from lorastream.cli.settings_flags import with_settings
 from lorastream.worker.service.config import WorkerSettings
 
 app = typer.Typer(
-    help="Run a GPU worker (Llama engine, continuous batching, batched multi-LoRA).",
+    help="Run a GPU worker (Llama, Mistral, Qwen, Gemma and Phi-3 bases; continuous batching, "
+    "batched multi-LoRA).",
     rich_markup_mode=None,
     no_args_is_help=True,
 )
