@@ -174,3 +174,21 @@ def test_another_file_is_still_refused_as_a_file(tmp_path: Path) -> None:
     other.write_bytes(b"\0" * 16)
     with pytest.raises(InvalidArgument, match=r"is a file; pass the checkpoint directory .*gguf"):
         resolve_checkpoint(str(other), cache_dir=tmp_path / "models")
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_read_is_refused_naming_why(
+    tmp_path: Path,
+) -> None:
+    import gguf
+
+    odd = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(odd, "not-a-family")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "models"
+    with pytest.raises(InvalidArgument, match=r"odd.gguf: transformers could not convert this GGUF"):
+        resolve_checkpoint(str(odd), cache_dir=cache)
+    assert not [p for p in cache.iterdir() if not p.name.startswith(".")]  # no half checkpoint
