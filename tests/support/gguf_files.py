@@ -34,10 +34,9 @@ def write_tiny_llama_gguf(source: Path, out: Path, quant: str = "Q8_0", seed: in
     vocab = int(reader.fields["llama.vocab_size"].contents())
     writer = gguf.GGUFWriter(out, "llama")
     for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue  # the writer writes these itself
-        if field.name == "general.file_type":
-            continue
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith(
+                "GGUF."):
+            continue  # the writer writes these itself; the file type was the source's (Q4_1)
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, dims.get(field.name, field.contents()), kind,

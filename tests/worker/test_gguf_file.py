@@ -4,10 +4,11 @@ in 8 bits again under ``--quantization int8``; a file that is not GGUF is a clea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,11 @@ from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.model.checkpoint import resolve_checkpoint
 from lorastream.worker.model.embedded import embedded_gguf_path
-from lorastream.worker.model.gguf_file import converted_gguf_dir, gguf_tensor_types
+from lorastream.worker.model.gguf_file import (
+    SOURCE_FILE,
+    convert_gguf_file,
+    converted_gguf_dir,
+)
 from lorastream.worker.model.quant_linear import QuantLinear, dequantize_int8
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
@@ -38,41 +43,20 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama_gguf(embedded_gguf_path(), root / "tiny-llama.Q8_0.gguf")
 
 
-@contextmanager
-def _logged() -> Iterator[list[logging.LogRecord]]:
-    """The records lorastream's loggers emit at INFO and above inside the block."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("lorastream")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 @pytest.fixture(scope="module")
-def converted(gguf_file: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> tuple[Path, Path, list[logging.LogRecord]]:
-    """(the model cache, the converted checkpoint, the log records of the first resolution)."""
+def converted(gguf_file: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the model cache, the converted checkpoint)."""
     cache = tmp_path_factory.mktemp("models")
-    with _logged() as records:
-        checkpoint = resolve_checkpoint(str(gguf_file), cache_dir=cache)
-    return cache, checkpoint, records
+    return cache, resolve_checkpoint(str(gguf_file), cache_dir=cache)
 
 
 def test_the_file_is_converted_once_into_a_checkpoint_holding_its_values(
-    gguf_file: Path, converted: tuple[Path, Path, list[logging.LogRecord]]
+    gguf_file: Path, converted: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     from safetensors.torch import load_file
 
-    cache, checkpoint, records = converted
+    cache, checkpoint = converted
     assert checkpoint == converted_gguf_dir(cache, gguf_file).resolve()
-    assert any("converting" in r.getMessage() for r in records)
     weights = load_file(checkpoint / "model.safetensors")
     # Q8_0 dequantizes exactly: the checkpoint holds the file's int8 x fp16 values
     for gguf_name, hf_name in [
@@ -82,11 +66,11 @@ def test_the_file_is_converted_once_into_a_checkpoint_holding_its_values(
     ]:
         assert torch.equal(weights[hf_name], torch.from_numpy(gguf_matrix(gguf_file, gguf_name)))
     mtime = checkpoint.stat().st_mtime_ns
-    with _logged() as later:
+    with caplog.at_level(logging.INFO, logger="lorastream"):
         assert resolve_checkpoint(str(gguf_file), cache_dir=cache) == checkpoint  # found
     assert checkpoint.stat().st_mtime_ns == mtime
-    said = " ".join(r.getMessage() for r in later)
-    assert "converting" not in said and f"Q8_0 x {MATRICES}: dequantized exactly" in said
+    assert "converting" not in caplog.text
+    assert f"Q8_0 x {MATRICES}: dequantized exactly" in caplog.text
     assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [checkpoint.name]
 
 
@@ -99,17 +83,25 @@ def test_a_changed_file_gets_a_new_conversion_name(gguf_file: Path, tmp_path: Pa
     assert before.name.startswith("gguf-tiny-llama.Q8_0-")
 
 
-def test_the_log_says_how_each_tensor_type_is_served(
-    gguf_file: Path, converted: tuple[Path, Path, list[logging.LogRecord]]
+def test_the_first_start_converts_and_says_how_each_tensor_type_is_served(
+    gguf_file: Path, converted: tuple[Path, Path], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert gguf_tensor_types(gguf_file) == {"Q8_0": MATRICES, "F32": NORMS}
-    said = " ".join(r.getMessage() for r in converted[2])
-    assert f"Q8_0 x {MATRICES}: dequantized exactly; --quantization int8 holds it in 8 bits" in said
-    assert f"F32 x {NORMS}: its values" in said
+    def copy_conversion(gguf: Path, out: Path) -> None:  # transformers' result, already made
+        shutil.copytree(converted[1], out, dirs_exist_ok=True)
+
+    with caplog.at_level(logging.INFO, logger="lorastream"):
+        checkpoint = convert_gguf_file(tmp_path / "models", gguf_file, copy_conversion)
+    kept = json.loads((checkpoint / SOURCE_FILE).read_text())  # what later starts log
+    assert kept["tensor_types"] == {"Q8_0": MATRICES, "F32": NORMS}
+    assert "converting" in caplog.text
+    assert (f"Q8_0 x {MATRICES}: dequantized exactly; --quantization int8 holds it in 8 bits"
+            in caplog.text)
+    assert f"F32 x {NORMS}: its values" in caplog.text
 
 
 @pytest.fixture
-def engines(converted: tuple[Path, Path, list[logging.LogRecord]], gguf_file: Path
+def engines(converted: tuple[Path, Path], gguf_file: Path
             ) -> Iterator[dict[str, Engine]]:
     cache = converted[0]
     built: dict[str, Engine] = {}
@@ -134,7 +126,7 @@ def _greedy(engine: Engine, prompt: list[int]) -> list[int]:
 
 
 def test_the_gguf_model_serves_transformers_greedy_tokens_and_int8_holds_its_values(
-    engines: dict[str, Engine], converted: tuple[Path, Path, list[logging.LogRecord]],
+    engines: dict[str, Engine], converted: tuple[Path, Path],
     gguf_file: Path,
 ) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM

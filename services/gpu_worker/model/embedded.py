@@ -25,6 +25,7 @@ from lorastream.worker.model.gguf_file import (
     Converter,
     convert_gguf,
     convert_once,
+    file_version,
 )
 
 DEFAULT_MODEL = "default"
@@ -52,9 +53,7 @@ def embedded_gguf_path() -> Path:
 
 def converted_dir_name(gguf: Path) -> str:
     """``SmolLM2-135M-Instruct-<12 hex>``: changes with the GGUF file and the conversion."""
-    st = gguf.stat()
-    key = f"{CONVERSION_VERSION}:{gguf.name}:{st.st_size}:{st.st_mtime_ns}"
-    return f"{EMBEDDED_NAME}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return f"{EMBEDDED_NAME}-{file_version(gguf, gguf.name)}"
 
 
 def convert_default_model(

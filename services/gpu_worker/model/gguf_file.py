@@ -78,11 +78,17 @@ def describe_types(types: Counter[str]) -> str:
     return "; ".join(f"{name} x {count}: {served_as(name)}" for name, count in types.most_common())
 
 
-def converted_gguf_dir(cache_dir: Path, gguf: Path) -> Path:
-    """``cache_dir/<stem>-<12 hex>``: the hex changes with the file and the conversion."""
+def file_version(gguf: Path, identity: str) -> str:
+    """12 hex digits that change with ``identity`` (the file's name or path), its size and
+    modification time, and :data:`CONVERSION_VERSION`: a converted directory's name suffix."""
     st = gguf.stat()
-    key = f"{CONVERSION_VERSION}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    return cache_dir / f"gguf-{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    key = f"{CONVERSION_VERSION}:{identity}:{st.st_size}:{st.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def converted_gguf_dir(cache_dir: Path, gguf: Path) -> Path:
+    """``cache_dir/gguf-<stem>-<12 hex>`` (:func:`file_version` of the resolved path)."""
+    return cache_dir / f"gguf-{gguf.stem}-{file_version(gguf, str(gguf.resolve()))}"
 
 
 def convert_gguf_file(cache_dir: Path, gguf: Path, convert: Converter | None = None) -> Path:
