@@ -74,6 +74,11 @@ def test_the_sample_adapters_ship_in_the_wheel(wheel_names: set[str]) -> None:
     assert "lorastream/samples/adapters/french/adapter_model.safetensors" in wheel_names
 
 
+def test_the_cpu_attention_kernel_source_ships_in_the_wheel(wheel_names: set[str]) -> None:
+    """kernels/cpu_attention.py compiles it where the package is installed."""
+    assert "lorastream/kernels/csrc/decode_attention.cpp" in wheel_names
+
+
 # -- the locks: runtime apart from the test and benchmark tools ------------------------------------
 LOCKS = sorted(REPO.glob("requirements*.lock"))
 # Tools that `make up` and the images must not install (the dev and bench extras, the gpu extra).

@@ -22,6 +22,10 @@ the fp32 step time from its decode rate. The rest of the step is not a fixed cos
 over int8 bases than over fp32 (62 vs 88 ms in one run), as 4x fewer weight bytes stream through
 the caches each step.
 
+Decode attention runs on the native CPU kernel where it built (``--attention-backend auto``); each
+mode's base-only decode is then also measured on torch's attention path (the model's
+``native_attention`` switched off for that run, in the same turns): what the kernel is worth.
+
 Every mode runs in ONE engine: between runs, while it is idle, the engine's model is swapped for
 the same checkpoint built with the mode's quantization, so the KV cache, the adapter slots and the
 adapters are the same for all and a slow spell of the machine hits every mode alike.
@@ -196,9 +200,16 @@ def run_quant_bench(
             assert all(len(g) == 1 for g in got), "one token per teacher-forced case"
             return [g[0] for g in got]
 
-        def run(mode: str, names: list[str]) -> Callable[[int], None]:
+        native = engine.model.native_attention  # the kernel built: compare torch's path too
+
+        def run(mode: str, names: list[str], native_attention: bool = native
+                ) -> Callable[[int], None]:
             def go(n: int) -> None:
-                generate(mode, names, n)
+                models[mode].native_attention = native_attention
+                try:
+                    generate(mode, names, n)
+                finally:
+                    models[mode].native_attention = native
 
             return go
 
@@ -209,6 +220,8 @@ def run_quant_bench(
                 ops.load_adapter(f"a{i}", str(path))
             runs = [run(mode, names) for mode in modes for names in (multi_models,
                                                                        ["base"] * prompts)]
+            if native:  # then each mode's base-only decode on torch's attention path too
+                runs += [run(mode, ["base"] * prompts, False) for mode in modes]
             rates = _decode_rates(runs, prompts, new_tokens, repeats)
             tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
             return rates, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
@@ -252,6 +265,9 @@ def run_quant_bench(
             "projections_ms_per_step": _figures(projections[mode]),
             **resident[mode],
         }
+        if native:
+            per_mode[mode]["base_only_decode_tok_s_torch_attention"] = round(
+                rates[2 * len(modes) + j], 1)
     result: dict[str, object] = {
         "benchmark": "engine-quant",
         "command": command_line(),
@@ -266,6 +282,7 @@ def run_quant_bench(
         "reference_argmax_vs_fp32": round(float((reference.argmax == fp32_tokens).float()
                                                 .mean()), 4),
         "threads": torch.get_num_threads(),
+        "attention": "native" if native else "torch",  # the decode path of the figures above
         "modes": per_mode,
         # the fp32 decode step, from its decode rates (beside the modes' projection times)
         "fp32_step_ms": {"base_only": _figures(1000 * prompts / rates[1]),

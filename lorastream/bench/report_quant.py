@@ -76,7 +76,10 @@ def _reference(r: Result) -> str:
 def quant_section(r: Result, plots: Mapping[str, str]) -> str:
     dequantized = any("token_agreement_vs_dequantized_reference" in m
                       for m in _modes(r).values())
-    header = ("base weights", "base-only decode tok/s", "× fp32", "mixed-adapter decode tok/s",
+    torch_path = any("base_only_decode_tok_s_torch_attention" in m for m in _modes(r).values())
+    header = ("base weights", "base-only decode tok/s",
+              *(("(torch's attention path)",) if torch_path else ()),
+              "× fp32", "mixed-adapter decode tok/s",
               "× fp32", "tokens equal to fp32's (teacher-forced)", "(decisive positions)",
               "(free-running)",
               *(("tokens equal to HF + PEFT over the dequantized weights",) if dequantized
@@ -84,6 +87,7 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
               "model resident (MB)", "process RSS (MB)")
     rows = [
         [_SHOWN.get(mode, mode), number(m.get("base_only_decode_tok_s")),
+         *((number(m.get("base_only_decode_tok_s_torch_attention")),) if torch_path else ()),
          ratio(m.get("base_only_vs_fp32")), number(m.get("multi_adapter_decode_tok_s")),
          ratio(m.get("multi_vs_fp32")), pct(m.get("token_agreement_vs_fp32")),
          _decisive(m), pct(m.get("free_running_agreement_vs_fp32")),
@@ -121,9 +125,19 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         "the projections no faster than fp32 on an AVX2 CPU (measured: docs/worker.md, \"What "
         "99% costs on this CPU\")." + _reference(r),
         table(header, rows),
-        peft_line,
+        " ".join(filter(None, [peft_line, _attention(r, torch_path)])),
         _where_the_time_goes(r),
     ])
+
+
+def _attention(r: Result, torch_path: bool) -> str:
+    """Which decode-attention path the figures ran on, and what the other gave."""
+    if not torch_path:
+        return ""
+    return ("Decode attention ran on the native CPU kernel (`--attention-backend`, "
+            "kernels/cpu_attention.py: the paged cache read in place); the base-only decode of "
+            "each mode on torch's path (gathered blocks, then SDPA) is beside it, measured in "
+            "the same turns.")
 
 
 def _where_the_time_goes(r: Result) -> str:

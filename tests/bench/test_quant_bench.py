@@ -79,6 +79,8 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
         assert 0.0 <= m["free_running_agreement_vs_fp32"] <= 1.0
         assert 0 <= m["decisive_positions"] <= result["forced_positions"]
         assert m["projections_ms_per_step"] > 0
+        assert m["base_only_decode_tok_s_torch_attention"] > 0  # the same run on torch's path
+    assert result["attention"] == "native"  # the kernel builds here
     for mode in ("int8", "int8-dynamic"):  # against HF + PEFT over the mode's own weights
         assert 0.0 <= modes[mode]["token_agreement_vs_dequantized_reference"] <= 1.0
     assert "token_agreement_vs_dequantized_reference" not in modes["none"]
@@ -93,6 +95,8 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     row = next(line for line in page.splitlines() if line.startswith("| int8 weight-only |"))
     assert f" of {decisive} |" in row
     assert "the base projections alone" in page
+    assert "| base weights | base-only decode tok/s | (torch's attention path) |" in page
+    assert "Decode attention ran on the native CPU kernel" in page
     assert "The rest of a base-only step (its time from the decode rate less the projections" in (
         page)
 

@@ -5,6 +5,9 @@ The reference is plain attention over each sequence's whole K/V in float64 with 
 (key ``j`` visible from query ``p`` iff ``j <= p`` and ``p - j < window``). Cache blocks that lie
 wholly before a sequence's window are filled with NaN, so a windowed layer that gathered one of
 them would return NaN: the test proves that only the window is read.
+
+Every case runs on both decode paths: torch's (gathered blocks, SDPA) and the native C++ kernel
+(``kernels/cpu_attention.py``, fp32 on the CPU), which must build here.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from lorastream.kernels import cpu_attention
 from lorastream.worker.model.attention import paged_attention, window_blocks, write_kv
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
@@ -69,6 +73,7 @@ def _first_needed_block(seq: Seq, window: int | None) -> int:
 def run_case(
     decodes: list[Seq], prefills: list[Seq], heads: int, kv_heads: int,
     window: int | None, softcap: float | None, dtype: torch.dtype, seed: int = 0,
+    native: bool = False, head_dim: int = HEAD_DIM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged attention, dense reference) of every row of one flat batch; the attention runs
     with device reads forbidden."""
@@ -85,11 +90,11 @@ def run_case(
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     k_cache, v_cache = rand(*shape), rand(*shape)
-    full_k = [rand(s.context, kv_heads, HEAD_DIM) for s in seqs]
-    full_v = [rand(s.context, kv_heads, HEAD_DIM) for s in seqs]
-    q_rows = [rand(s.new, heads, HEAD_DIM) * 2 for s in seqs]
+    full_k = [rand(s.context, kv_heads, head_dim) for s in seqs]
+    full_v = [rand(s.context, kv_heads, head_dim) for s in seqs]
+    q_rows = [rand(s.new, heads, head_dim) * 2 for s in seqs]
 
     def slots(table: list[int], start: int, stop: int) -> list[int]:
         return [table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(start, stop)]
@@ -134,10 +139,11 @@ def run_case(
         decode_context=torch.tensor([s.context for s in decodes], dtype=torch.long),
         prefills=tuple(spans),
     )
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     with no_device_reads("in paged attention"):
         out = paged_attention(
-            rows_q, k_cache, v_cache, k_new, v_new, batch, scale, window=window, softcap=softcap
+            rows_q, k_cache, v_cache, k_new, v_new, batch, scale, window=window, softcap=softcap,
+            native=native,
         )
     expected = torch.cat([
         dense_reference(q, k, v, scale, window, softcap)
@@ -147,30 +153,71 @@ def run_case(
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# decode path, dtype: torch's in both dtypes, the native kernel in fp32 (all it runs)
+PATHS = [(False, torch.float32), (False, torch.bfloat16), (True, torch.float32)]
+PATH_IDS = ["fp32", "bf16", "native-fp32"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.fixture(scope="module", autouse=True)
+def native_kernel() -> None:
+    """The native kernel builds here (a C++ compiler and ninja are part of `make install`)."""
+    assert cpu_attention.load() is None, cpu_attention.load()
+
+
+@pytest.mark.parametrize("native,dtype", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("softcap", [None, 3.0], ids=["no-softcap", "softcap"])
 @pytest.mark.parametrize("window", [None, 1, 5, 16, 17, 20, 33, 4096])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
 def test_decode_rows_and_prefill_chunks_match_dense_attention(
-    heads: int, kv_heads: int, window: int | None, softcap: float | None, dtype: torch.dtype
+    heads: int, kv_heads: int, window: int | None, softcap: float | None, dtype: torch.dtype,
+    native: bool,
 ) -> None:
-    out, expected = run_case(DECODES, PREFILLS, heads, kv_heads, window, softcap, dtype)
+    out, expected = run_case(
+        DECODES, PREFILLS, heads, kv_heads, window, softcap, dtype, native=native
+    )
     assert out.dtype == dtype and out.shape == expected.shape
     assert torch.isfinite(out).all(), "a block outside the window was read"
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize(
     "decodes,prefills", [(DECODES, []), ([], PREFILLS)], ids=["decode-only", "prefill-only"]
 )
 def test_a_batch_of_one_kind_of_row_matches_dense_attention(
-    decodes: list[Seq], prefills: list[Seq]
+    decodes: list[Seq], prefills: list[Seq], native: bool
 ) -> None:
-    out, expected = run_case(decodes, prefills, 6, 2, 17, 3.0, torch.float32, seed=3)
+    out, expected = run_case(decodes, prefills, 6, 2, 17, 3.0, torch.float32, seed=3,
+                             native=native)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# The kernel's head sizes: 64 and 128 are compiled for, others take its general loop; the
+# families' query groups (Llama 1-8, Qwen 7, Gemma 3 270M 4).
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1), (14, 2)],
+                         ids=["mha", "gqa3", "mqa", "gqa7"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 50.0), (33, 3.0)],
+                         ids=["plain", "window", "softcap", "window-softcap"])
+def test_native_decode_kernel_matches_dense_attention_across_head_shapes(
+    head_dim: int, heads: int, kv_heads: int, window: int | None, softcap: float | None
+) -> None:
+    out, expected = run_case(DECODES, [], heads, kv_heads, window, softcap, torch.float32,
+                             seed=head_dim, native=True, head_dim=head_dim)
+    assert torch.isfinite(out).all(), "a position outside the window was read"
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_kernel_refuses_a_score_row_too_narrow_for_a_context() -> None:
+    """A width that cannot hold a row's visible positions is an error naming the row, never a
+    write past the buffer."""
+    q = torch.randn(2, 4, 64)
+    cache = torch.randn(4, BLOCK_SIZE, 2, 64)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    context = torch.tensor([5, 20])
+    with pytest.raises(RuntimeError, match="row 1 needs 20 score columns, width is 16"):
+        cpu_attention.decode_attention(q, cache, cache, tables, context, 0.125, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("window,changes", [(20, True), (64, False)])

@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from lorastream.core.native_env import release_freed_memory
-from lorastream.worker.model.attention import paged_attention, write_kv
+from lorastream.worker.model.attention import (
+    AttentionBackend,
+    paged_attention,
+    use_native,
+    write_kv,
+)
 from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import KVCache
@@ -137,11 +142,13 @@ class DecoderModel:
     ``quantization`` (``--quantization``): every projection and the lm_head as loaded ("none")
     or quantized to int8 once, here (quant_linear.py); norms, embeddings (but a tied lm_head's,
     which is the quantized lm_head), attention and the KV cache keep the model's dtype.
+    ``attention`` (``--attention-backend``): decode attention on the C++ CPU kernel or torch's
+    SDPA path (attention.py, ``use_native``).
     """
 
     def __init__(
         self, config: ModelConfig, weights: DecoderWeights, device: torch.device,
-        quantization: Quantization = "none",
+        quantization: Quantization = "none", attention: AttentionBackend = "auto",
     ) -> None:
         self.config = config
         self.weights = weights
@@ -149,6 +156,7 @@ class DecoderModel:
         self.quantization = quantization
         assert weights.embed is not None and weights.lm_head is not None
         self.dtype = weights.embed.dtype
+        self.native_attention = use_native(attention, device, self.dtype)  # attention.py
         self.rope = self._rope(config.rope_theta, config.rope_scaling)
         self.local_rope = (
             self._rope(config.local_rope_theta, config.local_rope_scaling)
@@ -291,7 +299,7 @@ class DecoderModel:
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
             attn = paged_attention(
                 q, kv.k[i], kv.v[i], k, v, batch, self.scale, window=layer.window,
-                softcap=c.attn_softcap,
+                softcap=c.attn_softcap, native=self.native_attention,
             )
             attn = attn.reshape(t, q_size)  # [T, q]
             o = wo(attn)  # [T, H]

@@ -92,7 +92,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     # that disagrees with its config.json stops the worker here, naming the tensor.
     config = ModelConfig.from_dir(checkpoint, name=settings.base_model_name)
     weights = load_weights(checkpoint, config, dtype, torch_device)
-    model = DecoderModel(config, weights, torch_device, quantization=settings.quantization)
+    model = DecoderModel(config, weights, torch_device, quantization=settings.quantization,
+                         attention=settings.attention_backend)
     quantized = settings.quantization != "none"
     slow = int8_slow_here(torch_device, settings.quantization) if quantized else None
     if slow is not None:

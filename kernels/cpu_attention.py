@@ -1,0 +1,121 @@
+"""Decode attention over the paged KV cache on the CPU, reading the cache blocks in place.
+
+The torch path (``worker/model/attention.py``) gathers every decode row's blocks into a padded
+copy and runs SDPA over it with a mask: at decode shapes most of its time is that copy and SDPA's
+per-call overhead, not arithmetic. These two C++ ops (``csrc/decode_attention.cpp``) read each
+key and value where it lies; the softmax between them is torch's.
+
+Semantics (fp32; ``B`` decode rows, ``H`` query heads over ``kvh`` kv heads, ``g = H // kvh``)::
+
+    # row b sees positions lo .. ctx-1, ctx = context[b], lo = max(0, ctx - window) (no window: 0)
+    # its score row holds positions first*bs .. first*bs + width - 1, first = lo // bs
+    key(b, p, h)   = k_cache[tables[b, p // bs], p % bs, h]          # [d]
+    decode_scores: scores[b, i, p - first*bs] = cap(scale * q[b, i] · key(b, p, i // g))
+                   for visible p; -inf at every other column
+                   cap(s) = softcap * tanh(s / softcap) if softcap else s
+    probs = softmax(scores, dim=-1)                                   # torch.softmax
+    decode_values: out[b, i] = sum over visible p of probs[b, i, p - first*bs] * value(b, p, i // g)
+
+which is ``attention.py``'s ``_decode`` (and transformers' eager attention: GQA as ``repeat_kv``,
+the soft cap before the mask) with the same score layout, in a different summation order.
+tests/worker/test_attention.py holds both paths to a dense fp64 reference.
+
+Built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, ~15 s) into torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later loads
+take well under a second. :func:`load` reports why it could not build, and the worker then keeps
+the torch path (``--attention-backend``, docs/worker.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+EXTENSION_NAME = "lorastream_decode_attention"
+
+_lock = threading.Lock()
+_state: dict[str, str | None] = {}  # "error": None once loaded, the reason if it failed
+
+
+def _flags() -> list[str]:
+    """-O3 and OpenMP (torch's own runtime: libgomp is already loaded under the same soname, so
+    at::parallel_for runs on torch's intra-op threads); AVX2/FMA where this CPU has them (the
+    flags are part of the build's hash: another CPU builds its own)."""
+    flags = ["-O3", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the ``ninja`` package's binary (a runtime dependency) sits
+    in the venv's bin, which is not on PATH when the venv's python is run directly."""
+    try:
+        import ninja
+    except ImportError:  # then a system ninja, if any
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *filter(None, [path])])
+
+
+def load() -> str | None:
+    """Build (first time) and load the ops; None when they are there, else the reason not."""
+    with _lock:
+        if "error" in _state:
+            return _state["error"]
+        started = time.perf_counter()
+        try:
+            from torch.utils import cpp_extension
+
+            _ninja_on_path()
+            cpp_extension.load(
+                name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=_flags(),
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+            )
+            torch.ops.lorastream.decode_scores  # noqa: B018 -- registered, or AttributeError
+        except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path
+            reason = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            _state["error"] = reason
+            return reason
+        _state["error"] = None
+        log.info("CPU decode-attention kernel ready in %.1f s", time.perf_counter() - started)
+        return None
+
+
+def score_width(num_blocks: int, block_size: int, window_blocks: int | None) -> int:
+    """Columns of a score row: the blocks attention.py gathers per row (all of the table's, or a
+    window's worth), times the block size."""
+    blocks = num_blocks if window_blocks is None else min(window_blocks, num_blocks)
+    return blocks * block_size
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, d] fp32
+    k_cache: torch.Tensor,  # [blocks, bs, kvh, d] fp32, this layer's
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,  # [B, nb] int64 block table per row (padded)
+    context: torch.Tensor,  # [B] int64 cache length of each row, its new token included
+    scale: float,
+    width: int,  # score columns (score_width)
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [B, H, d]
+    """Attention of each decode row over its cache (module docstring); :func:`load` first."""
+    q = q.contiguous()
+    scores = q.new_empty((q.shape[0], q.shape[1], width))  # [B, H, width]
+    ops = torch.ops.lorastream
+    ops.decode_scores(q, k_cache, tables, context, scale, window or 0, softcap or 0.0, scores)
+    probs = torch.softmax(scores, dim=-1)  # [B, H, width]
+    out = torch.empty_like(q)
+    ops.decode_values(probs, v_cache, tables, context, window or 0, out)
+    return out
+
