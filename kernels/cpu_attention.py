@@ -20,75 +20,13 @@ which is ``attention.py``'s ``_decode`` (and transformers' eager attention: GQA 
 the soft cap before the mask) with the same score layout, in a different summation order.
 tests/worker/test_attention.py holds both paths to a dense fp64 reference.
 
-Built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, ~15 s) into torch's
-extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later loads
-take well under a second. :func:`load` reports why it could not build, and the worker then keeps
-the torch path (``--attention-backend``, docs/worker.md).
+Built with the other CPU ops by :func:`lorastream.kernels.cpu_ops.load` (``--cpu-kernels``,
+docs/worker.md).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-import time
-from pathlib import Path
-
 import torch
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-EXTENSION_NAME = "lorastream_decode_attention"
-
-_lock = threading.Lock()
-_state: dict[str, str | None] = {}  # "error": None once loaded, the reason if it failed
-
-
-def _flags() -> list[str]:
-    """-O3 and OpenMP (torch's own runtime: libgomp is already loaded under the same soname, so
-    at::parallel_for runs on torch's intra-op threads); AVX2/FMA where this CPU has them (the
-    flags are part of the build's hash: another CPU builds its own)."""
-    flags = ["-O3", "-fopenmp"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
-    return flags
-
-
-def _ninja_on_path() -> None:
-    """torch runs ``ninja`` from PATH; the ``ninja`` package's binary (a runtime dependency) sits
-    in the venv's bin, which is not on PATH when the venv's python is run directly."""
-    try:
-        import ninja
-    except ImportError:  # then a system ninja, if any
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *filter(None, [path])])
-
-
-def load() -> str | None:
-    """Build (first time) and load the ops; None when they are there, else the reason not."""
-    with _lock:
-        if "error" in _state:
-            return _state["error"]
-        started = time.perf_counter()
-        try:
-            from torch.utils import cpp_extension
-
-            _ninja_on_path()
-            cpp_extension.load(
-                name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=_flags(),
-                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-            )
-            torch.ops.lorastream.decode_scores  # noqa: B018 -- registered, or AttributeError
-        except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path
-            reason = " ".join(f"{type(err).__name__}: {err}".split())[:500]
-            _state["error"] = reason
-            return reason
-        _state["error"] = None
-        log.info("CPU decode-attention kernel ready in %.1f s", time.perf_counter() - started)
-        return None
 
 
 def score_width(num_blocks: int, block_size: int, window_blocks: int | None) -> int:

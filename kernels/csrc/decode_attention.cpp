@@ -2,7 +2,7 @@
 //
 // Two ops, registered as torch.ops.lorastream.decode_scores / decode_values; the softmax between
 // them is torch's. Semantics, shapes and the reference: kernels/cpu_attention.py. Built once by
-// torch.utils.cpp_extension at first use (cpu_attention.load()).
+// torch.utils.cpp_extension at first use, with lora_rows.cpp as one extension (kernels/cpu_ops.py).
 //
 // Layout (kv_cache.py): cache [blocks, bs, kvh, d]; token p of row b lives in block
 // tables[b, p / bs] at row p % bs. Row b's query sees positions lo .. context[b] - 1 with
@@ -185,7 +185,7 @@ void decode_values(const at::Tensor& probs, const at::Tensor& v_cache, const at:
 
 }  // namespace
 
-TORCH_LIBRARY(lorastream, m) {
+TORCH_LIBRARY_FRAGMENT(lorastream, m) {
   m.def(
       "decode_scores(Tensor q, Tensor k_cache, Tensor tables, Tensor context, float scale, "
       "int window, float softcap, Tensor(a!) scores) -> ()");

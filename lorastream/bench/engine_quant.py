@@ -22,7 +22,7 @@ the fp32 step time from its decode rate. The rest of the step is not a fixed cos
 over int8 bases than over fp32 (62 vs 88 ms in one run), as 4x fewer weight bytes stream through
 the caches each step.
 
-Decode attention runs on the native CPU kernel where it built (``--attention-backend auto``); each
+Decode attention runs on the native CPU kernel where it built (``--cpu-kernels auto``); each
 mode's base-only decode is then also measured on torch's attention path (the model's
 ``native_attention`` switched off for that run, in the same turns): what the kernel is worth.
 

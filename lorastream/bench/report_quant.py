@@ -134,7 +134,7 @@ def _attention(r: Result, torch_path: bool) -> str:
     """Which decode-attention path the figures ran on, and what the other gave."""
     if not torch_path:
         return ""
-    return ("Decode attention ran on the native CPU kernel (`--attention-backend`, "
+    return ("Decode attention ran on the native CPU kernel (`--cpu-kernels`, "
             "kernels/cpu_attention.py: the paged cache read in place); the base-only decode of "
             "each mode on torch's path (gathered blocks, then SDPA) is beside it, measured in "
             "the same turns.")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lorastream.kernels import cpu_attention
+from lorastream.kernels import cpu_attention, cpu_ops
 from lorastream.worker.model.attention import paged_attention, window_blocks, write_kv
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
@@ -161,7 +161,7 @@ PATH_IDS = ["fp32", "bf16", "native-fp32"]
 @pytest.fixture(scope="module", autouse=True)
 def native_kernel() -> None:
     """The native kernel builds here (a C++ compiler and ninja are part of `make install`)."""
-    assert cpu_attention.load() is None, cpu_attention.load()
+    assert cpu_ops.load() is None, cpu_ops.load()
 
 
 @pytest.mark.parametrize("native,dtype", PATHS, ids=PATH_IDS)

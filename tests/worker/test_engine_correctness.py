@@ -32,16 +32,17 @@ def _collect(stream) -> tuple[list[int], str, FinishReason | None]:  # type: ign
     return tokens, text, reason
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])  # --attention-backend
+@pytest.mark.parametrize("kernels", ["native", "torch"])  # --cpu-kernels
 def test_one_mixed_batch_of_every_adapter_and_the_base_gives_peft_greedy_tokens(
     engine_factory: EngineFactory,
     tiny_adapters: dict[str, Path],
     reference: dict[tuple[str, int], list[int]],
-    attention: str,
+    kernels: str,
 ) -> None:
     # requests queue up and land in the same first step
-    engine = engine_factory(start=False, attention_backend=attention)
-    assert engine.model.native_attention is (attention == "native")
+    engine = engine_factory(start=False, cpu_kernels=kernels)
+    assert engine.model.native_attention is (kernels == "native")
+    assert engine.backend.native is (kernels == "native")  # type: ignore[attr-defined]
     ops = WorkerOperations(engine)
     for name, path in tiny_adapters.items():
         ops.load_adapter(name, str(path))

@@ -1,4 +1,6 @@
-"""The torch LoRA backend against the fp32 SGMV reference, over the popularities that matter."""
+"""The torch LoRA backend against the fp32 SGMV reference, over the popularities that matter;
+with ``native`` (``--cpu-kernels``) its slot-major steps whose rows are the layout run the C++
+``lora_rows`` (kernels/cpu_lora.py), held to the same reference and to the bmm path."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from lorastream.kernels import cpu_ops
 from lorastream.kernels.reference import sgmv_expand_ref, sgmv_shrink_ref
 from lorastream.kernels.workloads import segment_lengths
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
@@ -14,6 +17,13 @@ from lorastream.worker.lora.slots import LoraSlots, SlotInfo
 from lorastream.worker.model.config import ModelConfig
 
 RANKS = [4, 8, 16, 64, 8, 4, 16, 8]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_kernels() -> None:
+    """The C++ CPU ops build here (a C++ compiler and ninja are part of `make install`)."""
+    assert cpu_ops.load() is None, cpu_ops.load()
 
 
 def _config(hidden: int) -> ModelConfig:
@@ -84,8 +94,9 @@ def test_backend_matches_the_sgmv_reference_in_both_layouts(
     [([5] * 9, 5, 1), ([3, 4, 3, -1, 4, 4], 3, 2), ([3, -1, 3, 3], 3, 1), ([0, 2, 2], 0, 3)],
     ids=["one-high-slot", "range-3-4", "rank-64-slot", "from-zero"],
 )
+@pytest.mark.parametrize("native", [False, True], ids=["bmm", "native"])
 def test_slot_major_reads_only_the_range_of_slots_in_use(
-    token_slots: list[int], lo: int, span: int
+    token_slots: list[int], lo: int, span: int, native: bool
 ) -> None:
     """A prefill of one adapter in slot 5 is one bmm over slot 5, not slots 0-5 (padding) or
     grouped_mm; the delta still matches the reference, through the fused shrink too."""
@@ -96,7 +107,7 @@ def test_slot_major_reads_only_the_range_of_slots_in_use(
         for module in ("k_proj", "v_proj"):
             slots.a[module][0, s, :rank].normal_(0, 0.1, generator=gen)
             slots.b[module][0, s, :, :rank].normal_(0, 0.1, generator=gen)
-    backend = TorchLoraBackend(torch.float32, torch.device("cpu"))
+    backend = TorchLoraBackend(torch.float32, CPU, native)
     meta = backend.prepare(token_slots, slots)
     assert meta is not None and meta.slot_major
     assert (meta.slot_lo, meta.slot_range) == (lo, span)
@@ -118,7 +129,8 @@ def test_slot_major_reads_only_the_range_of_slots_in_use(
     fused = torch.zeros(len(token_slots), 128)
     took = backend.add_group(x, slots.a_groups[qkv][0], [slots.b[m][0] for m in qkv], fused,
                              [0, 64, 96], meta)
-    assert took == (meta.max_rank == slots.storage_rank)
+    # the bmm path shrinks in one matmul only at the storage rank; lora_rows at any rank
+    assert took == (meta.max_rank == slots.storage_rank or (native and meta.rows_are_layout))
     if took:
         torch.testing.assert_close(fused, torch.cat([expected[m] for m in qkv], 1),
                                    rtol=1e-5, atol=1e-5)
@@ -133,16 +145,18 @@ def test_no_adapter_rows_means_no_metadata() -> None:
     ("token_slots", "identity"),
     [([0, 1, 2, 3], True), ([0, 0, 1, 1], True), ([1, 0, 2, 3], False), ([0, 1, -1], False)],
 )
+@pytest.mark.parametrize("native", [False, True], ids=["bmm", "native"])
 def test_rows_already_in_slot_order_skip_the_gathers_and_match_the_reference(
-    token_slots: list[int], identity: bool
+    token_slots: list[int], identity: bool, native: bool
 ) -> None:
     config = _config(64)
     slots = _slots(config, seed=3)
-    meta = TorchLoraBackend(torch.float32, torch.device("cpu")).prepare(token_slots, slots)
+    meta = TorchLoraBackend(torch.float32, CPU).prepare(token_slots, slots)
     assert meta is not None and (meta.layout_rows is None) == identity
+    assert meta.rows_are_layout == identity
     x = torch.randn(len(token_slots), 64)
     out = torch.zeros(len(token_slots), 64)
-    TorchLoraBackend(torch.float32, torch.device("cpu")).add(
+    TorchLoraBackend(torch.float32, CPU, native).add(
         x, slots.a["q_proj"][0], slots.b["q_proj"][0], out, 0, meta
     )
     t_slots = torch.tensor(token_slots, dtype=torch.int32)
@@ -254,3 +268,61 @@ def test_phi3s_fused_targets_get_one_delta_over_the_whole_fused_output(
         )
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         assert out.abs().sum() > 0
+
+
+@pytest.mark.parametrize("hidden", [64, 50], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("ranks", [[8, 8, 8, 8], [8, 2, 5, 8], [3, 1, 2, 3]],
+                         ids=["storage-rank", "mixed-ranks", "below-storage"])
+@pytest.mark.parametrize(("slot_lo", "per_slot"), [(0, 1), (2, 1), (1, 2)],
+                         ids=["from-zero", "from-slot-2", "two-rows-per-slot"])
+def test_lora_rows_matches_the_bmm_path_and_the_reference_in_groups_and_alone(
+    hidden: int, ranks: list[int], slot_lo: int, per_slot: int
+) -> None:
+    """Decode steps as the step builder lays them out (rows by slot): the fused q/k/v group, the
+    gate/up group and a projection alone, through the native op and through the bmm path."""
+    config = _config(hidden)
+    gen = torch.Generator().manual_seed(hidden + slot_lo)
+    slots = LoraSlots(config, len(ranks) + slot_lo, 8, torch.float32, CPU)
+    modules = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+    for s, rank in enumerate(ranks, start=slot_lo):
+        for module in modules:
+            slots.a[module][0, s, :rank].normal_(0, 0.1, generator=gen)
+            slots.b[module][0, s, :, :rank].normal_(0, 0.1, generator=gen)
+        slots.table[s] = SlotInfo(f"id{s}", rank, 0.5 + s, frozenset(modules))
+    token_slots = [s for s in range(slot_lo, slot_lo + len(ranks)) for _ in range(per_slot)]
+    native, bmm = TorchLoraBackend(torch.float32, CPU, True), TorchLoraBackend(torch.float32, CPU)
+    meta = native.prepare(token_slots, slots)
+    assert meta is not None and meta.rows_are_layout and meta.per_slot == per_slot
+    t_slots = torch.tensor(token_slots, dtype=torch.int32)
+    all_ranks = torch.tensor([info.rank for info in slots.table], dtype=torch.int32)
+    scalings = torch.tensor([info.scaling for info in slots.table])
+    rows = len(token_slots)
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)):
+        fan_in = config.module_shapes()[group[0]][0]
+        widths = [config.module_shapes()[m][1] for m in group]
+        cols = [3 + sum(widths[:i]) for i in range(len(group))]  # after 3 columns of another
+        x = torch.randn(rows, fan_in, generator=gen)
+        before = torch.randn(rows, 3 + sum(widths), generator=gen)
+        expected = before.clone()
+        for module, col in zip(group, cols, strict=True):
+            h = sgmv_shrink_ref(x, slots.a[module][0], t_slots, all_ranks)
+            sgmv_expand_ref(h, slots.b[module][0], t_slots, all_ranks, scalings, expected,
+                            slice_offset=col)
+        for backend in (native, bmm):
+            out = before.clone()
+            step = LoraStep(slots, backend, meta)
+            if len(group) == 1:
+                step.add(0, group[0], x, out, cols[0])
+            else:
+                step.add_group(0, group, x, out, tuple(cols))
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            assert torch.equal(out[:, :3], before[:, :3])  # other columns untouched
+
+
+def test_lora_rows_refuses_columns_outside_the_output() -> None:
+    """A B that does not fit where it is added is an error, never a write past the row."""
+    from lorastream.kernels.cpu_lora import lora_rows
+
+    a, b = torch.randn(2, 4, 16), torch.randn(2, 8, 4)
+    with pytest.raises(RuntimeError, match="columns 4..12 outside out"):
+        lora_rows(torch.randn(2, 16), a, [b], [4], torch.ones(2), 0, 1, 4, torch.zeros(2, 10))

@@ -23,6 +23,11 @@ The torch backend has two layouts and picks one per step (host-side, from the to
 Slot-major is chosen when its padded rows are at most twice the real ones. On this CPU it runs
 at memory bandwidth, 2-5x faster than ``grouped_mm`` for one token per adapter. Cost follows the
 largest rank in the batch (ranks are sliced to it), not the slot capacity.
+
+With ``native`` (``--cpu-kernels``, fp32 on the CPU), a slot-major step whose batch rows are its
+layout (decode: the step builder orders decode rows by slot) runs ``kernels/cpu_lora.py``'s
+``lora_rows`` instead: one C++ op per input that reads each row's A and B once and adds the delta
+into the output in place (same sums, another order), where the bmm path runs 18 ops per layer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from lorastream.kernels.cpu_lora import lora_rows
 from lorastream.worker.device.staging import Arena
 from lorastream.worker.lora.slots import LoraSlots
 
@@ -65,6 +71,11 @@ class LoraStepMeta:
     @property
     def slot_major(self) -> bool:
         return self.offs is None
+
+    @property
+    def rows_are_layout(self) -> bool:
+        """Slot-major with the batch rows as its layout: no gather in, none out."""
+        return self.offs is None and self.output_rows is None
 
 
 class LoraBackend(Protocol):
@@ -176,9 +187,12 @@ class TorchLoraBackend:
 
     name = "torch"
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
+        """``native``: the C++ ``lora_rows`` where a step allows (module docstring); the caller
+        has loaded the CPU ops (``device/cpu_kernels.py``) and the model is fp32 on the CPU."""
         self._dtype = dtype
         self._device = device
+        self.native = native
 
     def prepare(
         self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
@@ -194,6 +208,10 @@ class TorchLoraBackend:
         col: int,
         meta: LoraStepMeta,
     ) -> None:
+        if self.native and meta.rows_are_layout:
+            lora_rows(x.contiguous(), a, [b], [col], meta.row_scale.view(-1), meta.slot_lo,
+                      meta.per_slot, meta.max_rank, out)
+            return
         r, n = meta.max_rank, b.shape[1]
         xs = _in_layout(x, meta)  # [P, K]
         if meta.slot_major:
@@ -224,6 +242,10 @@ class TorchLoraBackend:
         """The deltas of G projections of the same input, shrunk in ONE matmul; False (nothing
         done) unless the step is slot-major and its largest rank fills the slots' rank R."""
         rank = a.shape[1] // len(bs)
+        if self.native and meta.rows_are_layout:  # any rank up to the slots'
+            lora_rows(x.contiguous(), a, bs, cols, meta.row_scale.view(-1), meta.slot_lo,
+                      meta.per_slot, meta.max_rank, out)
+            return True
         if not meta.slot_major or meta.max_rank != rank:
             return False
         lo, s, m = meta.slot_lo, meta.slot_range, meta.per_slot

@@ -19,52 +19,19 @@ Two per-layer options, as HF transformers defines them:
 Nothing here reads a device tensor back to the host: block ranges of prefill chunks come from
 their host-side lengths, those of decode rows are computed on the device from the shapes.
 
-``native`` (fp32 on the CPU, ``--attention-backend``): decode rows run the C++ kernel of
+``native`` (fp32 on the CPU, ``--cpu-kernels``): decode rows run the C++ kernel of
 ``kernels/cpu_attention.py`` instead, which reads the cache blocks in place (same semantics and
 score layout; no gathered copy, no SDPA call); prefill chunks keep SDPA.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-from lorastream.kernels import cpu_attention
 from lorastream.kernels.cpu_attention import decode_attention, score_width
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
-
-
-log = logging.getLogger(__name__)
-
-AttentionBackend = Literal["auto", "native", "torch"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "native", "torch")
-
-
-def use_native(choice: AttentionBackend, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode rows take the C++ kernel (``--attention-backend``): ``torch`` never;
-    ``native`` always, or an error saying why it cannot; ``auto`` where it applies (fp32 on the
-    CPU) and builds, else the torch path with a warning giving the reason."""
-    if choice == "torch":
-        return False
-    if device.type != "cpu" or dtype != torch.float32:
-        if choice == "native":
-            raise ValueError(
-                f"--attention-backend native: the decode-attention kernel runs fp32 on the CPU; "
-                f"this model is {str(dtype).removeprefix('torch.')} on {device}"
-            )
-        return False
-    error = cpu_attention.load()
-    if error is None:
-        return True
-    if choice == "native":
-        raise RuntimeError(f"--attention-backend native: the CPU kernel did not build: {error}")
-    log.warning("the CPU decode-attention kernel did not build, so decode attention takes "
-                "torch's slower SDPA path (--attention-backend torch silences this): %s", error)
-    return False
 
 
 def write_kv(

@@ -19,12 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from lorastream.core.native_env import release_freed_memory
-from lorastream.worker.model.attention import (
-    AttentionBackend,
-    paged_attention,
-    use_native,
-    write_kv,
-)
+from lorastream.worker.device.cpu_kernels import CpuKernels, use_cpu_kernels
+from lorastream.worker.model.attention import paged_attention, write_kv
 from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import KVCache
@@ -142,13 +138,13 @@ class DecoderModel:
     ``quantization`` (``--quantization``): every projection and the lm_head as loaded ("none")
     or quantized to int8 once, here (quant_linear.py); norms, embeddings (but a tied lm_head's,
     which is the quantized lm_head), attention and the KV cache keep the model's dtype.
-    ``attention`` (``--attention-backend``): decode attention on the C++ CPU kernel or torch's
-    SDPA path (attention.py, ``use_native``).
+    ``cpu_kernels`` (``--cpu-kernels``): decode attention on the C++ CPU kernel or torch's
+    SDPA path (attention.py; ``device/cpu_kernels.py``).
     """
 
     def __init__(
         self, config: ModelConfig, weights: DecoderWeights, device: torch.device,
-        quantization: Quantization = "none", attention: AttentionBackend = "auto",
+        quantization: Quantization = "none", cpu_kernels: CpuKernels = "auto",
     ) -> None:
         self.config = config
         self.weights = weights
@@ -156,7 +152,8 @@ class DecoderModel:
         self.quantization = quantization
         assert weights.embed is not None and weights.lm_head is not None
         self.dtype = weights.embed.dtype
-        self.native_attention = use_native(attention, device, self.dtype)  # attention.py
+        # decode attention on the C++ kernel (attention.py); may be switched between steps
+        self.native_attention = use_cpu_kernels(cpu_kernels, device, self.dtype)
         self.rope = self._rope(config.rope_theta, config.rope_scaling)
         self.local_rope = (
             self._rope(config.local_rope_theta, config.local_rope_scaling)

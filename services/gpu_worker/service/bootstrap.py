@@ -47,9 +47,12 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return _DTYPES[spec]
 
 
-def make_backend(name: str, dtype: torch.dtype, device: torch.device) -> LoraBackend:
+def make_backend(name: str, dtype: torch.dtype, device: torch.device,
+                 native: bool = False) -> LoraBackend:
+    """``native``: the C++ CPU kernels are loaded (``--cpu-kernels``); the torch backend uses
+    its LoRA op where a step allows."""
     if name == "torch":
-        return TorchLoraBackend(dtype, device)
+        return TorchLoraBackend(dtype, device, native)
     if name == "triton":
         from lorastream.worker.lora.triton_backend import TritonLoraBackend
 
@@ -93,7 +96,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     config = ModelConfig.from_dir(checkpoint, name=settings.base_model_name)
     weights = load_weights(checkpoint, config, dtype, torch_device)
     model = DecoderModel(config, weights, torch_device, quantization=settings.quantization,
-                         attention=settings.attention_backend)
+                         cpu_kernels=settings.cpu_kernels)
     quantized = settings.quantization != "none"
     slow = int8_slow_here(torch_device, settings.quantization) if quantized else None
     if slow is not None:
@@ -125,7 +128,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         kv,
         slots,
         adapters,
-        make_backend(settings.lora_backend, dtype, torch_device),
+        make_backend(settings.lora_backend, dtype, torch_device, model.native_attention),
         device,
         base_model_name=settings.base_model_name,
         max_batch_size=settings.max_batch_size,

@@ -206,12 +206,13 @@ class WorkerSettings(StoreTLSSettings):
         "default until `lorastream bench serve` shows it pays on your hardware "
         "(docs/design.md, 'Layer-ordered admission').",
     )
-    attention_backend: Literal["auto", "native", "torch"] = Field(
+    cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto",
-        description="Decode attention: 'native' (a C++ kernel reading the paged KV cache in "
-        "place; fp32 on the CPU; built once with the C++ compiler, ~15 s, into torch's "
-        "extension cache), 'torch' (gather the blocks, then SDPA) or 'auto' (native where it "
-        "applies and builds, else torch with a warning saying why).",
+        description="'native': C++ kernels for decode attention (reading the paged KV cache in "
+        "place) and for the LoRA delta of decode steps; fp32 on the CPU; built once with the "
+        "C++ compiler, ~15 s, into torch's extension cache. 'torch': torch's ops (gather then "
+        "SDPA; batched matmuls). 'auto': native where it applies and builds, else torch with a "
+        "warning saying why.",
     )
     lora_backend: Literal["torch", "triton"] = Field(
         "torch", description="LoRA delta implementation (triton needs CUDA)."

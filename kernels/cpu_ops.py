@@ -1,0 +1,92 @@
+"""The C++ CPU ops (``csrc/*.cpp``): built once, loaded, or the reason they are not.
+
+``torch.utils.cpp_extension`` compiles them into one extension (a C++ compiler and ninja, ~15 s)
+in torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``);
+later loads take well under a second. They register ``torch.ops.lorastream.*``:
+
+- ``decode_scores`` / ``decode_values``: decode attention over the paged KV cache
+  (``cpu_attention.py``);
+- ``lora_rows``: the LoRA delta of slot-major steps (``cpu_lora.py``).
+
+:func:`load` returns why they could not be built, and the worker then keeps torch's paths
+(``--cpu-kernels``, docs/worker.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+EXTENSION_NAME = "lorastream_cpu_ops"
+
+_lock = threading.Lock()
+_state: dict[str, str | None] = {}  # "error": None once loaded, the reason if it failed
+
+
+def _flags() -> list[str]:
+    """-O3 and OpenMP (torch's own runtime: libgomp is already loaded under the same soname, so
+    at::parallel_for runs on torch's intra-op threads); AVX2/FMA where this CPU has them (the
+    flags are part of the build's hash: another CPU builds its own)."""
+    flags = ["-O3", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs ``ninja`` from PATH; the ``ninja`` package's binary (a runtime dependency) sits
+    in the venv's bin, which is not on PATH when the venv's python is run directly. PATH gets it
+    for the build only: what else the process runs (and prints) sees its own PATH."""
+    try:
+        import ninja
+    except ImportError:  # then a system ninja, if any
+        yield
+        return
+    before = os.environ.get("PATH")
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
+def load() -> str | None:
+    """Build (first time) and load the ops; None when they are there, else the reason not."""
+    with _lock:
+        if "error" in _state:
+            return _state["error"]
+        started = time.perf_counter()
+        try:
+            from torch.utils import cpp_extension
+
+            with _ninja_on_path():
+                cpp_extension.load(
+                    name=EXTENSION_NAME, sources=[str(p) for p in SOURCES], extra_cflags=_flags(),
+                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+                )
+            for op in ("decode_scores", "decode_values", "lora_rows"):  # registered, or an error
+                getattr(torch.ops.lorastream, op)
+        except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path
+            reason = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            _state["error"] = reason
+            return reason
+        _state["error"] = None
+        log.info("CPU kernels (decode attention, LoRA rows) ready in %.1f s",
+                 time.perf_counter() - started)
+        return None
