@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -124,6 +125,26 @@ Shapes check(const at::Tensor& rows_hd, const at::Tensor& cache, const at::Tenso
   return s;
 }
 
+// Runs f(DT, b, h, span, first_head) for every row b and kv head h, split over torch's threads;
+// DT is the head size as a compile-time constant where it is 64 or 128, else 0 (read at run time).
+template <typename F>
+void for_each_head(const Shapes& s, const int64_t* context, int64_t window, F&& f) {
+  at::parallel_for(0, s.rows * s.kvh, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / s.kvh, h = task % s.kvh;
+      const Span span = span_of(context[b], window, s.bs);
+      const int64_t first_head = b * s.heads + h * s.g;
+      if (s.d == 64) {
+        f(std::integral_constant<int64_t, 64>{}, b, h, span, first_head);
+      } else if (s.d == 128) {
+        f(std::integral_constant<int64_t, 128>{}, b, h, span, first_head);
+      } else {
+        f(std::integral_constant<int64_t, 0>{}, b, h, span, first_head);
+      }
+    }
+  });
+}
+
 void decode_scores(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& tables,
                    const at::Tensor& context, double scale, int64_t window, double softcap,
                    at::Tensor& scores) {
@@ -131,29 +152,14 @@ void decode_scores(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* cp = context.data_ptr<int64_t>();
   float* sp = scores.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, s.rows * s.kvh, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kvh, h = task % s.kvh;
-      const Span span = span_of(cp[b], window, s.bs);
-      const int64_t first_head = b * s.heads + h * s.g;
-      const float* qh = qp + first_head * s.d;
-      float* out = sp + first_head * s.width;
-      const int64_t* table = tp + b * s.nb;
-      if (s.d == 64) {
-        scores_of_head<64>(qh, kp + h * s.d, table, span, s.bs, s.kvh, s.d, s.g, fscale, cap,
-                           out, s.width);
-      } else if (s.d == 128) {
-        scores_of_head<128>(qh, kp + h * s.d, table, span, s.bs, s.kvh, s.d, s.g, fscale, cap,
-                            out, s.width);
-      } else {
-        scores_of_head<0>(qh, kp + h * s.d, table, span, s.bs, s.kvh, s.d, s.g, fscale, cap,
-                          out, s.width);
-      }
-    }
-  });
+  for_each_head(s, context.data_ptr<int64_t>(), window,
+                [&](auto dt, int64_t b, int64_t h, Span span, int64_t first_head) {
+                  scores_of_head<decltype(dt)::value>(
+                      qp + first_head * s.d, kp + h * s.d, tp + b * s.nb, span, s.bs, s.kvh,
+                      s.d, s.g, fscale, cap, sp + first_head * s.width, s.width);
+                });
 }
 
 void decode_values(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& tables,
@@ -162,25 +168,13 @@ void decode_values(const at::Tensor& probs, const at::Tensor& v_cache, const at:
   const float* pp = probs.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* cp = context.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, s.rows * s.kvh, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / s.kvh, h = task % s.kvh;
-      const Span span = span_of(cp[b], window, s.bs);
-      const int64_t first_head = b * s.heads + h * s.g;
-      const float* w = pp + first_head * s.width;
-      float* o = op + first_head * s.d;
-      const int64_t* table = tp + b * s.nb;
-      if (s.d == 64) {
-        values_of_head<64>(w, vp + h * s.d, table, span, s.bs, s.kvh, s.d, s.g, s.width, o);
-      } else if (s.d == 128) {
-        values_of_head<128>(w, vp + h * s.d, table, span, s.bs, s.kvh, s.d, s.g, s.width, o);
-      } else {
-        values_of_head<0>(w, vp + h * s.d, table, span, s.bs, s.kvh, s.d, s.g, s.width, o);
-      }
-    }
-  });
+  for_each_head(s, context.data_ptr<int64_t>(), window,
+                [&](auto dt, int64_t b, int64_t h, Span span, int64_t first_head) {
+                  values_of_head<decltype(dt)::value>(
+                      pp + first_head * s.width, vp + h * s.d, tp + b * s.nb, span, s.bs, s.kvh,
+                      s.d, s.g, s.width, op + first_head * s.d);
+                });
 }
 
 }  // namespace
