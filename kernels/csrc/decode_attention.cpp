@@ -32,6 +32,19 @@ inline Span span_of(int64_t context, int64_t window, int64_t bs) {
   return {lo, context, lo / bs};
 }
 
+// Calls f(p, entry) for each visible position p of a span in block order, entry = the [d] of this
+// kv head at p: cache[table[p / bs], p % bs] (cache already offset to the head; row_stride =
+// kvh * d floats between the rows of a block).
+template <typename F>
+inline void for_each_position(const float* cache, const int64_t* table, Span s, int64_t bs,
+                              int64_t row_stride, F&& f) {
+  for (int64_t blk = s.first; blk * bs < s.hi; ++blk) {
+    const float* block = cache + table[blk] * bs * row_stride;
+    const int64_t p0 = std::max(blk * bs, s.lo), p1 = std::min((blk + 1) * bs, s.hi);
+    for (int64_t p = p0; p < p1; ++p) f(p, block + (p - blk * bs) * row_stride);
+  }
+}
+
 // The scores of one kv head's g query heads: q [g, d], out [g, width] (row stride width).
 // DT > 0 fixes the head size at compile time (unrolled); 0 reads it from d.
 template <int64_t DT>
@@ -46,22 +59,17 @@ void scores_of_head(const float* q, const float* k, const int64_t* table, Span s
     std::fill(row, row + (s.lo - base), neg);
     std::fill(row + (s.hi - base), row + width, neg);
   }
-  for (int64_t blk = s.first; blk * bs < s.hi; ++blk) {
-    const float* kb = k + table[blk] * bs * kvh * d;
-    const int64_t p0 = std::max(blk * bs, s.lo), p1 = std::min((blk + 1) * bs, s.hi);
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* key = kb + (p - blk * bs) * kvh * d;
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = q + j * d;
-        float dot = 0.f;
+  for_each_position(k, table, s, bs, kvh * d, [&](int64_t p, const float* key) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = q + j * d;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += qj[i] * key[i];
-        float v = dot * scale;
-        if (cap > 0.f) v = cap * std::tanh(v / cap);
-        out[j * width + (p - base)] = v;
-      }
+      for (int64_t i = 0; i < d; ++i) dot += qj[i] * key[i];
+      float v = dot * scale;
+      if (cap > 0.f) v = cap * std::tanh(v / cap);
+      out[j * width + (p - base)] = v;
     }
-  }
+  });
 }
 
 // One kv head's g output rows: o [g, d] = sum_p w[j, p] * value[p] over the visible positions.
@@ -71,19 +79,14 @@ void values_of_head(const float* w, const float* v, const int64_t* table, Span s
   const int64_t d = DT > 0 ? DT : d_rt;
   const int64_t base = s.first * bs;
   std::fill(o, o + g * d, 0.f);
-  for (int64_t blk = s.first; blk * bs < s.hi; ++blk) {
-    const float* vb = v + table[blk] * bs * kvh * d;
-    const int64_t p0 = std::max(blk * bs, s.lo), p1 = std::min((blk + 1) * bs, s.hi);
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* val = vb + (p - blk * bs) * kvh * d;
-      for (int64_t j = 0; j < g; ++j) {
-        const float wp = w[j * width + (p - base)];
-        float* oj = o + j * d;
+  for_each_position(v, table, s, bs, kvh * d, [&](int64_t p, const float* val) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float wp = w[j * width + (p - base)];
+      float* oj = o + j * d;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) oj[i] += wp * val[i];
-      }
+      for (int64_t i = 0; i < d; ++i) oj[i] += wp * val[i];
     }
-  }
+  });
 }
 
 struct Shapes {
