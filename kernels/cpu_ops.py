@@ -1,8 +1,8 @@
 """The C++ CPU ops (``csrc/*.cpp``): built once, loaded, or the reason they are not.
 
 ``torch.utils.cpp_extension`` compiles them into one extension (a C++ compiler and ninja, ~15 s)
-in torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``);
-later loads take well under a second. They register ``torch.ops.lorastream.*``:
+under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a directory named by
+a digest of the sources, flags and torch version; later loads take well under a second. They register ``torch.ops.lorastream.*``:
 
 - ``decode_scores`` / ``decode_values``: decode attention over the paged KV cache
   (``cpu_attention.py``);
@@ -15,6 +15,7 @@ later loads take well under a second. They register ``torch.ops.lorastream.*``:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -42,6 +43,31 @@ def _flags() -> list[str]:
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
     return flags
+
+
+def _build_directory(flags: list[str]) -> tuple[str, Path, list[Path]]:
+    """The extension's name, its build directory and the sources to build there, all named by a
+    digest of the sources, the flags and torch's version: two installs of different lorastream
+    versions (or a CI clone beside a checkout) never rebuild over each other, and two of the same
+    find one build. The sources are copied in, so the build does not depend on where the
+    package lies (ninja rebuilds when a source's path changes)."""
+    digest = hashlib.sha256(" ".join([torch.__version__, *flags]).encode())
+    for source in SOURCES:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    name = f"{EXTENSION_NAME}_{digest.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    build = Path(root) / name
+    (build / "src").mkdir(parents=True, exist_ok=True)
+    copies = []
+    for source in SOURCES:
+        copy = build / "src" / source.name
+        text = source.read_bytes()
+        if not copy.exists() or copy.read_bytes() != text:
+            partial = copy.with_suffix(f".{os.getpid()}.part")
+            partial.write_bytes(text)
+            partial.replace(copy)  # atomic: a concurrent build reads one whole file or the other
+        copies.append(copy)
+    return name, build, copies
 
 
 @contextlib.contextmanager
@@ -75,10 +101,13 @@ def load() -> str | None:
         try:
             from torch.utils import cpp_extension
 
+            flags = _flags()
+            name, build, sources = _build_directory(flags)
             with _ninja_on_path():
                 cpp_extension.load(
-                    name=EXTENSION_NAME, sources=[str(p) for p in SOURCES], extra_cflags=_flags(),
-                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+                    name=name, sources=[str(p) for p in sources], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build),
+                    is_python_module=False, verbose=False,
                 )
             for op in ("decode_scores", "decode_values", "lora_rows"):  # registered, or an error
                 getattr(torch.ops.lorastream, op)

@@ -98,3 +98,29 @@ def test_the_kernels_build_with_the_ninja_package_alone_and_leave_path_as_it_was
                           text=True, timeout=300, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"error": None, "path_kept": True}, done.stderr[-2000:]
+
+
+def test_the_build_directory_follows_the_sources_content_not_their_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two checkouts of one version share one build; another version gets its own directory,
+    so neither rebuilds over the other (as a CI clone beside a working tree did)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    trees = []
+    for tree in ("a", "b"):
+        (tmp_path / tree).mkdir()
+        trees.append([Path(shutil.copy(source, tmp_path / tree)) for source in cpu_ops.SOURCES])
+    flags = cpu_ops._flags()
+    named = []
+    for sources in trees:
+        monkeypatch.setattr(cpu_ops, "SOURCES", sources)
+        named.append(cpu_ops._build_directory(flags))
+    (name_a, build_a, copies_a), (name_b, build_b, _) = named
+    assert name_a == name_b and build_a == build_b  # same content, other place: one build
+    assert [c.read_bytes() for c in copies_a] == [s.read_bytes() for s in trees[0]]
+    changed = trees[1][0]
+    changed.write_bytes(changed.read_bytes() + b"\n// another version\n")
+    name_c, build_c, copies_c = cpu_ops._build_directory(flags)
+    assert name_c != name_a and build_c != build_a
+    assert copies_c[0].read_bytes().endswith(b"// another version\n")
+    assert cpu_ops._build_directory([*flags, "-DOTHER"])[0] != name_a  # flags count too
