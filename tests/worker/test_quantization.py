@@ -41,6 +41,7 @@ from lorastream.worker.model.kv_cache import KVCache, slot_mapping
 from lorastream.worker.model.linear import Linear
 from lorastream.worker.model import quant_linear
 from lorastream.worker.model.quant_linear import (
+    EXACT_TOP,
     LOGIT_TOLERANCE,
     WEIGHT_QMAX,
     QuantLinear,
@@ -98,6 +99,33 @@ def test_quant_linear_matches_the_dequantized_product(
         bound = {"int8": 1e-2, "int8-dynamic": 3e-2}[mode] * float(expected.abs().max())
         assert float((y - expected).abs().max()) <= bound
     assert linear.nbytes == 48 * k + 4 * 48  # a quarter of fp32's 4 * 48 * k, plus scales
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_int8s_exact_top_recomputes_each_rows_candidates_over_the_dequantized_weight(
+    bias: bool,
+) -> None:
+    """The lm_head's EXACT_TOP largest logits per row become the fp32 product over the
+    dequantized weight; the rest stay the kernel's; int8-dynamic's are left as they are."""
+    torch.manual_seed(2)
+    w, x = torch.randn(300, 64) * 0.1, torch.randn(5, 64)
+    b = torch.randn(300) if bias else None
+    linear = QuantLinear(w, b, "int8")
+    expected = x @ dequantize_int8(linear.weight_int8, linear.scale).T  # [T, N]
+    if b is not None:
+        expected = expected + b
+    y = linear(x)
+    exact = linear.exact_top(x, y)
+    top = y.topk(EXACT_TOP, dim=1).indices  # [T, k]
+    torch.testing.assert_close(exact.gather(1, top), expected.gather(1, top), rtol=1e-6,
+                               atol=1e-5)
+    others = torch.ones_like(y, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(exact[others], y[others])
+    assert not torch.equal(exact, y)  # the kernel's rounding was there to take out
+    assert torch.equal(exact.argmax(1), expected.argmax(1))
+    dynamic = QuantLinear(w, b, "int8-dynamic")
+    y_dynamic = dynamic(x)
+    assert dynamic.exact_top(x, y_dynamic) is y_dynamic
 
 
 def _integer_reference(linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:  # [T, N]

@@ -323,6 +323,8 @@ class DecoderModel:
         """The logits (float32) of ``batch.logit_rows`` from the last layer's hidden states."""
         rows = self.final_norm(x[batch.logit_rows])  # [n, H]
         logits = self.lm_head(rows)  # [n, V]
+        if isinstance(self.lm_head, QuantLinear):  # int8: the candidates' logits exact
+            logits = self.lm_head.exact_top(rows, logits)
         if self.config.final_softcap is not None:
             logits = soft_cap(logits, self.config.final_softcap)
         return logits.float()
