@@ -14,7 +14,8 @@ Semantics (fp32; ``B`` decode rows, ``H`` query heads over ``kvh`` kv heads, ``g
                    for visible p; -inf at every other column
                    cap(s) = softcap * tanh(s / softcap) if softcap else s
     probs = softmax(scores, dim=-1)                                   # torch.softmax
-    decode_values: out[b, i] = sum over visible p of probs[b, i, p - first*bs] * value(b, p, i // g)
+    decode_values: out[b, i] = sum over visible p of
+                   probs[b, i, p - first*bs] * value(b, p, i // g)
 
 which is ``attention.py``'s ``_decode`` (and transformers' eager attention: GQA as ``repeat_kv``,
 the soft cap before the mask) with the same score layout, in a different summation order.

@@ -2,7 +2,8 @@
 
 ``torch.utils.cpp_extension`` compiles them into one extension (a C++ compiler and ninja, ~15 s)
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a directory named by
-a digest of the sources, flags and torch version; later loads take well under a second. They register ``torch.ops.lorastream.*``:
+a digest of the sources, flags and torch version; later loads take well under a second. They
+register ``torch.ops.lorastream.*``:
 
 - ``decode_scores`` / ``decode_values``: decode attention over the paged KV cache
   (``cpu_attention.py``);

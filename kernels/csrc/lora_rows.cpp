@@ -34,7 +34,8 @@ void lora_rows(const at::Tensor& x, const at::Tensor& a, at::TensorList bs, at::
               "lora_rows: one column offset per B, and a's rows a multiple of their count");
   const int64_t r_slot = a.size(1) / group;
   TORCH_CHECK(rank >= 0 && rank <= r_slot, "lora_rows: rank ", rank, " outside 0..", r_slot);
-  TORCH_CHECK(per_slot >= 1 && slot_lo >= 0 && slot_lo + (rows + per_slot - 1) / per_slot <= a.size(0),
+  TORCH_CHECK(per_slot >= 1 && slot_lo >= 0 &&
+                  slot_lo + (rows + per_slot - 1) / per_slot <= a.size(0),
               "lora_rows: rows map past the slots");
   TORCH_CHECK(scale.numel() == rows && scale.is_contiguous(), "lora_rows: one scale per row");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.stride(1) == 1,
