@@ -27,9 +27,9 @@ as the fp32 product over the dequantized rows (what the reference computes) and 
 
 The argmax is then the reference's wherever the reference's best token is among the kernel's top
 EXACT_TOP (within the tolerance it is). Measured on the default model's mixed batch (256
-teacher-forced positions): greedy tokens equal to transformers + PEFT over the dequantized weights
-at 99.2% with the lm_head exact against 98.4% without. Cost: a topk over the vocabulary and
-EXACT_TOP rows per token.
+teacher-forced positions, `bench engine --quantization`): greedy tokens equal to transformers +
+PEFT over the dequantized weights at 99.2% with ``exact_top`` (as with the whole lm_head computed
+exactly, a trial), 98.4% without. Cost: a topk over the vocabulary and EXACT_TOP rows per token.
 
 **Why 63 for int8-dynamic.** x86's int8 dot product without VNNI (AVX2's ``vpmaddubsw``, what
 fbgemm runs there) multiplies unsigned 8-bit activations by signed 8-bit weights and adds each
