@@ -52,17 +52,17 @@ def _build_directory(flags: list[str]) -> tuple[str, Path, list[Path]]:
     versions (or a CI clone beside a checkout) never rebuild over each other, and two of the same
     find one build. The sources are copied in, so the build does not depend on where the
     package lies (ninja rebuilds when a source's path changes)."""
+    texts = {source.name: source.read_bytes() for source in SOURCES}
     digest = hashlib.sha256(" ".join([torch.__version__, *flags]).encode())
-    for source in SOURCES:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    for file_name, text in texts.items():
+        digest.update(file_name.encode() + b"\0" + text)
     name = f"{EXTENSION_NAME}_{digest.hexdigest()[:16]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     build = Path(root) / name
     (build / "src").mkdir(parents=True, exist_ok=True)
     copies = []
-    for source in SOURCES:
-        copy = build / "src" / source.name
-        text = source.read_bytes()
+    for file_name, text in texts.items():
+        copy = build / "src" / file_name
         if not copy.exists() or copy.read_bytes() != text:
             partial = copy.with_suffix(f".{os.getpid()}.part")
             partial.write_bytes(text)
