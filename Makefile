@@ -91,6 +91,7 @@ bench-gpu: install-dev
 	TRITON_INTERPRET=0 $(PY) -m lorastream.kernels.bench --output $(BENCH_RESULTS)/kernels-gpu.json
 	$(PY) -m lorastream.bench.h2d --output $(BENCH_RESULTS)/h2d-gpu.json
 	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve-gpu.json
+	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench engine --quantization int8,int8-dynamic,fp8 --repeats 4 --output $(BENCH_RESULTS)/engine-quant-gpu.json
 
 bench-report: install-dev
 	$(LORASTREAM) bench report --results $(BENCH_RESULTS) --out docs/BENCHMARKS.md

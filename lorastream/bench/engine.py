@@ -107,7 +107,7 @@ def run_engine_bench(
     include_peft: bool = True,
     quantization: str = "none",
 ) -> dict[str, object]:
-    """``quantization``: "none", or int8 modes (comma-separated) to compare with the fp32 base
+    """``quantization``: "none", or quantized modes (comma-separated) to compare with the fp32 base
     instead (engine_quant.py)."""
     modes = [q for q in quantization.split(",") if q and q != "none"]
     if modes:

@@ -148,7 +148,7 @@ def run_quant_bench(
     from lorastream.worker.model.checkpoint import resolve_checkpoint
     from lorastream.worker.model.config import ModelConfig
     from lorastream.worker.model.decoder import DecoderModel
-    from lorastream.worker.model.quant_linear import LOGIT_TOLERANCE, WEIGHT_QMAX
+    from lorastream.worker.model.quant_linear import LOGIT_TOLERANCE, MODES
     from lorastream.worker.model.weights import load_weights
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings
@@ -236,8 +236,8 @@ def run_quant_bench(
         reference = reference_rows(peft_model, ids, multi_models, tokens[FP32], cases)
         dequantized: dict[str, ReferenceRows] = {}  # the same over each mode's int8 weights
         for mode in modes:
-            if mode in WEIGHT_QMAX:
-                with dequantized_base(peft_model, WEIGHT_QMAX[mode]):
+            if mode in MODES:
+                with dequantized_base(peft_model, mode):
                     dequantized[mode] = reference_rows(peft_model, ids, multi_models,
                                                        tokens[FP32], cases)
         peft = (_peft_rate(peft_model, [list(p) for p in ids], new_tokens, repeats)

@@ -77,20 +77,20 @@ def reference_rows(
 
 
 @contextmanager
-def dequantized_base(peft: MixedPeft, qmax: int) -> Iterator[None]:
-    """Meanwhile ``peft``'s base projections and lm_head hold their int8-dequantized weights, as
-    the engine's ``--quantization`` mode of weight range ``qmax`` computes them
-    (``quantize_int8``: per output channel, scales rounded up to bf16); the LoRA A and B keep
-    theirs. A tied embedding shares the lm_head's weight, as the engine's int8 rows serve its
-    lookups. Restored on exit."""
-    from lorastream.worker.model.quant_linear import dequantize_int8, quantize_int8
+def dequantized_base(peft: MixedPeft, mode: str) -> Iterator[None]:
+    """Meanwhile ``peft``'s base projections and lm_head hold their dequantized weights, as the
+    engine's ``--quantization mode`` computes with them (``quant_linear.quantize``: per output
+    channel; int8's scales rounded up to bf16, int8-dynamic's weights 7-bit, fp8's e4m3); the
+    LoRA A and B keep theirs. A tied embedding shares the lm_head's weight, as the engine's
+    quantized rows serve its lookups. Restored on exit."""
+    from lorastream.worker.model.quant_linear import dequantize, quantize
 
     saved: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     with torch.no_grad():
         for name, module in peft.model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
                 saved.append((module, module.weight.detach().clone()))
-                module.weight.copy_(dequantize_int8(*quantize_int8(module.weight, qmax)))
+                module.weight.copy_(dequantize(*quantize(module.weight, mode)))
     try:
         yield
     finally:

@@ -18,7 +18,8 @@ from lorastream.bench.report_format import (
 )
 
 _SHOWN = {"none": "fp32 (no quantization)", "int8": "int8 weight-only",
-          "int8-dynamic": "7-bit weights + per-token int8 activations"}
+          "int8-dynamic": "7-bit weights + per-token int8 activations",
+          "fp8": "e4m3 weights + per-token e4m3 activations"}
 
 
 def _modes(r: Result) -> dict[str, Mapping[str, object]]:

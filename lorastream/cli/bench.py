@@ -153,8 +153,9 @@ def engine(
     repeats: int = typer.Option(3, help="Runs per side; the best is reported."),
     peft: bool = typer.Option(True, "--peft/--no-peft", help="Also run HF transformers + PEFT."),
     quantization: str = typer.Option(
-        "none", help="int8 and/or int8-dynamic (comma-separated): compare each with the fp32 "
-        "base in the same run (goals: base-only >= 1.6x, mixed >= 1.3x fp32)."
+        "none", help="int8, int8-dynamic and/or fp8 (comma-separated): compare each with the "
+        "fp32 base in the same run (goals: base-only >= 1.6x, mixed >= 1.3x fp32). fp8 runs "
+        "torch's reference loop on a CPU: its tokens are measured, its speed is not a CPU's."
     ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),

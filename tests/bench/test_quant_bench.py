@@ -104,16 +104,12 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
 def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
     tmp_path: Path,
 ) -> None:
-    """Inside ``dequantized_base`` every base projection and the lm_head hold the int8 mode's
+    """Inside ``dequantized_base`` every base projection and the lm_head hold the mode's
     dequantized weights (the tied embedding with it); the adapters' A and B are untouched; on
     exit every weight is back, bit for bit."""
     from lorastream.bench.peft_peer import load_mixed_peft
     from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
-    from lorastream.worker.model.quant_linear import (
-        WEIGHT_QMAX,
-        dequantize_int8,
-        quantize_int8,
-    )
+    from lorastream.worker.model.quant_linear import MODES, dequantize, quantize
 
     checkpoint = make_tiny_family("llama", tmp_path / "m")
     adapter = make_synthetic_adapter(tmp_path / "a0", checkpoint_shape(str(checkpoint)), rank=4)
@@ -123,11 +119,11 @@ def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
             if isinstance(m, torch.nn.Linear) and ".lora_" not in name}
     assert any(name.endswith("q_proj.base_layer") for name in base) and any(
         name.endswith("lm_head") for name in base)
-    for mode in ("int8", "int8-dynamic"):
-        with dequantized_base(peft, WEIGHT_QMAX[mode]):
+    for mode in MODES:
+        with dequantized_base(peft, mode):
             for name, module in base.items():
                 original = before[f"{name}.weight"]
-                expected = dequantize_int8(*quantize_int8(original, WEIGHT_QMAX[mode]))
+                expected = dequantize(*quantize(original, mode))
                 assert torch.equal(module.weight, expected), name
                 assert not torch.equal(module.weight, original), name
             for name, p in peft.model.named_parameters():

@@ -25,7 +25,7 @@ from lorastream.worker.model.gguf_file import (
     convert_gguf_file,
     converted_gguf_dir,
 )
-from lorastream.worker.model.quant_linear import QuantLinear, dequantize_int8
+from lorastream.worker.model.quant_linear import QuantLinear, dequantize
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from tests.support.gguf_files import TINY_GGUF, gguf_matrix, write_tiny_llama_gguf
@@ -145,7 +145,7 @@ def test_the_gguf_model_serves_transformers_greedy_tokens_and_int8_holds_its_val
     down = model.proj[1][3]
     assert isinstance(down, QuantLinear)
     file_values = torch.from_numpy(gguf_matrix(gguf_file, "blk.1.ffn_down.weight"))  # [H, I]
-    held = dequantize_int8(down.weight_int8, down.scale)
+    held = dequantize(down.weight_q, down.scale)
     assert (held - file_values).abs().le(down.scale[:, None] / 2 * (1 + 1e-6)).all()
     assert not torch.equal(held, file_values)
     got = _greedy(engines["int8"], prompt)

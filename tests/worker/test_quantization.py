@@ -1,11 +1,12 @@
-"""``--quantization int8`` / ``int8-dynamic``: the quantizer, the int8 projection, and every model
-family against transformers + PEFT over the *dequantized* int8 weights.
+"""``--quantization int8`` / ``int8-dynamic`` / ``fp8``: the quantizers, the quantized
+projection, and every model family against transformers + PEFT over the *dequantized* weights.
 
 Exact identity with PEFT is impossible on a quantized base, so the reference is HF with every
 ``nn.Linear`` weight (the lm_head included; a tied embedding with it) replaced by
 ``dequant(quant(W))`` — the weights the worker computes with — and PEFT on top. What remains is
 the kernels' arithmetic: on the CPU ``int8`` runs bf16 activations with a bf16 output,
-``int8-dynamic`` (7-bit weights) also rounds each token's activations to int8. Stated
+``int8-dynamic`` (7-bit weights) also rounds each token's activations to int8, ``fp8`` to e4m3
+(torch's reference ``_scaled_mm`` on the CPU: the sums CUDA's kernels compute). Stated
 tolerances, per token:
 
 - logits: ``max |Δ| <= LOGIT_BOUND[mode] * max |logit|`` of that token's reference row;
@@ -17,9 +18,11 @@ tolerances, per token:
 
 Measured on these tiny random models (near-flat logits over 256 tokens: many near-ties), worst
 family per mode: int8 max |Δ| 2.4% of max |logit|, raw agreement 97.6% (246/252, qwen2);
-int8-dynamic (7-bit weights, 8-bit activations) 22% (llama), raw 96.0% (llama). ``bench engine --quantization int8`` reports the
-same two figures on the default model against the fp32 engine: all teacher-forced positions, and
-the decisive ones by this criterion (reference logits from transformers + PEFT in fp32).
+int8-dynamic (7-bit weights, 8-bit activations) 22% (llama), raw 96.0% (llama); fp8 (e4m3
+weights and activations: 3 mantissa bits) 54% (llama), raw 86.4% (216/250, llama), no position
+decisive at its bound. ``bench engine --quantization int8`` reports the same two figures on the
+default model against the fp32 engine: all teacher-forced positions, and the decisive ones by
+this criterion (reference logits from transformers + PEFT in fp32).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from lorastream.worker.model.quant_linear import (
     LOGIT_TOLERANCE,
     WEIGHT_QMAX,
     QuantLinear,
-    dequantize_int8,
+    dequantize,
+    quantize,
+    quantize_fp8,
     quantize_int8,
 )
 from lorastream.worker.model.weights import load_weights
@@ -53,10 +58,11 @@ from tests.support.families import BASE, NEW_TOKENS, PROMPTS, adapter_specs
 from tests.support.models import FAMILY_CONFIGS, make_family_adapter, make_tiny_family
 from tests.worker.conftest import EngineFactory
 
-MODES = ["int8", "int8-dynamic"]
+MODES = ["int8", "int8-dynamic", "fp8"]
 LOGIT_BOUND = LOGIT_TOLERANCE  # max |Δlogit| / max |logit| per token (quant_linear.py)
 MIN_DECISIVE_AGREEMENT = 0.99
-MIN_RAW_AGREEMENT = {"int8": 0.97, "int8-dynamic": 0.94}
+FP8_RAW = 0.85
+MIN_RAW_AGREEMENT = {"int8": 0.97, "int8-dynamic": 0.94, "fp8": FP8_RAW}
 
 
 # -- the quantizer and the projection ----------------------------------------------------------
@@ -73,10 +79,29 @@ def test_quantize_is_per_channel_symmetric_and_within_half_a_step(
     assert int(wq.abs().max()) <= qmax
     assert torch.equal(scale, scale.bfloat16().float())  # the bf16 kernels' scales exactly
     assert bool((wq[1] == 0).all())
-    err = (dequantize_int8(wq, scale) - w).abs()  # [N, K]
+    err = (dequantize(wq, scale) - w).abs()  # [N, K]
     assert bool((err <= scale[:, None] / 2 * (1 + 1e-6)).all())
     used = wq.abs().amax(dim=1)[w.abs().amax(dim=1) > 0]  # [N'] the range is used
     assert bool((used >= qmax - 3).all())
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (7, 577), (4100, 32)], ids=str)
+def test_quantize_fp8_is_per_channel_and_rounds_to_the_nearest_e4m3_value(
+    shape: tuple[int, int],
+) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.logspace(-3, 1, shape[0])[:, None]  # rows of every scale
+    w[1] = 0.0  # an all-zero row
+    wq, scale = quantize_fp8(w)
+    assert wq.dtype == torch.float8_e4m3fn and wq.shape == w.shape and scale.shape == (shape[0],)
+    assert torch.equal(quantize(w, "fp8")[0].float(), wq.float())
+    assert float(wq.float().abs().max()) <= 448 and bool((wq[1].float() == 0).all())
+    used = wq.float().abs().amax(dim=1)[w.abs().amax(dim=1) > 0]  # [N'] each row reaches 448
+    assert bool((used == 448).all())
+    # e4m3: 3 mantissa bits, so within 2^-4 of each value; below 2^-6 (subnormal) steps of 2^-9
+    err = (dequantize(wq, scale) - w).abs()  # [N, K]
+    bound = torch.maximum(w.abs() * 2**-4, scale[:, None] * 2**-10)
+    assert bool((err <= bound * (1 + 1e-6)).all())
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,15 +115,34 @@ def test_quant_linear_matches_the_dequantized_product(
     w, x = torch.randn(48, k) * 0.1, torch.randn(rows, k)
     b = torch.randn(48) if bias else None
     linear = QuantLinear(w, b, mode)  # type: ignore[arg-type]
-    expected = x @ dequantize_int8(linear.weight_int8, linear.scale).T  # [T, N]
+    expected = x @ dequantize(linear.weight_q, linear.scale).T  # [T, N]
     if b is not None:
         expected = expected + b
     y = linear(x)
     assert y.shape == (rows, 48) and y.dtype == torch.float32
     if rows:
-        bound = {"int8": 1e-2, "int8-dynamic": 3e-2}[mode] * float(expected.abs().max())
-        assert float((y - expected).abs().max()) <= bound
+        bound = {"int8": 1e-2, "int8-dynamic": 3e-2, "fp8": 8e-2}[mode]
+        assert float((y - expected).abs().max()) <= bound * float(expected.abs().max())
     assert linear.nbytes == 48 * k + 4 * 48  # a quarter of fp32's 4 * 48 * k, plus scales
+    if mode == "fp8":  # torch._scaled_mm where K and N are multiples of 16
+        assert linear.kernel == ("dequantize" if k % 16 else "scaled_mm")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("k", [64, 72], ids=lambda k: f"K{k}")  # 72: the dequantize path
+def test_fp8_computes_its_semantics_sums(rows: int, k: int) -> None:
+    """Per-token e4m3 activations (largest |x| at 448) times the e4m3 weights, fp32 sums, both
+    scales after: the module docstring's Semantics, written out in float64."""
+    torch.manual_seed(3)
+    w, x = torch.randn(48, k) * 0.1, torch.randn(rows, k) * torch.logspace(-2, 2, rows)[:, None]
+    linear = QuantLinear(w, None, "fp8")
+    s = x.abs().amax(dim=1, keepdim=True) / 448  # [T, 1]
+    xq = (x / s).to(torch.float8_e4m3fn).double()  # [T, K]
+    assert float(xq.abs().max()) == 448
+    expected = (xq @ linear.weight_q.double().T) * s.double() * linear.scale.double()  # [T, N]
+    y = linear(x)
+    assert float((y.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    assert not torch.allclose(y, x @ w.T, rtol=1e-3)  # the rounding is there: it is fp8
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -111,7 +155,7 @@ def test_int8s_exact_top_recomputes_each_rows_candidates_over_the_dequantized_we
     w, x = torch.randn(300, 64) * 0.1, torch.randn(5, 64)
     b = torch.randn(300) if bias else None
     linear = QuantLinear(w, b, "int8")
-    expected = x @ dequantize_int8(linear.weight_int8, linear.scale).T  # [T, N]
+    expected = x @ dequantize(linear.weight_q, linear.scale).T  # [T, N]
     if b is not None:
         expected = expected + b
     y = linear(x)
@@ -132,7 +176,7 @@ def _integer_reference(linear: QuantLinear, x: torch.Tensor) -> torch.Tensor:  #
     """The dynamic mode's Semantics in float64: per-token 8-bit activations, exact sums."""
     amax = x.abs().amax(dim=1, keepdim=True)  # [T, 1]
     xq = torch.round(x * (127 / amax)).double()  # [T, K], rounded in fp32 as the Semantics say
-    return (amax / 127).double() * (xq @ linear.weight_int8.double().T) * linear.scale.double()
+    return (amax / 127).double() * (xq @ linear.weight_q.double().T) * linear.scale.double()
 
 
 @pytest.mark.parametrize("kernel", ["fbgemm", "int_mm"])
@@ -154,7 +198,7 @@ def test_the_dynamic_mode_sums_exactly_on_every_kernel(
         monkeypatch.setattr(quant_linear, "_fbgemm_prepack", lambda wq, scale: None)
     linear = QuantLinear(w, None, "int8-dynamic")
     assert linear.kernel == kernel
-    assert int(linear.weight_int8.abs().max()) == WEIGHT_QMAX["int8-dynamic"] == 63
+    assert int(linear.weight_q.abs().max()) == WEIGHT_QMAX["int8-dynamic"] == 63
     expected = _integer_reference(linear, x)  # [T, N] float64
     y = linear(x)
     assert float((y.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
@@ -173,10 +217,10 @@ def test_fbgemm_holds_the_only_int8_copy_except_a_tied_lm_heads_rows(
     expected = quantize_int8(weights.layers[0].wqkv, WEIGHT_QMAX["int8-dynamic"])[0]  # [N, K]
     model = DecoderModel(config, weights, cpu, "int8-dynamic")
     for layer in model.proj:
-        assert all(p.kernel == "fbgemm" and p._int8 is None for p in layer)  # type: ignore
-    assert torch.equal(model.proj[0][0].weight_int8, expected)  # unpacked from fbgemm's copy
+        assert all(p.kernel == "fbgemm" and p._held is None for p in layer)  # type: ignore
+    assert torch.equal(model.proj[0][0].weight_q, expected)  # unpacked from fbgemm's copy
     assert isinstance(model.lm_head, QuantLinear)
-    assert (model.lm_head._int8 is not None) == config.tie_word_embeddings
+    assert (model.lm_head._held is not None) == config.tie_word_embeddings
 
 
 def test_an_int8_model_holds_a_quarter_of_the_fp32_projection_bytes(tmp_path: Path) -> None:
@@ -205,8 +249,7 @@ def _dequantized_reference(checkpoint: Path, adapter: Path | None, mode: str) ->
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):  # the lm_head too (and a tied embedding)
-                weight = quantize_int8(module.weight, WEIGHT_QMAX[mode])
-                module.weight.copy_(dequantize_int8(*weight))
+                module.weight.copy_(dequantize(*quantize(module.weight, mode)))
     return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
 
 
@@ -365,15 +408,62 @@ FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
     ("cuda", "AVX2", "int8", False), ("cpu", "AVX512", "int8-dynamic", False),
     # int8-dynamic runs fbgemm's AVX2 kernels where torch has fbgemm, else _int_mm (slow there)
     ("cpu", "AVX2", "int8-dynamic", not FBGEMM),
+    # fp8: CUDA's tensor cores; the CPU's reference loop is slow everywhere
+    ("cpu", "AVX512_BF16", "fp8", True), ("cpu", "AVX2", "fp8", True),
 ])
 def test_a_cpu_without_avx512_is_told_which_int8_mode_is_slower_there(
     monkeypatch: pytest.MonkeyPatch, device: str, capability: str, mode: str, warned: bool
 ) -> None:
-    from lorastream.worker.device.device import int8_slow_here
+    from lorastream.worker.device.device import quantization_slow_here
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    note = int8_slow_here(torch.device(device), mode)
+    note = quantization_slow_here(torch.device(device), mode)
     assert (note is not None) == warned
-    if note is not None:
+    if note is not None and mode == "fp8":
+        assert "reference loop" in note and "int8-dynamic" in note
+    elif note is not None:
         assert capability in note and "slower" in note and mode in note
         assert ("int8-dynamic runs fbgemm" in note) == FBGEMM
+
+
+@pytest.mark.parametrize(("capability", "refused"), [((8, 6), True), ((8, 9), False),
+                                                     ((9, 0), False), ((7, 5), True)])
+def test_fp8_is_refused_on_a_gpu_without_e4m3_tensor_cores(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], refused: bool
+) -> None:
+    from lorastream.worker.device.device import quantization_unsupported
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    why = quantization_unsupported(torch.device("cuda"), "fp8")
+    assert (why is not None) == refused
+    if why is not None:
+        assert f"{capability[0]}.{capability[1]}" in why and "8.9 or newer" in why
+    for mode in ("int8", "int8-dynamic"):  # torch's int8 kernels run on every GPU
+        assert quantization_unsupported(torch.device("cuda"), mode) is None
+    assert quantization_unsupported(torch.device("cpu"), "fp8") is None  # the reference loop
+
+
+def test_an_fp8_worker_on_the_cpu_serves_adapters_and_warns_what_it_costs(
+    engine_factory: EngineFactory, tiny_model: Path, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from lorastream.core.generation import PromptInput, SamplingParams
+    from lorastream.worker.service.operations import WorkerOperations
+
+    adapter = make_family_adapter(tiny_model, tmp_path / "a", rank=8, targets="all-linear")
+    with caplog.at_level(logging.WARNING, logger="lorastream.worker.service.bootstrap"):
+        engine = engine_factory(quantization="fp8")
+    assert "--quantization fp8" in caplog.text and "reference loop" in caplog.text
+    projections = [p for layer in engine.model.proj for p in layer] + [engine.model.lm_head]
+    assert all(isinstance(p, QuantLinear) and p.weight_q.dtype == torch.float8_e4m3fn
+               for p in projections)
+    WorkerOperations(engine).load_adapter("a", str(adapter))
+    tokens = {}
+    for name in ("tiny", "a"):
+        stream = engine.submit(name, PromptInput(token_ids=(5, 9, 33, 41, 7, 100)),
+                               SamplingParams(max_tokens=8, ignore_eos=True))
+        tokens[name] = [t for event in stream for t in event.token_ids]
+    assert len(tokens["a"]) == len(tokens["tiny"]) == 8
+    assert tokens["a"] != tokens["tiny"]  # the adapter is applied over the fp8 base

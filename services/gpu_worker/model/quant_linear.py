@@ -1,4 +1,5 @@
-"""int8 base weights (``--quantization``): a projection quantized once at load, per output channel.
+"""Quantized base weights (``--quantization``): a projection quantized once at load, per output
+channel, to int8 or fp8.
 
 Semantics::
 
@@ -14,8 +15,24 @@ Semantics::
                          s[t] = a[t] / 127   (fp32; round: half to even)
                          y[t, n] = s[t] * scale[n] * sum_k xq[t, k] * Wq[n, k]   (int32 sums)
 
+    # fp8 (e4m3 weights and activations, F = 448, e4m3's largest finite value)
+    scale[n] = max_k |W[n, k]| / F   (fp32; 1 where a row is 0)
+    Wq[n, k] = e4m3(W[n, k] / scale[n])          # [N, K] float8_e4m3fn, round to nearest even
+    per call: s[t] = max_k |x[t, k]| / F;  xq[t, k] = e4m3(x[t, k] / s[t])
+              y[t, n] = s[t] * scale[n] * sum_k xq[t, k] * Wq[n, k]   (fp32 sums)
+
 The LoRA delta is not part of this: the decoder adds it, in the adapter's precision, into ``y``
 (the dequantized product), exactly as over the fp32 projection.
+
+**fp8** is vLLM's dynamic fp8 (per-token activation scales, per-channel weight scales): one
+``torch._scaled_mm`` per projection on CUDA's e4m3 tensor cores (compute capability 8.9 and
+newer, twice bf16's multiply rate), bf16 out (what its per-row scales give there). Where K or N
+is not a multiple of 16 (CUDA's kernels need both) the same sums run as an fp32 product over
+the dequantized weight. e4m3 keeps 3 mantissa bits: each weight and activation within 2^-4 of
+its value, so its logits move more than int8-dynamic's (``LOGIT_TOLERANCE``). The CPU has no
+fp8 kernel: torch's ``_scaled_mm`` there is a reference loop (4-14x slower than the fp32
+product at decode shapes) that computes the same sums, so the mode's tokens are tested on
+every machine (tests/worker/test_quantization.py) and its speed by ``make test-gpu``.
 
 **The lm_head's candidates, exact (int8).** The bf16 kernel rounds activations and outputs to 8
 significant bits, which moves a logit by up to ~0.4% of the row's largest. At the lm_head that
@@ -79,7 +96,7 @@ decode shapes, best of 30 calls, microseconds (weights cache-resident; a
   faster than fp32 on the AVX2 EPYC; not used.
 
 Which dtype and padding each kernel needs on CUDA is the device layer's
-(:func:`~lorastream.worker.device.device.int8_matmul`).
+(:func:`~lorastream.worker.device.device.quant_matmul`).
 """
 
 from __future__ import annotations
@@ -90,19 +107,22 @@ from typing import Literal
 
 import torch
 
-from lorastream.worker.device.device import int8_matmul
+from lorastream.worker.device.device import quant_matmul
 
 log = logging.getLogger(__name__)
 
-Quantization = Literal["none", "int8", "int8-dynamic"]
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic")
+Quantization = Literal["none", "int8", "int8-dynamic", "fp8"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int8-dynamic", "fp8")
+MODES: tuple[str, ...] = QUANTIZATIONS[1:]  # the quantized ones
 
 # The stated tolerance per token against transformers + PEFT over the dequantized weights:
 # max |logit - reference logit| <= LOGIT_TOLERANCE[mode] * max |reference logit| of that row
-# (tests/worker/test_quantization.py; measured worst over the 7 families: 0.024 and 0.22). A
-# position whose reference top-2 margin is within it is a near-tie: either token may win there.
-LOGIT_TOLERANCE = {"int8": 0.03, "int8-dynamic": 0.25}
+# (tests/worker/test_quantization.py; measured worst over the 7 families: 0.024, 0.22 and
+# 0.54). A position whose reference top-2 margin is within it is a near-tie: either token may
+# win there.
+LOGIT_TOLERANCE = {"int8": 0.03, "int8-dynamic": 0.25, "fp8": 0.6}
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 _ACT_QMAX = 127  # int8-dynamic's activations: 8 bits per token
 WEIGHT_QMAX = {"int8": 127, "int8-dynamic": 63}  # see "Why 63 for int8-dynamic"
 _U8_ZERO = 128  # fbgemm reads xq + 128 as its unsigned activation
@@ -131,14 +151,36 @@ def quantize_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, 
     return wq, scale
 
 
-def dequantize_int8(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``Wq [N, K] int8, scale [N]`` -> the fp32 weight [N, K] the quantized model computes with."""
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> ``(Wq [N, K] float8_e4m3fn, scale [N] fp32)``, per output channel, each
+    row's largest |W| at e4m3's largest value (module docstring)."""
+    wq = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)  # [N, K]
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)  # [N]
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        w = weight[start : start + _ROWS_PER_CHUNK].float()  # [n', K]
+        exact = w.abs().amax(dim=1) / FP8_MAX  # [n']
+        s = torch.where(exact > 0, exact, torch.ones_like(exact))
+        wq[start : start + _ROWS_PER_CHUNK] = (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+        scale[start : start + _ROWS_PER_CHUNK] = s
+    return wq, scale
+
+
+def quantize(weight: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [N, K]`` -> ``(Wq [N, K], scale [N])`` as ``mode`` holds the weight."""
+    if mode == "fp8":
+        return quantize_fp8(weight)
+    return quantize_int8(weight, WEIGHT_QMAX[mode])
+
+
+def dequantize(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``Wq [N, K] (int8 or e4m3), scale [N]`` -> the fp32 weight [N, K] the quantized model
+    computes with."""
     return wq.float() * scale[:, None]
 
 
 def _fbgemm_prepack(wq: torch.Tensor, scale: torch.Tensor) -> object | None:
     """fbgemm's prepacked form of ``Wq`` with its per-channel scales (where the device layer says
-    fbgemm is there: ``Int8Matmul.fbgemm``), or None if torch refuses to pack it."""
+    fbgemm is there: ``QuantMatmul.fbgemm``), or None if torch refuses to pack it."""
     try:
         with warnings.catch_warnings():  # the quantized-tensor API's deprecation notice
             warnings.simplefilter("ignore")
@@ -151,7 +193,8 @@ def _fbgemm_prepack(wq: torch.Tensor, scale: torch.Tensor) -> object | None:
 
 
 class QuantLinear:
-    """A projection over int8 weights: ``linear(x)`` for x [T, K] -> [T, N] (see Semantics)."""
+    """A projection over int8 or fp8 weights: ``linear(x)`` for x [T, K] -> [T, N] (module
+    docstring's Semantics)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -159,32 +202,35 @@ class QuantLinear:
     ) -> None:
         """``keep_rows``: :meth:`rows` will be called every step (a tied lm_head's embedding
         lookup), so the int8 matrix stays held even where fbgemm keeps its own packed copy."""
-        if mode not in WEIGHT_QMAX:
-            raise ValueError(f"QuantLinear mode {mode!r}: int8 or int8-dynamic")
+        if mode not in MODES:
+            raise ValueError(f"QuantLinear mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
         self.out_features, self.in_features = weight.shape
-        # [N, K] int8 (None once fbgemm holds the only copy), [N] fp32
-        self._int8: torch.Tensor | None
-        self._int8, self.scale = quantize_int8(weight, WEIGHT_QMAX[mode])
+        # [N, K] int8 or e4m3 (None once fbgemm holds the only copy), [N] fp32
+        self._held: torch.Tensor | None
+        self._held, self.scale = quantize(weight, mode)
         self.bias = bias  # [N] or None
-        self._plan = int8_matmul(weight.device, weight.dtype)
-        self._scale_kernel = self.scale.to(self._plan.weight_only_dtype)  # [N]
-        # int8pack needs K % 16 == 0; the dynamic mode's _int_mm reads Wqᵀ as a strided view
-        self._exact = mode == "int8" and self.in_features % _K_MULTIPLE != 0
+        self._plan = quant_matmul(weight.device, weight.dtype)
+        self._scale_kernel = (self.scale[None, :] if mode == "fp8"  # [1, N] _scaled_mm's
+                              else self.scale.to(self._plan.weight_only_dtype))  # [N] int8pack's
+        # int8pack needs K % 16 == 0, _scaled_mm K and N; the dynamic mode's _int_mm reads Wqᵀ
+        # as a strided view
+        self._exact = (mode == "int8" and self.in_features % _K_MULTIPLE != 0) or (
+            mode == "fp8" and (self.in_features % _K_MULTIPLE or self.out_features % _K_MULTIPLE))
         if self._exact:
-            log.debug("K = %d is not a multiple of %d: dequantize-then-matmul for this weight",
-                      self.in_features, _K_MULTIPLE)
-        self._fbgemm = (_fbgemm_prepack(self._int8, self.scale)
+            log.debug("%s weight %s: K or N is not a multiple of %d: dequantize-then-matmul",
+                      mode, [self.out_features, self.in_features], _K_MULTIPLE)
+        self._fbgemm = (_fbgemm_prepack(self._held, self.scale)
                         if mode == "int8-dynamic" and self._plan.fbgemm else None)
         if self._fbgemm is not None and not keep_rows:
-            self._int8 = None  # fbgemm's packed copy is the one the product reads
+            self._held = None  # fbgemm's packed copy is the one the product reads
 
     @property
-    def weight_int8(self) -> torch.Tensor:  # [N, K] int8
+    def weight_q(self) -> torch.Tensor:  # [N, K] int8
         """``Wq``: the held matrix, or (fbgemm holding the only copy) unpacked from fbgemm's,
         a full copy per call: for references and tests, not for a step."""
-        if self._int8 is not None:
-            return self._int8
+        if self._held is not None:
+            return self._held
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qweight, _ = torch.ops.quantized.linear_unpack(self._fbgemm)
@@ -195,28 +241,33 @@ class QuantLinear:
         """The op the product runs on (what the module docstring's tables compare)."""
         if self.mode == "int8-dynamic":
             return "fbgemm" if self._fbgemm is not None else "int_mm"
-        return "dequantize" if self._exact else "int8pack"
+        if self._exact:
+            return "dequantize"
+        return "scaled_mm" if self.mode == "fp8" else "int8pack"
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one int8 copy of the weight and its scales (bias not counted; where fbgemm's
-        packed copy and the held matrix are both kept, a tied lm_head, twice the first term)."""
+        """Bytes of one int8 (or e4m3) copy of the weight and its scales (bias not counted;
+        where fbgemm's packed copy and the held matrix are both kept, a tied lm_head, twice the
+        first term)."""
         return self.out_features * self.in_features + 4 * self.scale.numel()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
         """Dequantized rows ``ids`` of the weight: the embedding lookup of a tied lm_head."""
-        return self.weight_int8[ids].float() * self.scale[ids, None]
+        return self.weight_q[ids].float() * self.scale[ids, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
         if self.mode == "int8-dynamic":
             y = self._dynamic(x)
+        elif self.mode == "fp8":
+            y = self._fp8(x)
         elif self._exact:
-            y = x.float() @ dequantize_int8(self.weight_int8, self.scale).T  # [T, N]
+            y = x.float() @ dequantize(self.weight_q, self.scale).T  # [T, N]
         else:
             act = x.to(self._plan.weight_only_dtype)  # [T, K]
-            y = torch.ops.aten._weight_int8pack_mm(act, self.weight_int8, self._scale_kernel)
+            y = torch.ops.aten._weight_int8pack_mm(act, self.weight_q, self._scale_kernel)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -229,11 +280,21 @@ class QuantLinear:
         if self.mode != "int8" or y.shape[0] == 0:
             return y
         top = y.topk(min(EXACT_TOP, self.out_features), dim=1).indices  # [T, k]
-        rows = self.weight_int8[top].float() * self.scale[top, None]  # [T, k, K]
+        rows = self.weight_q[top].float() * self.scale[top, None]  # [T, k, K]
         exact = torch.bmm(rows, x.float()[:, :, None])[:, :, 0]  # [T, k]
         if self.bias is not None:
             exact = exact + self.bias[top].float()
         return y.scatter(1, top, exact.to(y.dtype))
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        x32 = x.float()
+        amax = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [T, 1]
+        s = amax / FP8_MAX  # [T, 1] fp32
+        xq = (x32 / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [T, K]
+        if self._exact:
+            return (xq.float() @ dequantize(self.weight_q, self.scale).T).mul_(s)  # [T, N]
+        return torch._scaled_mm(xq, self.weight_q.T, scale_a=s, scale_b=self._scale_kernel,
+                                out_dtype=self._plan.fp8_output)  # [T, N]
 
     def _dynamic(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] fp32
         x32 = x.float()
@@ -251,5 +312,5 @@ class QuantLinear:
         t = xq8.shape[0]
         if t < self._plan.int_mm_min_rows:  # CUDA's _int_mm: more than 16 rows
             xq8 = torch.cat([xq8, xq8.new_zeros(self._plan.int_mm_min_rows - t, xq8.shape[1])])
-        acc = torch._int_mm(xq8, self.weight_int8.T)[:t]  # [T, N] int32
+        acc = torch._int_mm(xq8, self.weight_q.T)[:t]  # [T, N] int32
         return acc * s * self.scale

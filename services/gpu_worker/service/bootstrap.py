@@ -12,7 +12,11 @@ from transformers import AutoTokenizer
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.native_env import waits_actively
 from lorastream.core.tls import ClientTLS
-from lorastream.worker.device.device import Device, int8_slow_here
+from lorastream.worker.device.device import (
+    Device,
+    quantization_slow_here,
+    quantization_unsupported,
+)
 from lorastream.worker.device.priority import starvation_warning
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
@@ -85,6 +89,9 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     store_tls = settings.store_client_tls()  # checked before the model loads: a typo fails at once
     torch_device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, torch_device)
+    unsupported = quantization_unsupported(torch_device, settings.quantization)
+    if unsupported is not None:  # before the checkpoint is fetched
+        raise InvalidArgument(f"--quantization {settings.quantization}: {unsupported}")
     checkpoint = checkpoint or resolve_checkpoint(
         settings.model,
         cache_dir=settings.model_cache_dir,
@@ -98,7 +105,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     model = DecoderModel(config, weights, torch_device, quantization=settings.quantization,
                          cpu_kernels=settings.cpu_kernels)
     quantized = settings.quantization != "none"
-    slow = int8_slow_here(torch_device, settings.quantization) if quantized else None
+    slow = quantization_slow_here(torch_device, settings.quantization) if quantized else None
     if slow is not None:
         log.warning("--quantization %s: %s", settings.quantization, slow)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))

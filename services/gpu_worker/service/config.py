@@ -103,14 +103,16 @@ class WorkerSettings(StoreTLSSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on CUDA."
     )
-    quantization: Literal["none", "int8", "int8-dynamic"] = Field(
+    quantization: Literal["none", "int8", "int8-dynamic", "fp8"] = Field(
         "none",
         description="Base weights: 'none' (as --dtype), 'int8' (every projection and the "
         "lm_head quantized at load to int8 with per-output-channel scales, 4x fewer bytes than "
-        "fp32; weight-only, activations in bf16 on the CPU kernel: fast with AVX-512) or "
+        "fp32; weight-only, activations in bf16 on the CPU kernel: fast with AVX-512), "
         "'int8-dynamic' (7-bit weights, activations quantized per token to int8 too, multiplied "
         "in int8: fbgemm's kernels on any x86 CPU, faster than fp32 at decode batches; a second "
-        "rounding). Adapters keep their precision (docs/worker.md, Quantized base weights).",
+        "rounding) or 'fp8' (e4m3 weights per output channel and e4m3 activations per token, "
+        "torch._scaled_mm on CUDA compute capability 8.9+; the CPU runs a slow reference of it). "
+        "Adapters keep their precision (docs/worker.md, Quantized base weights).",
     )
     max_loras: int = Field(8, gt=0, description="Device adapter slots.")
     max_lora_rank: int = Field(64, gt=0, description="Largest adapter rank a slot holds.")

@@ -1,7 +1,9 @@
-"""``--quantization int8`` / ``int8-dynamic`` on CUDA: torch's int8 kernels as the device layer
-picks them (``device.int8_matmul``: ``_weight_int8pack_mm`` with bf16/fp16 activations,
-``torch._int_mm`` padded to more than 16 rows), against the dequantized product and against
-HF transformers + PEFT over the dequantized weights on the same GPU.
+"""``--quantization int8`` / ``int8-dynamic`` / ``fp8`` on CUDA: torch's kernels as the device
+layer picks them (``device.quant_matmul``: ``_weight_int8pack_mm`` with bf16/fp16 activations,
+``torch._int_mm`` padded to more than 16 rows, ``torch._scaled_mm`` with per-row scales and a
+bf16 output), against the dequantized product and against HF transformers + PEFT over the
+dequantized weights on the same GPU. fp8 needs compute capability 8.9 or newer: on an older GPU
+its tests skip with the reason, and the worker's refusal of it is tested instead.
 
 Bounds as on the CPU (tests/worker/test_quantization.py), the model in bf16 on the GPU: logits
 within ``LOGIT_BOUND[mode] * max |logit|`` of the fp32 reference per token.
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from lorastream.core.generation import PromptInput
-from lorastream.worker.device.device import Device
+from lorastream.core.errors import InvalidArgument
+from lorastream.worker.device.device import FP8_MIN_CAPABILITY, Device
 from lorastream.worker.engine.sampling import SamplingParams
 from lorastream.worker.loading.adapter_weights import adapter_weights
 from lorastream.worker.loading.fetcher import AdapterFetcher
@@ -25,18 +28,21 @@ from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.quant_linear import (
-    WEIGHT_QMAX,
-    QuantLinear,
-    dequantize_int8,
-    quantize_int8,
-)
+from lorastream.worker.model.quant_linear import QuantLinear, dequantize, quantize
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, peft_model
 
-MODES = ["int8", "int8-dynamic"]
-LOGIT_BOUND = {"int8": 0.04, "int8-dynamic": 0.25}  # bf16 model: a little above the CPU's 0.03
+LOGIT_BOUND = {"int8": 0.04, "int8-dynamic": 0.25, "fp8": 0.65}  # bf16: a little above the CPU's
+
+
+def _fp8_here() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY
+
+
+NO_FP8 = pytest.mark.skipif(
+    not _fp8_here(), reason="fp8 needs CUDA compute capability 8.9+ (Ada, Hopper, Blackwell)")
+MODES = ["int8", "int8-dynamic", pytest.param("fp8", marks=NO_FP8)]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -49,11 +55,13 @@ def test_cuda_quant_linear_matches_the_dequantized_product(
     w = (torch.randn(96, 128, device=cuda) * 0.1).to(dtype)
     x = torch.randn(rows, 128, device=cuda).to(dtype)
     linear = QuantLinear(w, None, mode)  # type: ignore[arg-type]
-    assert linear.weight_int8.device.type == "cuda"
-    expected = x.float() @ dequantize_int8(linear.weight_int8, linear.scale).T  # [T, N]
+    assert linear.weight_q.device.type == "cuda"
+    expected = x.float() @ dequantize(linear.weight_q, linear.scale).T  # [T, N]
     y = linear(x)
     assert y.dtype == dtype and y.shape == (rows, 96)
-    bound = {"int8": 2e-2, "int8-dynamic": 4e-2}[mode] * float(expected.abs().max())
+    if mode == "fp8":  # K = 128 and N = 96: the tensor-core kernel, not the dequantize path
+        assert linear.kernel == "scaled_mm" and linear.weight_q.dtype == torch.float8_e4m3fn
+    bound = {"int8": 2e-2, "int8-dynamic": 4e-2, "fp8": 8e-2}[mode] * float(expected.abs().max())
     assert float((y.float() - expected).abs().max()) <= bound
 
 
@@ -63,8 +71,7 @@ def _dequantized_peft(tiny_model: Path, adapter: Path | None, cuda: torch.device
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):  # int8-dynamic's weights are 7-bit
-                weight = quantize_int8(module.weight, WEIGHT_QMAX[mode])
-                module.weight.copy_(dequantize_int8(*weight))
+                module.weight.copy_(dequantize(*quantize(module.weight, mode)))
     if adapter is not None:
         from peft import PeftModel
 
@@ -132,3 +139,11 @@ def test_cuda_int8_engine_serves_every_adapter(
         outputs[name] = [t for event in stream for t in event.token_ids]
     assert all(len(tokens) == 8 for tokens in outputs.values())
     assert any(outputs[name] != outputs["tiny"] for name in ADAPTERS)
+
+
+@pytest.mark.skipif(_fp8_here(), reason="this GPU runs fp8: the refusal is for older ones")
+def test_a_gpu_without_fp8_tensor_cores_refuses_fp8_before_loading_anything(
+    engine_factory: EngineFactory,
+) -> None:
+    with pytest.raises(InvalidArgument, match=r"compute capability .* 8\.9 or newer"):
+        engine_factory(device="cuda", quantization="fp8")
