@@ -80,17 +80,18 @@ def reference_rows(
 def dequantized_base(peft: MixedPeft, mode: str) -> Iterator[None]:
     """Meanwhile ``peft``'s base projections and lm_head hold their dequantized weights, as the
     engine's ``--quantization mode`` computes with them (``quant_linear.quantize``: per output
-    channel; int8's scales rounded up to bf16, int8-dynamic's weights 7-bit, fp8's e4m3); the
+    channel; int8's scales rounded up to bf16, int8-dynamic's weights 7-bit and rotated, fp8's
+    e4m3; ``dequantized_weight``, in the checkpoint's basis); the
     LoRA A and B keep theirs. A tied embedding shares the lm_head's weight, as the engine's
     quantized rows serve its lookups. Restored on exit."""
-    from lorastream.worker.model.quant_linear import dequantize, quantize
+    from lorastream.worker.model.quant_linear import dequantized_weight
 
     saved: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     with torch.no_grad():
         for name, module in peft.model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".lora_" not in name:
                 saved.append((module, module.weight.detach().clone()))
-                module.weight.copy_(dequantize(*quantize(module.weight, mode)))
+                module.weight.copy_(dequantized_weight(module.weight, mode))
     try:
         yield
     finally:

@@ -109,7 +109,7 @@ def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
     exit every weight is back, bit for bit."""
     from lorastream.bench.peft_peer import load_mixed_peft
     from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
-    from lorastream.worker.model.quant_linear import MODES, dequantize, quantize
+    from lorastream.worker.model.quant_linear import MODES, dequantized_weight
 
     checkpoint = make_tiny_family("llama", tmp_path / "m")
     adapter = make_synthetic_adapter(tmp_path / "a0", checkpoint_shape(str(checkpoint)), rank=4)
@@ -123,7 +123,7 @@ def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
         with dequantized_base(peft, mode):
             for name, module in base.items():
                 original = before[f"{name}.weight"]
-                expected = dequantize(*quantize(original, mode))
+                expected = dequantized_weight(original, mode)
                 assert torch.equal(module.weight, expected), name
                 assert not torch.equal(module.weight, original), name
             for name, p in peft.model.named_parameters():

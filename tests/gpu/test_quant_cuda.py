@@ -28,7 +28,7 @@ from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.quant_linear import QuantLinear, dequantize, quantize
+from lorastream.worker.model.quant_linear import QuantLinear, dequantized_weight
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, peft_model
@@ -56,7 +56,7 @@ def test_cuda_quant_linear_matches_the_dequantized_product(
     x = torch.randn(rows, 128, device=cuda).to(dtype)
     linear = QuantLinear(w, None, mode)  # type: ignore[arg-type]
     assert linear.weight_q.device.type == "cuda"
-    expected = x.float() @ dequantize(linear.weight_q, linear.scale).T  # [T, N]
+    expected = x.float() @ linear.dequantized().T  # [T, N]
     y = linear(x)
     assert y.dtype == dtype and y.shape == (rows, 96)
     if mode == "fp8":  # K = 128 and N = 96: the tensor-core kernel, not the dequantize path
@@ -71,7 +71,7 @@ def _dequantized_peft(tiny_model: Path, adapter: Path | None, cuda: torch.device
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):  # int8-dynamic's weights are 7-bit
-                module.weight.copy_(dequantize(*quantize(module.weight, mode)))
+                module.weight.copy_(dequantized_weight(module.weight, mode))
     if adapter is not None:
         from peft import PeftModel
 

@@ -88,9 +88,9 @@ def projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization,
     keep_rows: bool = False,
 ) -> Projection:
-    """The base model's ``x @ weight.T (+ bias)``: fp32/bf16 (linear.py) or int8
-    (quant_linear.py), as ``--quantization`` says (``keep_rows``: a tied lm_head, whose rows
-    are also the embedding)."""
+    """The base model's ``x @ weight.T (+ bias)``: fp32/bf16 (linear.py) or int8/fp8
+    (quant_linear.py), as ``--quantization`` says (``keep_rows``: the lm_head, whose rows
+    ``exact_top`` reads and, tied, the embedding lookup)."""
     if quantization == "none":
         return Linear(weight, bias)
     return QuantLinear(weight, bias, quantization, keep_rows=keep_rows)
@@ -188,8 +188,7 @@ class DecoderModel:
             lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
             self.layers.append(self._layer(i, lw))
         self.final_norm = self._norm(weights.norm)
-        self.lm_head = projection(weights.lm_head, None, quantization,
-                                  keep_rows=config.tie_word_embeddings)
+        self.lm_head = projection(weights.lm_head, None, quantization, keep_rows=True)
         self._embed_rows: QuantLinear | None = None  # the lookup from a quantized tied lm_head
         if isinstance(self.lm_head, QuantLinear) and config.tie_word_embeddings:
             self._embed_rows = self.lm_head  # as tied HF models do: one (quantized) matrix
@@ -323,7 +322,7 @@ class DecoderModel:
         """The logits (float32) of ``batch.logit_rows`` from the last layer's hidden states."""
         rows = self.final_norm(x[batch.logit_rows])  # [n, H]
         logits = self.lm_head(rows)  # [n, V]
-        if isinstance(self.lm_head, QuantLinear):  # int8: the candidates' logits exact
+        if isinstance(self.lm_head, QuantLinear):  # int8(-dynamic): the candidates' exact
             logits = self.lm_head.exact_top(rows, logits)
         if self.config.final_softcap is not None:
             logits = soft_cap(logits, self.config.final_softcap)
