@@ -110,13 +110,13 @@ def load() -> str | None:
                     extra_ldflags=["-fopenmp"], build_directory=str(build),
                     is_python_module=False, verbose=False,
                 )
-            for op in ("decode_scores", "decode_values", "lora_rows"):  # registered, or an error
+            for op in ("decode_scores", "decode_values", "lora_rows", "rotate_rows"):  # or an error
                 getattr(torch.ops.lorastream, op)
         except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path
             reason = " ".join(f"{type(err).__name__}: {err}".split())[:500]
             _state["error"] = reason
             return reason
         _state["error"] = None
-        log.info("CPU kernels (decode attention, LoRA rows) ready in %.1f s",
+        log.info("CPU kernels (decode attention, LoRA rows, rotation) ready in %.1f s",
                  time.perf_counter() - started)
         return None

@@ -59,3 +59,17 @@ def test_an_outlier_channel_no_longer_sets_the_tokens_int8_step() -> None:
     r = rotation(1536, CPU)
     plain, rotated = int8_error(x), int8_error(r.rotate(x))  # R orthogonal: norms compare
     assert rotated * 8 < plain, (plain, rotated)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 640, 64, 24, 7, 12])  # b 64, 128, 128, 64, 8, 1, 4
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_the_cpu_op_rotates_as_the_torch_path_does(k: int, rows: int) -> None:
+    """``kernels/cpu_rotation.py``'s fast Walsh-Hadamard op against the two products, both ways
+    (b < 8 and b = 1 take the op's scalar path)."""
+    from lorastream.kernels import cpu_ops
+
+    assert cpu_ops.load() is None, cpu_ops.load()  # the machines here build them
+    torch.manual_seed(k)
+    r, x = Rotation(k, CPU), torch.randn(rows, k) * 3
+    torch.testing.assert_close(r.rotate(x, native=True), r.rotate(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r.undo(x, native=True), r.undo(x), atol=1e-5, rtol=1e-5)

@@ -86,14 +86,14 @@ Projection = Linear | QuantLinear
 
 def projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization,
-    keep_rows: bool = False,
+    keep_rows: bool = False, native: bool = False,
 ) -> Projection:
     """The base model's ``x @ weight.T (+ bias)``: fp32/bf16 (linear.py) or int8/fp8
     (quant_linear.py), as ``--quantization`` says (``keep_rows``: the lm_head, whose rows
-    ``exact_top`` reads and, tied, the embedding lookup)."""
+    ``exact_top`` reads and, tied, the embedding lookup; ``native``: the C++ CPU ops run)."""
     if quantization == "none":
         return Linear(weight, bias)
-    return QuantLinear(weight, bias, quantization, keep_rows=keep_rows)
+    return QuantLinear(weight, bias, quantization, keep_rows=keep_rows, native=native)
 
 
 class RMSNorm:
@@ -179,16 +179,18 @@ class DecoderModel:
         for i, lw in enumerate(weights.layers):
             assert lw.wqkv is not None and lw.wo is not None
             assert lw.w_gate_up is not None and lw.w_down is not None
+            native = self.native_attention  # the C++ ops are loaded: int8-dynamic's rotation
             self.proj.append((
-                projection(lw.wqkv, lw.b_qkv, quantization),
-                projection(lw.wo, lw.b_o, quantization),
-                projection(lw.w_gate_up, lw.b_gate_up, quantization),
-                projection(lw.w_down, lw.b_down, quantization),
+                projection(lw.wqkv, lw.b_qkv, quantization, native=native),
+                projection(lw.wo, lw.b_o, quantization, native=native),
+                projection(lw.w_gate_up, lw.b_gate_up, quantization, native=native),
+                projection(lw.w_down, lw.b_down, quantization, native=native),
             ))
             lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
             self.layers.append(self._layer(i, lw))
         self.final_norm = self._norm(weights.norm)
-        self.lm_head = projection(weights.lm_head, None, quantization, keep_rows=True)
+        self.lm_head = projection(weights.lm_head, None, quantization, keep_rows=True,
+                                  native=self.native_attention)
         self._embed_rows: QuantLinear | None = None  # the lookup from a quantized tied lm_head
         if isinstance(self.lm_head, QuantLinear) and config.tie_word_embeddings:
             self._embed_rows = self.lm_head  # as tied HF models do: one (quantized) matrix

@@ -226,11 +226,12 @@ class QuantLinear:
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-        mode: Quantization = "int8", keep_rows: bool = False,
+        mode: Quantization = "int8", keep_rows: bool = False, native: bool = False,
     ) -> None:
         """``keep_rows``: rows of the matrix are read every step (the lm_head's: ``exact_top``,
         a tied head's embedding lookup), so the int8 matrix stays held even where fbgemm keeps
-        its own packed copy."""
+        its own packed copy. ``native``: the C++ CPU ops are loaded (``--cpu-kernels``):
+        int8-dynamic's rotation runs on them."""
         if mode not in MODES:
             raise ValueError(f"QuantLinear mode {mode!r}: one of {', '.join(MODES)}")
         self.mode = mode
@@ -239,6 +240,7 @@ class QuantLinear:
         self._held: torch.Tensor | None
         self._held, self.scale = quantize(weight, mode)
         self.rotation = input_rotation(mode, self.in_features, weight.device)
+        self._native = native
         self.bias = bias  # [N] or None
         self._plan = quant_matmul(weight.device, weight.dtype)
         self._scale_kernel = (self.scale[None, :] if mode == "fp8"  # [1, N] _scaled_mm's
@@ -286,7 +288,7 @@ class QuantLinear:
         """Dequantized rows ``ids`` of the weight in the checkpoint's basis: the embedding lookup
         of a tied lm_head."""
         rows = self.weight_q[ids].float() * self.scale[ids, None]  # [T, K]
-        return rows if self.rotation is None else self.rotation.undo(rows)
+        return rows if self.rotation is None else self.rotation.undo(rows, self._native)
 
     def dequantized(self) -> torch.Tensor:  # [N, K] fp32
         """The whole weight as :meth:`rows` gives rows: for references and tests."""
@@ -316,7 +318,9 @@ class QuantLinear:
             return y
         top = y.topk(min(EXACT_TOP, self.out_features), dim=1).indices  # [T, k]
         rows = self.weight_q[top].float() * self.scale[top, None]  # [T, k, K] (held basis)
-        x32 = x.float() if self.rotation is None else self.rotation.rotate(x.float())  # [T, K]
+        x32 = x.float()  # [T, K]
+        if self.rotation is not None:
+            x32 = self.rotation.rotate(x32, self._native)
         exact = torch.bmm(rows, x32[:, :, None])[:, :, 0]  # [T, k]
         if self.bias is not None:
             exact = exact + self.bias[top].float()
@@ -334,7 +338,7 @@ class QuantLinear:
 
     def _dynamic(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] fp32
         assert self.rotation is not None
-        x32 = self.rotation.rotate(x.float())  # [T, K]
+        x32 = self.rotation.rotate(x.float(), self._native)  # [T, K]
         amax = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [T, 1]
         scaled = x32 * (_ACT_QMAX / amax)  # [T, K] in [-127, 127]; rounded below
         s = amax / _ACT_QMAX  # [T, 1]

@@ -24,7 +24,9 @@ tokens equal without it, 98.8% with it on every projection and the lm_head (and 
 candidates exact, ``QuantLinear.exact_top``).
 
 Applied as two small products, ``x.view(T, a, b) @ H_b`` and then ``Q_aᵀ`` over the a axis:
-K (a + b) multiply-adds per row instead of K².
+K (a + b) multiply-adds per row instead of K²; or, where the C++ CPU ops run (``native``, as
+``--cpu-kernels`` decides), as one op with a fast Walsh-Hadamard transform
+(``kernels/cpu_rotation.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import functools
 import math
 
 import torch
+
+from lorastream.kernels.cpu_rotation import rotate_rows
 
 _MAX_HADAMARD = 128  # b: the Hadamard factor's largest order
 
@@ -64,20 +68,25 @@ class Rotation:
         self._qt = q.T.contiguous().float().to(device)  # [a, a] Qᵀ
         self._q = q.contiguous().float().to(device)  # [a, a]
 
-    def _apply(self, x: torch.Tensor, left: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, K]
+    def _apply(self, x: torch.Tensor, left: torch.Tensor, native: bool
+               ) -> torch.Tensor:  # [T, K] -> [T, K]
+        if native:
+            return rotate_rows(x.contiguous(), left, self.b)
         t = x.shape[0]
         y = x.reshape(t, self.a, self.b) @ self._h  # [T, a, b]
         if self.a > 1:
             y = left @ y  # [a, a] @ [T, a, b] -> [T, a, b]
         return y.reshape(t, self.k)
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] fp32 -> [T, K] fp32
-        """``x @ R``."""
-        return self._apply(x, self._qt)
+    def rotate(self, x: torch.Tensor, native: bool = False
+               ) -> torch.Tensor:  # [T, K] fp32 -> [T, K] fp32
+        """``x @ R`` (``native``: on the C++ op, built and loaded by ``cpu_ops.load()``)."""
+        return self._apply(x, self._qt, native)
 
-    def undo(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] fp32 -> [T, K] fp32
+    def undo(self, x: torch.Tensor, native: bool = False
+             ) -> torch.Tensor:  # [T, K] fp32 -> [T, K] fp32
         """``x @ Rᵀ``."""
-        return self._apply(x, self._q)
+        return self._apply(x, self._q, native)
 
 
 @functools.lru_cache(maxsize=None)
