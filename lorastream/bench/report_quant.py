@@ -18,7 +18,7 @@ from lorastream.bench.report_format import (
 )
 
 _SHOWN = {"none": "fp32 (no quantization)", "int8": "int8 weight-only",
-          "int8-dynamic": "7-bit weights + per-token int8 activations",
+          "int8-dynamic": "7-bit weights + per-token int8 activations (rotated)",
           "fp8": "e4m3 weights + per-token e4m3 activations"}
 
 
@@ -118,13 +118,14 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         "the mode's error by): an error within the tolerance cannot flip those, and at the "
         "others either token is as good an answer as the tolerance promises. Over the "
         "dequantized weights: the same teacher-forced tokens against the argmax of "
-        "transformers + PEFT (fp32) whose base projections and lm_head hold the mode's int8 "
-        "weights dequantized (`bench/quant_reference.py`, `dequantized_base`), the comparison "
-        "the token goal is stated against: what is left is the mode's arithmetic (bf16 "
-        "activations for int8, per-token int8 activations for int8-dynamic), not its weight "
-        "rounding. Carrying the activations at about 16 bits instead reaches the goal but runs "
-        "the projections no faster than fp32 on an AVX2 CPU (measured: docs/worker.md, \"What "
-        "99% costs on this CPU\")." + _reference(r),
+        "transformers + PEFT (fp32) whose base projections and lm_head hold the mode's "
+        "weights dequantized (`bench/quant_reference.py`, `dequantized_base`; int8-dynamic's "
+        "un-rotated), the comparison the token goal is stated against: what is left is the "
+        "mode's arithmetic (bf16 activations for int8, per-token int8 activations of the "
+        "rotated input for int8-dynamic), not its weight rounding. Carrying the activations at "
+        "about 16 bits instead reaches the goal but runs the projections no faster than fp32 "
+        "on an AVX2 CPU (measured: docs/worker.md, \"What 99% costs on this CPU\")."
+        + _reference(r),
         table(header, rows),
         " ".join(filter(None, [peft_line, _attention(r, torch_path)])),
         _where_the_time_goes(r),
@@ -150,7 +151,8 @@ def _where_the_time_goes(r: Result) -> str:
         "rows the fp32 product is bound by multiply-adds, and weight-only int8 needs the same "
         "ones plus a conversion. `int8-dynamic` multiplies int8 by int8 (fbgemm on x86, "
         "`torch._int_mm` elsewhere), at the price of rounding each token's activations to int8 "
-        "and of 7-bit weights.")
+        "(after an orthogonal rotation of the input that spreads outlier channels: one C++ op "
+        "per projection on the CPU, `kernels/cpu_rotation.py`) and of 7-bit weights.")
     step = r.get("fp32_step_ms")
     if not isinstance(step, Mapping):
         return general  # results from before these figures
@@ -166,16 +168,22 @@ def _where_the_time_goes(r: Result) -> str:
 def _rest(r: Result, modes: Mapping[str, Mapping[str, object]]) -> str:
     """The base-only step less its projections, per mode: what the projections leave."""
     prompts = as_number(r.get("prompts"))
-    parts = []
+    parts, noisy = [], []
     for mode, m in modes.items():
         rate = as_number(m.get("base_only_decode_tok_s"))
         projections = as_number(m.get("projections_ms_per_step"))
-        if prompts and rate and projections is not None:
-            rest = 1000 * prompts / rate - projections
-            parts.append(f"{_SHOWN.get(mode, mode)} {number(rest)} ms")
-    if not parts:
-        return ""
-    return (" The rest of a base-only step (its time from the decode rate less the "
+        if not (prompts and rate and projections is not None):
+            continue
+        step, shown = 1000 * prompts / rate, _SHOWN.get(mode, mode)
+        if step >= projections:
+            parts.append(f"{shown} {number(step - projections)} ms")
+        else:  # timed apart: the machine's speed moved between the two
+            noisy.append(f" {shown[0].upper()}{shown[1:]}'s projections took longer in their "
+                         f"separate timing than its whole base-only step ({number(projections)} "
+                         f"against {number(step)} ms: the machine's speed moved between the "
+                         "two), so its rest is not given.")
+    text = (" The rest of a base-only step (its time from the decode rate less the "
             "projections: attention, norms, sampling, the activations' rounding where a mode "
             f"has it) came to {', '.join(parts)}: the projections are what the mode changes, "
-            "and the rest is what bounds its speed-up.")
+            "and the rest is what bounds its speed-up.") if parts else ""
+    return text + "".join(noisy)

@@ -101,6 +101,20 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
         page)
 
 
+def test_a_mode_timed_slower_in_parts_than_in_whole_gets_no_rest_figure() -> None:
+    """The rest of a step is its time less its projections' separate timing; where the machine's
+    speed moved between the two and the difference is negative, the page says so instead."""
+    from lorastream.bench.report_quant import _rest
+
+    modes = {"none": {"base_only_decode_tok_s": 200.0, "projections_ms_per_step": 100.0},
+             "int8": {"base_only_decode_tok_s": 200.0, "projections_ms_per_step": 187.0}}
+    text = _rest({"prompts": 32}, modes)
+    assert "came to fp32 (no quantization) 60.0 ms:" in text  # 32 / 200 tok/s = 160 ms
+    assert "Int8 weight-only's projections took longer in their separate timing than its " \
+           "whole base-only step (187.0 against 160.0 ms" in text
+    assert "-27" not in text
+
+
 def test_the_dequantized_reference_holds_the_mode_s_weights_and_gives_them_back(
     tmp_path: Path,
 ) -> None:
