@@ -204,8 +204,9 @@ def test_the_dynamic_mode_sums_exactly_on_every_kernel(
     w, x = torch.randn(96, 576) * 0.05, torch.randn(9, 576)
     if case == "saturating":
         rotated = rotation(576, torch.device("cpu"))
-        w = rotated.undo(torch.where(torch.arange(96)[:, None] % 2 == 0, 1.0, -1.0).expand(96, 576))
-        x = rotated.undo(torch.where(torch.arange(9)[:, None] % 3 == 0, -1.0, 1.0).expand(9, 576))
+        signs_w = torch.where(torch.arange(96)[:, None] % 2 == 0, 1.0, -1.0).expand(96, 576)
+        signs_x = torch.where(torch.arange(9)[:, None] % 3 == 0, -1.0, 1.0).expand(9, 576)
+        w, x = rotated.undo(signs_w), rotated.undo(signs_x)
     if kernel == "int_mm":  # the path a torch without fbgemm takes
         monkeypatch.setattr(quant_linear, "_fbgemm_prepack", lambda wq, scale: None)
     linear = QuantLinear(w, None, "int8-dynamic")

@@ -19,7 +19,9 @@ CPU = torch.device("cpu")
     (64, 1, 64),  # a power of two: the Hadamard factor alone
     (7, 7, 1),  # odd: the random orthogonal factor alone
 ])
-def test_the_rotation_is_the_orthogonal_kronecker_product_it_states(k: int, a: int, b: int) -> None:
+def test_the_rotation_is_the_orthogonal_kronecker_product_it_states(
+    k: int, a: int, b: int,
+) -> None:
     r = Rotation(k, CPU)
     assert (r.a, r.b) == (a, b)
     dense = r.rotate(torch.eye(k))  # [K, K]: row i is e_i R

@@ -1,5 +1,6 @@
 """``--cpu-kernels``: whether this worker computes with the C++ CPU ops (``kernels/cpu_ops.py``:
-decode attention over the paged cache, the LoRA delta of slot-major steps) or torch's paths.
+decode attention over the paged cache, the LoRA delta of slot-major steps, int8-dynamic's input
+rotation) or torch's paths.
 
 ``torch`` never; ``native`` always, or an error saying why it cannot; ``auto`` where the ops
 apply (fp32 on the CPU) and build, else torch's paths with a warning giving the reason.
@@ -35,6 +36,7 @@ def use_cpu_kernels(choice: CpuKernels, device: torch.device, dtype: torch.dtype
         return True
     if choice == "native":
         raise RuntimeError(f"--cpu-kernels native: the C++ CPU kernels did not build: {error}")
-    log.warning("the C++ CPU kernels did not build, so decode attention and the LoRA delta take "
-                "torch's slower paths (--cpu-kernels torch silences this): %s", error)
+    log.warning("the C++ CPU kernels did not build, so decode attention, the LoRA delta and "
+                "int8-dynamic's rotation take torch's slower paths (--cpu-kernels torch "
+                "silences this): %s", error)
     return False

@@ -39,10 +39,11 @@ every machine (tests/worker/test_quantization.py) and its speed by ``make test-g
 The model's weight in the checkpoint's basis (what the reference computes with) is
 ``dequant(Wq)``, un-rotated for int8-dynamic: :func:`dequantized_weight`.
 
-**The lm_head's candidates, exact (int8, int8-dynamic).** The bf16 kernel rounds activations and outputs to 8
-significant bits, which moves a logit by up to ~0.4% of the row's largest. At the lm_head that
-decides greedy tokens, so ``exact_top`` recomputes the ``EXACT_TOP`` largest logits of each row
-as the fp32 product over the dequantized rows (what the reference computes) and puts them back::
+**The lm_head's candidates, exact (int8, int8-dynamic).** The bf16 kernel rounds activations and
+outputs to 8 significant bits, which moves a logit by up to ~0.4% of the row's largest. At the
+lm_head that decides greedy tokens, so ``exact_top`` recomputes the ``EXACT_TOP`` largest logits
+of each row as the fp32 product over the dequantized rows (what the reference computes) and puts
+them back::
 
     top = the EXACT_TOP largest y[t, :]
     y[t, v] = sum_k x[t, k] * dequant(Wq)[v, k] (+ bias[v])    for v in top (fp32)
@@ -127,8 +128,8 @@ MODES: tuple[str, ...] = QUANTIZATIONS[1:]  # the quantized ones
 # The stated tolerance per token against transformers + PEFT over the dequantized weights:
 # max |logit - reference logit| <= LOGIT_TOLERANCE[mode] * max |reference logit| of that row
 # (tests/worker/test_quantization.py; measured worst over the 7 families: 0.024, 0.060 and
-# 0.54; int8-dynamic's was 0.22 before its rotation). A position whose reference top-2 margin is within it is a near-tie: either token may
-# win there.
+# 0.54; int8-dynamic's was 0.22 before its rotation). A position whose reference top-2 margin
+# is within it is a near-tie: either token may win there.
 LOGIT_TOLERANCE = {"int8": 0.03, "int8-dynamic": 0.08, "fp8": 0.6}
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -137,7 +138,7 @@ WEIGHT_QMAX = {"int8": 127, "int8-dynamic": 63}  # see "Why 63 for int8-dynamic"
 _U8_ZERO = 128  # fbgemm reads xq + 128 as its unsigned activation
 _K_MULTIPLE = 16  # _weight_int8pack_mm's K (see the module docstring)
 _ROWS_PER_CHUNK = 4096  # quantize this many rows at once: bounds the fp32 temporaries
-EXACT_TOP = 8  # int8's lm_head: logits recomputed exactly per row (see the module docstring)
+EXACT_TOP = 8  # the lm_head's logits recomputed exactly per row (see the module docstring)
 
 
 def quantize_int8(
@@ -258,7 +259,7 @@ class QuantLinear:
             self._held = None  # fbgemm's packed copy is the one the product reads
 
     @property
-    def weight_q(self) -> torch.Tensor:  # [N, K] int8
+    def weight_q(self) -> torch.Tensor:  # [N, K] int8 or e4m3
         """``Wq``: the held matrix, or (fbgemm holding the only copy) unpacked from fbgemm's,
         a full copy per call: for references and tests, not for a step."""
         if self._held is not None:
@@ -280,7 +281,7 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes of one int8 (or e4m3) copy of the weight and its scales (bias not counted;
-        where fbgemm's packed copy and the held matrix are both kept, a tied lm_head, twice the
+        where fbgemm's packed copy and the held matrix are both kept, the lm_head, twice the
         first term)."""
         return self.out_features * self.in_features + 4 * self.scale.numel()
 
