@@ -54,7 +54,7 @@ teacher-forced positions, `bench engine --quantization`): greedy tokens equal to
 PEFT over the dequantized weights at 99.2% with ``exact_top`` (as with the whole lm_head computed
 exactly, a trial), 98.4% without. int8-dynamic's lm_head rounds its activations instead, and the
 same recomputation (over the rotated rows and input) takes that rounding out of its candidates'
-logits: 88.7% -> 89.5% alone, part of rotation.py's 98.8%. Cost: a topk over the vocabulary and
+logits: 88.7% -> 89.5% alone, part of rotation.py's 97.3%. Cost: a topk over the vocabulary and
 EXACT_TOP rows per token; the lm_head keeps its int8 rows beside fbgemm's packed copy.
 
 **Why 63 for int8-dynamic.** x86's int8 dot product without VNNI (AVX2's ``vpmaddubsw``, what
