@@ -1,9 +1,9 @@
 """``--quantization int8`` / ``int8-dynamic`` / ``fp8`` on CUDA: torch's kernels as the device
-layer picks them (``device.quant_matmul``: ``_weight_int8pack_mm`` with bf16/fp16 activations,
-``torch._int_mm`` padded to more than 16 rows, ``torch._scaled_mm`` with per-row scales and a
-bf16 output), against the dequantized product and against HF transformers + PEFT over the
-dequantized weights on the same GPU. fp8 needs compute capability 8.9 or newer: on an older GPU
-its tests skip with the reason, and the worker's refusal of it is tested instead.
+layer picks them (``device/quant_matmul.py``: ``_weight_int8pack_mm`` with bf16/fp16
+activations, ``torch._int_mm`` padded to more than 16 rows, ``torch._scaled_mm`` with per-row
+scales and a bf16 output), against the dequantized product and against HF transformers + PEFT
+over the dequantized weights on the same GPU. fp8 needs compute capability 8.9 or newer: on an
+older GPU its tests skip with the reason, and the worker's refusal of it is tested instead.
 
 Bounds as on the CPU (tests/worker/test_quantization.py), the model in bf16 on the GPU: logits
 within ``LOGIT_BOUND[mode] * max |logit|`` of the fp32 reference per token.
@@ -18,7 +18,8 @@ import torch
 
 from lorastream.core.generation import PromptInput
 from lorastream.core.errors import InvalidArgument
-from lorastream.worker.device.device import FP8_MIN_CAPABILITY, Device
+from lorastream.worker.device.device import Device
+from lorastream.worker.device.quant_matmul import FP8_MIN_CAPABILITY
 from lorastream.worker.engine.sampling import SamplingParams
 from lorastream.worker.loading.adapter_weights import adapter_weights
 from lorastream.worker.loading.fetcher import AdapterFetcher

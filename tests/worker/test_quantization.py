@@ -429,7 +429,7 @@ FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 def test_a_cpu_without_avx512_is_told_which_int8_mode_is_slower_there(
     monkeypatch: pytest.MonkeyPatch, device: str, capability: str, mode: str, warned: bool
 ) -> None:
-    from lorastream.worker.device.device import quantization_slow_here
+    from lorastream.worker.device.quant_matmul import quantization_slow_here
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     note = quantization_slow_here(torch.device(device), mode)
@@ -446,7 +446,7 @@ def test_a_cpu_without_avx512_is_told_which_int8_mode_is_slower_there(
 def test_fp8_is_refused_on_a_gpu_without_e4m3_tensor_cores(
     monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], refused: bool
 ) -> None:
-    from lorastream.worker.device.device import quantization_unsupported
+    from lorastream.worker.device.quant_matmul import quantization_unsupported
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     why = quantization_unsupported(torch.device("cuda"), "fp8")

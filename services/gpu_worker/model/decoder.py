@@ -176,10 +176,10 @@ class DecoderModel:
         # The projections, each prepared once for fast products (see linear.py).
         self.proj: list[tuple[Projection, Projection, Projection, Projection]] = []
         self.layers: list[_Layer] = []
+        native = self.native_attention  # the C++ ops are loaded: int8-dynamic's rotation too
         for i, lw in enumerate(weights.layers):
             assert lw.wqkv is not None and lw.wo is not None
             assert lw.w_gate_up is not None and lw.w_down is not None
-            native = self.native_attention  # the C++ ops are loaded: int8-dynamic's rotation
             self.proj.append((
                 projection(lw.wqkv, lw.b_qkv, quantization, native=native),
                 projection(lw.wo, lw.b_o, quantization, native=native),
@@ -190,7 +190,7 @@ class DecoderModel:
             self.layers.append(self._layer(i, lw))
         self.final_norm = self._norm(weights.norm)
         self.lm_head = projection(weights.lm_head, None, quantization, keep_rows=True,
-                                  native=self.native_attention)
+                                  native=native)
         self._embed_rows: QuantLinear | None = None  # the lookup from a quantized tied lm_head
         if isinstance(self.lm_head, QuantLinear) and config.tie_word_embeddings:
             self._embed_rows = self.lm_head  # as tied HF models do: one (quantized) matrix

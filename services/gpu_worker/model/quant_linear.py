@@ -105,7 +105,7 @@ decode shapes, best of 30 calls, microseconds (weights cache-resident; a
   faster than fp32 on the AVX2 EPYC; not used.
 
 Which dtype and padding each kernel needs on CUDA is the device layer's
-(:func:`~lorastream.worker.device.device.quant_matmul`).
+(:func:`~lorastream.worker.device.quant_matmul.quant_matmul`).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ from typing import Literal
 
 import torch
 
-from lorastream.worker.device.device import quant_matmul
+from lorastream.worker.device.quant_matmul import quant_matmul
 from lorastream.worker.model.rotation import Rotation, rotation
 
 log = logging.getLogger(__name__)

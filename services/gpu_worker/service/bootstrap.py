@@ -12,12 +12,12 @@ from transformers import AutoTokenizer
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.native_env import waits_actively
 from lorastream.core.tls import ClientTLS
-from lorastream.worker.device.device import (
-    Device,
+from lorastream.worker.device.device import Device
+from lorastream.worker.device.priority import starvation_warning
+from lorastream.worker.device.quant_matmul import (
     quantization_slow_here,
     quantization_unsupported,
 )
-from lorastream.worker.device.priority import starvation_warning
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
 from lorastream.worker.loading.fetcher import AdapterFetcher
