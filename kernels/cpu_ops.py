@@ -8,7 +8,8 @@ register ``torch.ops.lorastream.*``:
 - ``decode_scores`` / ``decode_values``: decode attention over the paged KV cache
   (``cpu_attention.py``);
 - ``lora_rows``: the LoRA delta of slot-major steps (``cpu_lora.py``);
-- ``rotate_rows``: int8-dynamic's input rotation (``cpu_rotation.py``).
+- ``rotate_rows``, ``rotate_scale_rows``: int8-dynamic's input rotation, the second with each
+  row scaled to int8's range (``cpu_rotation.py``).
 
 :func:`load` returns why they could not be built, and the worker then keeps torch's paths
 (``--cpu-kernels``, docs/worker.md).
@@ -111,7 +112,8 @@ def load() -> str | None:
                     extra_ldflags=["-fopenmp"], build_directory=str(build),
                     is_python_module=False, verbose=False,
                 )
-            ops = ("decode_scores", "decode_values", "lora_rows", "rotate_rows")
+            ops = ("decode_scores", "decode_values", "lora_rows", "rotate_rows",
+                   "rotate_scale_rows")
             for op in ops:  # registered, or an error
                 getattr(torch.ops.lorastream, op)
         except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path

@@ -15,6 +15,15 @@ Semantics (fp32; ``K = a * b``, ``b`` a power of two; ``left`` [a, a])::
 which is ``x @ kron(leftᵀ, H_b / sqrt(b))``: ``rotation.Rotation.rotate`` with ``left = Q_aᵀ``,
 ``undo`` with ``left = Q_a``, summed in another order. tests/worker/test_rotation.py holds the
 two paths to each other.
+
+``rotate_scale_rows`` is int8-dynamic's whole input step (``quant_linear.QuantLinear``) in the
+same pass; over the rotated rows its scaling is bit for bit the torch ops it replaces
+(six small ops, ~30-50 us per projection)::
+
+    y = out as above                                   # [T, K]
+    amax[t] = max(max_k |y[t, k]|, 1e-12)               # [T, 1]
+    scaled[t, k] = y[t, k] * ((1 / amax[t]) * qmax)     # torch's qmax / amax: reciprocal, times
+    step[t] = amax[t] / qmax                            # -> (scaled [T, K], step [T, 1])
 """
 
 from __future__ import annotations
@@ -25,3 +34,10 @@ import torch
 def rotate_rows(x: torch.Tensor, left: torch.Tensor, b: int) -> torch.Tensor:
     """``x [T, K]`` fp32 -> ``[T, K]`` per the module docstring (``cpu_ops.load()`` first)."""
     return torch.ops.lorastream.rotate_rows(x, left, b)
+
+
+def rotate_scale_rows(x: torch.Tensor, left: torch.Tensor, b: int, qmax: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` fp32 -> ``(scaled [T, K], step [T, 1])`` per the module docstring."""
+    scaled, step = torch.ops.lorastream.rotate_scale_rows(x, left, b, qmax)
+    return scaled, step

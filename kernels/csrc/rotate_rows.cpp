@@ -10,8 +10,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -85,16 +87,49 @@ void mix_blocks(float* dst, const float* blocks, const float* left, int64_t a, i
   }
 }
 
-at::Tensor rotate_rows(const at::Tensor& x, const at::Tensor& left, int64_t b) {
+// The largest |v[i]| of v [k].
+float abs_max(const float* v, int64_t k) {
+  float best = 0.0f;
+  int64_t i = 0;
+#ifdef LORASTREAM_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) {
+    acc = _mm256_max_ps(acc, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float lane : lanes) best = std::max(best, lane);
+#endif
+  for (; i < k; ++i) best = std::max(best, std::fabs(v[i]));
+  return best;
+}
+
+// The rotation of row t of x into out_row [k] (blocks: [k] scratch where a > 1).
+void rotate_row(const float* row, float* out_row, float* blocks, const float* left, int64_t a,
+                int64_t b, float norm) {
+  const int64_t k = a * b;
+  float* v = a > 1 ? blocks : out_row;  // a = 1: transform in the output row
+  for (int64_t i = 0; i < k; ++i) v[i] = row[i] * norm;
+  for (int64_t i = 0; i < a; ++i) walsh_hadamard(v + i * b, b);
+  if (a > 1) mix_blocks(out_row, v, left, a, b);
+}
+
+void check_args(const at::Tensor& x, const at::Tensor& left, int64_t b, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 &&
                   x.is_contiguous(),
-              "rotate_rows: x must be a contiguous [T, K] float32 CPU tensor");
+              op, ": x must be a contiguous [T, K] float32 CPU tensor");
   TORCH_CHECK(b >= 1 && (b & (b - 1)) == 0 && x.size(1) % b == 0,
-              "rotate_rows: b must be a power of two dividing K");
-  const int64_t rows = x.size(0), k = x.size(1), a = k / b;
+              op, ": b must be a power of two dividing K");
+  const int64_t a = x.size(1) / b;
   TORCH_CHECK(left.scalar_type() == at::kFloat && left.device().is_cpu() && left.dim() == 2 &&
                   left.size(0) == a && left.size(1) == a && left.is_contiguous(),
-              "rotate_rows: left must be a contiguous [a, a] float32 CPU tensor, a = K / b");
+              op, ": left must be a contiguous [a, a] float32 CPU tensor, a = K / b");
+}
+
+at::Tensor rotate_rows(const at::Tensor& x, const at::Tensor& left, int64_t b) {
+  check_args(x, left, b, "rotate_rows");
+  const int64_t rows = x.size(0), k = x.size(1), a = k / b;
   at::Tensor out = at::empty({rows, k}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* lp = left.data_ptr<float>();
@@ -103,20 +138,54 @@ at::Tensor rotate_rows(const at::Tensor& x, const at::Tensor& left, int64_t b) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> blocks(a > 1 ? k : 0);  // [a, b] the row's blocks, transformed
     for (int64_t t = begin; t < end; ++t) {
-      float* v = a > 1 ? blocks.data() : op + t * k;  // a = 1: transform in the output row
-      const float* row = xp + t * k;
-      for (int64_t i = 0; i < k; ++i) v[i] = row[i] * norm;
-      for (int64_t i = 0; i < a; ++i) walsh_hadamard(v + i * b, b);
-      if (a > 1) mix_blocks(op + t * k, v, lp, a, b);
+      rotate_row(xp + t * k, op + t * k, blocks.data(), lp, a, b, norm);
     }
   });
   return out;
+}
+
+// The rotated rows scaled to [-qmax, qmax] by their largest |value|, and each row's step.
+std::tuple<at::Tensor, at::Tensor> rotate_scale_rows(const at::Tensor& x, const at::Tensor& left,
+                                                     int64_t b, double qmax) {
+  check_args(x, left, b, "rotate_scale_rows");
+  const int64_t rows = x.size(0), k = x.size(1), a = k / b;
+  at::Tensor out = at::empty({rows, k}, x.options());
+  at::Tensor step = at::empty({rows, 1}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* lp = left.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* sp = step.data_ptr<float>();
+  const float norm = 1.0f / std::sqrt(static_cast<float>(b));
+  const float q = static_cast<float>(qmax);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> blocks(a > 1 ? k : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = op + t * k;
+      rotate_row(xp + t * k, o, blocks.data(), lp, a, b, norm);
+      const float amax = std::max(abs_max(o, k), 1e-12f);
+      const float inv = (1.0f / amax) * q;  // torch's qmax / amax: reciprocal, then times qmax
+      int64_t i = 0;
+#ifdef LORASTREAM_AVX2
+      const __m256 f = _mm256_set1_ps(inv);
+      for (; i + 8 <= k; i += 8) {
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
+      }
+#endif
+      for (; i < k; ++i) o[i] *= inv;
+      sp[t] = amax / q;
+    }
+  });
+  return {out, step};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lorastream, m) {
   m.def("rotate_rows(Tensor x, Tensor left, int b) -> Tensor");
+  m.def("rotate_scale_rows(Tensor x, Tensor left, int b, float qmax) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(lorastream, CPU, m) { m.impl("rotate_rows", rotate_rows); }
+TORCH_LIBRARY_IMPL(lorastream, CPU, m) {
+  m.impl("rotate_rows", rotate_rows);
+  m.impl("rotate_scale_rows", rotate_scale_rows);
+}

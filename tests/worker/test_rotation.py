@@ -75,3 +75,27 @@ def test_the_cpu_op_rotates_as_the_torch_path_does(k: int, rows: int) -> None:
     r, x = Rotation(k, CPU), torch.randn(rows, k) * 3
     torch.testing.assert_close(r.rotate(x, native=True), r.rotate(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r.undo(x, native=True), r.undo(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 7, 12])  # AVX2 lanes and the scalar tail
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_the_cpu_op_scales_the_rotated_rows_as_the_torch_ops_do(k: int, rows: int) -> None:
+    """``rotate_scale_rows``: over its rotated rows, the scaling and the steps are the torch
+    ops' bit for bit (so the rounding to int8 is too); a zero row keeps the 1e-12 floor."""
+    from lorastream.kernels import cpu_ops
+
+    assert cpu_ops.load() is None, cpu_ops.load()
+    torch.manual_seed(k + rows)
+    r, x = Rotation(k, CPU), torch.randn(rows, k) * 3
+    x[-1] = 0.0  # with rows = 1, the only row
+    scaled, step = r.rotate_scaled(x, 127, native=True)  # [T, K], [T, 1]
+    y = r.rotate(x, native=True)
+    amax = y.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+    assert torch.equal(scaled, y * (127 / amax)) and torch.equal(step, amax / 127)
+    largest = scaled.abs().amax(dim=1)[:-1]  # 127 to the product's rounding: rounds to 127
+    assert bool(((largest - 127).abs() < 1e-4).all()), largest
+    assert torch.equal(scaled[-1], torch.zeros(k))
+    assert float(step[-1]) == pytest.approx(1e-12 / 127)
+    plain, plain_step = r.rotate_scaled(x, 127)  # torch's path: the same up to the rotation's
+    torch.testing.assert_close(scaled, plain, atol=1e-4, rtol=1e-5)  # rounding
+    torch.testing.assert_close(step, plain_step)

@@ -13,7 +13,7 @@ Semantics::
     # per call, x [T, K] -> y [T, N] (+ bias[n]), returned in x's dtype
     int8 (weight-only):  y[t, n] = sum_k x[t, k] * dequant(Wq)[n, k]
     int8-dynamic:        x <- rotate(x)   (the weight's rotation: the product is unchanged)
-                         a[t] = max_k |x[t, k]|;  xq[t, k] = round(x[t, k] * (127 / a[t]))
+                         a[t] = max(max_k |x[t, k]|, 1e-12);  xq[t, k] = round(x[t, k] * ((1 / a[t]) * 127))
                          s[t] = a[t] / 127   (fp32; round: half to even)
                          y[t, n] = s[t] * scale[n] * sum_k xq[t, k] * Wq[n, k]   (int32 sums)
 
@@ -339,10 +339,8 @@ class QuantLinear:
 
     def _dynamic(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N] fp32
         assert self.rotation is not None
-        x32 = self.rotation.rotate(x.float(), self._native)  # [T, K]
-        amax = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [T, 1]
-        scaled = x32 * (_ACT_QMAX / amax)  # [T, K] in [-127, 127]; rounded below
-        s = amax / _ACT_QMAX  # [T, 1]
+        # [T, K] in [-127, 127] (rounded below), [T, 1]: the rotated input over its step
+        scaled, s = self.rotation.rotate_scaled(x.float(), _ACT_QMAX, self._native)
         if self._fbgemm is not None:
             # fbgemm rounds ``scaled`` (scale 1, zero point 128: round half to even, as
             # torch.round), sums (xq + 128) * Wq in int32 minus 128 * sum_k Wq, and multiplies by

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from lorastream.kernels.cpu_rotation import rotate_rows
+from lorastream.kernels.cpu_rotation import rotate_rows, rotate_scale_rows
 
 _MAX_HADAMARD = 128  # b: the Hadamard factor's largest order
 
@@ -83,6 +83,18 @@ class Rotation:
                ) -> torch.Tensor:  # [T, K] fp32 -> [T, K] fp32
         """``x @ R`` (``native``: on the C++ op, built and loaded by ``cpu_ops.load()``)."""
         return self._apply(x, self._qt, native)
+
+    def rotate_scaled(self, x: torch.Tensor, qmax: int, native: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, K] -> [T, K], [T, 1]
+        """``x @ R`` with each row scaled by ``qmax / max |row|``, and each row's step
+        ``max |row| / qmax`` (the max at least 1e-12): int8-dynamic's input, to be rounded.
+        ``native``: in the same pass as the rotation (``cpu_rotation.rotate_scale_rows``: its
+        scaling is bit for bit these torch ops' over its rotated rows)."""
+        if native:
+            return rotate_scale_rows(x.contiguous(), self._qt, self.b, float(qmax))
+        y = self.rotate(x)  # [T, K]
+        amax = y.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)  # [T, 1]
+        return y * (qmax / amax), amax / qmax
 
     def undo(self, x: torch.Tensor, native: bool = False
              ) -> torch.Tensor:  # [T, K] fp32 -> [T, K] fp32
