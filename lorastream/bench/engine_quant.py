@@ -2,11 +2,14 @@
 mode (``--quantization`` of the worker), and HF transformers + PEFT, in one run.
 
 Per mode: base-only and mixed-adapter decode tok/s (measured as in engine.py: every mode's runs
-take turns within each repeat), the resident bytes of the base model (in a fresh process per mode:
-RSS after building the model minus before), and the greedy tokens' agreement with the fp32
-engine's (which is PEFT's, token for token: tests/worker/test_families.py) over the same mixed
-batch, teacher-forced: at every ``FORCED_EVERY``-th position of each fp32 sequence the mode is
-given the prompt and the fp32 tokens before it and generates one token (one near-tie then
+take turns within each repeat), the same for one stream (one prompt, base-only and with one
+adapter: each step reads every weight for a single row, the case the weights' bytes bound, where
+the batch of ``prompts`` rows is bound by multiply-adds on a CPU), the resident bytes of the base
+model (in a fresh process per mode: RSS after building the model minus before), and the greedy
+tokens' agreement with the fp32 engine's (which is PEFT's, token for token:
+tests/worker/test_families.py) over the same mixed batch, teacher-forced: at every
+``FORCED_EVERY``-th position of each fp32 sequence the mode is given the prompt and the fp32
+tokens before it and generates one token (one near-tie then
 costs one position, not the rest of the sequence). The free-running agreement (each mode's own
 sequences compared position by position) is reported beside it, and so is the teacher-forced
 agreement over the *decisive* positions only, those whose reference top-2 margin exceeds the
@@ -185,7 +188,7 @@ def run_quant_bench(
             engine.model = models[mode]  # the engine is idle between runs
             params = SamplingParams(max_tokens=n, ignore_eos=True)
             streams = [engine.submit(m, PromptInput(token_ids=p), params)
-                       for m, p in zip(names, ids, strict=True)]
+                       for m, p in zip(names, ids[: len(names)], strict=True)]
             return {i: [t for event in s for t in event.token_ids] for i, s in enumerate(streams)}
 
         def forced(mode: str, reference: dict[int, list[int]]) -> list[int]:
@@ -223,10 +226,14 @@ def run_quant_bench(
             if native:  # then each mode's base-only decode on torch's attention path too
                 runs += [run(mode, ["base"] * prompts, False) for mode in modes]
             rates = _decode_rates(runs, prompts, new_tokens, repeats)
+            # one stream: a step reads every weight for one row (what the weight bytes bound)
+            one = _decode_rates([run(mode, names) for mode in modes
+                                 for names in (multi_models[:1], ["base"])],
+                                1, new_tokens, repeats)
             tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
-            return rates, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
+            return rates, one, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
 
-        rates, tokens, forced_tokens = engine.run_while(measure)
+        rates, one_stream, tokens, forced_tokens = engine.run_while(measure)
         # with the engine's loop stopped: while it runs, even idle, this thread's products
         # share the cores with its OpenMP team (fp32's stack measured 212 ms instead of 122)
         projections = projection_ms(models, prompts)
@@ -262,6 +269,10 @@ def run_quant_bench(
             **({"token_agreement_vs_dequantized_reference": round(float(
                 (got == dequantized[mode].argmax).float().mean()), 4)}
                if mode in dequantized else {}),
+            "one_stream_adapter_decode_tok_s": round(one_stream[2 * j], 1),
+            "one_stream_base_decode_tok_s": round(one_stream[2 * j + 1], 1),
+            "one_stream_base_vs_fp32": round(one_stream[2 * j + 1] / one_stream[1], 3),
+            "one_stream_adapter_vs_fp32": round(one_stream[2 * j] / one_stream[0], 3),
             "projections_ms_per_step": _figures(projections[mode]),
             **resident[mode],
         }

@@ -39,6 +39,7 @@ def quant_goals(r: Result) -> list[list[str]]:
                      r.get("goal_base_only_vs_fp32")),
             goal_row(f"{mode} mixed {text(r.get('adapters'))}-adapter decode / fp32",
                      m.get("multi_vs_fp32"), r.get("goal_multi_vs_fp32")),
+            *_one_stream_goals(r, mode, m),
             goal_row(f"{mode} greedy tokens equal to fp32's (teacher-forced)",
                      m.get("token_agreement_vs_fp32"),
                      r.get("goal_token_agreement"), percent=True),
@@ -49,13 +50,41 @@ def quant_goals(r: Result) -> list[list[str]]:
                 "reference top-2 margin above the stated logit tolerance)",
                 m.get("token_agreement_decisive_vs_fp32"), r.get("goal_token_agreement"),
                 percent=True))
-        if "token_agreement_vs_dequantized_reference" in m:  # what the token goal is stated against
+        if "token_agreement_vs_dequantized_reference" in m:  # what the token goal is about
             rows.append(goal_row(
                 f"{mode} greedy tokens equal to transformers + PEFT's over the mode's "
                 "dequantized weights (teacher-forced)",
                 m.get("token_agreement_vs_dequantized_reference"), r.get("goal_token_agreement"),
                 percent=True))
     return rows
+
+
+def _one_stream_goals(r: Result, mode: str, m: Mapping[str, object]) -> list[list[str]]:
+    """The speed goals over one stream (results from before it have none)."""
+    if "one_stream_base_vs_fp32" not in m:
+        return []
+    return [goal_row(f"{mode} base-only decode / fp32, one stream",
+                     m.get("one_stream_base_vs_fp32"), r.get("goal_base_only_vs_fp32")),
+            goal_row(f"{mode} one-adapter decode / fp32, one stream",
+                     m.get("one_stream_adapter_vs_fp32"), r.get("goal_multi_vs_fp32"))]
+
+
+def _one_stream(r: Result) -> str:
+    """The one-stream table, where the results have it."""
+    modes = {k: m for k, m in _modes(r).items() if "one_stream_base_decode_tok_s" in m}
+    if not modes:
+        return ""
+    header = ("base weights", "one stream: base-only decode tok/s", "× fp32",
+              "one stream: one adapter, decode tok/s", "× fp32")
+    rows = [[_SHOWN.get(mode, mode), number(m.get("one_stream_base_decode_tok_s")),
+             ratio(m.get("one_stream_base_vs_fp32")),
+             number(m.get("one_stream_adapter_decode_tok_s")),
+             ratio(m.get("one_stream_adapter_vs_fp32"))] for mode, m in modes.items()]
+    return paragraphs([
+        "One stream (one prompt at a time, base-only and under one adapter; the modes take "
+        "turns as above): each decode step reads every base weight for a single row, so the "
+        "weights' bytes bound it, where the batch above is bound by multiply-adds.",
+        table(header, rows)])
 
 
 def _decisive(m: Mapping[str, object]) -> str:
@@ -128,6 +157,7 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         + _reference(r),
         table(header, rows),
         " ".join(filter(None, [peft_line, _attention(r, torch_path)])),
+        _one_stream(r),
         _where_the_time_goes(r),
     ])
 

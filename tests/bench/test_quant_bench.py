@@ -80,6 +80,7 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
         assert 0 <= m["decisive_positions"] <= result["forced_positions"]
         assert m["projections_ms_per_step"] > 0
         assert m["base_only_decode_tok_s_torch_attention"] > 0  # the same run on torch's path
+        assert m["one_stream_base_decode_tok_s"] > 0 and m["one_stream_adapter_decode_tok_s"] > 0
     assert result["attention"] == "native"  # the kernel builds here
     for mode in ("int8", "int8-dynamic"):  # against HF + PEFT over the mode's own weights
         assert 0.0 <= modes[mode]["token_agreement_vs_dequantized_reference"] <= 1.0
@@ -88,6 +89,9 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     assert step["base_only"] > 0 and step["multi_adapter"] > 0
     page = render_page({"engine-int8": result}, {})
     assert "| int8 weight-only |" in page and "int8 base-only decode / fp32" in page
+    assert modes["none"]["one_stream_base_vs_fp32"] == 1.0
+    assert "| int8 base-only decode / fp32, one stream |" in page
+    assert "| base weights | one stream: base-only decode tok/s | × fp32 |" in page
     assert "| int8 greedy tokens equal to fp32's at decisive positions" in page
     assert ("| int8-dynamic greedy tokens equal to transformers + PEFT's over the mode's "
             "dequantized weights (teacher-forced) |") in page
