@@ -9,7 +9,8 @@ register ``torch.ops.lorastream.*``:
   (``cpu_attention.py``);
 - ``lora_rows``: the LoRA delta of slot-major steps (``cpu_lora.py``);
 - ``rotate_rows``, ``rotate_scale_rows``: int8-dynamic's input rotation, the second with each
-  row scaled to int8's range (``cpu_rotation.py``).
+  row scaled to int8's range (``cpu_rotation.py``);
+- ``int8_weight_mm``: int8 weight-only products with fp32 activations (``cpu_int8.py``).
 
 :func:`load` returns why they could not be built, and the worker then keeps torch's paths
 (``--cpu-kernels``, docs/worker.md).
@@ -113,7 +114,7 @@ def load() -> str | None:
                     is_python_module=False, verbose=False,
                 )
             ops = ("decode_scores", "decode_values", "lora_rows", "rotate_rows",
-                   "rotate_scale_rows")
+                   "rotate_scale_rows", "int8_weight_mm")
             for op in ops:  # registered, or an error
                 getattr(torch.ops.lorastream, op)
         except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path

@@ -419,6 +419,7 @@ FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 @pytest.mark.parametrize(("device", "capability", "mode", "warned"), [
     ("cpu", "AVX2", "int8", True), ("cpu", "DEFAULT", "int8", True),
+    ("cpu", "AVX2", "int8-native", False),  # the C++ op loaded: faster than fp32 there
     ("cpu", "AVX512", "int8", False), ("cpu", "AVX512_BF16", "int8", False),
     ("cuda", "AVX2", "int8", False), ("cpu", "AVX512", "int8-dynamic", False),
     # int8-dynamic runs fbgemm's AVX2 kernels where torch has fbgemm, else _int_mm (slow there)
@@ -432,13 +433,16 @@ def test_a_cpu_without_avx512_is_told_which_int8_mode_is_slower_there(
     from lorastream.worker.device.quant_matmul import quantization_slow_here
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    note = quantization_slow_here(torch.device(device), mode)
+    native = mode.endswith("-native")
+    mode = mode.removesuffix("-native")
+    note = quantization_slow_here(torch.device(device), mode, native)
     assert (note is not None) == warned
     if note is not None and mode == "fp8":
         assert "reference loop" in note and "int8-dynamic" in note
     elif note is not None:
         assert capability in note and "slower" in note and mode in note
         assert ("int8-dynamic runs fbgemm" in note) == FBGEMM
+        assert ("--cpu-kernels" in note) == (mode == "int8")
 
 
 @pytest.mark.parametrize(("capability", "refused"), [((8, 6), True), ((8, 9), False),

@@ -63,19 +63,21 @@ def quantization_unsupported(device: torch.device, mode: str) -> str | None:
     return None  # pragma: no cover - needs a GPU
 
 
-def quantization_slow_here(device: torch.device, mode: str) -> str | None:
+def quantization_slow_here(device: torch.device, mode: str, native: bool = False
+                           ) -> str | None:
     """Why ``--quantization mode`` is likely slower than the unquantized path on this device, or
-    None.
+    None. ``native``: the C++ CPU ops are loaded (``--cpu-kernels``).
 
     fp8 on the CPU is torch's reference loop for ``torch._scaled_mm``: measured 4-14x slower
     than the fp32 product at decode shapes; it serves there so that its tokens can be checked.
-    The weight-only kernel (``int8``) is fast only with AVX-512 (bf16 conversion); on an
-    AVX2-only CPU ``bench engine --quantization`` measured it at 0.6-0.76x the fp32 path's
-    decode: at decode batches the fp32 product is bound by multiply-adds, and weight-only int8
-    needs the same ones plus a conversion. ``int8-dynamic`` multiplies in int8: fbgemm's AVX2
+    The weight-only mode (``int8``) runs the C++ op where the CPU ops are loaded
+    (``kernels/cpu_int8.py``: fp32 activations, as fast as the fp32 product or faster at every
+    row count measured, docs/worker.md). Without them it takes torch's kernel, fast only with
+    AVX-512 (bf16 conversion); on an AVX2-only CPU ``bench engine --quantization`` measured that
+    at 0.6-0.76x the fp32 path's decode. ``int8-dynamic`` multiplies in int8: fbgemm's AVX2
     kernels where torch has fbgemm (x86 builds), faster than fp32 (docs/worker.md); without
     fbgemm it runs ``torch._int_mm``, fast only with AVX-512 VNNI."""
-    if device.type != "cpu":
+    if device.type != "cpu" or (mode == "int8" and native):
         return None
     if mode == "fp8":
         return ("fp8 matmuls run on CUDA's tensor cores (compute capability 8.9 or newer); on "
@@ -90,6 +92,8 @@ def quantization_slow_here(device: torch.device, mode: str) -> str | None:
         return None
     hint = (" (--quantization int8-dynamic runs fbgemm's int8 kernels, faster than fp32 here)"
             if fbgemm else "")
+    loaded = (" (and the C++ CPU ops, whose int8 product is faster than fp32, are not loaded: "
+              "--cpu-kernels)" if mode == "int8" else "")
     return (f"this CPU's best vector extension is {capability} (no AVX-512): the {mode} kernels "
-            f"run slower here than the fp32 path{hint}; quantization still cuts the base's "
-            "resident bytes about 4x")
+            f"run slower here than the fp32 path{loaded}{hint}; quantization still cuts the "
+            "base's resident bytes about 4x")

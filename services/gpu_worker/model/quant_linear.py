@@ -13,7 +13,8 @@ Semantics::
     # per call, x [T, K] -> y [T, N] (+ bias[n]), returned in x's dtype
     int8 (weight-only):  y[t, n] = sum_k x[t, k] * dequant(Wq)[n, k]
     int8-dynamic:        x <- rotate(x)   (the weight's rotation: the product is unchanged)
-                         a[t] = max(max_k |x[t, k]|, 1e-12);  xq[t, k] = round(x[t, k] * ((1 / a[t]) * 127))
+                         a[t] = max(max_k |x[t, k]|, 1e-12)
+                         xq[t, k] = round(x[t, k] * ((1 / a[t]) * 127))
                          s[t] = a[t] / 127   (fp32; round: half to even)
                          y[t, n] = s[t] * scale[n] * sum_k xq[t, k] * Wq[n, k]   (int32 sums)
 
@@ -39,9 +40,17 @@ every machine (tests/worker/test_quantization.py) and its speed by ``make test-g
 The model's weight in the checkpoint's basis (what the reference computes with) is
 ``dequant(Wq)``, un-rotated for int8-dynamic: :func:`dequantized_weight`.
 
-**The lm_head's candidates, exact (int8, int8-dynamic).** The bf16 kernel rounds activations and
-outputs to 8 significant bits, which moves a logit by up to ~0.4% of the row's largest. At the
-lm_head that decides greedy tokens, so ``exact_top`` recomputes the ``EXACT_TOP`` largest logits
+**int8 on the CPU's C++ op.** Where the C++ CPU ops are loaded (``--cpu-kernels``; fp32 on the
+CPU), int8 runs ``kernels/cpu_int8.py``'s op over the weight packed once at load in blocks of 16
+channels (the only copy): fp32 activations, so its product is the dequantized one to fp32
+rounding, and faster than the fp32 product at every row count measured. The default model's 30
+layers + lm_head, weights cold, 2 cores of the AVX2 EPYC, ms per pass (op / fp32 prepacked /
+torch's int8pack): 1 row 11.5 / 30.3 / 20.1, 4 rows 14.7 / 34.9 / 26.0, 8 rows 27.8 / 36.9 /
+44.2, 32 rows 68.4 / 81.0 / 154.4. Elsewhere (CUDA; torch's CPU paths) the kernels below.
+
+**The lm_head's candidates, exact (int8 on torch's kernel, int8-dynamic).** The bf16 kernel
+rounds activations and outputs to 8 significant bits, which moves a logit by up to ~0.4% of the
+row's largest. At the lm_head that decides greedy tokens, so ``exact_top`` recomputes the ``EXACT_TOP`` largest logits
 of each row as the fp32 product over the dequantized rows (what the reference computes) and puts
 them back::
 
@@ -55,7 +64,8 @@ PEFT over the dequantized weights at 99.2% with ``exact_top`` (as with the whole
 exactly, a trial), 98.4% without. int8-dynamic's lm_head rounds its activations instead, and the
 same recomputation (over the rotated rows and input) takes that rounding out of its candidates'
 logits: 88.7% -> 89.5% alone, part of rotation.py's 97.3%. Cost: a topk over the vocabulary and
-EXACT_TOP rows per token; the lm_head keeps its int8 rows beside fbgemm's packed copy.
+EXACT_TOP rows per token; the lm_head keeps its int8 rows beside fbgemm's packed copy. The
+C++ op's product needs none of it (``exact_top`` returns it as it is).
 
 **Why 63 for int8-dynamic.** x86's int8 dot product without VNNI (AVX2's ``vpmaddubsw``, what
 fbgemm runs there) multiplies unsigned 8-bit activations by signed 8-bit weights and adds each
@@ -116,6 +126,9 @@ from typing import Literal
 
 import torch
 
+from lorastream.kernels.cpu_int8 import int8_weight_mm, packed_rows
+from lorastream.kernels.cpu_int8 import pack as pack_int8
+from lorastream.kernels.cpu_int8 import unpack as unpack_int8
 from lorastream.worker.device.quant_matmul import quant_matmul
 from lorastream.worker.model.rotation import Rotation, rotation
 
@@ -257,13 +270,19 @@ class QuantLinear:
                         if mode == "int8-dynamic" and self._plan.fbgemm else None)
         if self._fbgemm is not None and not keep_rows:
             self._held = None  # fbgemm's packed copy is the one the product reads
+        # int8 on the CPU's C++ op: the only copy, in its blocks of 16 channels (cpu_int8.py)
+        self._packed: torch.Tensor | None = None  # [ceil(N / 16), K, 16] int8
+        if mode == "int8" and native and weight.device.type == "cpu":
+            self._packed, self._held, self._exact = pack_int8(self._held), None, False
 
     @property
     def weight_q(self) -> torch.Tensor:  # [N, K] int8 or e4m3
-        """``Wq``: the held matrix, or (fbgemm holding the only copy) unpacked from fbgemm's,
-        a full copy per call: for references and tests, not for a step."""
+        """``Wq``: the held matrix, or (fbgemm or the C++ op holding the only copy) unpacked
+        from theirs, a full copy per call: for references and tests, not for a step."""
         if self._held is not None:
             return self._held
+        if self._packed is not None:
+            return unpack_int8(self._packed, self.out_features)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             qweight, _ = torch.ops.quantized.linear_unpack(self._fbgemm)
@@ -274,6 +293,8 @@ class QuantLinear:
         """The op the product runs on (what the module docstring's tables compare)."""
         if self.mode == "int8-dynamic":
             return "fbgemm" if self._fbgemm is not None else "int_mm"
+        if self._packed is not None:
+            return "int8_weight_mm"
         if self._exact:
             return "dequantize"
         return "scaled_mm" if self.mode == "fp8" else "int8pack"
@@ -288,7 +309,7 @@ class QuantLinear:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
         """Dequantized rows ``ids`` of the weight in the checkpoint's basis: the embedding lookup
         of a tied lm_head."""
-        rows = self.weight_q[ids].float() * self.scale[ids, None]  # [T, K]
+        rows = self._rows_q(ids).float() * self.scale[ids, None]  # [T, K]
         return rows if self.rotation is None else self.rotation.undo(rows, self._native)
 
     def dequantized(self) -> torch.Tensor:  # [N, K] fp32
@@ -302,6 +323,8 @@ class QuantLinear:
             y = self._dynamic(x)
         elif self.mode == "fp8":
             y = self._fp8(x)
+        elif self._packed is not None:
+            y = int8_weight_mm(x.float().contiguous(), self._packed, self.scale)  # [T, N]
         elif self._exact:
             y = x.float() @ dequantize(self.weight_q, self.scale).T  # [T, N]
         else:
@@ -314,11 +337,12 @@ class QuantLinear:
 
     def exact_top(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # -> [T, N]
         """``y = self(x)`` with each row's ``EXACT_TOP`` largest entries recomputed in fp32 over
-        the dequantized weight (module docstring); fp8 returns ``y`` as it is."""
-        if self.mode == "fp8" or y.shape[0] == 0:
+        the dequantized weight (module docstring); fp8, and int8 on the C++ op (whose product
+        is that already), return ``y`` as it is."""
+        if self.mode == "fp8" or self._packed is not None or y.shape[0] == 0:
             return y
         top = y.topk(min(EXACT_TOP, self.out_features), dim=1).indices  # [T, k]
-        rows = self.weight_q[top].float() * self.scale[top, None]  # [T, k, K] (held basis)
+        rows = self._rows_q(top).float() * self.scale[top, None]  # [T, k, K] (held basis)
         x32 = x.float()  # [T, K]
         if self.rotation is not None:
             x32 = self.rotation.rotate(x32, self._native)
@@ -326,6 +350,12 @@ class QuantLinear:
         if self.bias is not None:
             exact = exact + self.bias[top].float()
         return y.scatter(1, top, exact.to(y.dtype))
+
+    def _rows_q(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., K] int8 or e4m3
+        """Rows ``ids`` of ``Wq``, without a whole copy."""
+        if self._packed is not None:
+            return packed_rows(self._packed, ids)
+        return self.weight_q[ids]
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         x32 = x.float()

@@ -105,7 +105,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     model = DecoderModel(config, weights, torch_device, quantization=settings.quantization,
                          cpu_kernels=settings.cpu_kernels)
     quantized = settings.quantization != "none"
-    slow = quantization_slow_here(torch_device, settings.quantization) if quantized else None
+    slow = (quantization_slow_here(torch_device, settings.quantization, model.native_attention)
+            if quantized else None)
     if slow is not None:
         log.warning("--quantization %s: %s", settings.quantization, slow)
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
