@@ -4,7 +4,8 @@ projection, and every model family against transformers + PEFT over the *dequant
 Exact identity with PEFT is impossible on a quantized base, so the reference is HF with every
 ``nn.Linear`` weight (the lm_head included; a tied embedding with it) replaced by
 ``dequant(quant(W))`` — the weights the worker computes with — and PEFT on top. What remains is
-the kernels' arithmetic: on the CPU ``int8`` runs bf16 activations with a bf16 output,
+the kernels' arithmetic: on the CPU ``int8`` runs fp32 activations on the C++ op where the CPU
+ops load (``OP_INT8_BOUND``), else torch's kernel's bf16 activations with a bf16 output,
 ``int8-dynamic`` (7-bit weights) also rounds each token's activations to int8, ``fp8`` to e4m3
 (torch's reference ``_scaled_mm`` on the CPU: the sums CUDA's kernels compute). Stated
 tolerances, per token:
@@ -17,7 +18,8 @@ tolerances, per token:
   the logit bound (measured: all of them, in every family), and at >= MIN_RAW_AGREEMENT of all.
 
 Measured on these tiny random models (near-flat logits over 256 tokens: many near-ties), worst
-family per mode: int8 max |Δ| 2.4% of max |logit|, raw agreement 97.6% (246/252, qwen2);
+family per mode: int8 on the C++ op max |Δ| 1.1e-5 of max |logit|, every position equal; on
+torch's kernel 2.4%, raw agreement 97.6% (246/252, qwen2);
 int8-dynamic (7-bit weights, 8-bit activations of the rotated input) 6.0% (qwen2; 22% in llama
 before the rotation), raw 95.6% (241/252, phi3), every one of 107-169 decisive positions per
 family; fp8 (e4m3
@@ -65,6 +67,10 @@ from tests.worker.conftest import EngineFactory
 MODES = ["int8", "int8-dynamic", "fp8"]
 LOGIT_BOUND = LOGIT_TOLERANCE  # max |Δlogit| / max |logit| per token (quant_linear.py)
 MIN_DECISIVE_AGREEMENT = 0.99
+# int8 on the C++ op (kernels/cpu_int8.py): fp32 activations, the reference's product summed in
+# another order (measured worst 1.1e-5, every position equal in every family)
+OP_INT8_BOUND = 1e-4
+OP_INT8_RAW_AGREEMENT = 0.99
 FP8_RAW = 0.85
 MIN_RAW_AGREEMENT = {"int8": 0.97, "int8-dynamic": 0.94, "fp8": FP8_RAW}
 
@@ -301,13 +307,14 @@ def family_case(
 
 def _mixed_batch_logits(
     checkpoint: Path, adapters: dict[str, Path], sequences: dict[tuple[str, int], list[int]],
-    mode: str,
+    mode: str, cpu_kernels: str = "auto",
 ) -> dict[tuple[str, int], torch.Tensor]:
     """Every sequence in ONE forward (each under its adapter), logits at every row."""
     cpu = torch.device("cpu")
     config = ModelConfig.from_dir(checkpoint)
     weights = load_weights(checkpoint, config, torch.float32, cpu)
-    model = DecoderModel(config, weights, cpu, mode)  # type: ignore[arg-type]
+    model = DecoderModel(config, weights, cpu, mode,  # type: ignore[arg-type]
+                         cpu_kernels=cpu_kernels)  # type: ignore[arg-type]
     slots = LoraSlots(config, len(adapters), 16, torch.float32, cpu)
     slot_of = {}
     for slot, (name, path) in enumerate(adapters.items()):
@@ -339,14 +346,16 @@ def _mixed_batch_logits(
     return {key: logits[start : start + n] for key, (start, n) in where.items()}
 
 
-@pytest.mark.parametrize("mode", MODES)
+# int8 runs the C++ op where the CPU ops load (these machines), torch's int8pack elsewhere
+@pytest.mark.parametrize(("mode", "cpu_kernels"), [(m, "auto") for m in MODES] + [
+    ("int8", "torch")], ids=[*MODES, "int8-torch-kernel"])
 def test_int8_mixed_batch_agrees_with_peft_over_dequantized_weights(
-    family_case: tuple[Path, dict[str, Path], dict[str, Reference]], mode: str
+    family_case: tuple[Path, dict[str, Path], dict[str, Reference]], mode: str, cpu_kernels: str
 ) -> None:
     checkpoint, adapters, references = family_case
     reference = references[mode]
     ours = _mixed_batch_logits(
-        checkpoint, adapters, {key: seq for key, (seq, _) in reference.items()}, mode
+        checkpoint, adapters, {key: seq for key, (seq, _) in reference.items()}, mode, cpu_kernels
     )
     agree = positions = decisive_agree = decisive = 0
     worst = 0.0
@@ -361,9 +370,12 @@ def test_int8_mixed_batch_agrees_with_peft_over_dequantized_weights(
         positions += got.shape[0]
         decisive_agree += int(same[clear].sum())
         decisive += int(clear.sum())
-    assert worst <= LOGIT_BOUND[mode], f"max |Δlogit| / max |logit| = {worst:.4f}"
+    op = mode == "int8" and cpu_kernels == "auto"  # fp32 activations: fp32 rounding only
+    assert worst <= (OP_INT8_BOUND if op else LOGIT_BOUND[mode]), (
+        f"max |Δlogit| / max |logit| = {worst:.2e}")
     assert decisive_agree >= MIN_DECISIVE_AGREEMENT * decisive, f"{decisive_agree}/{decisive}"
-    assert agree >= MIN_RAW_AGREEMENT[mode] * positions, f"greedy agreement {agree}/{positions}"
+    raw = OP_INT8_RAW_AGREEMENT if op else MIN_RAW_AGREEMENT[mode]
+    assert agree >= raw * positions, f"greedy agreement {agree}/{positions}"
     n = len(PROMPTS[0])  # the prompt's rows: the same input under every adapter
     for name in adapters:  # the adapters change the logits: the comparison proves something
         assert not torch.allclose(ours[(name, 0)][:n], ours[(BASE, 0)][:n], atol=1e-2)
