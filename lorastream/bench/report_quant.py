@@ -150,10 +150,9 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         "transformers + PEFT (fp32) whose base projections and lm_head hold the mode's "
         "weights dequantized (`bench/quant_reference.py`, `dequantized_base`; int8-dynamic's "
         "un-rotated), the comparison the token goal is stated against: what is left is the "
-        "mode's arithmetic (bf16 activations for int8, per-token int8 activations of the "
-        "rotated input for int8-dynamic), not its weight rounding. Carrying the activations at "
-        "about 16 bits instead reaches the goal but runs the projections no faster than fp32 "
-        "on an AVX2 CPU (measured: docs/worker.md, \"What 99% costs on this CPU\")."
+        "mode's arithmetic (for int8 on the C++ op, fp32 sums in another order; for "
+        "int8-dynamic, per-token int8 activations of the rotated input), not its weight "
+        "rounding."
         + _reference(r),
         table(header, rows),
         " ".join(filter(None, [peft_line, _attention(r, torch_path)])),
@@ -176,10 +175,12 @@ def _where_the_time_goes(r: Result) -> str:
     modes = _modes(r)
     general = (
         "Where the time goes (docs/worker.md, Quantized base weights): a decode step at one row "
-        "reads every weight once, so int8 weight-only (`aten._weight_int8pack_mm`, bf16 "
-        "activations) can beat fp32 there where the CPU converts bf16 fast (AVX-512); at 32 "
-        "rows the fp32 product is bound by multiply-adds, and weight-only int8 needs the same "
-        "ones plus a conversion. `int8-dynamic` multiplies int8 by int8 (fbgemm on x86, "
+        "reads every weight once, so int8 weight-only (the C++ op `int8_weight_mm` where the "
+        "CPU ops load, fp32 activations; torch's `aten._weight_int8pack_mm` with bf16 "
+        "activations elsewhere) reads a quarter of fp32's bytes there; at 32 rows the fp32 "
+        "product is bound by multiply-adds, and weight-only int8 runs the same ones, gaining "
+        "only what the smaller weights save. `int8-dynamic` multiplies int8 by int8 (fbgemm on "
+        "x86, "
         "`torch._int_mm` elsewhere), at the price of rounding each token's activations to int8 "
         "(after an orthogonal rotation of the input that spreads outlier channels: one C++ op "
         "per projection on the CPU, `kernels/cpu_rotation.py`) and of 7-bit weights.")

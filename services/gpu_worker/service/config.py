@@ -107,7 +107,8 @@ class WorkerSettings(StoreTLSSettings):
         "none",
         description="Base weights: 'none' (as --dtype), 'int8' (every projection and the "
         "lm_head quantized at load to int8 with per-output-channel scales, 4x fewer bytes than "
-        "fp32; weight-only, activations in bf16 on the CPU kernel: fast with AVX-512), "
+        "fp32; weight-only: on the CPU with --cpu-kernels a C++ op keeps fp32 activations, "
+        "faster than fp32 at every batch; elsewhere torch's kernel, bf16 activations), "
         "'int8-dynamic' (7-bit weights, activations quantized per token to int8 too, multiplied "
         "in int8: fbgemm's kernels on any x86 CPU, faster than fp32 at decode batches; a second "
         "rounding) or 'fp8' (e4m3 weights per output channel and e4m3 activations per token, "
