@@ -3,9 +3,9 @@
 torch's CPU kernel for them (``aten._weight_int8pack_mm``) takes bf16 activations: it rounds
 each to 8 significant bits, and without AVX-512 it converts weights and activations row by row
 (slower than the fp32 product from a few rows on). The op keeps the activations in fp32, over
-weights packed once at load in blocks of 16 output channels (:func:`pack`): up to three rows, it
+weights packed once at load in blocks of 16 output channels (:func:`pack`): up to four rows, it
 converts each k's 16 int8 weights once and multiplies them into every row (one read of each
-weight byte, 4x fewer bytes than the fp32 product); from four rows on, it converts a block to an
+weight byte, 4x fewer bytes than the fp32 product); from five rows on, it converts a block to an
 fp32 panel once and runs a 6-row x 16-channel register tile of AVX2 FMAs over it, as the fp32
 GEMMs do.
 
@@ -16,8 +16,8 @@ Semantics (``x`` fp32, ``wq`` int8 [N, K], ``scale`` fp32 [N])::
     out[t, n] = scale[n] * sum_k x[t, k] * float(wq[n, k])        # [T, N] fp32, fp32 sums
 
 which is ``x @ (wq.float() * scale[:, None]).T`` up to the order of the sums (int8-mode scales
-are bf16 values; the op applies each after its sum). tests/worker/test_quantization.py holds
-the op to that product.
+are bf16 values; the op applies each after its sum). tests/worker/test_cpu_int8.py holds the
+op to that product.
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ def load() -> str | None:
             _state["error"] = reason
             return reason
         _state["error"] = None
-        log.info("CPU kernels (decode attention, LoRA rows, rotation) ready in %.1f s",
+        log.info("CPU kernels (decode attention, LoRA rows, rotation, int8 product) ready "
+                 "in %.1f s",
                  time.perf_counter() - started)
         return None

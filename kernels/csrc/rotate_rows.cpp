@@ -127,53 +127,49 @@ void check_args(const at::Tensor& x, const at::Tensor& left, int64_t b, const ch
               op, ": left must be a contiguous [a, a] float32 CPU tensor, a = K / b");
 }
 
-at::Tensor rotate_rows(const at::Tensor& x, const at::Tensor& left, int64_t b) {
-  check_args(x, left, b, "rotate_rows");
+// out [T, K] <- each row of x rotated, then finish(t, out row) in the same pass (over rows, on
+// torch's threads)
+template <typename Finish>
+at::Tensor rotate_each_row(const at::Tensor& x, const at::Tensor& left, int64_t b,
+                           const char* op, Finish&& finish) {
+  check_args(x, left, b, op);
   const int64_t rows = x.size(0), k = x.size(1), a = k / b;
   at::Tensor out = at::empty({rows, k}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* lp = left.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
   const float norm = 1.0f / std::sqrt(static_cast<float>(b));
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> blocks(a > 1 ? k : 0);  // [a, b] the row's blocks, transformed
     for (int64_t t = begin; t < end; ++t) {
-      rotate_row(xp + t * k, op + t * k, blocks.data(), lp, a, b, norm);
+      rotate_row(xp + t * k, outp + t * k, blocks.data(), lp, a, b, norm);
+      finish(t, outp + t * k, k);
     }
   });
   return out;
 }
 
+at::Tensor rotate_rows(const at::Tensor& x, const at::Tensor& left, int64_t b) {
+  return rotate_each_row(x, left, b, "rotate_rows", [](int64_t, float*, int64_t) {});
+}
+
 // The rotated rows scaled to [-qmax, qmax] by their largest |value|, and each row's step.
 std::tuple<at::Tensor, at::Tensor> rotate_scale_rows(const at::Tensor& x, const at::Tensor& left,
                                                      int64_t b, double qmax) {
-  check_args(x, left, b, "rotate_scale_rows");
-  const int64_t rows = x.size(0), k = x.size(1), a = k / b;
-  at::Tensor out = at::empty({rows, k}, x.options());
-  at::Tensor step = at::empty({rows, 1}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* lp = left.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  at::Tensor step = at::empty({x.size(0), 1}, x.options());
   float* sp = step.data_ptr<float>();
-  const float norm = 1.0f / std::sqrt(static_cast<float>(b));
   const float q = static_cast<float>(qmax);
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> blocks(a > 1 ? k : 0);
-    for (int64_t t = begin; t < end; ++t) {
-      float* o = op + t * k;
-      rotate_row(xp + t * k, o, blocks.data(), lp, a, b, norm);
-      const float amax = std::max(abs_max(o, k), 1e-12f);
-      const float inv = (1.0f / amax) * q;  // torch's qmax / amax: reciprocal, then times qmax
-      int64_t i = 0;
+  at::Tensor out = rotate_each_row(x, left, b, "rotate_scale_rows",
+                                   [&](int64_t t, float* o, int64_t k) {
+    const float amax = std::max(abs_max(o, k), 1e-12f);
+    const float inv = (1.0f / amax) * q;  // torch's qmax / amax: reciprocal, then times qmax
+    int64_t i = 0;
 #ifdef LORASTREAM_AVX2
-      const __m256 f = _mm256_set1_ps(inv);
-      for (; i + 8 <= k; i += 8) {
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
-      }
+    const __m256 f = _mm256_set1_ps(inv);
+    for (; i + 8 <= k; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), f));
 #endif
-      for (; i < k; ++i) o[i] *= inv;
-      sp[t] = amax / q;
-    }
+    for (; i < k; ++i) o[i] *= inv;
+    sp[t] = amax / q;
   });
   return {out, step};
 }
