@@ -4,7 +4,9 @@ The torch backend's slot-major path (``worker/lora/backend.py``) runs, per layer
 ``bmm`` per input, an expand ``bmm`` per projection and an ``addcmul`` of each delta into the
 output: 18 ops over 32 tiny per-slot products, with a ``[T, N]`` temporary each. ``lora_rows``
 (``csrc/lora_rows.cpp``) does the same arithmetic row by row: it reads each row's A and B once,
-where the slot storage holds them, and adds the delta into ``out`` in place.
+where the slot storage holds them, and adds the delta into ``out`` in place. Its shrink runs four
+8-lane FMA chains over K; its expand takes eight output channels at a time, their rank-long
+products reduced into one vector of eight sums (no horizontal sum per channel).
 
 Semantics (fp32; ``G`` projections share the input ``x`` and one A tensor, ``R`` = the slots'
 rank, ``r`` = the rank used, ``<= R``; rows ``t`` in slot order, ``per_slot`` rows per slot)::

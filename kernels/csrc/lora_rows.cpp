@@ -12,7 +12,90 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LORASTREAM_AVX2 1
+#endif
+
 namespace {
+
+#ifdef LORASTREAM_AVX2
+inline float hsum(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_hadd_ps(q, q);
+  return _mm_cvtss_f32(_mm_hadd_ps(q, q));
+}
+
+// lanes where the chunk of 8 starting at ``k0`` is below ``rank``
+inline __m256i lanes_below(int64_t k0, int64_t rank) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(k0)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rank)), idx);
+}
+#endif
+
+// sum_i x[i] * a[i], i < n: four 8-lane FMA chains side by side, then the scalar tail
+float dot(const float* x, const float* a, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#ifdef LORASTREAM_AVX2
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+  for (; i + 32 <= n; i += 32) {
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i), c0);
+    c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(a + i + 8), c1);
+    c2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(a + i + 16), c2);
+    c3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(a + i + 24), c3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i), c0);
+  }
+  acc = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+#endif
+  for (; i < n; ++i) acc += x[i] * a[i];
+  return acc;
+}
+
+// o[n] += s * sum_{k < rank} h[k] * b[n * ldb + k] for n < n_rows. Eight rows of b at a time:
+// their 8-lane products reduced into one vector of 8 sums (a transposing hadd tree), added into
+// o with one FMA.
+void expand(const float* b, int64_t ldb, const float* h, int64_t rank, int64_t n_rows, float s,
+            float* o) {
+  int64_t n = 0;
+#ifdef LORASTREAM_AVX2
+  const int64_t chunks = (rank + 7) / 8;
+  if (chunks > 0) {
+    const __m256 sv = _mm256_set1_ps(s);
+    // the last chunk's lanes at or past rank are read neither from b (they may lie past its
+    // row) nor from h (another group's, or past its end): both load as zero
+    const __m256i tail = lanes_below((chunks - 1) * 8, rank);
+    const __m256 h_tail = _mm256_maskload_ps(h + (chunks - 1) * 8, tail);
+    auto row = [&](const float* bn) {  // 8 lanes whose sum is h . b[n, :rank]
+      __m256 v = _mm256_mul_ps(_mm256_maskload_ps(bn + (chunks - 1) * 8, tail), h_tail);
+      for (int64_t c = 0; c + 1 < chunks; ++c) {
+        v = _mm256_fmadd_ps(_mm256_loadu_ps(bn + c * 8), _mm256_loadu_ps(h + c * 8), v);
+      }
+      return v;
+    };
+    for (; n + 8 <= n_rows; n += 8) {
+      __m256 v[8];
+      for (int j = 0; j < 8; ++j) v[j] = row(b + (n + j) * ldb);
+      const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+      const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+      // c0 = [rows 0-3, low lanes | rows 0-3, high lanes], c1 the same for rows 4-7
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20),
+                                        _mm256_permute2f128_ps(c0, c1, 0x31));
+      _mm256_storeu_ps(o + n, _mm256_fmadd_ps(sv, sums, _mm256_loadu_ps(o + n)));
+    }
+    for (; n < n_rows; ++n) o[n] += s * hsum(row(b + n * ldb));
+  }
+  return;
+#endif
+  for (; n < n_rows; ++n) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < rank; ++k) acc += h[k] * b[n * ldb + k];
+    o[n] += s * acc;
+  }
+}
 
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "lora_rows: ", name,
@@ -69,24 +152,12 @@ void lora_rows(const at::Tensor& x, const at::Tensor& a, at::TensorList bs, at::
       const float* a_slot = ap + slot * a_slot_stride;
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t k = 0; k < rank; ++k) {
-          const float* ak = a_slot + (g * r_slot + k) * k_in;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t i = 0; i < k_in; ++i) acc += xt[i] * ak[i];
-          h[g * r_slot + k] = acc;
+          h[g * r_slot + k] = dot(xt, a_slot + (g * r_slot + k) * k_in, k_in);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        const float* b = b_ptr[g] + slot * b_slot_stride[g];
-        const float* hg = h.data() + g * r_slot;
-        float* o = op + t * ldo + cols[g];
-        for (int64_t n = 0; n < b_rows[g]; ++n) {
-          const float* bn = b + n * r_slot;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < rank; ++k) acc += hg[k] * bn[k];
-          o[n] += s * acc;
-        }
+        expand(b_ptr[g] + slot * b_slot_stride[g], r_slot, h.data() + g * r_slot, rank,
+               b_rows[g], s, op + t * ldo + cols[g]);
       }
     }
   });

@@ -319,6 +319,39 @@ def test_lora_rows_matches_the_bmm_path_and_the_reference_in_groups_and_alone(
             assert torch.equal(out[:, :3], before[:, :3])  # other columns untouched
 
 
+# storage ranks: one 8-lane chunk, a partial second one, whole chunks; the rank used below it;
+# output widths: whole groups of 8 rows, a tail, fewer than 8; inputs: 4 chains of 8 and tails
+@pytest.mark.parametrize(("r_slot", "rank"), [(8, 8), (12, 12), (12, 5), (16, 16), (20, 9)])
+@pytest.mark.parametrize(("k_in", "widths"), [(64, [16, 8]), (70, [19, 5]), (7, [3])])
+def test_lora_rows_is_the_fp64_delta_at_any_rank_and_width(
+    r_slot: int, rank: int, k_in: int, widths: list[int]
+) -> None:
+    """The op's chunked shrink and 8-row expand against the module docstring's formula in fp64,
+    with the lanes past the rank (another group's h, past b's row) never entering a sum."""
+    from lorastream.kernels.cpu_lora import lora_rows
+
+    gen = torch.Generator().manual_seed(r_slot * 100 + k_in + rank)
+    slots, rows, group = 3, 5, len(widths)
+    a = torch.randn(slots, group * r_slot, k_in, generator=gen)  # [S, G*R, K]
+    bs = [torch.randn(slots, n, r_slot, generator=gen) for n in widths]  # G x [S, N_g, R]
+    x = torch.randn(rows, k_in, generator=gen)
+    scale = torch.tensor([0.5, 0.0, 2.0, 1.0, 0.25])  # row 1: a base-model row
+    cols = [2 + sum(widths[:g]) for g in range(group)]
+    out = torch.randn(rows, 4 + sum(widths), generator=gen)
+    expected = out.double().clone()
+    slot_lo, per_slot = 1, 3  # rows 0-2 on slot 1, rows 3-4 on slot 2
+    for t in range(rows):
+        slot = slot_lo + t // per_slot
+        for g, b in enumerate(bs):
+            h = a[slot, g * r_slot : g * r_slot + rank].double() @ x[t].double()  # [rank]
+            delta = b[slot, :, :rank].double() @ h  # [N_g]
+            expected[t, cols[g] : cols[g] + widths[g]] += scale[t].double() * delta
+    before = out.clone()
+    lora_rows(x, a, bs, cols, scale, slot_lo, per_slot, rank, out)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1], before[1])  # the base-model row as it was
+
+
 def test_lora_rows_refuses_columns_outside_the_output() -> None:
     """A B that does not fit where it is added is an error, never a write past the row."""
     from lorastream.kernels.cpu_lora import lora_rows
