@@ -10,7 +10,9 @@ register ``torch.ops.lorastream.*``:
 - ``lora_rows``: the LoRA delta of slot-major steps (``cpu_lora.py``);
 - ``rotate_rows``, ``rotate_scale_rows``: int8-dynamic's input rotation, the second with each
   row scaled to int8's range (``cpu_rotation.py``);
-- ``int8_weight_mm``: int8 weight-only products with fp32 activations (``cpu_int8.py``).
+- ``int8_weight_mm``: int8 weight-only products with fp32 activations (``cpu_int8.py``);
+- ``rms_norm``, ``rotary``: RMSNorm of hidden states and the rotary embedding of q and k
+  (``cpu_norm_rope.py``).
 
 :func:`load` returns why they could not be built, and the worker then keeps torch's paths
 (``--cpu-kernels``, docs/worker.md).
@@ -114,7 +116,7 @@ def load() -> str | None:
                     is_python_module=False, verbose=False,
                 )
             ops = ("decode_scores", "decode_values", "lora_rows", "rotate_rows",
-                   "rotate_scale_rows", "int8_weight_mm")
+                   "rotate_scale_rows", "int8_weight_mm", "rms_norm", "rotary")
             for op in ops:  # registered, or an error
                 getattr(torch.ops.lorastream, op)
         except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path
@@ -122,7 +124,8 @@ def load() -> str | None:
             _state["error"] = reason
             return reason
         _state["error"] = None
-        log.info("CPU kernels (decode attention, LoRA rows, rotation, int8 product) ready "
+        log.info("CPU kernels (decode attention, LoRA rows, rotation, int8 product, RMSNorm, "
+                 "rotary) ready "
                  "in %.1f s",
                  time.perf_counter() - started)
         return None

@@ -1,6 +1,6 @@
 """``--cpu-kernels``: whether this worker computes with the C++ CPU ops (``kernels/cpu_ops.py``:
-decode attention over the paged cache, the LoRA delta of slot-major steps, int8-dynamic's input
-rotation, int8's weight-only product) or torch's paths.
+decode attention over the paged cache, the LoRA delta of slot-major steps, RMSNorm and the
+rotary embedding, int8-dynamic's input rotation, int8's weight-only product) or torch's paths.
 
 ``torch`` never; ``native`` always, or an error saying why it cannot; ``auto`` where the ops
 apply (fp32 on the CPU) and build, else torch's paths with a warning giving the reason.
@@ -37,6 +37,7 @@ def use_cpu_kernels(choice: CpuKernels, device: torch.device, dtype: torch.dtype
     if choice == "native":
         raise RuntimeError(f"--cpu-kernels native: the C++ CPU kernels did not build: {error}")
     log.warning("the C++ CPU kernels did not build, so decode attention, the LoRA delta, "
-                "int8-dynamic's rotation and int8's product take torch's slower paths "
+                "RMSNorm, the rotary embedding, int8-dynamic's rotation and int8's product "
+                "take torch's slower paths "
                 "(--cpu-kernels torch silences this): %s", error)
     return False

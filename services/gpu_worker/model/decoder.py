@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lorastream.core.native_env import release_freed_memory
+from lorastream.kernels.cpu_norm_rope import rms_norm
 from lorastream.worker.device.cpu_kernels import CpuKernels, use_cpu_kernels
 from lorastream.worker.model.attention import paged_attention, write_kv
 from lorastream.worker.model.config import SITES, ModelConfig
@@ -100,12 +101,17 @@ class RMSNorm:
     """HF's RMSNorm over the last dim, x̂ = x / rms(x) in fp32: ``w * x̂.to(dtype)`` (Llama,
     Qwen) or, with ``plus_one``, ``(x̂ * (1 + w)).to(dtype)`` in fp32 (Gemma)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, plus_one: bool) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, plus_one: bool, native: bool = False
+                 ) -> None:
         self.eps = eps
         self.plus_one = plus_one
         self.weight = 1.0 + weight.float() if plus_one else weight  # [D]
+        # the C++ op (kernels/cpu_norm_rope.py) for fp32 [T, D] hidden states
+        self.native = native and self.weight.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
+        if self.native and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -154,6 +160,8 @@ class DecoderModel:
         self.dtype = weights.embed.dtype
         # decode attention on the C++ kernel (attention.py); may be switched between steps
         self.native_attention = use_cpu_kernels(cpu_kernels, device, self.dtype)
+        # the other C++ ops are loaded: RMSNorm, the rotary embedding, int8's products
+        self.native_ops = self.native_attention
         self.rope = self._rope(config.rope_theta, config.rope_scaling)
         self.local_rope = (
             self._rope(config.local_rope_theta, config.local_rope_scaling)
@@ -176,7 +184,7 @@ class DecoderModel:
         # The projections, each prepared once for fast products (see linear.py).
         self.proj: list[tuple[Projection, Projection, Projection, Projection]] = []
         self.layers: list[_Layer] = []
-        native = self.native_attention  # the C++ ops are loaded: int8-dynamic's rotation too
+        native = self.native_ops
         for i, lw in enumerate(weights.layers):
             assert lw.wqkv is not None and lw.wo is not None
             assert lw.w_gate_up is not None and lw.w_down is not None
@@ -207,7 +215,8 @@ class DecoderModel:
         )
 
     def _norm(self, weight: torch.Tensor) -> RMSNorm:
-        return RMSNorm(weight, self.config.rms_norm_eps, self.config.norm_plus_one)
+        return RMSNorm(weight, self.config.rms_norm_eps, self.config.norm_plus_one,
+                       native=self.native_ops)
 
     def _optional_norm(self, weight: torch.Tensor | None) -> RMSNorm | None:
         return None if weight is None else self._norm(weight)
@@ -293,7 +302,7 @@ class DecoderModel:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             cos, sin = rope_tables[layer.local_rope]
-            q, k = apply_rotary(q, k, cos, sin)
+            q, k = apply_rotary(q, k, cos, sin, native=self.native_ops)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
             attn = paged_attention(
                 q, kv.k[i], kv.v[i], k, v, batch, self.scale, window=layer.window,

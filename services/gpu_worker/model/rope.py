@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lorastream.core.errors import InvalidArgument
+from lorastream.kernels.cpu_norm_rope import rotary
 
 log = logging.getLogger(__name__)
 
@@ -354,13 +355,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., d]
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, Hkv, D] by cos, sin [T, d] (d <= D), HF Llama's convention.
 
     ``q * cos + rotate_half(q) * sin`` on the first ``d`` dims; dims past ``d`` (partial rotary)
-    pass through. cos/sin are cast to q's dtype first, as transformers does.
+    pass through. cos/sin are cast to q's dtype first, as transformers does. ``native``: fp32
+    q and k go through the C++ op (kernels/cpu_norm_rope.py), bit for bit this.
     """
+    if (native and q.dtype == torch.float32 and k.dtype == torch.float32
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32):
+        return rotary(q, k, cos.contiguous(), sin.contiguous())
     d = cos.shape[-1]
     cos = cos.to(q.dtype)[:, None, :]  # [T, 1, d]
     sin = sin.to(q.dtype)[:, None, :]  # [T, 1, d]

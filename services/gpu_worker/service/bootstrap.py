@@ -105,7 +105,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     model = DecoderModel(config, weights, torch_device, quantization=settings.quantization,
                          cpu_kernels=settings.cpu_kernels)
     quantized = settings.quantization != "none"
-    slow = (quantization_slow_here(torch_device, settings.quantization, model.native_attention)
+    slow = (quantization_slow_here(torch_device, settings.quantization, model.native_ops)
             if quantized else None)
     if slow is not None:
         log.warning("--quantization %s: %s", settings.quantization, slow)
@@ -136,7 +136,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         kv,
         slots,
         adapters,
-        make_backend(settings.lora_backend, dtype, torch_device, model.native_attention),
+        make_backend(settings.lora_backend, dtype, torch_device, model.native_ops),
         device,
         base_model_name=settings.base_model_name,
         max_batch_size=settings.max_batch_size,

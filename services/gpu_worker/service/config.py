@@ -212,9 +212,10 @@ class WorkerSettings(StoreTLSSettings):
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto",
         description="'native': C++ kernels for decode attention (reading the paged KV cache in "
-        "place) and for the LoRA delta of decode steps; fp32 on the CPU; built once with the "
-        "C++ compiler, ~15 s, into torch's extension cache. 'torch': torch's ops (gather then "
-        "SDPA; batched matmuls). 'auto': native where it applies and builds, else torch with a "
+        "place), the LoRA delta of decode steps, RMSNorm and the rotary embedding (and the "
+        "quantized modes' products); fp32 on the CPU; built once with the C++ compiler, ~15 s, "
+        "into torch's extension cache. 'torch': torch's ops (gather then SDPA; batched matmuls; "
+        "elementwise ops). 'auto': native where it applies and builds, else torch with a "
         "warning saying why.",
     )
     lora_backend: Literal["torch", "triton"] = Field(
