@@ -7,7 +7,7 @@ weights packed once at load in blocks of 16 output channels (:func:`pack`): up t
 converts each k's 16 int8 weights once and multiplies them into every row (one read of each
 weight byte, 4x fewer bytes than the fp32 product); from five rows on, it converts a block to an
 fp32 panel once and runs a 6-row x 16-channel register tile of AVX2 FMAs over it, as the fp32
-GEMMs do.
+GEMMs do (7 or 8 rows left over take 4-row tiles: 4 + 4 keeps the FMA units busier than 6 + 2).
 
 Semantics (``x`` fp32, ``wq`` int8 [N, K], ``scale`` fp32 [N])::
 

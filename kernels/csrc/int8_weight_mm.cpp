@@ -116,6 +116,14 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t k, floa
 #endif
 }
 
+// Rows of the next tile, ``left`` rows to go: ``step``, except that 7 and 8 left over a panel
+// take a 4-row tile first (4 + 3, 4 + 4) rather than 6 + 1 or 6 + 2: a tile of 1 or 2 rows runs
+// only 2 or 4 FMA chains, too few to fill the FMA units, which need 8 side by side
+int64_t tile_rows(int64_t step, int64_t left) {
+  if (step == kTile && (left == 7 || left == 8)) return 4;
+  return std::min(step, left);
+}
+
 template <typename F>
 void by_rows(int64_t r, F&& f) {
   switch (r) {
@@ -157,8 +165,8 @@ at::Tensor int8_weight_mm(const at::Tensor& x, const at::Tensor& packed, const a
       const int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
       if (rows > kDirect) fill_panel(w, k, panel.data());
       const int64_t step = rows > kDirect ? kTile : kDirect;
-      for (int64_t t = 0; t < rows; t += step) {
-        const int64_t r = std::min(step, rows - t);
+      for (int64_t t = 0, r = 0; t < rows; t += r) {
+        r = tile_rows(step, rows - t);
         const float* xr = xp + t * k;
         by_rows(r, [&](auto tag) {
           constexpr int64_t R = decltype(tag)::value;
