@@ -260,10 +260,16 @@ class QuantLinear:
         self._plan = quant_matmul(weight.device, weight.dtype)
         self._scale_kernel = (self.scale[None, :] if mode == "fp8"  # [1, N] _scaled_mm's
                               else self.scale.to(self._plan.weight_only_dtype))  # [N] int8pack's
-        # int8pack needs K % 16 == 0, _scaled_mm K and N; the dynamic mode's _int_mm reads Wqᵀ
-        # as a strided view
-        self._exact = (mode == "int8" and self.in_features % _K_MULTIPLE != 0) or (
-            mode == "fp8" and (self.in_features % _K_MULTIPLE or self.out_features % _K_MULTIPLE))
+        # int8 on the CPU's C++ op: the only copy, in its blocks of 16 channels (cpu_int8.py)
+        self._packed: torch.Tensor | None = None  # [ceil(N / 16), K, 16] int8
+        if mode == "int8" and native and weight.device.type == "cpu":
+            self._packed, self._held = pack_int8(self._held), None
+        # torch's kernels: int8pack needs K % 16 == 0, _scaled_mm K and N; the dynamic mode's
+        # _int_mm reads Wqᵀ as a strided view (the C++ op takes any K and N)
+        self._exact = self._packed is None and (
+            (mode == "int8" and self.in_features % _K_MULTIPLE != 0) or (
+                mode == "fp8"
+                and (self.in_features % _K_MULTIPLE or self.out_features % _K_MULTIPLE)))
         if self._exact:
             log.debug("%s weight %s: K or N is not a multiple of %d: dequantize-then-matmul",
                       mode, [self.out_features, self.in_features], _K_MULTIPLE)
@@ -271,10 +277,6 @@ class QuantLinear:
                         if mode == "int8-dynamic" and self._plan.fbgemm else None)
         if self._fbgemm is not None and not keep_rows:
             self._held = None  # fbgemm's packed copy is the one the product reads
-        # int8 on the CPU's C++ op: the only copy, in its blocks of 16 channels (cpu_int8.py)
-        self._packed: torch.Tensor | None = None  # [ceil(N / 16), K, 16] int8
-        if mode == "int8" and native and weight.device.type == "cpu":
-            self._packed, self._held, self._exact = pack_int8(self._held), None, False
 
     @property
     def weight_q(self) -> torch.Tensor:  # [N, K] int8 or e4m3
