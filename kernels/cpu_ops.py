@@ -35,6 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources
 EXTENSION_NAME = "lorastream_cpu_ops"
 
 _lock = threading.Lock()
@@ -53,11 +54,11 @@ def _flags() -> list[str]:
 
 def _build_directory(flags: list[str]) -> tuple[str, Path, list[Path]]:
     """The extension's name, its build directory and the sources to build there, all named by a
-    digest of the sources, the flags and torch's version: two installs of different lorastream
-    versions (or a CI clone beside a checkout) never rebuild over each other, and two of the same
-    find one build. The sources are copied in, so the build does not depend on where the
-    package lies (ninja rebuilds when a source's path changes)."""
-    texts = {source.name: source.read_bytes() for source in SOURCES}
+    digest of the sources and headers, the flags and torch's version: two installs of different
+    lorastream versions (or a CI clone beside a checkout) never rebuild over each other, and two
+    of the same find one build. Sources and headers are copied in, so the build does not depend
+    on where the package lies (ninja rebuilds when a source's path changes)."""
+    texts = {path.name: path.read_bytes() for path in [*SOURCES, *HEADERS]}
     digest = hashlib.sha256(" ".join([torch.__version__, *flags]).encode())
     for file_name, text in texts.items():
         digest.update(file_name.encode() + b"\0" + text)
@@ -72,7 +73,8 @@ def _build_directory(flags: list[str]) -> tuple[str, Path, list[Path]]:
             partial = copy.with_suffix(f".{os.getpid()}.part")
             partial.write_bytes(text)
             partial.replace(copy)  # atomic: a concurrent build reads one whole file or the other
-        copies.append(copy)
+        if copy.suffix == ".cpp":
+            copies.append(copy)
     return name, build, copies
 
 

@@ -20,10 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LORASTREAM_AVX2 1
-#endif
+#include "cpu_common.h"
 
 namespace {
 

@@ -12,12 +12,11 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LORASTREAM_AVX2 1
-#endif
+#include "cpu_common.h"
 
 namespace {
+
+using lorastream_cpu::check_float;
 
 #ifdef LORASTREAM_AVX2
 inline float hsum(__m256 v) {
@@ -97,18 +96,13 @@ void expand(const float* b, int64_t ldb, const float* h, int64_t rank, int64_t n
   }
 }
 
-void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "lora_rows: ", name,
-              " must be a float32 CPU tensor");
-}
-
 void lora_rows(const at::Tensor& x, const at::Tensor& a, at::TensorList bs, at::IntArrayRef cols,
                const at::Tensor& scale, int64_t slot_lo, int64_t per_slot, int64_t rank,
                at::Tensor& out) {
-  check_float(x, "x");
-  check_float(a, "a");
-  check_float(scale, "scale");
-  check_float(out, "out");
+  check_float(x, "lora_rows", "x");
+  check_float(a, "lora_rows", "a");
+  check_float(scale, "lora_rows", "scale");
+  check_float(out, "lora_rows", "out");
   const int64_t rows = x.size(0), k_in = x.size(1), group = static_cast<int64_t>(bs.size());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "lora_rows: x is [T, K] contiguous");
   TORCH_CHECK(a.dim() == 3 && a.size(2) == k_in && a.stride(2) == 1 && a.stride(1) == k_in,
@@ -127,7 +121,7 @@ void lora_rows(const at::Tensor& x, const at::Tensor& a, at::TensorList bs, at::
   std::vector<int64_t> b_rows(group), b_slot_stride(group);
   for (int64_t g = 0; g < group; ++g) {
     const at::Tensor& b = bs[g];
-    check_float(b, "b");
+    check_float(b, "lora_rows", "b");
     TORCH_CHECK(b.dim() == 3 && b.size(0) == a.size(0) && b.size(2) == r_slot &&
                     b.stride(2) == 1 && b.stride(1) == r_slot,
                 "lora_rows: each b is [S, N, R], R as a's, each slot's [N, R] contiguous");

@@ -16,17 +16,11 @@
 #include <cstdint>
 #include <tuple>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LORASTREAM_AVX2 1
-#endif
+#include "cpu_common.h"
 
 namespace {
 
-void check_float(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), op, ": ", name,
-              " must be a float32 CPU tensor");
-}
+using lorastream_cpu::check_float;
 
 // Rows per parallel task: enough elements that a thread's start is small beside its work (a
 // decode step's 32 rows of 576 run on the calling thread: ~3 us of work, where waking the other

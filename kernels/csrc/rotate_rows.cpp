@@ -16,10 +16,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define LORASTREAM_AVX2 1
-#endif
+#include "cpu_common.h"
 
 namespace {
 
