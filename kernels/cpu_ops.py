@@ -12,7 +12,9 @@ register ``torch.ops.lorastream.*``:
   row scaled to int8's range (``cpu_rotation.py``);
 - ``int8_weight_mm``: int8 weight-only products with fp32 activations (``cpu_int8.py``);
 - ``rms_norm``, ``rotary``: RMSNorm of hidden states and the rotary embedding of q and k
-  (``cpu_norm_rope.py``).
+  (``cpu_norm_rope.py``);
+- ``multiply_add_peak``: the cores' multiply-add rate per kind of product, for the benchmarks'
+  roofline (``cpu_peak.py``).
 
 :func:`load` returns why they could not be built, and the worker then keeps torch's paths
 (``--cpu-kernels``, docs/worker.md).
@@ -118,7 +120,8 @@ def load() -> str | None:
                     is_python_module=False, verbose=False,
                 )
             ops = ("decode_scores", "decode_values", "lora_rows", "rotate_rows",
-                   "rotate_scale_rows", "int8_weight_mm", "rms_norm", "rotary")
+                   "rotate_scale_rows", "int8_weight_mm", "rms_norm", "rotary",
+                   "multiply_add_peak")
             for op in ops:  # registered, or an error
                 getattr(torch.ops.lorastream, op)
         except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path

@@ -50,6 +50,7 @@ from lorastream.bench.engine import QUESTIONS, _decode_rates, _peft_rate
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.peft_peer import load_mixed_peft
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base, reference_rows
+from lorastream.bench.roofline import measure_peaks, multiply_adds_per_row, roofline
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
 from lorastream.core.generation import PromptInput, SamplingParams
 
@@ -237,6 +238,9 @@ def run_quant_bench(
         # with the engine's loop stopped: while it runs, even idle, this thread's products
         # share the cores with its OpenMP team (fp32's stack measured 212 ms instead of 122)
         projections = projection_ms(models, prompts)
+        peaks = measure_peaks()  # the cores' multiply-add rates, also with the loop stopped
+        macs_per_row = multiply_adds_per_row(
+            [*(p for layer in engine.model.proj for p in layer), engine.model.lm_head])
         cases = forced_cases(tokens[FP32])
         # one HF + PEFT model for both: the reference logits and, if asked, PEFT's decode rate
         peft_model = load_mixed_peft(checkpoint, dirs)
@@ -301,6 +305,15 @@ def run_quant_bench(
         "goal_base_only_vs_fp32": f">= {GOAL_BASE_SPEEDUP}",
         "goal_multi_vs_fp32": f">= {GOAL_MULTI_SPEEDUP}",
         "goal_token_agreement": f">= {GOAL_AGREEMENT}",
+    }
+    steps = {mode: {"base_only": 1000 * prompts / rates[2 * j + 1],
+                    "multi_adapter": 1000 * prompts / rates[2 * j]}
+             for j, mode in enumerate(modes)}
+    result["roofline"] = {  # roofline.py: what the projections at the cores' peak would allow
+        "multiply_add_peak_gmac_s": peaks,
+        "multiply_adds_per_step": prompts * macs_per_row,
+        "modes": ({} if "error" in peaks else roofline(
+            prompts, macs_per_row, peaks, steps, projections)),  # type: ignore[arg-type]
     }
     if peft is not None:
         result["peft_mixed_batch_decode_tok_s"] = round(peft, 1)

@@ -158,7 +158,46 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         " ".join(filter(None, [peft_line, _attention(r, torch_path)])),
         _one_stream(r),
         _where_the_time_goes(r),
+        _roofline(r),
     ])
+
+
+def _roofline(r: Result) -> str:
+    """The multiply-add roofline (bench/roofline.py), where the results have it."""
+    roof = r.get("roofline")
+    if not isinstance(roof, Mapping):
+        return ""
+    peaks = roof.get("multiply_add_peak_gmac_s")
+    if not isinstance(peaks, Mapping) or "error" in peaks:
+        reason = peaks.get("error") if isinstance(peaks, Mapping) else None
+        return f"Roofline: the multiply-add peak was not measured ({text(reason)})."
+    modes = roof.get("modes")
+    modes = modes if isinstance(modes, Mapping) else {}
+    header = ("base weights", "multiplies", "projections, ms", "at the peak, ms", "of the peak",
+              "base-only: rest, ms", "best possible × fp32", "mixed: rest, ms",
+              "best possible × fp32", "products alone × fp32")
+    kinds = {"none": "fp32 FMA", "int8": "fp32 FMA", "int8-dynamic": "int8 × int8"}
+    rows = [[_SHOWN.get(mode, mode), kinds.get(mode, mode),
+             number(_modes(r).get(mode, {}).get("projections_ms_per_step")),
+             number(f.get("at_peak_ms")), pct(f.get("of_peak")),
+             number(f.get("base_only_rest_ms")), ratio(f.get("base_only_ceiling_vs_fp32")),
+             number(f.get("multi_adapter_rest_ms")), ratio(f.get("multi_adapter_ceiling_vs_fp32")),
+             ratio(f.get("products_only_vs_fp32"))]
+            for mode, f in modes.items() if isinstance(f, Mapping)]
+    return paragraphs([
+        "Roofline (bench/roofline.py, docs/worker.md \"The roofline at 32 rows\"): this "
+        f"machine's cores multiply-add at {number(peaks.get('fp32'))} G/s in fp32 FMAs, "
+        f"{number(peaks.get('int8'))} G/s in int8 × int8 with exact int32 sums (`vpmaddubsw` "
+        f"+ `vpmaddwd`, no VNNI) and {number(peaks.get('int16'))} G/s in int16 (`vpmaddwd`), "
+        "every thread, measured in registers (kernels/cpu_peak.py). A step of "
+        f"{text(r.get('prompts'))} rows multiplies "
+        f"{number((as_number(roof.get('multiply_adds_per_step')) or 0) / 1e9, 2)} G "
+        "multiply-adds in "
+        "its projections. At the peak, with the rest of each step as measured in this run, a "
+        "mode's decode could reach at best the figures below; the last column is the bound "
+        "were the rest of every step zero. The goals: base-only "
+        f"{text(r.get('goal_base_only_vs_fp32'))}, mixed {text(r.get('goal_multi_vs_fp32'))}.",
+        table(header, rows)])
 
 
 def _attention(r: Result, torch_path: bool) -> str:

@@ -3,6 +3,7 @@ decode rates, resident memory and token agreement; the page gains its rows and g
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from lorastream.bench.engine_quant import (
 )
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base
 from lorastream.bench.report import render_page
+from lorastream.bench.roofline import multiply_adds_per_row, roofline
 from tests.support.models import make_tiny_family
 
 
@@ -103,6 +105,55 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     assert "Decode attention ran on the native CPU kernel" in page
     assert "The rest of a base-only step (its time from the decode rate less the projections" in (
         page)
+    roof = result["roofline"]  # the C++ ops build here: the peak is measured
+    peaks = roof["multiply_add_peak_gmac_s"]
+    assert set(peaks) == {"fp32", "int8", "int16"} and all(v > 0 for v in peaks.values())
+    c = json.loads((checkpoint / "config.json").read_text())
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"]
+    qkv = h + 2 * kv * (h // c["num_attention_heads"])  # the fused q, k, v rows
+    per_row = c["num_hidden_layers"] * (h * qkv + h * h + h * 2 * i + i * h) + h * c["vocab_size"]
+    assert roof["multiply_adds_per_step"] == 2 * per_row  # 2 prompts
+    assert set(roof["modes"]) == {"none", "int8", "int8-dynamic"}
+    assert all(f["base_only_ceiling_vs_fp32"] > 0 for f in roof["modes"].values())
+    assert "Roofline (bench/roofline.py" in page and "| int8 weight-only | fp32 FMA |" in page
+
+
+def test_multiply_adds_per_row_sum_every_projection_s_in_times_out() -> None:
+    projections = [SimpleNamespace(in_features=k, out_features=n)
+                   for k, n in [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]]
+    assert multiply_adds_per_row(projections) == 576 * (960 + 576 + 3072 + 49152) + 1536 * 576
+
+
+def test_the_roofline_puts_each_mode_s_projections_at_its_kind_s_peak() -> None:
+    """32 rows of 1e9 / 32 multiply-adds: 1 G a step, 10 ms at fp32's 100 G/s, 5 at int8's 200.
+    fp32: a 100 ms step of which 70 in projections; int8 (fp32 FMAs): 80 ms, 50 in
+    projections; int8-dynamic (int8 x int8): 75 ms, 40 in projections."""
+    steps = {"none": {"base_only": 100.0, "multi_adapter": 150.0},
+             "int8": {"base_only": 80.0, "multi_adapter": 120.0},
+             "int8-dynamic": {"base_only": 75.0, "multi_adapter": 130.0},
+             "fp8": {"base_only": 900.0, "multi_adapter": 990.0}}  # no CPU kernel: left out
+    got = roofline(32, 10**9 // 32, {"fp32": 100.0, "int8": 200.0, "int16": 50.0}, steps,
+                   {"none": 70.0, "int8": 50.0, "int8-dynamic": 40.0, "fp8": 800.0})
+    assert set(got) == {"none", "int8", "int8-dynamic"}
+    assert got["none"] == {"at_peak_ms": 10.0, "of_peak": round(10 / 70, 3),
+                           "products_only_vs_fp32": 7.0,
+                           "base_only_rest_ms": 30.0, "base_only_ceiling_vs_fp32": 2.5,
+                           "multi_adapter_rest_ms": 80.0,
+                           "multi_adapter_ceiling_vs_fp32": round(150 / 90, 3)}
+    assert got["int8"]["at_peak_ms"] == 10.0 and got["int8"]["of_peak"] == 0.2
+    assert got["int8"]["base_only_ceiling_vs_fp32"] == round(100 / (30 + 10), 3)
+    assert got["int8"]["multi_adapter_ceiling_vs_fp32"] == round(150 / (70 + 10), 3)
+    assert got["int8-dynamic"]["at_peak_ms"] == 5.0  # int8 x int8: its own peak
+    assert got["int8-dynamic"]["base_only_ceiling_vs_fp32"] == round(100 / (35 + 5), 3)
+    assert got["int8-dynamic"]["products_only_vs_fp32"] == 14.0
+
+
+def test_a_roofline_without_a_peak_is_said_so_on_the_page() -> None:
+    from lorastream.bench.report_quant import _roofline
+
+    text = _roofline({"roofline": {"multiply_add_peak_gmac_s": {"error": "no compiler"}}})
+    assert text == "Roofline: the multiply-add peak was not measured (no compiler)."
+    assert _roofline({}) == ""  # results from before it
 
 
 def test_a_mode_timed_slower_in_parts_than_in_whole_gets_no_rest_figure() -> None:

@@ -1,0 +1,79 @@
+"""The multiply-add roofline of ``bench engine --quantization``: how fast a step of ``prompts``
+rows could run per mode if its projections ran at the cores' multiply-add peak.
+
+A decode step of 32 rows on a CPU is bound by multiply-adds in its projections, not by reading
+their weights (docs/worker.md, "The roofline at 32 rows"). The peak is measured on this machine
+(``kernels/cpu_peak.py``: register-only loops of each kind of product, every thread), the
+multiply-adds are counted from the model's projection shapes, and the rest of each step (what a
+step spends outside its projections: attention, norms, sampling, the scheduler) is the mode's own,
+as measured in the same run. Per mode::
+
+    at_peak_ms      = prompts * multiply_adds_per_row / peak[kind]        # kind: fp32 or int8
+    rest_ms         = step_ms - projections_ms                            # base-only, mixed
+    ceiling_step_ms = rest_ms + at_peak_ms
+    ceiling_vs_fp32 = fp32 step_ms / ceiling_step_ms                       # the best the mode
+                                                                          # could reach
+    products_only_vs_fp32 = fp32 projections_ms / at_peak_ms              # the bound were the
+                                                                          # rest 0 in both
+
+``int8`` multiplies fp32 activations by its dequantized weights (FMA), ``int8-dynamic`` int8 by
+int8 with exact int32 sums (``vpmaddubsw`` without VNNI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+PEAK_KIND = {"none": "fp32", "int8": "fp32", "int8-dynamic": "int8"}  # fp8: no CPU kernel
+
+
+class _Projection(Protocol):
+    in_features: int
+    out_features: int
+
+
+def multiply_adds_per_row(projections: Iterable[_Projection]) -> int:
+    """Multiply-adds one row of a step spends in ``projections`` (each ``in x out``)."""
+    return sum(p.in_features * p.out_features for p in projections)
+
+
+def measure_peaks() -> dict[str, object]:
+    """G multiply-adds/s per kind over torch's threads, or ``{"error": why}`` (no C++ ops, no
+    AVX2)."""
+    from lorastream.kernels import cpu_ops
+
+    reason = cpu_ops.load()
+    if reason is not None:
+        return {"error": reason}
+    from lorastream.kernels.cpu_peak import KINDS, multiply_add_peak
+
+    try:
+        return {kind: round(multiply_add_peak(kind) / 1e9, 1) for kind in KINDS}
+    except RuntimeError as err:  # built without AVX2: the op says so
+        return {"error": str(err).splitlines()[0]}
+
+
+def roofline(prompts: int, macs_per_row: int, peaks: Mapping[str, float],
+             step_ms: Mapping[str, Mapping[str, float]],
+             projections_ms: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per mode of ``step_ms`` (``{mode: {"base_only": ms, "multi_adapter": ms}}``, fp32 as
+    ``"none"``) whose kind of product has a peak: the figures of the module docstring."""
+    fp32_step = step_ms["none"]
+    out: dict[str, dict[str, float]] = {}
+    for mode, steps in step_ms.items():
+        kind = PEAK_KIND.get(mode)
+        if kind is None or not peaks.get(kind) or mode not in projections_ms:
+            continue
+        at_peak = prompts * macs_per_row / (peaks[kind] * 1e9) * 1e3
+        figures = {
+            "at_peak_ms": round(at_peak, 1),
+            "of_peak": round(at_peak / projections_ms[mode], 3),  # the product's share of peak
+            "products_only_vs_fp32": round(projections_ms["none"] / at_peak, 3),
+        }
+        for run, ms in steps.items():
+            rest = max(ms - projections_ms[mode], 0.0)
+            figures[f"{run}_rest_ms"] = round(rest, 1)
+            figures[f"{run}_ceiling_vs_fp32"] = round(fp32_step[run] / (rest + at_peak), 3)
+        out[mode] = figures
+    return out
