@@ -20,7 +20,8 @@ stated against: that leaves the mode's arithmetic, not its weight rounding.
 
 Where the time goes: per mode, the milliseconds a decode step of the batch spends in the base
 projections alone (every layer's four and the lm_head over [prompts, K] inputs, best of
-``PROJECTION_PASSES`` passes taking turns between modes, with the engine's loop stopped), beside
+``PROJECTION_PASSES`` passes taking turns between modes, with the engine's loop stopped; the
+median pass beside it), beside
 the fp32 step time from its decode rate. The rest of the step is not a fixed cost: it ran faster
 over int8 bases than over fp32 (62 vs 88 ms in one run), as 4x fewer weight bytes stream through
 the caches each step.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -113,11 +115,11 @@ def resident_mb(checkpoint: Path, quantization: str) -> dict[str, float]:
 
 
 def projection_ms(models: Mapping[str, DecoderModel], rows: int,
-                  passes: int = PROJECTION_PASSES) -> dict[str, float]:
-    """Per model: milliseconds one decode step of ``rows`` rows spends in its base projections
-    alone (every layer's four and the lm_head, in the forward's order, over random
-    [rows, K] inputs), the best of ``passes`` passes; the models take turns within each pass."""
-    best = dict.fromkeys(models, float("inf"))
+                  passes: int = PROJECTION_PASSES) -> dict[str, list[float]]:
+    """Per model: the milliseconds of each of ``passes`` passes of one decode step of ``rows``
+    rows through its base projections alone (every layer's four and the lm_head, in the
+    forward's order, over random [rows, K] inputs); the models take turns within each pass."""
+    times: dict[str, list[float]] = {name: [] for name in models}
     stacks = {
         name: [(p, torch.randn(rows, p.in_features, dtype=model.dtype, device=model.device))
                for p in [*(p for layer in model.proj for p in layer), model.lm_head]]
@@ -128,8 +130,8 @@ def projection_ms(models: Mapping[str, DecoderModel], rows: int,
             start = time.perf_counter()
             for projection, x in stack:
                 projection(x)  # [rows, K] -> [rows, N]
-            best[name] = min(best[name], (time.perf_counter() - start) * 1000)
-    return best
+            times[name].append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def agreement(tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> float:
@@ -237,7 +239,8 @@ def run_quant_bench(
         rates, one_stream, tokens, forced_tokens = engine.run_while(measure)
         # with the engine's loop stopped: while it runs, even idle, this thread's products
         # share the cores with its OpenMP team (fp32's stack measured 212 ms instead of 122)
-        projections = projection_ms(models, prompts)
+        passes = projection_ms(models, prompts)
+        projections = {mode: min(ms) for mode, ms in passes.items()}  # the best pass
         peaks = measure_peaks()  # the cores' multiply-add rates, also with the loop stopped
         macs_per_row = multiply_adds_per_row(
             [*(p for layer in engine.model.proj for p in layer), engine.model.lm_head])
@@ -278,6 +281,7 @@ def run_quant_bench(
             "one_stream_base_vs_fp32": round(one_stream[2 * j + 1] / one_stream[1], 3),
             "one_stream_adapter_vs_fp32": round(one_stream[2 * j] / one_stream[0], 3),
             "projections_ms_per_step": _figures(projections[mode]),
+            "projections_ms_per_step_median": _figures(statistics.median(passes[mode])),
             **resident[mode],
         }
         if native:
@@ -313,7 +317,8 @@ def run_quant_bench(
         "multiply_add_peak_gmac_s": peaks,
         "multiply_adds_per_step": prompts * macs_per_row,
         "modes": ({} if "error" in peaks else roofline(
-            prompts, macs_per_row, peaks, steps, projections)),  # type: ignore[arg-type]
+            prompts, macs_per_row, peaks, steps, projections,  # type: ignore[arg-type]
+            {mode: statistics.median(ms) for mode, ms in passes.items()})),
     }
     if peft is not None:
         result["peft_mixed_batch_decode_tok_s"] = round(peft, 1)

@@ -173,13 +173,14 @@ def _roofline(r: Result) -> str:
         return f"Roofline: the multiply-add peak was not measured ({text(reason)})."
     modes = roof.get("modes")
     modes = modes if isinstance(modes, Mapping) else {}
-    header = ("base weights", "multiplies", "projections, ms", "at the peak, ms", "of the peak",
+    header = ("base weights", "multiplies", "projections, ms (best pass)", "at the peak, ms",
+              "of the peak (best pass)", "(median pass)",
               "base-only: rest, ms", "best possible × fp32", "mixed: rest, ms",
               "best possible × fp32", "products alone × fp32")
     kinds = {"none": "fp32 FMA", "int8": "fp32 FMA", "int8-dynamic": "int8 × int8"}
     rows = [[_SHOWN.get(mode, mode), kinds.get(mode, mode),
              number(_modes(r).get(mode, {}).get("projections_ms_per_step")),
-             number(f.get("at_peak_ms")), pct(f.get("of_peak")),
+             number(f.get("at_peak_ms")), pct(f.get("of_peak")), pct(f.get("of_peak_median")),
              number(f.get("base_only_rest_ms")), ratio(f.get("base_only_ceiling_vs_fp32")),
              number(f.get("multi_adapter_rest_ms")), ratio(f.get("multi_adapter_ceiling_vs_fp32")),
              ratio(f.get("products_only_vs_fp32"))]

@@ -9,6 +9,7 @@ step spends outside its projections: attention, norms, sampling, the scheduler) 
 as measured in the same run. Per mode::
 
     at_peak_ms      = prompts * multiply_adds_per_row / peak[kind]        # kind: fp32 or int8
+    of_peak         = at_peak_ms / projections_ms                         # the product's share
     rest_ms         = step_ms - projections_ms                            # base-only, mixed
     ceiling_step_ms = rest_ms + at_peak_ms
     ceiling_vs_fp32 = fp32 step_ms / ceiling_step_ms                       # the best the mode
@@ -56,9 +57,12 @@ def measure_peaks() -> dict[str, object]:
 
 def roofline(prompts: int, macs_per_row: int, peaks: Mapping[str, float],
              step_ms: Mapping[str, Mapping[str, float]],
-             projections_ms: Mapping[str, float]) -> dict[str, dict[str, float]]:
+             projections_ms: Mapping[str, float], median_ms: Mapping[str, float] | None = None,
+             ) -> dict[str, dict[str, float]]:
     """Per mode of ``step_ms`` (``{mode: {"base_only": ms, "multi_adapter": ms}}``, fp32 as
-    ``"none"``) whose kind of product has a peak: the figures of the module docstring."""
+    ``"none"``) whose kind of product has a peak: the figures of the module docstring, from the
+    best pass of the projections (``projections_ms``); with ``median_ms``, the median pass's
+    share of the peak too."""
     fp32_step = step_ms["none"]
     out: dict[str, dict[str, float]] = {}
     for mode, steps in step_ms.items():
@@ -71,6 +75,8 @@ def roofline(prompts: int, macs_per_row: int, peaks: Mapping[str, float],
             "of_peak": round(at_peak / projections_ms[mode], 3),  # the product's share of peak
             "products_only_vs_fp32": round(projections_ms["none"] / at_peak, 3),
         }
+        if median_ms and mode in median_ms:
+            figures["of_peak_median"] = round(at_peak / median_ms[mode], 3)
         for run, ms in steps.items():
             rest = max(ms - projections_ms[mode], 0.0)
             figures[f"{run}_rest_ms"] = round(rest, 1)
