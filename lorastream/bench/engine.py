@@ -53,11 +53,19 @@ QUESTIONS = (
 def _decode_rates(
     runs: list[Callable[[int], None]], prompts: int, new_tokens: int, repeats: int
 ) -> list[float]:
-    """Best decode tok/s of each run; the runs take turns within every repeat, so that a slow
-    spell of a shared machine hits all of them rather than skewing their ratio."""
+    """Best decode tok/s of each run (:func:`decode_rate_samples`)."""
+    return [max(samples) for samples in decode_rate_samples(runs, prompts, new_tokens, repeats)]
+
+
+def decode_rate_samples(
+    runs: list[Callable[[int], None]], prompts: int, new_tokens: int, repeats: int
+) -> list[list[float]]:
+    """Each run's decode tok/s in every repeat ([run][repeat]); the runs take turns within every
+    repeat, so that a slow spell of a shared machine hits all of them rather than skewing their
+    ratio, and two runs' rates in one repeat are seconds apart (paired)."""
     for run in runs:
         run(2)  # warm-up
-    best = [0.0] * len(runs)
+    samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for i, run in enumerate(runs):
             start = time.perf_counter()
@@ -69,10 +77,9 @@ def _decode_rates(
             # a tiny model's prefill varies more than its decode takes: full - one can come out
             # at or below zero, and then the whole run's rate (a lower bound) stands in for it
             decode_s = full - one
-            rate = (prompts * (new_tokens - 1) / decode_s if decode_s > 0
-                    else prompts * new_tokens / full)
-            best[i] = max(best[i], rate)
-    return best
+            samples[i].append(prompts * (new_tokens - 1) / decode_s if decode_s > 0
+                              else prompts * new_tokens / full)
+    return samples
 
 
 def step_read_views(slots: LoraSlots, distinct: int) -> list[torch.Tensor]:

@@ -2,7 +2,8 @@
 mode (``--quantization`` of the worker), and HF transformers + PEFT, in one run.
 
 Per mode: base-only and mixed-adapter decode tok/s (measured as in engine.py: every mode's runs
-take turns within each repeat), the same for one stream (one prompt, base-only and with one
+take turns within each repeat; the best repeat, and the ratio to fp32's run of the same repeat,
+repeat by repeat), the same for one stream (one prompt, base-only and with one
 adapter: each step reads every weight for a single row, the case the weights' bytes bound, where
 the batch of ``prompts`` rows is bound by multiply-adds on a CPU), the resident bytes of the base
 model (in a fresh process per mode: RSS after building the model minus before), and the greedy
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from lorastream.bench.engine import QUESTIONS, _decode_rates, _peft_rate
+from lorastream.bench.engine import QUESTIONS, _peft_rate, decode_rate_samples
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.peft_peer import load_mixed_peft
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base, reference_rows
@@ -132,6 +133,15 @@ def projection_ms(models: Mapping[str, DecoderModel], rows: int,
                 projection(x)  # [rows, K] -> [rows, N]
             times[name].append((time.perf_counter() - start) * 1000)
     return times
+
+
+def paired_ratios(rates: list[float], fp32: list[float]) -> dict[str, float]:
+    """A mode's decode rate over fp32's, repeat by repeat (the two runs seconds apart in each):
+    the median, lowest and highest of those ratios. Beside the ratio of the best repeats, which
+    may pair two different minutes of a shared machine."""
+    ratios = sorted(r / f for r, f in zip(rates, fp32, strict=True))
+    return {"median": round(statistics.median(ratios), 3), "min": round(ratios[0], 3),
+            "max": round(ratios[-1], 3)}
 
 
 def agreement(tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> float:
@@ -219,8 +229,8 @@ def run_quant_bench(
 
             return go
 
-        def measure() -> tuple[list[float], dict[str, dict[int, list[int]]],
-                               dict[str, list[int]]]:
+        def measure() -> tuple[list[list[float]], list[list[float]],
+                               dict[str, dict[int, list[int]]], dict[str, list[int]]]:
             ops = WorkerOperations(engine)
             for i, path in enumerate(dirs):
                 ops.load_adapter(f"a{i}", str(path))
@@ -228,15 +238,17 @@ def run_quant_bench(
                                                                        ["base"] * prompts)]
             if native:  # then each mode's base-only decode on torch's attention path too
                 runs += [run(mode, ["base"] * prompts, False) for mode in modes]
-            rates = _decode_rates(runs, prompts, new_tokens, repeats)
+            samples = decode_rate_samples(runs, prompts, new_tokens, repeats)
             # one stream: a step reads every weight for one row (what the weight bytes bound)
-            one = _decode_rates([run(mode, names) for mode in modes
-                                 for names in (multi_models[:1], ["base"])],
-                                1, new_tokens, repeats)
+            one = decode_rate_samples([run(mode, names) for mode in modes
+                                       for names in (multi_models[:1], ["base"])],
+                                      1, new_tokens, repeats)
             tokens = {mode: generate(mode, multi_models, new_tokens) for mode in modes}
-            return rates, one, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
+            return samples, one, tokens, {mode: forced(mode, tokens[FP32]) for mode in modes}
 
-        rates, one_stream, tokens, forced_tokens = engine.run_while(measure)
+        samples, one_samples, tokens, forced_tokens = engine.run_while(measure)
+        rates = [max(s) for s in samples]  # each run's best repeat
+        one_stream = [max(s) for s in one_samples]
         # with the engine's loop stopped: while it runs, even idle, this thread's products
         # share the cores with its OpenMP team (fp32's stack measured 212 ms instead of 122)
         passes = projection_ms(models, prompts)
@@ -280,6 +292,13 @@ def run_quant_bench(
             "one_stream_base_decode_tok_s": round(one_stream[2 * j + 1], 1),
             "one_stream_base_vs_fp32": round(one_stream[2 * j + 1] / one_stream[1], 3),
             "one_stream_adapter_vs_fp32": round(one_stream[2 * j] / one_stream[0], 3),
+            # the same ratios repeat by repeat, each against fp32's run of that repeat
+            "paired_vs_fp32": {
+                "base_only": paired_ratios(samples[2 * j + 1], samples[1]),
+                "multi_adapter": paired_ratios(samples[2 * j], samples[0]),
+                "one_stream_base": paired_ratios(one_samples[2 * j + 1], one_samples[1]),
+                "one_stream_adapter": paired_ratios(one_samples[2 * j], one_samples[0]),
+            },
             "projections_ms_per_step": _figures(projections[mode]),
             "projections_ms_per_step_median": _figures(statistics.median(passes[mode])),
             **resident[mode],
@@ -295,6 +314,7 @@ def run_quant_bench(
         "rank": rank,
         "prompts": prompts,
         "new_tokens": new_tokens,
+        "repeats": repeats,
         "forced_positions": len(cases),
         # transformers + PEFT's argmax against the fp32 engine's tokens at those positions: the
         # reference the decisive positions are judged by is the same model (expected 1.0)

@@ -87,6 +87,32 @@ def _one_stream(r: Result) -> str:
         table(header, rows)])
 
 
+def _paired(r: Result) -> str:
+    """The ratios to fp32 repeat by repeat, where the results have them."""
+    modes = {k: m for k, m in _modes(r).items()
+             if k != "none" and isinstance(m.get("paired_vs_fp32"), Mapping)}
+    if not modes:
+        return ""
+
+    def cell(m: Mapping[str, object], run: str) -> str:
+        paired = m["paired_vs_fp32"]
+        f = paired.get(run) if isinstance(paired, Mapping) else None
+        if not isinstance(f, Mapping):
+            return ratio(None)
+        return f"{ratio(f.get('median'))} ({ratio(f.get('min'))}–{ratio(f.get('max'))})"
+
+    runs = ("base_only", "multi_adapter", "one_stream_base", "one_stream_adapter")
+    header = ("base weights", "base-only", "mixed", "one stream, base-only",
+              "one stream, one adapter")
+    rows = [[_SHOWN.get(mode, mode), *(cell(m, run) for run in runs)] for mode, m in modes.items()]
+    return paragraphs([
+        "× fp32 repeat by repeat: in each repeat a mode's run and fp32's run of the same kind "
+        "are seconds apart, so their ratio does not pair two different minutes of the machine, "
+        "as the ratio of the best repeats above can. Median (lowest–highest) over "
+        f"{text(r.get('repeats'))} repeats:",
+        table(header, rows)])
+
+
 def _decisive(m: Mapping[str, object]) -> str:
     """The decisive positions' agreement, with how many there were."""
     if "token_agreement_decisive_vs_fp32" not in m:
@@ -157,6 +183,7 @@ def quant_section(r: Result, plots: Mapping[str, str]) -> str:
         table(header, rows),
         " ".join(filter(None, [peft_line, _attention(r, torch_path)])),
         _one_stream(r),
+        _paired(r),
         _where_the_time_goes(r),
         _roofline(r),
     ])

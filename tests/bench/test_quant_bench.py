@@ -13,6 +13,7 @@ from lorastream.bench.engine import run_engine_bench
 from lorastream.bench.engine_quant import (
     agreement,
     forced_cases,
+    paired_ratios,
     projection_ms,
 )
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base
@@ -105,6 +106,15 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     assert "Decode attention ran on the native CPU kernel" in page
     assert "The rest of a base-only step (its time from the decode rate less the projections" in (
         page)
+    for mode, m in modes.items():  # repeat by repeat against fp32's run of the same repeat
+        paired = m["paired_vs_fp32"]
+        assert set(paired) == {"base_only", "multi_adapter", "one_stream_base",
+                               "one_stream_adapter"}
+        for f in paired.values():
+            assert 0 < f["min"] <= f["median"] <= f["max"]
+            if mode == "none":
+                assert f == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert "× fp32 repeat by repeat" in page and result["repeats"] == 1
     roof = result["roofline"]  # the C++ ops build here: the peak is measured
     peaks = roof["multiply_add_peak_gmac_s"]
     assert set(peaks) == {"fp32", "int8", "int16"} and all(v > 0 for v in peaks.values())
@@ -116,6 +126,27 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     assert set(roof["modes"]) == {"none", "int8", "int8-dynamic"}
     assert all(f["base_only_ceiling_vs_fp32"] > 0 for f in roof["modes"].values())
     assert "Roofline (bench/roofline.py" in page and "| int8 weight-only | fp32 FMA |" in page
+
+
+def test_paired_ratios_divide_each_repeat_by_fp32_s_run_of_that_repeat() -> None:
+    # repeat 2 is a slow spell for both: its ratio is as good as the others'; the best repeats
+    # (300 and 150) would pair repeat 1's fp32 with repeat 3's mode
+    assert paired_ratios([200.0, 100.0, 300.0], [150.0, 50.0, 120.0]) == {
+        "median": 2.0, "min": round(200 / 150, 3), "max": 2.5}
+    assert paired_ratios([1.0], [1.0]) == {"median": 1.0, "min": 1.0, "max": 1.0}
+
+
+def test_paired_ratios_are_shown_on_the_page_as_median_and_range() -> None:
+    from lorastream.bench.report_quant import _paired
+
+    r = {"repeats": 3, "modes": {
+        "none": {"paired_vs_fp32": {}},
+        "int8": {"paired_vs_fp32": {"base_only": {"median": 1.5, "min": 1.25, "max": 1.75},
+                                    "multi_adapter": {"median": 1.3, "min": 1.1, "max": 1.4}}}}}
+    text = _paired(r)
+    assert "| int8 weight-only | 1.50× (1.25×–1.75×) | 1.30× (1.10×–1.40×) | – | – |" in text
+    assert "over 3 repeats" in text and "fp32 (no quantization)" not in text
+    assert _paired({"modes": {"int8": {}}}) == ""  # results from before them
 
 
 def test_multiply_adds_per_row_sum_every_projection_s_in_times_out() -> None:
