@@ -21,11 +21,11 @@ stated against: that leaves the mode's arithmetic, not its weight rounding.
 
 Where the time goes: per mode, the milliseconds a decode step of the batch spends in the base
 projections alone (every layer's four and the lm_head over [prompts, K] inputs, best of
-``PROJECTION_PASSES`` passes taking turns between modes, with the engine's loop stopped; the
-median pass beside it), beside
-the fp32 step time from its decode rate. The rest of the step is not a fixed cost: it ran faster
-over int8 bases than over fp32 (62 vs 88 ms in one run), as 4x fewer weight bytes stream through
-the caches each step.
+``PROJECTION_PASSES`` passes taking turns between modes, with the engine's loop stopped, and the
+median pass), beside the fp32 step time from its decode rate. The rest of the step is not a
+fixed cost: it ran faster over int8 bases than over fp32 (62 vs 88 ms in one run), as 4x fewer
+weight bytes stream through the caches each step. The roofline (roofline.py) sets the
+projections against the cores' multiply-add peak, measured in the same run.
 
 Decode attention runs on the native CPU kernel where it built (``--cpu-kernels auto``); each
 mode's base-only decode is then also measured on torch's attention path (the model's

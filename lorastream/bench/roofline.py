@@ -10,7 +10,9 @@ as measured in the same run. Per mode::
 
     at_peak_ms      = prompts * multiply_adds_per_row / peak[kind]        # kind: fp32 or int8
     of_peak         = at_peak_ms / projections_ms                         # the product's share
-    rest_ms         = step_ms - projections_ms                            # base-only, mixed
+    rest_ms         = step_ms - projections_ms                            # base-only, mixed;
+                                                                          # 0 where the separate
+                                                                          # timing took longer
     ceiling_step_ms = rest_ms + at_peak_ms
     ceiling_vs_fp32 = fp32 step_ms / ceiling_step_ms                       # the best the mode
                                                                           # could reach
