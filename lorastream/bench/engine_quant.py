@@ -278,6 +278,9 @@ def run_quant_bench(
         per_mode[mode] = {
             "multi_adapter_decode_tok_s": round(multi, 1),
             "base_only_decode_tok_s": round(base, 1),
+            "repeats_decode_tok_s": {  # every repeat's rate, in order (the best above)
+                "base_only": [round(v, 1) for v in samples[2 * j + 1]],
+                "multi_adapter": [round(v, 1) for v in samples[2 * j]]},
             "base_only_vs_fp32": round(base / rates[1], 3),
             "multi_vs_fp32": round(multi / rates[0], 3),
             "token_agreement_vs_fp32": round(float(hits.float().mean()), 4),
@@ -330,15 +333,15 @@ def run_quant_bench(
         "goal_multi_vs_fp32": f">= {GOAL_MULTI_SPEEDUP}",
         "goal_token_agreement": f">= {GOAL_AGREEMENT}",
     }
-    steps = {mode: {"base_only": 1000 * prompts / rates[2 * j + 1],
-                    "multi_adapter": 1000 * prompts / rates[2 * j]}
-             for j, mode in enumerate(modes)}
+    steps = {mode: {"base_only": 1000 * prompts / statistics.median(samples[2 * j + 1]),
+                    "multi_adapter": 1000 * prompts / statistics.median(samples[2 * j])}
+             for j, mode in enumerate(modes)}  # the median repeat's step
     result["roofline"] = {  # roofline.py: what the projections at the cores' peak would allow
         "multiply_add_peak_gmac_s": peaks,
         "multiply_adds_per_step": prompts * macs_per_row,
         "modes": ({} if "error" in peaks else roofline(
-            prompts, macs_per_row, peaks, steps, projections,  # type: ignore[arg-type]
-            {mode: statistics.median(ms) for mode, ms in passes.items()})),
+            prompts, macs_per_row, peaks, steps,  # type: ignore[arg-type]
+            {mode: statistics.median(ms) for mode, ms in passes.items()}, projections)),
     }
     if peft is not None:
         result["peft_mixed_batch_decode_tok_s"] = round(peft, 1)

@@ -200,14 +200,14 @@ def _roofline(r: Result) -> str:
         return f"Roofline: the multiply-add peak was not measured ({text(reason)})."
     modes = roof.get("modes")
     modes = modes if isinstance(modes, Mapping) else {}
-    header = ("base weights", "multiplies", "projections, ms (best pass)", "at the peak, ms",
-              "of the peak (best pass)", "(median pass)",
+    header = ("base weights", "multiplies", "projections, ms (median pass)", "at the peak, ms",
+              "of the peak (median pass)", "(best pass)",
               "base-only: rest, ms", "best possible × fp32", "mixed: rest, ms",
               "best possible × fp32", "products alone × fp32")
     kinds = {"none": "fp32 FMA", "int8": "fp32 FMA", "int8-dynamic": "int8 × int8"}
     rows = [[_SHOWN.get(mode, mode), kinds.get(mode, mode),
-             number(_modes(r).get(mode, {}).get("projections_ms_per_step")),
-             number(f.get("at_peak_ms")), pct(f.get("of_peak")), pct(f.get("of_peak_median")),
+             number(_modes(r).get(mode, {}).get("projections_ms_per_step_median")),
+             number(f.get("at_peak_ms")), pct(f.get("of_peak")), pct(f.get("of_peak_best")),
              number(f.get("base_only_rest_ms")), ratio(f.get("base_only_ceiling_vs_fp32")),
              number(f.get("multi_adapter_rest_ms")), ratio(f.get("multi_adapter_ceiling_vs_fp32")),
              ratio(f.get("products_only_vs_fp32"))]
@@ -221,9 +221,10 @@ def _roofline(r: Result) -> str:
         f"{text(r.get('prompts'))} rows multiplies "
         f"{number((as_number(roof.get('multiply_adds_per_step')) or 0) / 1e9, 2)} G "
         "multiply-adds in "
-        "its projections. At the peak, with the rest of each step as measured in this run, a "
-        "mode's decode could reach at best the figures below; the last column is the bound "
-        "were the rest of every step zero. The goals: base-only "
+        "its projections. At the peak, with the rest of each step as measured in this run (the "
+        "median repeat's step less the projections' median pass), a mode's decode could reach "
+        "at best the figures below; the last column is the bound were the rest of every step "
+        "zero. The goals: base-only "
         f"{text(r.get('goal_base_only_vs_fp32'))}, mixed {text(r.get('goal_multi_vs_fp32'))}.",
         table(header, rows)])
 
