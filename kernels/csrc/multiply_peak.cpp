@@ -46,18 +46,14 @@ float fp32_fma(int64_t iterations) {
   return _mm256_cvtss_f32(s);
 }
 
-// 8-bit integers with exact int32 sums, as AVX2 kernels without VNNI multiply them (fbgemm's
-// u8 x s8): vpmaddubsw (32 products, pairs summed into int16) + vpmaddwd by ones (pairs summed
-// into int32) + vpaddd: 32 multiply-adds per group
-float int8_madd(int64_t iterations) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i w = _mm256_set1_epi8(-3);
-#define LS_INIT(j) __m256i a##j = _mm256_setzero_si256(), u##j = _mm256_set1_epi8(char(j + 1));
+// Ten int32 accumulator chains a_j += step(u_j, w), u_j = lanes(j + 1): the integer kinds below
+template <typename Lanes, typename Step>
+float int_chains(int64_t iterations, Lanes lanes, __m256i w, Step step) {
+#define LS_INIT(j) __m256i a##j = _mm256_setzero_si256(), u##j = lanes(j + 1);
   LS_TEN(LS_INIT)
 #undef LS_INIT
   for (int64_t i = 0; i < iterations; ++i) {
-#define LS_STEP(j) \
-  a##j = _mm256_add_epi32(a##j, _mm256_madd_epi16(_mm256_maddubs_epi16(u##j, w), ones));
+#define LS_STEP(j) a##j = _mm256_add_epi32(a##j, step(u##j, w));
     LS_TEN(LS_STEP)
 #undef LS_STEP
     LS_PIN(a);
@@ -69,23 +65,23 @@ float int8_madd(int64_t iterations) {
   return float(_mm256_extract_epi32(s, 0));
 }
 
+// 8-bit integers with exact int32 sums, as AVX2 kernels without VNNI multiply them (fbgemm's
+// u8 x s8): vpmaddubsw (32 products, pairs summed into int16) + vpmaddwd by ones (pairs summed
+// into int32) + vpaddd: 32 multiply-adds per group
+float int8_madd(int64_t iterations) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return int_chains(
+      iterations, [](int v) { return _mm256_set1_epi8(char(v)); }, _mm256_set1_epi8(-3),
+      [ones](__m256i u, __m256i w) {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), ones);
+      });
+}
+
 // 16-bit integers with int32 sums: vpmaddwd (16 products, pairs summed into int32) + vpaddd
 float int16_madd(int64_t iterations) {
-  __m256i w = _mm256_set1_epi16(-3);
-#define LS_INIT(j) __m256i a##j = _mm256_setzero_si256(), u##j = _mm256_set1_epi16(short(j + 1));
-  LS_TEN(LS_INIT)
-#undef LS_INIT
-  for (int64_t i = 0; i < iterations; ++i) {
-#define LS_STEP(j) a##j = _mm256_add_epi32(a##j, _mm256_madd_epi16(u##j, w));
-    LS_TEN(LS_STEP)
-#undef LS_STEP
-    LS_PIN(a);
-    LS_PIN(u);
-  }
-  __m256i s = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
-  s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_add_epi32(a4, a5), _mm256_add_epi32(a6, a7)));
-  s = _mm256_add_epi32(s, _mm256_add_epi32(a8, a9));
-  return float(_mm256_extract_epi32(s, 0));
+  return int_chains(
+      iterations, [](int v) { return _mm256_set1_epi16(short(v)); }, _mm256_set1_epi16(-3),
+      [](__m256i u, __m256i w) { return _mm256_madd_epi16(u, w); });
 }
 
 #undef LS_PIN
