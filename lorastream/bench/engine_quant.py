@@ -253,7 +253,8 @@ def run_quant_bench(
         # share the cores with its OpenMP team (fp32's stack measured 212 ms instead of 122)
         passes = projection_ms(models, prompts)
         projections = {mode: min(ms) for mode, ms in passes.items()}  # the best pass
-        peaks = measure_peaks()  # the cores' multiply-add rates, also with the loop stopped
+        # the cores' multiply-add rates, also with the loop stopped (a CPU model's only)
+        peaks = measure_peaks(engine.model.device.type)
         macs_per_row = multiply_adds_per_row(
             [*(p for layer in engine.model.proj for p in layer), engine.model.lm_head])
         cases = forced_cases(tokens[FP32])

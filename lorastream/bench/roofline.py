@@ -42,9 +42,11 @@ def multiply_adds_per_row(projections: Iterable[_Projection]) -> int:
     return sum(p.in_features * p.out_features for p in projections)
 
 
-def measure_peaks() -> dict[str, object]:
-    """G multiply-adds/s per kind over torch's threads, or ``{"error": why}`` (no C++ ops, no
-    AVX2)."""
+def measure_peaks(device: str = "cpu") -> dict[str, object]:
+    """G multiply-adds/s per kind over torch's threads, or ``{"error": why}`` (a model on
+    another ``device`` than the CPU, whose peak this is not; no C++ ops; no AVX2)."""
+    if device != "cpu":
+        return {"error": f"the model ran on {device}; the measured peak is the CPU's"}
     from lorastream.kernels import cpu_ops
 
     reason = cpu_ops.load()

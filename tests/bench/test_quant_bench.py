@@ -18,7 +18,7 @@ from lorastream.bench.engine_quant import (
 )
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base
 from lorastream.bench.report import render_page
-from lorastream.bench.roofline import multiply_adds_per_row, roofline
+from lorastream.bench.roofline import measure_peaks, multiply_adds_per_row, roofline
 from tests.support.models import make_tiny_family
 
 
@@ -185,6 +185,11 @@ def test_the_roofline_puts_each_mode_s_projections_at_its_kind_s_peak() -> None:
     assert got["int8-dynamic"]["base_only_ceiling_vs_fp32"] == round(100 / (35 + 5), 3)
     assert got["int8-dynamic"]["products_only_vs_fp32"] == 14.0
     assert got["int8"]["of_peak_best"] == 0.25 and "of_peak_best" not in got["int8-dynamic"]
+
+
+def test_no_cpu_peak_is_measured_for_a_model_on_a_gpu() -> None:
+    assert measure_peaks("cuda") == {
+        "error": "the model ran on cuda; the measured peak is the CPU's"}
 
 
 def test_a_roofline_without_a_peak_is_said_so_on_the_page() -> None:
