@@ -152,9 +152,8 @@ at::Tensor int8_weight_mm(const at::Tensor& x, const at::Tensor& packed, const a
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // blocks per task: about 64 KB of weights, so a thread's start is small beside its work
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(k * kBlock, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  // blocks per task: about 64 KB of weights
+  at::parallel_for(0, blocks, lorastream_cpu::grain(k * kBlock), [&](int64_t begin, int64_t end) {
     std::vector<float> panel(rows > kDirect ? k * kBlock : 0);  // [K, 16]
     float tile[kTile * kBlock];  // [rows of a tile, 16]
     for (int64_t b = begin; b < end; ++b) {

@@ -21,13 +21,9 @@
 namespace {
 
 using lorastream_cpu::check_float;
-
-// Rows per parallel task: enough elements that a thread's start is small beside its work (a
-// decode step's 32 rows of 576 run on the calling thread: ~3 us of work, where waking the other
-// thread costs more)
-int64_t grain(int64_t row_elements) {
-  return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_elements, 1));
-}
+// rows per parallel task by their elements: a decode step's 32 rows of 576 run on the calling
+// thread (~3 us of work, where waking the other thread costs more)
+using lorastream_cpu::grain;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float(x, "rms_norm", "x");
