@@ -16,6 +16,7 @@ from lorastream.bench.report_format import (
     table,
     text,
 )
+from lorastream.bench.roofline import PEAK_KIND
 
 _SHOWN = {"none": "fp32 (no quantization)", "int8": "int8 weight-only",
           "int8-dynamic": "7-bit weights + per-token int8 activations (rotated)",
@@ -204,8 +205,8 @@ def _roofline(r: Result) -> str:
               "of the peak (median pass)", "(best pass)",
               "base-only: rest, ms", "best possible × fp32", "mixed: rest, ms",
               "best possible × fp32", "products alone × fp32")
-    kinds = {"none": "fp32 FMA", "int8": "fp32 FMA", "int8-dynamic": "int8 × int8"}
-    rows = [[_SHOWN.get(mode, mode), kinds.get(mode, mode),
+    kinds = {"fp32": "fp32 FMA", "int8": "int8 × int8"}  # roofline.PEAK_KIND's kinds
+    rows = [[_SHOWN.get(mode, mode), kinds.get(PEAK_KIND.get(mode, ""), mode),
              number(_modes(r).get(mode, {}).get("projections_ms_per_step_median")),
              number(f.get("at_peak_ms")), pct(f.get("of_peak")), pct(f.get("of_peak_best")),
              number(f.get("base_only_rest_ms")), ratio(f.get("base_only_ceiling_vs_fp32")),
