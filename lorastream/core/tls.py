@@ -134,27 +134,46 @@ class ClientTLS:
         )
 
 
+# Every channel keeps its connections to itself (gRPC's default pools them process-wide, keyed
+# by address and options). With the shared pool, a channel opened to a server that restarted at
+# the address of one that died (a store pod back on its IP, a test server on a recycled port)
+# inherits the dead one's failed connection and its reconnect backoff: its first calls fail at
+# once with "Connection refused" while the new server is up. Also grpc/grpc#38327: the shared
+# pool keeps state for channels long closed.
+OWN_CONNECTIONS = ("grpc.use_local_subchannel_pool", 1)
+
+
+def channel_options(options: Sequence[tuple[str, object]] = ()) -> list[tuple[str, object]]:
+    """``options`` with :data:`OWN_CONNECTIONS` unless they set the pool themselves."""
+    if any(name == OWN_CONNECTIONS[0] for name, _ in options):
+        return list(options)
+    return [*options, OWN_CONNECTIONS]
+
+
 def open_channel(
     target: str, tls: ClientTLS | None, options: Sequence[tuple[str, object]] = ()
 ) -> grpc.Channel:
-    """A blocking channel to ``target``: over TLS with ``tls``, else plaintext."""
+    """A blocking channel to ``target``: over TLS with ``tls``, else plaintext; its connections
+    its own (:data:`OWN_CONNECTIONS`)."""
     if tls is None:
-        return grpc.insecure_channel(target, options=list(options))
-    return grpc.secure_channel(target, tls.grpc_credentials(), options=list(options))
+        return grpc.insecure_channel(target, options=channel_options(options))
+    return grpc.secure_channel(target, tls.grpc_credentials(), options=channel_options(options))
 
 
 def open_aio_channel(
     target: str, tls: ClientTLS | None, options: Sequence[tuple[str, object]] = (),
     server_name: str | None = None,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target``: over TLS with ``tls``, else plaintext. ``server_name``:
-    the name the server's certificate must be valid for, when ``target`` is an address resolved
-    from it (a pod IP behind a headless Service); by default the host of ``target``."""
+    """An asyncio channel to ``target``: over TLS with ``tls``, else plaintext; its connections
+    its own (:data:`OWN_CONNECTIONS`). ``server_name``: the name the server's certificate must
+    be valid for, when ``target`` is an address resolved from it (a pod IP behind a headless
+    Service); by default the host of ``target``."""
     if tls is None:
-        return grpc.aio.insecure_channel(target, options=list(options))
+        return grpc.aio.insecure_channel(target, options=channel_options(options))
     if server_name is not None:
         options = [*options, ("grpc.ssl_target_name_override", server_name)]
-    return grpc.aio.secure_channel(target, tls.grpc_credentials(), options=list(options))
+    credentials = tls.grpc_credentials()
+    return grpc.aio.secure_channel(target, credentials, options=channel_options(options))
 
 
 def https_context(
