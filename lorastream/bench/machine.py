@@ -34,12 +34,24 @@ def machine_info(bandwidth: bool = True) -> dict[str, object]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "openmp_spin_count": openmp_spin_count(),
         **_git_commit(),
         "date_utc": dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
     }
     if bandwidth:
         info["memory_bandwidth_gbs"] = round(memory_read_bandwidth_gbs(), 1)
     return info
+
+
+def openmp_spin_count() -> str | None:
+    """The rounds libgomp's idle workers spin before they sleep in lorastream's computing
+    processes (``worker serve``, ``bench engine``): the user's ``GOMP_SPINCOUNT``, else
+    lorastream's (``core/native_env.py``); None under the user's ``OMP_WAIT_POLICY`` alone."""
+    from lorastream.core.native_env import SPIN_COUNT
+
+    if "GOMP_SPINCOUNT" in os.environ:
+        return os.environ["GOMP_SPINCOUNT"]
+    return None if "OMP_WAIT_POLICY" in os.environ else SPIN_COUNT
 
 
 def memory_read_bandwidth_gbs(nbytes: int = _BANDWIDTH_BYTES, repeats: int = 5) -> float:

@@ -255,13 +255,16 @@ def _machine(results: Mapping[str, Result | None]) -> str:
         return "No result records its machine."
     first = next(iter(machines.values()))
     rows = [[label, text(first.get(key))] for label, key in _MACHINE_ROWS]
-    runs = [[name, text(m.get("date_utc")), _commit(m), number(m.get("memory_bandwidth_gbs"))]
-            for name, m in machines.items()]
+    runs = [[name, text(m.get("date_utc")), _commit(m), number(m.get("memory_bandwidth_gbs")),
+             text(m.get("openmp_spin_count"))] for name, m in machines.items()]
     parts = [
         table(["", "value"], rows, numeric_from=2),
-        "Each run, with its lorastream commit and the memory read bandwidth measured then "
-        "(GB/s, best of five `torch.sum` over a float32 tensor far larger than the caches):",
-        table(["benchmark", "date (UTC)", "commit", "memory bandwidth (GB/s)"], runs),
+        "Each run, with its lorastream commit, the memory read bandwidth measured then "
+        "(GB/s, best of five `torch.sum` over a float32 tensor far larger than the caches) and "
+        "the rounds OpenMP's idle workers spun before sleeping (`GOMP_SPINCOUNT`; a run that "
+        "does not record it spun 3,000, lorastream's setting before 30,000):",
+        table(["benchmark", "date (UTC)", "commit", "memory bandwidth (GB/s)",
+               "OpenMP spin rounds"], runs),
     ]
     differing = [key for key in _SAME_MACHINE
                  if len({json.dumps(m.get(key)) for m in machines.values()}) > 1]

@@ -6,7 +6,7 @@ GNU OpenMP (torch's intra-op threading on Linux) reads its environment once, whe
 imported, and oneDNN and ideep read theirs when they first build a primitive, so the commands
 that compute (``worker serve``, ``bench engine``) call :func:`tune_native_libraries` first thing:
 
-* OpenMP's spin-waits are shortened (``GOMP_SPINCOUNT``, below);
+* OpenMP's spin-waits are shortened to ~1 ms (``GOMP_SPINCOUNT``, below);
 * oneDNN's primitive cache and ideep's cache of prepared products hold 64 entries instead of
   1,024 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``).
 
@@ -30,13 +30,16 @@ import sys
 
 log = logging.getLogger(__name__)
 
-# After a parallel region, libgomp's idle workers spin this many rounds before they sleep:
-# ~0.1 ms instead of the default 300,000 rounds (10+ ms on current x86). Back-to-back ops of a
-# step still find the workers spinning; a gap between steps or a single-threaded stretch of
-# Python frees the core for the adapter loaders and, on a shared box, the store. Measured with
-# `lorastream bench serve` (store, worker and loaders on 2 cores): at the default, loads that ran
-# during decoding took 1,055 ms instead of 680 and overlapped loading lost its TTFT gain.
-SPIN_COUNT = "3000"
+# After a parallel region, libgomp's idle workers spin this many rounds before they sleep: about
+# 1 ms here (measured on these 2-core VMs: 3,000 rounds last 40-80 us, 10,000 160-320 us, 30,000
+# 0.64-1.28 ms), instead of the default 300,000 rounds (10+ ms). A decode step's parallel ops then
+# find the workers spinning through its single-threaded stretches (the activation between the
+# MLP's products: 93-122 us at 32 rows), and the ~3 ms between steps still free the core for the
+# adapter loaders. At 3,000 rounds the OpenMP worker slept 115 times a step (int8 base model, 32
+# rows; 2-3 at 30,000), each sleep a wake-up added to the next op. The default's 10 ms kept the
+# loaders off the core (loads that ran during decoding took 1,055 ms instead of 680). Both
+# measured with `bench serve` in docs/worker.md ("One compute thread").
+SPIN_COUNT = "30000"
 
 
 def waits_actively() -> bool:

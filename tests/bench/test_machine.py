@@ -12,10 +12,12 @@ from lorastream.bench.machine import (
     cpu_model,
     machine_info,
     memory_read_bandwidth_gbs,
+    openmp_spin_count,
 )
+from lorastream.core.native_env import SPIN_COUNT
 
 KEYS = {"cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",
-        "torch_threads", "cuda_device", "commit", "dirty", "date_utc"}
+        "torch_threads", "openmp_spin_count", "cuda_device", "commit", "dirty", "date_utc"}
 
 
 def test_machine_info_has_every_field_and_is_json() -> None:
@@ -26,6 +28,25 @@ def test_machine_info_has_every_field_and_is_json() -> None:
     assert isinstance(info["memory_gib"], float) and info["memory_gib"] > 0
     assert str(info["date_utc"]).endswith("+00:00")
     json.dumps(info)
+
+
+@pytest.mark.parametrize(
+    ("env", "recorded"),
+    [
+        ({}, SPIN_COUNT),  # what worker serve and bench engine set
+        ({"GOMP_SPINCOUNT": "123"}, "123"),  # the user's, which they keep
+        ({"OMP_WAIT_POLICY": "active"}, None),  # the user's policy alone: libgomp's own count
+        ({"GOMP_SPINCOUNT": "7", "OMP_WAIT_POLICY": "passive"}, "7"),
+    ],
+)
+def test_the_openmp_spin_count_recorded_is_the_one_the_computing_processes_use(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], recorded: str | None
+) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert openmp_spin_count() == recorded
 
 
 @pytest.mark.parametrize(
