@@ -30,7 +30,7 @@ def _serve(port: int) -> tuple[grpc.Server, int]:
 
 
 def _restart(port: int) -> grpc.Server:
-    """The server at ``port`` stopped, and a new one started at the same port."""
+    """A new server started at ``port``, where one has just stopped."""
     server, again = _serve(port)
     assert again == port
     return server
