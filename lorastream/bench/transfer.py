@@ -51,7 +51,7 @@ from lorastream.core.store_client import (
     BytesSink,
     StoreClient,
 )
-from lorastream.core.tls import channel_options
+from lorastream.core.tls import open_channel
 
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 # verified client -> the tensor digest its store stages with
@@ -140,7 +140,7 @@ def _run_client(kind: str, target: str, conn: Connection) -> None:
         keep_freed_buffers()
     if kind in BARE:
         # the store client's stream options (single-threaded unary-stream): the same gRPC path
-        channel = grpc.insecure_channel(target, options=channel_options(STREAM_GRPC_OPTIONS))
+        channel = open_channel(target, None, STREAM_GRPC_OPTIONS)
         call = channel.unary_stream(_BARE_METHOD)
 
         def run(chunk_bytes: int) -> int:
