@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from lorastream.core.native_env import openmp_spin_count
+
 _REPO = Path(__file__).resolve().parents[2]
 _BANDWIDTH_BYTES = 256 << 20  # read by torch.sum, far larger than any CPU cache
 
@@ -41,17 +43,6 @@ def machine_info(bandwidth: bool = True) -> dict[str, object]:
     if bandwidth:
         info["memory_bandwidth_gbs"] = round(memory_read_bandwidth_gbs(), 1)
     return info
-
-
-def openmp_spin_count() -> str | None:
-    """The rounds libgomp's idle workers spin before they sleep in lorastream's computing
-    processes (``worker serve``, ``bench engine``): the user's ``GOMP_SPINCOUNT``, else
-    lorastream's (``core/native_env.py``); None under the user's ``OMP_WAIT_POLICY`` alone."""
-    from lorastream.core.native_env import SPIN_COUNT
-
-    if "GOMP_SPINCOUNT" in os.environ:
-        return os.environ["GOMP_SPINCOUNT"]
-    return None if "OMP_WAIT_POLICY" in os.environ else SPIN_COUNT
 
 
 def memory_read_bandwidth_gbs(nbytes: int = _BANDWIDTH_BYTES, repeats: int = 5) -> float:

@@ -68,9 +68,23 @@ def bound_onednn_caches() -> None:
         os.environ.setdefault(name, ONEDNN_CACHE_ENTRIES)
 
 
+def _user_chose_waits() -> bool:
+    return "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+
+
+def openmp_spin_count() -> str | None:
+    """The rounds libgomp's idle workers spin before they sleep in the processes that call
+    :func:`tune_openmp_waits` (``worker serve``, ``bench engine``): the user's
+    ``GOMP_SPINCOUNT``, else :data:`SPIN_COUNT`; None under the user's ``OMP_WAIT_POLICY``
+    alone (libgomp's own count)."""
+    if "GOMP_SPINCOUNT" in os.environ:
+        return os.environ["GOMP_SPINCOUNT"]
+    return None if _user_chose_waits() else SPIN_COUNT
+
+
 def tune_openmp_waits() -> None:
     """Set ``GOMP_SPINCOUNT`` unless the user did; too late (logged) once torch is imported."""
-    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+    if _user_chose_waits():
         return  # the user's choice
     if "torch" in sys.modules:
         log.debug("torch is already loaded: OpenMP keeps its default spin-waits")

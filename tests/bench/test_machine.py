@@ -12,9 +12,8 @@ from lorastream.bench.machine import (
     cpu_model,
     machine_info,
     memory_read_bandwidth_gbs,
-    openmp_spin_count,
 )
-from lorastream.core.native_env import SPIN_COUNT
+from lorastream.core.native_env import SPIN_COUNT, openmp_spin_count
 
 KEYS = {"cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",
         "torch_threads", "openmp_spin_count", "cuda_device", "commit", "dirty", "date_utc"}
