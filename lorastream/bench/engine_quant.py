@@ -338,14 +338,18 @@ def run_quant_bench(
     steps = {mode: {"base_only": 1000 * prompts / statistics.median(samples[2 * j + 1]),
                     "multi_adapter": 1000 * prompts / statistics.median(samples[2 * j])}
              for j, mode in enumerate(modes)}  # the median repeat's step
+    machine = machine_info()
+    bandwidth = machine.get("memory_bandwidth_gbs")
     result["roofline"] = {  # roofline.py: what the projections at the cores' peak would allow
         "multiply_add_peak_gmac_s": peaks,
         "multiply_adds_per_step": prompts * macs_per_row,
         "modes": ({} if "error" in peaks else roofline(
             prompts, macs_per_row, peaks, steps,  # type: ignore[arg-type]
-            projections_median, projections)),
+            projections_median, projections,
+            goals={"base_only": GOAL_BASE_SPEEDUP, "multi_adapter": GOAL_MULTI_SPEEDUP},
+            bandwidth_gbs=bandwidth if isinstance(bandwidth, float) else None)),
     }
     if peft is not None:
         result["peft_mixed_batch_decode_tok_s"] = round(peft, 1)
-    result["machine"] = machine_info()
+    result["machine"] = machine
     return result

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lorastream.bench.report_format import (
+    MISSING,
     Result,
     as_number,
     goal_row,
@@ -204,14 +205,17 @@ def _roofline(r: Result) -> str:
     header = ("base weights", "multiplies", "projections, ms (median pass)", "at the peak, ms",
               "of the peak (median pass)", "(best pass)",
               "base-only: rest, ms", "best possible × fp32", "mixed: rest, ms",
-              "best possible × fp32", "products alone × fp32")
+              "best possible × fp32", "products alone × fp32",
+              "of the peak the goals need: base-only", "mixed",
+              "weights read at the memory's bandwidth, ms")
     kinds = {"fp32": "fp32 FMA", "int8": "int8 × int8"}  # roofline.PEAK_KIND's kinds
     rows = [[_SHOWN.get(mode, mode), kinds.get(PEAK_KIND.get(mode, ""), mode),
              number(_modes(r).get(mode, {}).get("projections_ms_per_step_median")),
              number(f.get("at_peak_ms")), pct(f.get("of_peak")), pct(f.get("of_peak_best")),
              number(f.get("base_only_rest_ms")), ratio(f.get("base_only_ceiling_vs_fp32")),
              number(f.get("multi_adapter_rest_ms")), ratio(f.get("multi_adapter_ceiling_vs_fp32")),
-             ratio(f.get("products_only_vs_fp32"))]
+             ratio(f.get("products_only_vs_fp32")),
+             _needs(f, "base_only"), _needs(f, "multi_adapter"), number(f.get("weights_ms"))]
             for mode, f in modes.items() if isinstance(f, Mapping)]
     return paragraphs([
         "Roofline (bench/roofline.py, docs/worker.md \"The roofline at 32 rows\"): this "
@@ -226,8 +230,23 @@ def _roofline(r: Result) -> str:
         "median repeat's step less the projections' median pass), a mode's decode could reach "
         "at best the figures below; the last column is the bound were the rest of every step "
         "zero. The goals: base-only "
-        f"{text(r.get('goal_base_only_vs_fp32'))}, mixed {text(r.get('goal_multi_vs_fp32'))}.",
+        f"{text(r.get('goal_base_only_vs_fp32'))}, mixed {text(r.get('goal_multi_vs_fp32'))}; "
+        "the share of the peak a mode's product would need to meet them, with the rest of its "
+        "step as measured, is beside them (\"out of reach\": not even a product that took no "
+        "time). Reading a mode's weights once at the memory bandwidth measured in this run "
+        "takes the last column's time: where that is below the time at the peak, the step's "
+        "multiply-adds bound it, not its weight bytes, and fewer bytes gain only what the "
+        "product's efficiency gains.",
         table(header, rows)])
+
+
+def _needs(figures: Mapping[str, object], run: str) -> str:
+    """The share of the peak a goal needs (roofline.py), "out of reach", or – (fp32; results
+    from before it)."""
+    key = f"{run}_goal_needs_of_peak"
+    if key not in figures:
+        return MISSING
+    return "out of reach" if figures[key] is None else pct(figures[key])
 
 
 def _attention(r: Result, torch_path: bool) -> str:

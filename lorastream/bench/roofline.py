@@ -19,6 +19,15 @@ mode::
                                                                           # could reach
     products_only_vs_fp32 = fp32 projections_ms / at_peak_ms              # the bound were the
                                                                           # rest 0 in both
+    goal_needs_of_peak = at_peak_ms / (fp32 step_ms / goal - rest_ms)     # the share of the
+                                                                          # peak a goal needs
+                                                                          # (None: out of reach
+                                                                          # at any speed)
+    weights_ms          = multiply_adds_per_row * bytes_per_weight / bandwidth  # the weights
+                                                                          # read once a step
+
+The last two say what bounds a step: ``weights_ms`` below ``at_peak_ms`` is a step whose
+multiply-adds, not its weight bytes, set its floor (the case quantizing the weights gains least).
 
 ``int8`` multiplies fp32 activations by its dequantized weights (FMA), ``int8-dynamic`` int8 by
 int8 with exact int32 sums (``vpmaddubsw`` without VNNI).
@@ -30,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 PEAK_KIND = {"none": "fp32", "int8": "fp32", "int8-dynamic": "int8"}  # fp8: no CPU kernel
+BYTES_PER_WEIGHT = {"none": 4, "int8": 1, "int8-dynamic": 1}  # the CPU's: fp32, int8
 
 
 class _Projection(Protocol):
@@ -63,20 +73,24 @@ def measure_peaks(device: str = "cpu") -> dict[str, object]:
 def roofline(prompts: int, macs_per_row: int, peaks: Mapping[str, float],
              step_ms: Mapping[str, Mapping[str, float]], projections_ms: Mapping[str, float],
              best_projections_ms: Mapping[str, float] | None = None,
-             ) -> dict[str, dict[str, float]]:
+             goals: Mapping[str, float] | None = None, bandwidth_gbs: float | None = None,
+             ) -> dict[str, dict[str, float | None]]:
     """Per mode of ``step_ms`` (``{mode: {"base_only": ms, "multi_adapter": ms}}``, fp32 as
     ``"none"``; the median repeat's step) whose kind of product has a peak: the figures of the
     module docstring, from the median pass of the projections (``projections_ms``), both
     medians so that the rest of a step is not one lucky repeat less another's lucky pass; with
-    ``best_projections_ms``, the best pass's share of the peak too (``of_peak_best``)."""
+    ``best_projections_ms``, the best pass's share of the peak too (``of_peak_best``); with
+    ``goals`` (``{"base_only": 1.6, ...}``: a mode's decode over fp32's), the share of the peak
+    each quantized mode's product would need to meet them (``{run}_goal_needs_of_peak``); with
+    the memory's read ``bandwidth_gbs``, the time its weights take to read (``weights_ms``)."""
     fp32_step = step_ms["none"]
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, float | None]] = {}
     for mode, steps in step_ms.items():
         kind = PEAK_KIND.get(mode)
         if kind is None or not peaks.get(kind) or mode not in projections_ms:
             continue
         at_peak = prompts * macs_per_row / (peaks[kind] * 1e9) * 1e3
-        figures = {
+        figures: dict[str, float | None] = {
             "at_peak_ms": round(at_peak, 1),
             "of_peak": round(at_peak / projections_ms[mode], 3),  # the product's share of peak
             "products_only_vs_fp32": round(projections_ms["none"] / at_peak, 3),
@@ -87,5 +101,12 @@ def roofline(prompts: int, macs_per_row: int, peaks: Mapping[str, float],
             rest = max(ms - projections_ms[mode], 0.0)
             figures[f"{run}_rest_ms"] = round(rest, 1)
             figures[f"{run}_ceiling_vs_fp32"] = round(fp32_step[run] / (rest + at_peak), 3)
+            if goals and run in goals and mode != "none":
+                left = fp32_step[run] / goals[run] - rest  # ms the projections may take
+                figures[f"{run}_goal_needs_of_peak"] = (
+                    round(at_peak / left, 3) if left > 0 else None)
+        if bandwidth_gbs and mode in BYTES_PER_WEIGHT:
+            figures["weights_ms"] = round(
+                macs_per_row * BYTES_PER_WEIGHT[mode] / (bandwidth_gbs * 1e9) * 1e3, 3)
         out[mode] = figures
     return out

@@ -130,6 +130,11 @@ def test_quant_bench_reports_every_mode_against_fp32(tmp_path: Path) -> None:
     assert roof["multiply_adds_per_step"] == 2 * per_row  # 2 prompts
     assert set(roof["modes"]) == {"none", "int8", "int8-dynamic"}
     assert all(f["base_only_ceiling_vs_fp32"] > 0 for f in roof["modes"].values())
+    # the goals' needs (None only where the rest alone is too long) and the weights' read time
+    for mode in ("int8", "int8-dynamic"):
+        assert "base_only_goal_needs_of_peak" in roof["modes"][mode]
+    weights = {mode: f["weights_ms"] for mode, f in roof["modes"].items()}
+    assert weights["none"] > weights["int8"] == weights["int8-dynamic"] > 0  # 4 bytes, 1 byte
     assert "Roofline (bench/roofline.py" in page and "| int8 weight-only | fp32 FMA |" in page
 
 
@@ -185,6 +190,44 @@ def test_the_roofline_puts_each_mode_s_projections_at_its_kind_s_peak() -> None:
     assert got["int8-dynamic"]["base_only_ceiling_vs_fp32"] == round(100 / (35 + 5), 3)
     assert got["int8-dynamic"]["products_only_vs_fp32"] == 14.0
     assert got["int8"]["of_peak_best"] == 0.25 and "of_peak_best" not in got["int8-dynamic"]
+    assert not any(k.endswith("goal_needs_of_peak") or k == "weights_ms"
+                   for f in got.values() for k in f)  # neither goals nor a bandwidth given
+
+
+def test_the_roofline_says_what_share_of_the_peak_each_goal_needs() -> None:
+    """fp32's steps: 100 ms base-only, 150 mixed. A goal of 2x base-only leaves int8 50 ms, of
+    which its rest (80 - 50 = 30 ms) takes 30: its product, 10 ms at the peak, must run in 20,
+    at 50% of the peak. A goal of 1.2x mixed leaves 125 ms, its rest is 70: 10 / 55. At 4x
+    base-only (25 ms) int8-dynamic's rest alone (35 ms) is longer: out of reach."""
+    steps = {"none": {"base_only": 100.0, "multi_adapter": 150.0},
+             "int8": {"base_only": 80.0, "multi_adapter": 120.0},
+             "int8-dynamic": {"base_only": 75.0, "multi_adapter": 130.0}}
+    projections = {"none": 70.0, "int8": 50.0, "int8-dynamic": 40.0}
+    peaks = {"fp32": 100.0, "int8": 200.0}
+    got = roofline(32, 10**9 // 32, peaks, steps, projections,
+                   goals={"base_only": 2.0, "multi_adapter": 1.2}, bandwidth_gbs=25.0)
+    assert got["int8"]["base_only_goal_needs_of_peak"] == 0.5
+    assert got["int8"]["multi_adapter_goal_needs_of_peak"] == round(10 / 55, 3)
+    assert got["int8-dynamic"]["base_only_goal_needs_of_peak"] == round(5 / 15, 3)
+    assert "base_only_goal_needs_of_peak" not in got["none"]  # fp32 is what the goals divide
+    # 1e9 / 32 weights, read once: 4 bytes each in fp32 (5 ms at 25 GB/s), 1 in int8
+    assert got["none"]["weights_ms"] == 5.0 and got["int8"]["weights_ms"] == 1.25
+    far = roofline(32, 10**9 // 32, peaks, steps, projections, goals={"base_only": 4.0})
+    assert far["int8-dynamic"]["base_only_goal_needs_of_peak"] is None
+    assert far["int8"]["base_only_goal_needs_of_peak"] is None  # 25 ms left, rest 30
+
+
+def test_the_page_shows_the_share_of_the_peak_a_goal_needs_or_that_it_is_out_of_reach() -> None:
+    from lorastream.bench.report_quant import _roofline
+
+    roof = {"multiply_add_peak_gmac_s": {"fp32": 100.0, "int8": 90.0, "int16": 50.0},
+            "multiply_adds_per_step": 10**9, "modes": {
+                "none": {"at_peak_ms": 10.0, "weights_ms": 5.0},
+                "int8": {"at_peak_ms": 10.0, "base_only_goal_needs_of_peak": 0.755,
+                         "multi_adapter_goal_needs_of_peak": None, "weights_ms": 1.2}}}
+    page = _roofline({"roofline": roof, "prompts": 32, "modes": {}})
+    assert "| 75.5% | out of reach | 1.2 |" in page
+    assert page.count("| – | – | 5.0 |") == 1  # fp32: no goal of its own
 
 
 def test_no_cpu_peak_is_measured_for_a_model_on_a_gpu() -> None:
