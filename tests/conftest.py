@@ -29,8 +29,8 @@ os.environ.setdefault("LORASTREAM_STORE_METRICS_PORT", "0")
 def pytest_configure(config) -> None:  # noqa: ANN001
     """Stop at once if ``lorastream``'s subpackages come from another checkout.
 
-    setup.py maps ``lorastream.worker`` and its siblings to this repository's folders; an editable
-    install made from another clone would test that clone's code. ``make test`` reinstalls when
+    An editable install points ``lorastream`` at the checkout it was made from; one made from
+    another clone would test that clone's code. ``make test`` reinstalls when
     the checkout changes.
     """
     from pathlib import Path

@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# import name -> repository folder (setup.py's PACKAGE_DIRS)
-FOLDERS = {
-    "lorastream": REPO / "lorastream",
-    "lorastream.store": REPO / "services" / "adapter_store",
-    "lorastream.worker": REPO / "services" / "gpu_worker",
-    "lorastream.gateway": REPO / "gateway",
-    "lorastream.kernels": REPO / "kernels",
-}
+# The one import root: a module's path under the repository is its import name.
+ROOT = REPO / "lorastream"
 # Lowest first. A module may import its own layer and the layers below.
 LAYERS = (
     ("lorastream.core", "lorastream.common", "lorastream.adapter_store", "lorastream.gpu_worker"),
@@ -47,12 +41,9 @@ def _rank(name: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
 
 
 def _modules() -> Iterator[tuple[str, Path]]:
-    for package, folder in FOLDERS.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
-            if package == "lorastream" and parts and f"lorastream.{parts[0]}" in FOLDERS:
-                continue  # a mapped package seen through a link, if any
-            yield ".".join([package, *parts]), path
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = [p for p in path.relative_to(REPO).with_suffix("").parts if p != "__init__"]
+        yield ".".join(parts), path
 
 
 def _imports(path: Path) -> Iterator[tuple[str, int]]:

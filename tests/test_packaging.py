@@ -1,5 +1,5 @@
-"""The installed package: one import root, ``lorastream``, with every folder the repository maps;
-its dependencies: a runtime lock apart from the dev lock, both within pyproject's ranges."""
+"""The installed package: one import root, ``lorastream``, with every module under the folder of
+the same name; its dependencies: a runtime lock apart from the dev lock, both within pyproject's ranges."""
 
 from __future__ import annotations
 
@@ -21,25 +21,19 @@ from typer.testing import CliRunner
 from lorastream.cli.main import app
 
 REPO = Path(__file__).resolve().parents[1]
-# repository folder -> the subpackage it installs as (setup.py's PACKAGE_DIRS)
-MAPPED = {
-    "lorastream": "lorastream",
-    "services/adapter_store": "lorastream/store",
-    "services/gpu_worker": "lorastream/worker",
-    "gateway": "lorastream/gateway",
-    "kernels": "lorastream/kernels",
-}
+# The subpackages that hold the services and kernels: each folder's path is its import name.
+PACKAGES = ["lorastream", "lorastream/store", "lorastream/worker", "lorastream/gateway",
+            "lorastream/kernels"]
 
 
 @pytest.fixture(scope="module")
 def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for folder in MAPPED:
-        shutil.copytree(REPO / folder, src / folder,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copytree(REPO / "lorastream", src / "lorastream",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
@@ -56,13 +50,11 @@ def test_the_wheel_installs_only_the_lorastream_root(wheel_names: set[str]) -> N
     assert {t for t in tops if not t.endswith(".dist-info")} == {"lorastream"}
 
 
-@pytest.mark.parametrize("folder", sorted(MAPPED))
-def test_every_module_of_a_mapped_folder_is_in_the_wheel(
-    wheel_names: set[str], folder: str
-) -> None:
+@pytest.mark.parametrize("folder", PACKAGES)
+def test_every_module_of_a_package_is_in_the_wheel(wheel_names: set[str], folder: str) -> None:
     root = REPO / folder
     expected = {
-        f"{MAPPED[folder]}/{path.relative_to(root).as_posix()}"
+        path.relative_to(REPO).as_posix()
         for path in root.rglob("*.py")
         if (path.parent / "__init__.py").is_file() and ".venv" not in path.parts
     }
@@ -75,7 +67,7 @@ def test_the_sample_adapters_ship_in_the_wheel(wheel_names: set[str]) -> None:
 
 
 def test_the_cpu_attention_kernel_source_ships_in_the_wheel(wheel_names: set[str]) -> None:
-    """kernels/cpu_attention.py compiles it where the package is installed."""
+    """lorastream/kernels/cpu_attention.py compiles it where the package is installed."""
     assert "lorastream/kernels/csrc/decode_attention.cpp" in wheel_names
 
 

@@ -244,7 +244,7 @@ def free_port() -> int:
 def spawn(args: list[str], priority: str | None = None,
           cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
     """``lorastream ARGS --log-level WARNING`` as a child process, at ``priority`` (``idle`` or
-    ``nice:N``, see ``services/gpu_worker/device/priority.py``) and on ``cpus`` if given."""
+    ``nice:N``, see ``lorastream/worker/device/priority.py``) and on ``cpus`` if given."""
 
     def before_exec() -> None:
         if cpus:

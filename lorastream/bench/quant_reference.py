@@ -5,7 +5,7 @@ token goal is stated against.
 
 A position is decisive for a mode when the reference's top-2 margin exceeds the mode's stated
 logit tolerance (``LOGIT_TOLERANCE[mode] * max |logit|`` of that row,
-``services/gpu_worker/model/quant_linear.py``): an error the tolerance allows cannot flip its
+``lorastream/worker/model/quant_linear.py``): an error the tolerance allows cannot flip its
 argmax. Within it the position is a near-tie, and either token is as good an answer as the
 tolerance can promise. The same criterion is the tolerance test's
 (``tests/worker/test_quantization.py``).

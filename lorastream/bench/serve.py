@@ -21,9 +21,9 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
 The worker's peak resident memory is sampled and reported against its configured budgets. After
 both modes the interference part and the cold probe run once more per variant of the worker's CPU
 measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
-(``--copy-turn-ms 0``) rather than in turns between them (``services/gpu_worker/device/step_gate.py``);
+(``--copy-turn-ms 0``) rather than in turns between them (``lorastream/worker/device/step_gate.py``);
 the compute threads placed by the kernel rather than bound one per core
-(``--bind-compute-threads off``, ``services/gpu_worker/device/cpu_binding.py``); and store fetches
+(``--bind-compute-threads off``, ``lorastream/worker/device/cpu_binding.py``); and store fetches
 given a turn of the cores before each step while they are in flight (``--fetch-turn-ms 2``,
 ``step_gate.py``; off by default), which trades the running streams' ITL for load time; and,
 not a CPU measure, layer-ordered admission (``--layered-admission on``; off by default), whose
@@ -32,7 +32,7 @@ cold probe against the defaults' is what it wins.
 The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
 and on a 2-core benchmark box it would otherwise take the cores the worker decodes on (at
 ``nice 10`` it still doubled the decode's ITL p50 while it worked; see
-``services/gpu_worker/device/priority.py``). For the same reason its egress is capped at
+``lorastream/worker/device/priority.py``). For the same reason its egress is capped at
 ``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
 "network" would otherwise run at memory speed and cost the worker's cores, where a real link
 moves the bytes without them. The link banks up to ``store_link_burst_bytes`` (4 MiB, the most

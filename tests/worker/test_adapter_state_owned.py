@@ -18,7 +18,7 @@ from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import EngineFactory, StoreStack
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "services" / "gpu_worker"
+WORKER = ROOT / "lorastream" / "worker"
 OWNER = WORKER / "loading"
 # Code that drives the worker from above: the engine's own modules, its service, the benchmarks.
 SCANNED = [WORKER, ROOT / "lorastream" / "bench", ROOT / "lorastream" / "stack"]

@@ -7,7 +7,7 @@ wholly before a sequence's window are filled with NaN, so a windowed layer that 
 them would return NaN: the test proves that only the window is read.
 
 Every case runs on both decode paths: torch's (gathered blocks, SDPA) and the native C++ kernel
-(``kernels/cpu_attention.py``, fp32 on the CPU), which must build here.
+(``lorastream/kernels/cpu_attention.py``, fp32 on the CPU), which must build here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``kernels/cpu_peak.py``: the cores' multiply-add peak per kind of product, the roofline of the
+"""``lorastream/kernels/cpu_peak.py``: the cores' multiply-add peak per kind of product, the roofline of the
 quantized-base benchmark (lorastream/bench/roofline.py)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The torch LoRA backend against the fp32 SGMV reference, over the popularities that matter;
 with ``native`` (``--cpu-kernels``) its slot-major steps whose rows are the layout run the C++
-``lora_rows`` (kernels/cpu_lora.py), held to the same reference and to the bmm path."""
+``lora_rows`` (lorastream/kernels/cpu_lora.py), held to the same reference and to the bmm path."""
 
 from __future__ import annotations
 

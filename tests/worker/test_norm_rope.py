@@ -1,4 +1,4 @@
-"""``kernels/cpu_norm_rope.py``: the C++ RMSNorm and rotary embedding against torch's paths in
+"""``lorastream/kernels/cpu_norm_rope.py``: the C++ RMSNorm and rotary embedding against torch's paths in
 ``worker/model`` (the rotary bit for bit, the norm within an ulp or two of its mean)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // What the C++ CPU ops share: the AVX2 switch, the check of a float32 CPU tensor argument and
 // the grain of their parallel loops.
-// Copied beside the sources into each build (kernels/cpu_ops.py), and part of its digest.
+// Copied beside the sources into each build (lorastream/kernels/cpu_ops.py), and part of its digest.
 
 #pragma once
 

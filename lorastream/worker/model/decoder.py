@@ -106,7 +106,7 @@ class RMSNorm:
         self.eps = eps
         self.plus_one = plus_one
         self.weight = 1.0 + weight.float() if plus_one else weight  # [D]
-        # the C++ op (kernels/cpu_norm_rope.py) for fp32 [T, D] hidden states
+        # the C++ op (lorastream/kernels/cpu_norm_rope.py) for fp32 [T, D] hidden states
         self.native = native and self.weight.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]

@@ -1,4 +1,4 @@
-"""``--cpu-kernels``: whether this worker computes with the C++ CPU ops (``kernels/cpu_ops.py``:
+"""``--cpu-kernels``: whether this worker computes with the C++ CPU ops (``lorastream/kernels/cpu_ops.py``:
 decode attention over the paged cache, the LoRA delta of slot-major steps, RMSNorm and the
 rotary embedding, int8-dynamic's input rotation, int8's weight-only product) or torch's paths.
 

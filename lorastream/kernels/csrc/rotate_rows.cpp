@@ -2,7 +2,7 @@
 // transform, then the small orthogonal factor across the blocks, in one pass per row.
 //
 // Registered as torch.ops.lorastream.rotate_rows. Semantics, shapes and the reference:
-// kernels/cpu_rotation.py. Built with the other ops as one extension (kernels/cpu_ops.py).
+// lorastream/kernels/cpu_rotation.py. Built with the other ops as one extension (lorastream/kernels/cpu_ops.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

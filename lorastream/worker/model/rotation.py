@@ -27,7 +27,7 @@ lm_head's candidates exact, ``QuantLinear.exact_top``); 98.8% in a trial whose `
 Applied as two small products, ``x.view(T, a, b) @ H_b`` and then ``Q_aᵀ`` over the a axis:
 K (a + b) multiply-adds per row instead of K²; or, where the C++ CPU ops run (``native``, as
 ``--cpu-kernels`` decides), as one op with a fast Walsh-Hadamard transform
-(``kernels/cpu_rotation.py``).
+(``lorastream/kernels/cpu_rotation.py``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ at memory bandwidth, 2-5x faster than ``grouped_mm`` for one token per adapter. 
 largest rank in the batch (ranks are sliced to it), not the slot capacity.
 
 With ``native`` (``--cpu-kernels``, fp32 on the CPU), a slot-major step whose batch rows are its
-layout (decode: the step builder orders decode rows by slot) runs ``kernels/cpu_lora.py``'s
+layout (decode: the step builder orders decode rows by slot) runs ``lorastream/kernels/cpu_lora.py``'s
 ``lora_rows`` instead: one C++ op per input that reads each row's A and B once and adds the delta
 into the output in place (same sums, another order), where the bmm path runs 18 ops per layer.
 """

@@ -1,9 +1,9 @@
 // Decode attention over the paged KV cache on the CPU, read in place (no gathered copy).
 //
 // Two ops, registered as torch.ops.lorastream.decode_scores / decode_values; the softmax between
-// them is torch's. Semantics, shapes and the reference: kernels/cpu_attention.py. Built once by
+// them is torch's. Semantics, shapes and the reference: lorastream/kernels/cpu_attention.py. Built once by
 // torch.utils.cpp_extension at first use, with lora_rows.cpp as one extension
-// (kernels/cpu_ops.py).
+// (lorastream/kernels/cpu_ops.py).
 //
 // Layout (kv_cache.py): cache [blocks, bs, kvh, d]; token p of row b lives in block
 // tables[b, p / bs] at row p % bs. Row b's query sees positions lo .. context[b] - 1 with

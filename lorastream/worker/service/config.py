@@ -144,7 +144,7 @@ class WorkerSettings(StoreTLSSettings):
         description="CPU priority of the adapter loaders (store fetches, CPU copies into the "
         "slots). idle: SCHED_IDLE, they run only on CPU time decoding leaves; nice: at "
         "--loader-nice, for a box whose cores never idle (see "
-        "services/gpu_worker/device/priority.py).",
+        "lorastream/worker/device/priority.py).",
     )
     loader_nice: int = Field(
         10,

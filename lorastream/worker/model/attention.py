@@ -20,7 +20,7 @@ Nothing here reads a device tensor back to the host: block ranges of prefill chu
 their host-side lengths, those of decode rows are computed on the device from the shapes.
 
 ``native`` (fp32 on the CPU, ``--cpu-kernels``): decode rows run the C++ kernel of
-``kernels/cpu_attention.py`` instead, which reads the cache blocks in place (same semantics and
+``lorastream/kernels/cpu_attention.py`` instead, which reads the cache blocks in place (same semantics and
 score layout; no gathered copy, no SDPA call); prefill chunks keep SDPA.
 """
 

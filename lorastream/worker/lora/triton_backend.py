@@ -1,4 +1,4 @@
-"""The LoRA delta with the Triton SGMV kernels of ``kernels/`` (CUDA; the CPU runs them only in
+"""The LoRA delta with the Triton SGMV kernels of ``lorastream/kernels/`` (CUDA; the CPU runs them only in
 Triton's interpreter, for tests). Same contract as the torch backend: metadata built on the host
 once per step (``SgmvMetadata``), reused by every layer's shrink and expand."""
 

@@ -3,8 +3,8 @@
 // of a step over 30 layers.
 //
 // Registered as torch.ops.lorastream.rms_norm and torch.ops.lorastream.rotary. Semantics, shapes
-// and the reference: kernels/cpu_norm_rope.py. Built with the other ops as one extension
-// (kernels/cpu_ops.py).
+// and the reference: lorastream/kernels/cpu_norm_rope.py. Built with the other ops as one extension
+// (lorastream/kernels/cpu_ops.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

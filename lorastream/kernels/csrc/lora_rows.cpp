@@ -2,7 +2,7 @@
 // slot storage, the delta added into the projection's output in place.
 //
 // Registered as torch.ops.lorastream.lora_rows. Semantics, shapes and the reference:
-// kernels/cpu_lora.py. Built with decode_attention.cpp as one extension (kernels/cpu_ops.py).
+// lorastream/kernels/cpu_lora.py. Built with decode_attention.cpp as one extension (lorastream/kernels/cpu_ops.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

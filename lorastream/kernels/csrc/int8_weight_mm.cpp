@@ -7,7 +7,7 @@
 // a 6 x 16 register tile over it (what the fp32 GEMMs do: 12 FMAs per 2 loads and 6 broadcasts).
 //
 // Registered as torch.ops.lorastream.int8_weight_mm. Semantics, shapes and the reference:
-// kernels/cpu_int8.py. Built with the other ops as one extension (kernels/cpu_ops.py).
+// lorastream/kernels/cpu_int8.py. Built with the other ops as one extension (lorastream/kernels/cpu_ops.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

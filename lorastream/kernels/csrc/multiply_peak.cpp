@@ -5,7 +5,7 @@
 // rate is the execution units' and nothing else's.
 //
 // Registered as torch.ops.lorastream.multiply_add_peak. Semantics and kinds:
-// kernels/cpu_peak.py. Built with the other ops as one extension (kernels/cpu_ops.py).
+// lorastream/kernels/cpu_peak.py. Built with the other ops as one extension (lorastream/kernels/cpu_ops.py).
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
