@@ -16,8 +16,10 @@ A ``registry.json`` from earlier versions is imported on first start, in one tra
 renamed to ``registry.json.migrated``; a schema 1 database (names only) gets its history table in
 one transaction, each name's current content as its version 1.
 
-It also keeps the bytes of each staged content id (in memory) and answers what the disk budget's
-eviction policy (``eviction.py``) reads: each content id's last use, pins and names.
+It also keeps, in memory (``content_use.py``), what the disk budget's eviction policy
+(``eviction.py``) reads of each staged content id: its bytes, its last use and whether a pinned
+name points at it, and the LRU order. Each change refreshes the content ids it touched with one
+indexed query, so no registration reads every name (the cost stays flat in the number of names).
 
 Not thread-safe: the store calls it under its own lock.
 """
@@ -35,6 +37,7 @@ from pathlib import Path
 from lorastream.core.errors import CapacityExhausted, InvalidArgument
 from lorastream.core.listing import AdapterFilter
 from lorastream.core.versions import AdapterVersion
+from lorastream.store.content_use import ContentUse
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,13 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS versions_by_adapter ON versions (adapter_id)",
 )
 _VERSION_COLUMNS = "name, version, adapter_id, source_uri, revision, created_at"
+# One content id's latest use and pin, through the adapter_id indexes (what eviction reads).
+_USE_OF = (
+    "SELECT MAX(used), MAX(pinned) FROM (SELECT last_used_at AS used, pinned FROM names WHERE "
+    "adapter_id = ?1 UNION ALL SELECT last_used_at, 0 FROM versions WHERE adapter_id = ?1)"
+)
+_IDS_OF_NAME = "SELECT adapter_id FROM names WHERE name = ?"
+_IDS_OF_HISTORY = "SELECT adapter_id FROM versions WHERE name = ?"
 # Names without history (a schema 1 database, a legacy import) get their content as version 1.
 _BACKFILL = (
     "INSERT INTO versions (name, version, adapter_id, source_uri, revision, created_at, "
@@ -100,11 +110,11 @@ def _like_prefix(prefix: str) -> str:
 
 
 class Registry:
-    """name -> RegistryEntry in SQLite, plus the bytes of each staged content id (in memory)."""
+    """name -> RegistryEntry in SQLite, plus each staged content id's bytes and use."""
 
     def __init__(self, cache_dir: Path) -> None:
         self.path = Path(cache_dir) / REGISTRY_FILE
-        self.sizes: dict[str, int] = {}  # adapter_id -> bytes on disk
+        self.sizes = ContentUse()  # adapter_id -> bytes on disk; written by set_size/drop_size
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -143,12 +153,15 @@ class Registry:
 
     def put_many(self, entries: Iterable[RegistryEntry]) -> None:
         """Register every one of ``entries`` in one transaction: all of them, or none."""
+        touched: set[str] = set()
         with self._write():
             for entry in entries:
                 old = self.get(entry.name)
                 self._insert([entry])
                 if old is None or old.adapter_id != entry.adapter_id:
                     self._append_version(entry, old)
+                touched.update(self._staged_ids(entry, old))
+        self._refresh(touched)
 
     def rollback(self, name: str, target: AdapterVersion, when: float) -> RegistryEntry:
         """Point ``name`` at ``target``'s content again, appended as its newest version (one
@@ -159,29 +172,37 @@ class Registry:
         with self._write():
             self._insert([entry])
             self._append_version(entry, old)
+        self._refresh(self._staged_ids(entry, old))
         return entry
 
     def delete(self, names: Iterable[str]) -> None:
         """Forget ``names`` (those that exist) and their history, all in one transaction."""
         rows = [(n,) for n in names]
+        touched = self._ids_of(rows, _IDS_OF_NAME, _IDS_OF_HISTORY)
         with self._write():
             self._db.executemany("DELETE FROM names WHERE name = ?", rows)
             self._db.executemany("DELETE FROM versions WHERE name = ?", rows)
+        self._refresh(touched)
 
     def drop_current(self, names: Iterable[str]) -> None:
         """Unbind ``names`` from their current content (evicted or lost), keeping their
         history, in one transaction."""
+        rows = [(n,) for n in names]
+        touched = self._ids_of(rows, _IDS_OF_NAME)
         with self._write():
-            self._db.executemany("DELETE FROM names WHERE name = ?", [(n,) for n in names])
+            self._db.executemany("DELETE FROM names WHERE name = ?", rows)
+        self._refresh(touched)
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         with self._write():
             self._db.execute("UPDATE names SET pinned = ? WHERE name = ?", (int(pinned), name))
+        self._refresh(self._ids_of([(name,)], _IDS_OF_NAME))
 
     def touch(self, name: str, when: float) -> None:
         """Record a use of ``name`` at ``when`` (unix seconds)."""
         with self._write():
             self._db.execute("UPDATE names SET last_used_at = ? WHERE name = ?", (when, name))
+        self._refresh(self._ids_of([(name,)], _IDS_OF_NAME))
 
     def touch_version(self, name: str, adapter_id: str, when: float) -> None:
         """Record a use of ``name``'s version(s) with ``adapter_id`` (a pinned stream), and of
@@ -192,6 +213,7 @@ class Registry:
                     f"UPDATE {table} SET last_used_at = ? WHERE name = ? AND adapter_id = ?",
                     (when, name, adapter_id),
                 )
+        self._refresh([adapter_id])
 
     # -- queries ------------------------------------------------------------------------------
     def get(self, name: str) -> RegistryEntry | None:
@@ -242,7 +264,16 @@ class Registry:
 
     @property
     def bytes_used(self) -> int:
-        return sum(self.sizes.values())
+        return self.sizes.bytes_used
+
+    def set_size(self, adapter_id: str, size: int) -> None:
+        """``adapter_id`` is staged with ``size`` bytes on disk (its use is read once, here)."""
+        used, pinned = self._use_of(adapter_id)
+        self.sizes.staged(adapter_id, size, used, pinned)
+
+    def drop_size(self, adapter_id: str) -> None:
+        """``adapter_id``'s files are gone."""
+        self.sizes.gone(adapter_id)
 
     def names_of(self, adapter_id: str) -> list[str]:
         rows = self._db.execute(
@@ -279,15 +310,25 @@ class Registry:
             for n, v, aid, uri, rev, created in rows
         ]
 
-    def content_use(self) -> dict[str, tuple[float, bool]]:
-        """content id -> (its latest use among the names and versions that hold it, whether a
-        name pointing at it now is pinned): what eviction orders by (``eviction.py``)."""
-        rows = self._db.execute(
-            "SELECT adapter_id, MAX(used), MAX(pinned) FROM (SELECT adapter_id, "
-            "last_used_at AS used, pinned FROM names UNION ALL SELECT adapter_id, last_used_at, "
-            "0 FROM versions) GROUP BY adapter_id"
-        )
-        return {adapter_id: (used, bool(any_pinned)) for adapter_id, used, any_pinned in rows}
+    # -- the staged contents' use (content_use.py), refreshed after each change ------------------
+    def _use_of(self, adapter_id: str) -> tuple[float, bool]:
+        """(latest use among the names and versions holding ``adapter_id``, whether a name
+        pointing at it is pinned); (0.0, False) when nothing refers to it."""
+        used, pinned = self._db.execute(_USE_OF, (adapter_id,)).fetchone()
+        return float(used or 0.0), bool(pinned)
+
+    def _refresh(self, adapter_ids: Iterable[str]) -> None:
+        for adapter_id in adapter_ids:
+            if adapter_id in self.sizes:
+                self.sizes.use(adapter_id, *self._use_of(adapter_id))
+
+    def _staged_ids(self, *entries: RegistryEntry | None) -> set[str]:
+        return {e.adapter_id for e in entries if e is not None and e.adapter_id in self.sizes}
+
+    def _ids_of(self, rows: list[tuple[str]], *queries: str) -> set[str]:
+        """The staged content ids the names in ``rows`` refer to, by ``queries`` (indexed)."""
+        return {aid for row in rows for query in queries
+                for (aid,) in self._db.execute(query, row) if aid in self.sizes}
 
     # -- internals ----------------------------------------------------------------------------
     @contextlib.contextmanager

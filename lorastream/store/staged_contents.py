@@ -5,7 +5,8 @@ Owns, by content id: the staged adapters under ``cache/adapters`` (through a
 :class:`~lorastream.store.staging.Stager`), the leases that keep them on disk (open streams, and a
 finished download until each preload sharing it registered its name), and the disk budget: the
 bytes staged (kept in ``Registry.sizes``, which the registry's history and ``eviction.py`` read;
-only this class writes it) and the estimated bytes of downloads in progress (reserved).
+only this class writes it, through ``Registry.set_size`` and ``drop_size``) and the estimated
+bytes of downloads in progress (reserved).
 
 Eviction works on content ids (``eviction.plan_eviction``): least recently used first, never a
 leased id, never one a name pinned, never one the caller protects (the content being committed);
@@ -77,7 +78,7 @@ class StagedContents:
                 self._stager.remove(adapter_id)
                 continue
             self._staged[adapter_id] = staged
-            self._registry.sizes[adapter_id] = staged.size_bytes
+            self._registry.set_size(adapter_id, staged.size_bytes)
         lost = [e.name for e in self._registry.matching() if e.adapter_id not in self._staged]
         for name in lost:
             log.warning("adapter %s lost its staged files; preload it again", name)
@@ -157,7 +158,7 @@ class StagedContents:
                 finally:
                     self._stager.discard(prepared)
                 self._staged[staged.adapter_id] = staged
-                self._registry.sizes[staged.adapter_id] = staged.size_bytes
+                self._registry.set_size(staged.adapter_id, staged.size_bytes)
                 self._leases[staged.adapter_id] = self._leases.get(staged.adapter_id, 0) + claim()
                 return staged
         except BaseException:
@@ -185,5 +186,5 @@ class StagedContents:
 
     def _drop_files(self, adapter_id: str) -> None:
         self._staged.pop(adapter_id, None)
-        self._registry.sizes.pop(adapter_id, None)
+        self._registry.drop_size(adapter_id)
         self._stager.remove(adapter_id)

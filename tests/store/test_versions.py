@@ -84,7 +84,8 @@ def test_a_bad_pinned_reference_says_what_is_wrong(tmp_path: Path, case: str) ->
     ids = ["ab12" + "0" * 60, "ab34" + "0" * 60, "cd56" + "0" * 60]
     for adapter_id in ids:
         registry.put(_entry("x", adapter_id))
-    registry.sizes = {ids[0]: 10, ids[2]: 10}  # ids[1] was evicted
+    for adapter_id in (ids[0], ids[2]):  # ids[1] was evicted
+        registry.set_size(adapter_id, 10)
     assert entry_for_ref(registry, "x@ab1").adapter_id == ids[0]
     ref, error, message = {
         "unknown": ("x@ef", errors.AdapterNotFound, "no version of 'x' .* history x"),
