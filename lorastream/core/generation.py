@@ -277,6 +277,8 @@ class GenerationEvent:
     index: int = 0
     """The choice these tokens belong to (0 .. n - 1); each choice ends with its own
     ``finish_reason``, and ``completion_tokens`` counts that choice's tokens."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from the worker's prefix cache (not prefilled again)."""
 
 
 @dataclass(frozen=True)

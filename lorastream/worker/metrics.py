@@ -34,6 +34,8 @@ class TierState:
     waiting: int
     running: int
     kv_tokens_used: int
+    prefix_cached_blocks: int = 0  # KV blocks holding a cached prefix (held or idle)
+    prefix_hit_rate: float = 0.0  # prompt tokens taken from the prefix cache / looked up
 
 
 class _StateCollector(Collector):
@@ -69,6 +71,16 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "lorastream_worker_kv_tokens_used", "KV cache tokens reserved.",
             value=state.kv_tokens_used,
+        )
+        yield GaugeMetricFamily(
+            "lorastream_worker_prefix_cache_blocks",
+            "KV cache blocks holding a cached prompt prefix (in use or idle).",
+            value=state.prefix_cached_blocks,
+        )
+        yield GaugeMetricFamily(
+            "lorastream_worker_prefix_cache_hit_rate",
+            "Share of admitted prompt tokens whose KV came from the prefix cache, since start.",
+            value=state.prefix_hit_rate,
         )
 
 

@@ -33,6 +33,7 @@ from lorastream.worker.engine.intake import RequestIntake
 from lorastream.worker.engine.landing import LandingPrefills
 from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.logits_processors import token_logprobs
+from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sampling import Sampler, SamplingParams
 from lorastream.worker.engine.scheduler import Scheduler, StepPlan
 from lorastream.worker.engine.sequence import RequestStream, Sequence
@@ -81,6 +82,7 @@ class Engine:
         default_max_tokens: int,
         prefetch_depth: int = 8,
         layered_admission: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -90,6 +92,11 @@ class Engine:
         self.backend = backend
         self.device = device
         self.base_model_name = base_model_name
+        self.prefix = PrefixCache(
+            kv.allocator, model.config, enabled=prefix_caching, base_identity=base_model_name,
+            quantization=model.quantization,
+        )
+        self._reset_prefix = threading.Event()  # the operator asked; the loop does it
         self.scheduler = Scheduler(
             kv.allocator,
             adapters,
@@ -97,6 +104,7 @@ class Engine:
             max_num_tokens=max_num_tokens,
             prefetch_depth=prefetch_depth if adapters.overlap else 0,
             layered=layered_admission and adapters.overlap,
+            prefix=self.prefix,
         )
         self.landing = LandingPrefills(model, kv, slots, backend, adapters, max_num_tokens)
         self.sampler = Sampler()
@@ -199,6 +207,12 @@ class Engine:
         refs = self.adapters.usage().references
         return refs == 0 and self.kv.allocator.used_blocks == 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (operator API): the loop does it before it next admits,
+        so any request submitted after this call reuses nothing cached before it."""
+        self._reset_prefix.set()
+        self._wake.set()
+
     def is_base_model(self, name: str) -> bool:
         return name in ("", self.base_model_name)
 
@@ -243,6 +257,9 @@ class Engine:
             try:
                 self._intake()
                 self._drop_cancelled()
+                if self._reset_prefix.is_set():
+                    self._reset_prefix.clear()
+                    self.prefix.reset()
                 # with fetch turns, a fetch in flight gets the cores for a moment; then a slot
                 # copy ready since the last step lands (both on the CPU only; step_gate.py)
                 self.device.between_steps(bool(self.scheduler.running) and self.adapters.fetching)
@@ -319,6 +336,7 @@ class Engine:
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Choices 1 .. n-1 of a request whose prompt was just prefilled, now running."""
         children = fork_choices(parent, self.kv, self.tokenizer)
+        self.prefix.forked(parent, children)
         for child in children:
             if child.adapter_id is not None:
                 self.adapters.acquire(child.adapter_id)
@@ -337,7 +355,7 @@ class Engine:
         if reason is None:
             seq.stream.put(GenerationEvent(
                 (token,), text, len(seq.prompt_ids), len(seq.output_ids), logprobs=lps,
-                index=seq.choice,
+                index=seq.choice, cached_tokens=seq.cached_tokens,
             ))
         else:
             self._retire(seq, reason, (token,), text, lps)
@@ -351,7 +369,7 @@ class Engine:
             self.adapters.release(seq.adapter_id)
         seq.stream.put(GenerationEvent(
             tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason, logprobs,
-            seq.choice,
+            seq.choice, seq.cached_tokens,
         ))
         seq.finished = True
         if seq.group is None or seq.group.retire(seq):  # the request's last choice ended
@@ -381,6 +399,8 @@ class Engine:
             waiting=self.waiting,
             running=self.running,
             kv_tokens_used=self.kv.allocator.used_blocks * BLOCK_SIZE,
+            prefix_cached_blocks=self.kv.allocator.cached_blocks,
+            prefix_hit_rate=self.prefix.stats.hit_rate,
         )
 
     @property

@@ -20,6 +20,11 @@ last one ran it joins ``running`` with one prompt token left, which the next ste
 Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
 adapters fetched and placed in free (or idle) slots while the batch keeps decoding.
 
+With prefix caching (``prefix_cache.py``), an admitted sequence starts from the cached blocks of
+its prompt's longest cached prefix (they count against the KV reservation like any other block;
+only idle cached blocks are ever evicted for it), and the full blocks each step computed are
+registered at the start of the next one.
+
 Sequences carry only their adapter's id; every question about an adapter goes to the adapter
 manager, which owns their state.
 """
@@ -31,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lorastream.core.errors import LorastreamError
+from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sequence import Sequence
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.model.kv_cache import BlockAllocator
@@ -63,8 +69,10 @@ class Scheduler:
         max_num_tokens: int,
         prefetch_depth: int,
         layered: bool = False,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.allocator = allocator
+        self.prefix = prefix
         self.adapters = adapters
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -93,6 +101,9 @@ class Scheduler:
         for seq in landed:  # its prompt is cached but the last token: the batch takes it on
             self.landing.remove(seq)
             self.running.append(seq)
+        if self.prefix is not None:  # the blocks computed by the last step are cached now
+            for seq in self.running:
+                self.prefix.commit(seq)
         budget = self.max_num_tokens
         for seq in self.running:
             if not seq.prefilling and budget > 0:
@@ -130,9 +141,14 @@ class Scheduler:
                     continue
                 if not placed and not layered:
                     continue  # still loading: keep its place, look at the next one
-            if not self.allocator.can_allocate(seq.reserve_tokens):
+            # cached prefix blocks (none for a layered landing: it writes its whole prompt)
+            reused = self.prefix.match(seq) if self.prefix is not None and not layered else []
+            if not self.allocator.can_allocate(seq.reserve_tokens, reused):
                 break  # wait for finishing sequences to free blocks
-            seq.blocks = self.allocator.allocate(seq.reserve_tokens)  # n > 1: every choice's
+            # n > 1: every choice's blocks
+            seq.blocks = self.allocator.allocate(seq.reserve_tokens, reused)
+            if self.prefix is not None:
+                self.prefix.admitted(seq, len(reused))
             if layered:
                 self.landing.append(seq)
                 self.waiting.remove(seq)
@@ -168,5 +184,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.blocks:
+            if self.prefix is not None:  # what its last step computed stays cached
+                self.prefix.commit(seq)
             self.allocator.free(seq.blocks)
             seq.blocks = []

@@ -84,6 +84,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
+    # prefix caching (prefix_cache.py): prompt tokens taken from the cache at admission, hashes
+    # of its full blocks computed so far, and how many of its blocks are registered (or reused)
+    cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    registered_blocks: int = 0
     slot: int = -1  # LoRA slot while running, -1 for the base model
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

@@ -145,6 +145,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         default_max_tokens=settings.default_max_tokens,
         prefetch_depth=settings.prefetch_depth,
         layered_admission=settings.layered_admission,
+        prefix_caching=settings.prefix_caching,
     )
     log.info(
         "engine ready in %.1fs: %s (%s) on %s (%s), %d layers; KV cache %d tokens (%.0f MB); "

@@ -209,6 +209,14 @@ class WorkerSettings(StoreTLSSettings):
         "default until `lorastream bench serve` shows it pays on your hardware "
         "(docs/design.md, 'Layer-ordered admission').",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Automatic prefix caching: a request reuses the cached KV blocks of the "
+        "longest prefix of its prompt computed before for the same base model, adapter content "
+        "(a new version under the same name never matches) and quantization; finished requests "
+        "leave their full blocks cached, evicted least recently used only when a new block is "
+        "needed (docs/worker.md, 'Prefix caching'). off: every prompt is prefilled whole.",
+    )
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto",
         description="'native': C++ kernels for decode attention (reading the paged KV cache in "
