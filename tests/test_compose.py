@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import hashlib
 import json
 import re
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -125,11 +128,36 @@ def run_cli_capturing_settings(
     return captured[0]
 
 
+TOKENS_DIR = "/run/lorastream/tokens"  # the `tokens` volume, as every lorastream service mounts it
+
+
+def run_tokens_service(directory: Path) -> None:
+    """Run the compose ``tokens`` service's script with its volume at ``directory``. Its last line
+    (chown to the services' uid) is left out: the tests need not run as root."""
+    script = load_compose()["services"]["tokens"]["command"][0].replace(TOKENS_DIR, str(directory))
+    lines = [line for line in script.splitlines() if not line.strip().startswith("chown ")]
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    subprocess.run(["/bin/sh", "-ec", "\n".join(lines)], env={"PATH": path}, check=True, timeout=60)
+
+
+@functools.cache
+def tokens_volume() -> Path:
+    """A folder holding what the ``tokens`` service writes on the first start."""
+    directory = Path(tempfile.mkdtemp(prefix="compose-tokens-"))
+    run_tokens_service(directory)
+    return directory
+
+
 def service_env(service: dict[str, Any]) -> dict[str, str]:
+    """The service's environment; paths into the ``tokens`` volume point at :func:`tokens_volume`
+    (the tokens generated on the first start)."""
     environment = service.get("environment", {})
     if isinstance(environment, list):
         environment = dict(item.split("=", 1) for item in environment)
-    return {key: str(value) for key, value in environment.items()}
+    return {
+        key: str(value).replace(TOKENS_DIR, str(tokens_volume()))
+        for key, value in environment.items()
+    }
 
 
 # -- the compose file against the Compose Specification -------------------------------------------
@@ -212,7 +240,7 @@ def test_every_long_running_service_has_a_healthcheck() -> None:
 def test_one_shot_services_are_awaited_until_they_complete() -> None:
     services = load_compose()["services"]
     one_shots = {name for name, service in services.items() if _one_shot(service)}
-    assert one_shots == {"minio-init"}
+    assert one_shots == {"minio-init", "tokens"}
     for name, service in services.items():
         for dependency, spec in service.get("depends_on", {}).items():
             if dependency in one_shots:
@@ -225,6 +253,9 @@ def test_one_shot_services_are_awaited_until_they_complete() -> None:
         ("minio-init", "minio", "service_healthy"),
         ("adapter-store", "minio", "service_healthy"),
         ("adapter-store", "minio-init", "service_completed_successfully"),
+        ("adapter-store", "tokens", "service_completed_successfully"),
+        ("gpu-worker-cpu", "tokens", "service_completed_successfully"),
+        ("gateway", "tokens", "service_completed_successfully"),
     ],
 )
 def test_depends_on_conditions(service: str, dependency: str, condition: str) -> None:
@@ -248,7 +279,7 @@ def test_depends_on_names_existing_services_without_cycles() -> None:
         for name in ready:
             del graph[name]
     assert order == [
-        "minio", "minio-init", "adapter-store", "gpu-worker", "gpu-worker-cpu", "gateway"
+        "minio", "tokens", "minio-init", "adapter-store", "gpu-worker", "gpu-worker-cpu", "gateway"
     ]
 
 
@@ -289,6 +320,7 @@ def test_named_volumes_are_declared_and_hold_the_store_cache() -> None:
         "minio-data": "/data",
         "adapter-store-cache": "/var/lib/lorastream/store",
         "worker-models": "/var/lib/lorastream/models",
+        "tokens": TOKENS_DIR,
     }
     command = compose["services"]["adapter-store"]["command"]
     assert command[command.index("--cache-dir") + 1] == mounts["adapter-store-cache"]
@@ -356,7 +388,11 @@ def test_dockerfile_installs_the_runtime_lock_and_cpu_torch() -> None:
     runs = " ".join(arg for kw, arg in dockerfile_instructions() if kw == "RUN")
     assert "--requirement requirements.lock" in runs
     assert all("requirements-dev.lock" not in arg for _, arg in dockerfile_instructions())
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in runs
+    args = dict(arg.split("=", 1) for kw, arg in dockerfile_instructions() if kw == "ARG" and "=" in arg)
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert '${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}' in runs
+    assert "--find-links /opt/build-extras/wheels" in runs
+    assert "assert torch.version.cuda is None" in runs  # the CUDA build fails the build
     assert "pip install --no-deps ." in runs
 
 
@@ -392,10 +428,12 @@ def test_build_context_keeps_what_the_dockerfile_copies_and_drops_the_venv() -> 
         for line in DOCKERIGNORE.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
+    args = dict(arg.split("=", 1) for kw, arg in dockerfile_instructions() if kw == "ARG" and "=" in arg)
     for keyword, arguments in dockerfile_instructions():
         if keyword != "COPY" or arguments.startswith("--from"):
             continue
         for source in arguments.split()[:-1]:
+            source = re.sub(r"\$\{(\w+)\}", lambda match: args[match[1]], source)
             assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
             assert not _ignored(source, patterns), f"COPY {source}: excluded by .dockerignore"
     for path in (".venv/bin/python", ".git/HEAD", "lorastream/__pycache__/x.pyc", "tests/x.py"):
@@ -451,6 +489,38 @@ def test_every_service_has_the_tokens_that_let_it_start_on_0_0_0_0_and_talk_to_t
     assert worker.store_token == store.access_tokens().read  # workers read with the read token
     assert worker.access_tokens().operate == gateway.effective_worker_token
     assert gateway.token and gateway.effective_store_token == store.access_tokens().operate
+
+
+def test_no_token_has_a_default_in_the_compose_file() -> None:
+    """A copied compose file is never open with a publicly known token: every token variable is
+    empty unless the operator sets it, and then the generated token files are read."""
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    for name, service in raw["services"].items():
+        for variable, value in service_env(service).items():
+            if variable.endswith("TOKEN") and variable != "HF_TOKEN":
+                assert value in (f"${{{variable}:-}}", ""), (name, variable, value)
+    for name, service in load_compose()["services"].items():
+        env = service_env(service)
+        for variable, value in env.items():
+            if variable.endswith("_TOKEN_FILE"):
+                assert value.startswith(str(tokens_volume())), (name, variable, value)
+
+
+def test_the_tokens_service_generates_random_tokens_once(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    for directory in (first, second):
+        directory.mkdir()
+        run_tokens_service(directory)
+    names = {"operate-token", "read-token"}
+    assert {path.name for path in first.iterdir()} == names
+    tokens = {name: (first / name).read_text().strip() for name in names}
+    assert all(len(token) >= 32 for token in tokens.values())
+    assert tokens["operate-token"] != tokens["read-token"]
+    for name in names:
+        assert (second / name).read_text().strip() != tokens[name], "a token is not random"
+        assert stat.S_IMODE((first / name).stat().st_mode) == 0o600, name
+    run_tokens_service(first)  # the next start keeps them
+    assert {name: (first / name).read_text().strip() for name in names} == tokens
 
 
 # -- docker-compose.tls.yml: TLS on every hop ----------------------------------------------------

@@ -38,11 +38,12 @@ from tests.test_compose import (
     load_compose,
     schema_errors,
     service_env,
+    tokens_volume,
 )
 
 CUDA_DOCKERFILE = ROOT / "docker" / "Dockerfile.cuda"
 WORKERS = {"gpu-worker": "cuda", "gpu-worker-cpu": "cpu"}  # service -> LORASTREAM_WORKER_DEVICE
-CORE = {"minio", "minio-init", "adapter-store"}
+CORE = {"minio", "minio-init", "tokens", "adapter-store"}
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def test_gateway_reaches_exactly_one_healthy_worker_service(profile: str) -> Non
 def test_stack_with_overridden_settings_validates_against_the_compose_spec() -> None:
     env = {
         "LORASTREAM_WORKER_MAX_LORAS": "16", "LORASTREAM_WORKER_MAX_LORA_RANK": "128",
-        "LORASTREAM_GATEWAY_TOKEN": "s3cret", "LORASTREAM_GATEWAY_PORT": "9000",
+        "LORASTREAM_TOKEN": "s3cret", "LORASTREAM_GATEWAY_PORT": "9000",
     }
     assert schema_errors(load_compose(env)) == []
 
@@ -252,7 +253,8 @@ def test_worker_command_starts_the_worker_with_the_compose_settings(
     assert settings.device == WORKERS[service]
     assert (settings.max_loras, settings.max_lora_rank) == (max_loras, max_rank)
     assert settings.token == "op-token"  # its load/unload need the operate token
-    assert settings.store_token == "lorastream-dev-read-token"  # it reads the store with this
+    # it reads the store with the read token the `tokens` service generated
+    assert settings.store_token == (tokens_volume() / "read-token").read_text().strip()
     volume, target = worker["volumes"][0].split(":")
     assert (volume, settings.model_cache_dir) == ("worker-models", Path(target))
 
@@ -264,15 +266,14 @@ def test_worker_serve_help_lists_the_flags_compose_passes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "token", "store_token"),
-    [({}, "lorastream-dev-token", "lorastream-dev-operate-token"),
-     ({"LORASTREAM_GATEWAY_TOKEN": "gw-secret", "LORASTREAM_TOKEN": "store-secret"},
-      "gw-secret", "store-secret")],
-    ids=["defaults", "overridden"],
+    ("env", "token"),
+    [({}, None), ({"LORASTREAM_TOKEN": "op-secret"}, "op-secret")],
+    ids=["generated", "from-env"],
 )
 def test_gateway_command_starts_the_gateway_with_the_compose_settings(
-    env: dict[str, str], token: str, store_token: str, monkeypatch: pytest.MonkeyPatch
+    env: dict[str, str], token: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    token = token or (tokens_volume() / "operate-token").read_text().strip()
     help_flags("gateway", "serve")  # a clear failure while the command does not exist
     gateway = load_compose(env)["services"]["gateway"]
     settings = run_capturing(
@@ -281,9 +282,9 @@ def test_gateway_command_starts_the_gateway_with_the_compose_settings(
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     assert settings.store == "adapter-store:50051"
     assert settings.workers == ["gpu-worker:50052"]
-    assert settings.token == token
-    assert settings.effective_store_token == store_token
-    assert settings.effective_worker_token == store_token  # the workers share LORASTREAM_TOKEN
+    assert settings.token == token  # one operate token for the stack
+    assert settings.effective_store_token == token
+    assert settings.effective_worker_token == token
 
 
 def test_gateway_serve_help_lists_the_flags_compose_passes() -> None:
@@ -373,7 +374,9 @@ def test_images_share_the_layout_compose_and_kubernetes_rely_on(dockerfile: Path
     assert "requirements-dev.lock" not in runs(dockerfile)
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
+    build_args = dockerfile_args(dockerfile)
     for source in (src for args in copies if args[0] != "--from=build" for src in args[:-1]):
+        source = re.sub(r"\$\{(\w+)\}", lambda match: build_args[match[1]], source)
         assert (ROOT / source).exists() and not _ignored(source, patterns), source
 
 

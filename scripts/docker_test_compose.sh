@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# `make test-compose`: tests/compose_live against a real Docker engine — the images built from
+# docker/, the CPU-profile stack up, checked through its published ports, then `down -v`.
+# Needs the engine and the compose v2 plugin (scripts/docker_host_prepare.sh sets up both, the
+# local base image and docker/local/). Extra arguments go to pytest.
+# Environment: PY (the venv's python, default .venv/bin/python); LORASTREAM_PYTHON_IMAGE and
+# LORASTREAM_TORCH_INDEX_URL as for docker-compose.yml (defaults below when the local base image
+# and a torch wheel in docker/local/wheels are there); LORASTREAM_COMPOSE_KEEP=1 leaves the stack up.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+LOCAL_BASE=lorastream/python:3.11-bookworm
+
+if [ -z "${LORASTREAM_PYTHON_IMAGE:-}" ] && docker image inspect "$LOCAL_BASE" >/dev/null 2>&1; then
+    export LORASTREAM_PYTHON_IMAGE=$LOCAL_BASE
+fi
+if compgen -G "docker/local/wheels/torch-*.whl" >/dev/null; then
+    export LORASTREAM_TORCH_INDEX_URL=${LORASTREAM_TORCH_INDEX_URL-}  # the wheelhouse has torch
+fi
+echo "base image ${LORASTREAM_PYTHON_IMAGE:-python:3.11-slim}," \
+     "torch index '${LORASTREAM_TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}'"
+exec "$PY" -m pytest -q -m compose -o log_cli=true --log-cli-level=WARNING --durations=0 \
+    tests/compose_live "$@"
