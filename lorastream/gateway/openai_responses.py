@@ -32,11 +32,13 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens the worker's prefix cache supplied."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -68,10 +70,12 @@ class Completed:
     """A whole generation, collected: its choices by index (n of them)."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, from the worker's prefix cache
     choices: dict[int, CompletedChoice] = field(default_factory=dict)
 
     def add(self, event: GenerationEvent) -> None:
         self.prompt_tokens = event.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
         self.choices.setdefault(event.index, CompletedChoice(event.index)).add(event)
 
     @property
@@ -97,13 +101,14 @@ class ResponseBuilder:
         """Chat with tools (tool_choice not "none"): tool-call blocks become ``tool_calls``."""
         self._text_offsets: dict[int, int] = {}  # completions: where a choice's next token starts
         self._tool_streams: dict[int, ToolCallStream] = {}  # per choice, when streaming tools
+        self._cached_tokens = 0  # streaming: the prompt's cached tokens, for the usage chunk
 
     # -- whole responses ----------------------------------------------------------------------
     def response(self, done: Completed) -> dict[str, Any]:
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "choices": [self._choice(done.choices[i]) for i in sorted(done.choices)],
-            "usage": usage(done.prompt_tokens, done.completion_tokens),
+            "usage": usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens),
         }
 
     def _choice(self, done: CompletedChoice) -> dict[str, Any]:
@@ -136,6 +141,7 @@ class ResponseBuilder:
         With tools, a choice's text from its first tool-call block on is held, and its last
         chunk carries the parsed ``tool_calls`` (each whole, with its index) and finish reason
         ``tool_calls``; text that turns out not to be a call is sent as content then."""
+        self._cached_tokens = max(self._cached_tokens, event.cached_tokens)
         reason = finish_reason(event)
         text, calls = event.text, []
         if self.tools:
@@ -159,7 +165,7 @@ class ResponseBuilder:
         return {
             **self._head(self._chunk_object),
             "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, self._cached_tokens),
         }
 
     @property
