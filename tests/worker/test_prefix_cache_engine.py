@@ -189,6 +189,26 @@ def test_a_new_version_under_the_same_name_never_reuses_the_old_blocks(
             assert engine.healthy_after_stop()
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int8-dynamic"])
+def test_quantized_bases_give_the_same_tokens_with_the_cache_on_and_off(
+    llama: Case, tmp_path: Path, quantization: str
+) -> None:
+    made = {on: make_engine(llama, tmp_path / str(on), on, quantization=quantization)
+            for on in (True, False)}
+    try:
+        requests = [(m, prompt) for prompt, _ in PREFIXES.values() for m in MODELS]
+        outcomes = {}
+        for on, engine in made.items():
+            outcomes[on] = run_batch(engine, [(m, WARM) for m in MODELS])
+            outcomes[on] += run_batch(engine, requests)
+        assert_same(outcomes[True], outcomes[False], [str(r) for r in MODELS + tuple(
+            f"{m} {name}" for name in PREFIXES for m in MODELS)])
+        assert made[True].prefix.stats.hit_tokens > 0
+    finally:
+        for engine in made.values():
+            engine.stop()
+
+
 def test_adapters_and_the_base_model_never_share_blocks(llama: Case, tmp_path: Path) -> None:
     engine = make_engine(llama, tmp_path, True)
     try:
