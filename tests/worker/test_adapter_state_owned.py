@@ -1,10 +1,14 @@
-"""The adapter manager owns adapter state (issue 24): nothing outside ``loading/`` reads or
-writes an ``AdapterEntry``, the manager's API neither takes nor returns one, and an operator's
-load waits on events, never polls with sleeps."""
+"""The adapter manager owns adapter state: nothing outside ``loading/`` reads or writes an
+``AdapterEntry``; inside it, only the entry's own methods assign its fields, only
+``AdapterRecords`` holds the entries and names, and only ``LoraSlots`` writes its slot table; the
+manager's collaborators get neither its maps, nor its lock, nor callbacks into it; the manager's
+API neither takes nor returns an entry; an operator's load waits on events, never polls with
+sleeps."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import threading
 import time
@@ -13,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from lorastream.worker.device.device import HostEvent
+from lorastream.worker.loading.entry import AdapterEntry
+from lorastream.worker.loading.host_loader import HostLoader
 from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.loading.names import NameResolver
+from lorastream.worker.lora.slots import SlotInfo
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import EngineFactory, StoreStack
 
@@ -93,6 +101,156 @@ def test_no_module_outside_loading_touches_adapter_records() -> None:
         if (hits := entry_accesses(path.read_text()))
     }
     assert not found, f"adapter state read outside loading/: {found}"
+
+
+ENTRY_FIELDS = {f.name for f in dataclasses.fields(AdapterEntry)}
+RECORD_MAPS = {"_entries", "_names", "_pin_next"}  # AdapterRecords' own
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment, augmented assignment or ``del`` writes (tuples unpacked)."""
+    if isinstance(node, ast.Assign):
+        found = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        found = [node.target]
+    elif isinstance(node, ast.Delete):
+        found = list(node.targets)
+    else:
+        return []
+    flat: list[ast.expr] = []
+    while found:
+        target = found.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            found.extend(target.elts)
+        else:
+            flat.append(target)
+    return flat
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in {"self", "cls"}
+
+
+def entry_field_writes(source: str) -> list[str]:
+    """Every place in ``source`` that assigns a field an ``AdapterEntry`` has to an object
+    other than ``self`` (line: what): in ``loading/`` only the entry's methods may."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        for target in _targets(node):
+            if (isinstance(target, ast.Attribute) and target.attr in ENTRY_FIELDS
+                    and not _is_self(target.value)):
+                found.append(f"{target.lineno}: {ast.unparse(target)}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _is_table(node: ast.expr) -> bool:
+    """``<x>.table`` or ``<x>.table[<i>]``."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return isinstance(node, ast.Attribute) and node.attr == "table"
+
+
+def slot_table_writes(source: str) -> list[str]:
+    """Every place in ``source`` that writes a slot table or one of its slots (line: what)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        for target in _targets(node):
+            if (isinstance(target, ast.Subscript) and _is_table(target.value)) or (
+                isinstance(target, ast.Attribute) and _is_table(target.value)
+                and isinstance(target.value, ast.Subscript)
+            ):
+                found.append(f"{target.lineno}: {ast.unparse(target)}")
+        if (isinstance(node, ast.Attribute) and _is_table(node.value)
+                and node.attr in {"__setitem__", "append", "insert", "clear", "pop", "extend"}):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def record_map_uses(source: str) -> list[str]:
+    """Every place in ``source`` that names one of ``AdapterRecords``' maps (line: what)."""
+    return [
+        f"{node.lineno}: .{node.attr}" for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and node.attr in RECORD_MAPS
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("entry.refs += 1", True),
+        ("entry.slot, entry.slot_event = None, None", True),
+        ("victim.weights = None", True),
+        ("self._entries[i].pinned = True", True),
+        ("del entry.error", True),
+        ("setattr(entry, 'pinned', True)", True),
+        ("self.refs += 1; self.slot = slot", False),  # the entry's own methods
+        ("entry.pin(); entry.take_slot(3); n = entry.refs", False),
+    ],
+)
+def test_the_scan_flags_writing_an_entrys_fields(source: str, flagged: bool) -> None:
+    assert bool(entry_field_writes(source)) is flagged
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("self.slots.table[slot].adapter_id = entry.adapter_id", True),
+        ("slots.table[3] = SlotInfo()", True),
+        ("self.table.append(SlotInfo())", True),
+        ("ops.append(partial(self.slots.table.__setitem__, slot, info))", True),
+        ("rank = slots.table[s].rank; self.slots.claim(slot, adapter_id)", False),
+        ("table = block_table[first:][None]; table[0] = 1", False),
+    ],
+)
+def test_the_scan_flags_writing_a_slot_table(source: str, flagged: bool) -> None:
+    assert bool(slot_table_writes(source)) is flagged
+
+
+def _sources(root: Path, *, but: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(ROOT)): path.read_text()
+        for path in sorted(root.rglob("*.py")) if path != but
+    }
+
+
+def test_only_an_entry_assigns_its_fields() -> None:
+    sources = _sources(OWNER, but=OWNER / "entry.py")
+    assert {"lorastream/worker/loading/manager.py", "lorastream/worker/loading/device_tier.py",
+            "lorastream/worker/loading/host_tier.py"} <= set(sources)
+    found = {path: hits for path, source in sources.items()
+             if (hits := entry_field_writes(source))}
+    assert not found, f"entry fields assigned outside AdapterEntry's methods: {found}"
+
+
+def test_only_the_slots_write_their_table() -> None:
+    sources = _sources(ROOT / "lorastream", but=WORKER / "lora" / "slots.py")
+    found = {path: hits for path, source in sources.items()
+             if (hits := slot_table_writes(source))}
+    assert not found, f"slot table written outside LoraSlots: {found}"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SlotInfo().adapter_id = "x"  # type: ignore[misc]  # a slot's record cannot be edited
+
+
+def test_only_the_records_hold_the_entries_and_names() -> None:
+    sources = _sources(OWNER, but=OWNER / "records.py")
+    found = {path: hits for path, source in sources.items() if (hits := record_map_uses(source))}
+    assert not found, f"AdapterRecords' maps named outside it: {found}"
+
+
+@pytest.mark.parametrize("collaborator", [NameResolver, HostLoader])
+def test_collaborators_get_no_lock_map_or_callback(collaborator: type) -> None:
+    """The manager's collaborators get narrow objects: not its lock or condition, not a map
+    of its entries, not a function to call back into it."""
+    parameters = inspect.signature(collaborator.__init__).parameters  # type: ignore[misc]
+    wide = {
+        name: str(parameter.annotation) for name, parameter in parameters.items()
+        if any(kind in str(parameter.annotation)
+               for kind in ("Lock", "Condition", "dict", "Callable", "Executor"))
+    }
+    assert not wide, f"{collaborator.__name__} is handed the manager's internals: {wide}"
 
 
 def test_the_managers_api_neither_takes_nor_returns_an_entry() -> None:

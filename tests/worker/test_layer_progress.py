@@ -19,9 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from lorastream.core.adapter_format import WEIGHTS_FILE, parse_lora_key
-from lorastream.core.errors import InvalidAdapter
+from lorastream.core.errors import InvalidAdapter, LorastreamError
 from lorastream.core.manifest import AdapterManifest, TensorInfo
 from lorastream.worker.device.device import Device
+from lorastream.worker.loading.adapter_weights import AdapterWeights
 from lorastream.worker.loading.cost_model import AdmissionCostModel
 from lorastream.worker.loading.entry import AdapterEntry
 from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
@@ -283,10 +284,9 @@ def test_the_entry_follows_the_layers_landed_and_holds_all_or_none_at_the_end(
     metrics = WorkerMetrics()
     changed = threading.Condition(threading.RLock())
     entry = AdapterEntry(manifest.adapter_id, "deep", manifest)
-    entries = {entry.adapter_id: entry}
     host = HostTier(Device("cpu"), HOST_BYTES, metrics, fetcher.landing_memory)
-    loader = HostLoader(entries, changed, host, fetcher, ModelConfig.from_dir(deep[0]), 8,
-                        metrics, AdmissionCostModel(), None, lambda landed: None)
+    loader = HostLoader(host, fetcher, ModelConfig.from_dir(deep[0]), 8, metrics,
+                        AdmissionCostModel())
     seen: list[int] = []  # layers_landed at each notification during the fetch
     done = threading.Event()
 
@@ -299,7 +299,21 @@ def test_the_entry_follows_the_layers_landed_and_holds_all_or_none_at_the_end(
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    loader.ensure(entry)  # no pool: the fetch runs here
+
+    def on_layers(count: int) -> None:  # as the manager records a fetch's reports
+        with changed:
+            if entry.land_layers(count):
+                changed.notify_all()
+
+    with changed:  # the manager's load path: begin, fetch (without the lock), end
+        assert loader.begin([entry], entry)
+        storage = host.storage(entry)
+    try:
+        landed: AdapterWeights | LorastreamError = loader.fetch(entry, storage, on_layers)
+    except LorastreamError as err:
+        landed = err
+    with changed:
+        loader.end(entry, landed)
     done.set()
     watcher.join()
     assert seen == sorted(seen)

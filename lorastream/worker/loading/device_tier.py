@@ -67,9 +67,9 @@ class DeviceTier:
         slot = self._take_slot(entries, entry)
         if slot is None:
             return False
-        entry.slot_event = self.device.load_stream.submit(
+        entry.copy_submitted(self.device.load_stream.submit(
             self._copy_ops(slot, weights), after=self._slot_read[slot]
-        )
+        ))
         return True
 
     def claim_layers(self, entries: Iterable[AdapterEntry], entry: AdapterEntry,
@@ -87,7 +87,7 @@ class DeviceTier:
         )
         copy = LayeredCopy(self.device.load_stream, jobs, after=self._slot_read[slot])
         copy.land(landed)
-        entry.slot_event = copy
+        entry.copy_submitted(copy)
         return True
 
     @staticmethod
@@ -109,7 +109,7 @@ class DeviceTier:
     def evict(self, entry: AdapterEntry) -> None:
         if entry.slot is not None:
             self.slots.clear(entry.slot)
-        entry.slot, entry.slot_event = None, None
+        entry.leave_slot()
 
     def step(self, entries: Sequence[AdapterEntry | None]) -> StepAdapters:
         """The slots of a step's sequences (``entries``, None for the base model) and the copies
@@ -178,9 +178,8 @@ class DeviceTier:
         """:meth:`_free_slot`, recorded as ``entry``'s (its copy not submitted yet)."""
         slot = self._free_slot(entries)
         if slot is not None:
-            entry.slot = slot
-            entry.copy_started = time.perf_counter()
-            self.slots.table[slot].adapter_id = entry.adapter_id  # claimed
+            entry.take_slot(slot)
+            self.slots.claim(slot, entry.adapter_id)
         return slot
 
     def _free_slot(self, entries: Iterable[AdapterEntry]) -> int | None:

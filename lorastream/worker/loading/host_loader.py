@@ -1,23 +1,21 @@
 """Bring adapters into host memory: reserve their bytes, fetch them from the store, check them
 against the base model (rule 6) before anything can copy them into a slot.
 
-With overlap, fetches run on the fetch threads; without it, on the caller's thread. A failed
-fetch fails the adapter with its error (rule 5), never the worker. While a fetch runs, the
-entry's ``layers_landed`` follows the adapter's leading layers as they land verified (the store
-streams them in layer order), and waiters are notified each time it grows.
-
-The loader shares the adapter manager's entries and lock: the manager calls :meth:`ensure`
-with its lock free (a fetch may run there), and the loader takes the lock for every change,
-notifying the manager's waiters when a fetch ends or an adapter fails.
+A load is three calls, which the adapter manager makes in order (``AdapterManager._fetch``):
+:meth:`HostLoader.begin` (with the manager's lock held: the checks, the reservation),
+:meth:`HostLoader.fetch` (without it, on a fetch thread or the caller's: the store stream and the
+check), :meth:`HostLoader.end` (with the lock again: the weights, or the error, recorded). A failed
+fetch fails the adapter with its error (rule 5), never the worker. While a fetch runs, the fetcher
+reports the adapter's leading layers as they land verified (the store streams them in layer
+order); the manager records them on the entry.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -27,13 +25,14 @@ from lorastream.core.errors import (
     LorastreamError,
     SourceUnavailable,
 )
-from lorastream.worker.loading.adapter_weights import adapter_weights
+from lorastream.core.manifest import AdapterManifest
+from lorastream.worker.loading.adapter_weights import AdapterWeights, adapter_weights
 from lorastream.worker.loading.cost_model import AdmissionCostModel
 from lorastream.worker.loading.entry import AdapterEntry
 from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.loading.host_tier import HostTier
 from lorastream.worker.loading.landing import host_nbytes
-from lorastream.worker.loading.layer_progress import manifest_layers
+from lorastream.worker.loading.layer_progress import LayersCallback, manifest_layers
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
 
@@ -43,34 +42,19 @@ log = logging.getLogger(__name__)
 class HostLoader:
     def __init__(
         self,
-        entries: dict[str, AdapterEntry],
-        changed: threading.Condition,
         host: HostTier,
         fetcher: AdapterFetcher,
         config: ModelConfig,
         max_rank: int,
         metrics: WorkerMetrics,
         cost_model: AdmissionCostModel,
-        pool: Executor | None,
-        landed: Callable[[AdapterEntry], object],
-        layers_changed: Callable[[AdapterEntry], object] = lambda entry: None,
     ) -> None:
-        """``entries`` and ``changed`` (a condition on its lock) are the manager's; ``pool``
-        runs the fetches (None: on the caller's thread); ``landed(entry)`` is called, outside
-        the lock, when a fetch in the pool lands an adapter a request waits for;
-        ``layers_changed(entry)``, with the lock held, when more of its layers landed, when its
-        fetch ended and when it failed (layer-ordered admission follows it)."""
-        self._entries = entries
-        self._changed = changed
         self.host = host
         self.fetcher = fetcher
         self.config = config
         self.max_rank = max_rank
         self.metrics = metrics
         self._cost_model = cost_model
-        self._pool = pool
-        self._landed = landed
-        self._layers_changed = layers_changed
         self._fetches = 0  # store fetches in flight (entries with ``fetching`` set)
 
     @property
@@ -78,97 +62,91 @@ class HostLoader:
         """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
         return self._fetches > 0
 
-    def ensure(self, entry: AdapterEntry) -> None:
-        """Start fetching ``entry`` into host memory unless it is there or on its way (call it
-        without the lock: without a pool the fetch runs here)."""
-        with self._changed:
-            if entry.weights is not None or entry.fetching or entry.error is not None:
-                return
-            if entry.local_path is not None:
-                entry.error = AdapterNotFound(
-                    f"adapter {entry.name} was evicted from this worker; load it again"
-                )
-                return
-            need = host_nbytes(entry.manifest)
-            if need > self.host.budget:
-                entry.error = CapacityExhausted(
-                    f"adapter {entry.name} needs {need} bytes of host memory, more than the "
-                    f"whole host budget ({self.host.budget}); raise --host-cache-bytes"
-                )
-                return
-            if not self.host.reserve(self._entries.values(), entry, need):
-                return  # every byte is held by adapters in use: wait, retried at the next step
-            entry.fetching = True
-            entry.layers_landed = 0
-            self._fetches += 1
-            entry.fetch_started = time.perf_counter()
-            storage = self.host.storage(entry)
-        if self._pool is not None:
-            self._pool.submit(self._fetch, entry, storage)
-        else:
-            self._fetch(entry, storage)
+    def begin(self, entries: Iterable[AdapterEntry], entry: AdapterEntry) -> bool:
+        """Reserve ``entry``'s host bytes (evicting idle ones among ``entries``) and mark its
+        fetch begun; True when the caller is to :meth:`fetch` it now. False when it is in host
+        memory, on its way, failed (now or before), or waits for room (retried at the next
+        step). Call it with the manager's lock held."""
+        if entry.weights is not None or entry.fetching or entry.error is not None:
+            return False
+        if entry.local_path is not None:
+            entry.fail(AdapterNotFound(
+                f"adapter {entry.name} was evicted from this worker; load it again"
+            ))
+            return False
+        need = host_nbytes(entry.manifest)
+        if need > self.host.budget:
+            entry.fail(CapacityExhausted(
+                f"adapter {entry.name} needs {need} bytes of host memory, more than the "
+                f"whole host budget ({self.host.budget}); raise --host-cache-bytes"
+            ))
+            return False
+        if not self.host.reserve(entries, entry, need):
+            return False  # every byte is held by adapters in use: wait, retried at the next step
+        entry.begin_fetch()
+        self._fetches += 1
+        return True
 
-    def wait(self, entry: AdapterEntry, deadline: float, timeout_message: str) -> None:
-        """Block until ``entry`` is in host memory: start its fetch, and again whenever the
-        manager's condition says a fetch ended or a reference dropped (the budget may have room
-        now). Raises the adapter's error, or :class:`SourceUnavailable` at ``deadline``
-        (``time.monotonic``). Call it without the lock."""
-        while True:
-            self.ensure(entry)  # without a pool the fetch runs here
-            with self._changed:
-                if entry.weights is not None:
-                    return
-                if entry.error is not None:
-                    raise entry.error
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SourceUnavailable(timeout_message)
-                self._changed.wait(remaining)
+    def read_local(self, name: str, path: Path) -> tuple[AdapterWeights, AdapterManifest]:
+        """Read and check the local PEFT directory ``path`` (blocking; without the lock)."""
+        buffer = self.fetcher.read_local(name, path)
+        assert buffer.manifest is not None
+        return adapter_weights(buffer, self.config, self.max_rank), buffer.manifest
 
-    def fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
-        log.warning("adapter %s cannot be loaded: %s", entry.name, err)
-        self.metrics.load_failures.inc()
-        with self._changed:
-            entry.error = err
-            self._changed.notify_all()
+    def keep_local(self, entries: Iterable[AdapterEntry], entry: AdapterEntry,
+                   weights: AdapterWeights) -> None:
+        """Keep ``weights``, read from a local directory, as ``entry``'s host copy (unless it
+        has one), reserving their bytes outside the arena. Raises CapacityExhausted when the
+        adapters in use leave no room. Call it with the manager's lock held."""
+        if entry.weights is not None:
+            return
+        assert entry.manifest is not None
+        need = host_nbytes(entry.manifest)
+        if need > self.host.budget or not self.host.reserve(entries, entry, need, arena=False):
+            raise CapacityExhausted(
+                f"adapter {entry.name} needs {need} bytes of host memory; the host budget "
+                f"({self.host.budget}) is held by adapters in use or pinned: retry later "
+                "or raise --host-cache-bytes"
+            )
+        entry.land(weights, manifest_layers(entry.manifest))
 
-    def _layers_landed(self, entry: AdapterEntry, count: int) -> None:
-        """A fetch's report that ``entry``'s first ``count`` layers landed, verified."""
-        with self._changed:
-            if entry.fetching and count > entry.layers_landed:
-                entry.layers_landed = count
-                self._layers_changed(entry)
-                self._changed.notify_all()
-
-    def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
+    def fetch(self, entry: AdapterEntry, storage: torch.Tensor | None,
+              on_layers: LayersCallback) -> AdapterWeights:
+        """Stream ``entry`` from the store into ``storage`` (its arena range; None: allocate)
+        and check it against the base model; ``on_layers(count)`` hears each time more of its
+        leading layers landed verified. Raises the failure as a :class:`LorastreamError`.
+        Call it without the lock."""
         try:
             started = time.perf_counter()
-            buffer = self.fetcher.fetch(
-                entry.name, entry.adapter_id, storage,
-                on_layers=lambda count: self._layers_landed(entry, count),
-            )
+            buffer = self.fetcher.fetch(entry.name, entry.adapter_id, storage, on_layers)
             elapsed = time.perf_counter() - started
             self.metrics.fetch_seconds.observe(elapsed)
             self._cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
             self.metrics.host_landing_seconds.observe(buffer.landing_seconds)
             assert buffer.manifest is not None
-            weights = adapter_weights(buffer, self.config, self.max_rank)
-            with self._changed:
-                entry.weights = weights  # its bytes were reserved when the fetch began
-                entry.layers_landed = manifest_layers(buffer.manifest)
-        except LorastreamError as err:
-            self.fail(entry, err)
+            return adapter_weights(buffer, self.config, self.max_rank)
+        except LorastreamError:
+            raise
         except Exception as err:  # noqa: BLE001 - any failure fails the adapter, never the worker
             log.exception("fetching %s failed", entry.name)
-            self.fail(entry, SourceUnavailable(f"fetching adapter {entry.name} failed: {err!r}"))
-        finally:
-            with self._changed:
-                entry.fetching = False
-                self._fetches -= 1
-                if entry.weights is None:
-                    self.host.drop(entry)  # release the reservation (layers_landed: 0)
-                self._layers_changed(entry)
-                waited_for = entry.refs > 0 and entry.error is None
-                self._changed.notify_all()
-        if self._pool is not None and waited_for:
-            self._landed(entry)  # start the copy into a slot now, not at the next step
+            raise SourceUnavailable(f"fetching adapter {entry.name} failed: {err!r}") from err
+
+    def end(self, entry: AdapterEntry, landed: AdapterWeights | LorastreamError) -> None:
+        """Record the end of ``entry``'s fetch: its checked weights (their bytes were reserved
+        when the fetch began), or its error (the reservation is released). Call it with the
+        manager's lock held."""
+        if isinstance(landed, LorastreamError):
+            self.fail(entry, landed)
+        else:
+            entry.land(landed, manifest_layers(entry.manifest))
+        entry.end_fetch()
+        self._fetches -= 1
+        if entry.weights is None:
+            self.host.drop(entry)  # release the reservation (layers_landed: 0)
+
+    def fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
+        """``entry`` cannot be loaded: its requests fail with ``err`` (rule 5). Call it with
+        the manager's lock held."""
+        log.warning("adapter %s cannot be loaded: %s", entry.name, err)
+        self.metrics.load_failures.inc()
+        entry.fail(err)

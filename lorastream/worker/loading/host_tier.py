@@ -63,7 +63,7 @@ class HostTier:
             self.metrics.evictions.labels("host").inc()
             used -= victim.host_bytes
             self.drop(victim)
-        entry.host_bytes, entry.host_offset = need, offset
+        entry.reserve_host(need, offset)
         return True
 
     def storage(self, entry: AdapterEntry) -> torch.Tensor | None:
@@ -76,5 +76,4 @@ class HostTier:
         """Forget ``entry``'s host copy (or reservation) and free its range."""
         if entry.host_offset is not None:
             self.arena.free(entry.host_offset)
-        entry.weights, entry.host_bytes, entry.host_offset = None, 0, None
-        entry.layers_landed = 0
+        entry.drop_host()

@@ -25,6 +25,11 @@ releases references, operator threads wait for loads. One lock guards the state;
 it wakes the waiters when a fetch ends or a reference drops. No fetch, copy or store call runs
 under it.
 
+Owners: ``AdapterRecords`` holds the entries and their names (the name resolver uses its
+methods), an ``AdapterEntry`` writes its own fields, ``LoraSlots`` its table. A load reads top to
+bottom: :meth:`_place` -> :meth:`_ensure` (``HostLoader.begin``) -> :meth:`_fetch`
+(``HostLoader.fetch``, ``.end``) -> ``DeviceTier.claim``; no collaborator calls back.
+
 The rules of docs/design.md kept here (1 and 2 in ``device_tier.py``):
 4. references, not guesses, decide eviction;
 5. an adapter that cannot be loaded fails its requests with its error (:meth:`place` raises it);
@@ -37,20 +42,23 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+
+import torch
 
 from lorastream.core.errors import (
     AdapterNotFound,
-    CapacityExhausted,
     InvalidAdapter,
     InvalidArgument,
+    LorastreamError,
     SourceUnavailable,
 )
 from lorastream.core.generation import AdapterStatus
 from lorastream.worker.device.device import Device, Event, loader_thread_init
-from lorastream.worker.loading.adapter_weights import adapter_weights
+from lorastream.worker.loading.adapter_weights import AdapterWeights
 from lorastream.worker.loading.catalogue import StoreCatalogue
 from lorastream.worker.loading.cost_model import AdmissionCostModel
 from lorastream.worker.loading.device_tier import DeviceTier, StepAdapters
@@ -58,18 +66,10 @@ from lorastream.worker.loading.entry import AdapterEntry
 from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.loading.host_loader import HostLoader
 from lorastream.worker.loading.host_tier import HostTier
-from lorastream.worker.loading.landing import host_nbytes
 from lorastream.worker.loading.layered_admission import follow_landing, landing_weights
-from lorastream.worker.loading.layer_progress import manifest_layers
 from lorastream.worker.loading.names import NameResolver
-from lorastream.worker.loading.status import (
-    AdapterSnapshot,
-    TierUsage,
-    adapter_status,
-    adapter_statuses,
-    snapshot,
-    tier_usage,
-)
+from lorastream.worker.loading.records import AdapterRecords
+from lorastream.worker.loading.status import AdapterSnapshot, TierUsage, adapter_status
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
@@ -102,21 +102,16 @@ class AdapterManager:
         self._device_tier = DeviceTier(slots, device, self.metrics, self._cost_model)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a fetch ended, a reference dropped
-        self._entries: dict[str, AdapterEntry] = {}  # adapter_id -> entry
-        self._names: dict[str, str] = {}  # name -> adapter_id
+        self._records = AdapterRecords(self._lock)
         self._pool = ThreadPoolExecutor(
             fetch_threads,
             thread_name_prefix="adapter-fetch",
             initializer=loader_thread_init,
             initargs=(device.loader_priority,),
         )
-        self._resolver = NameResolver(
-            self._entries, self._names, self._lock, fetcher, config, slots.max_rank
-        )
+        self._resolver = NameResolver(self._records, fetcher, config, slots.max_rank)
         self._loader = HostLoader(
-            self._entries, self._changed, self.host, fetcher, config, slots.max_rank,
-            self.metrics, self._cost_model, self._pool if overlap else None, self._place,
-            lambda entry: follow_landing(self._device_tier, entry),
+            self.host, fetcher, config, slots.max_rank, self.metrics, self._cost_model
         )
 
     def close(self) -> None:
@@ -139,29 +134,14 @@ class AdapterManager:
 
     def _register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:
         """Read, check and keep a local PEFT directory under ``name`` (blocking)."""
-        buffer = self.fetcher.read_local(name, path)
-        assert buffer.manifest is not None
-        weights = adapter_weights(buffer, self.config, self.slots.max_rank)
-        need = host_nbytes(buffer.manifest)
+        weights, manifest = self._loader.read_local(name, path)
         with self._lock:
-            entry = self._entries.get(weights.adapter_id)
-            if entry is None:
-                entry = AdapterEntry(weights.adapter_id, name, buffer.manifest, local_path=path)
-            if entry.weights is None:
-                if need > self.host_budget or not self.host.reserve(
-                    self._entries.values(), entry, need, arena=False
-                ):
-                    raise CapacityExhausted(
-                        f"adapter {name} needs {need} bytes of host memory; the host budget "
-                        f"({self.host_budget}) is held by adapters in use or pinned: retry later "
-                        "or raise --host-cache-bytes"
-                    )
-                entry.weights = weights
-                entry.layers_landed = manifest_layers(buffer.manifest)
-            self._entries[weights.adapter_id] = entry
-            entry.local_path = path
-            entry.pinned = entry.pinned or pin
-            self._names[name] = weights.adapter_id
+            entry = self._records.get(weights.adapter_id) or AdapterEntry(
+                weights.adapter_id, name, manifest, local_path=path
+            )
+            self._loader.keep_local(self._records.entries(), entry, weights)
+            self._records.keep(name, entry)
+            entry.register_local(path, pin)
             return entry
 
     # -- references ---------------------------------------------------------------------------
@@ -170,20 +150,17 @@ class AdapterManager:
         at the next step."""
         entry = self._acquire(adapter_id)
         if self.overlap:
-            self._loader.ensure(entry)
+            self._ensure(entry)
 
     def _acquire(self, adapter_id: str) -> AdapterEntry:
         with self._lock:
-            entry = self._entries.get(adapter_id)
+            entry = self._records.get(adapter_id)
             if entry is None:
                 raise AdapterNotFound(
                     f"adapter {adapter_id} was unloaded from this worker as the request "
                     "arrived; retry the request"
                 )
-            if entry.refs == 0 and entry.error is not None:
-                entry.error = None  # a new request retries a failed load
-            entry.refs += 1
-            entry.last_used = time.monotonic()
+            entry.acquire()  # a new request retries a failed load
             m = self.metrics
             if self._device_tier.ready(entry):
                 m.hits.labels("device").inc()
@@ -194,17 +171,14 @@ class AdapterManager:
 
     def release(self, adapter_id: str) -> None:
         with self._lock:
-            entry = self._entries[adapter_id]  # referenced adapters are never forgotten
-            entry.refs -= 1
-            assert entry.refs >= 0, f"reference count of {entry.name} went negative"
-            entry.last_used = time.monotonic()
+            self._entry(adapter_id).release()
             self._changed.notify_all()  # its host bytes may be what a waiting load needs
 
     # -- tiers --------------------------------------------------------------------------------
     def ready(self, adapter_id: str) -> bool:
         """True when the adapter sits in a slot whose copy completed (never blocks)."""
         with self._lock:
-            entry = self._entries.get(adapter_id)
+            entry = self._records.get(adapter_id)
             return entry is not None and self._device_tier.ready(entry)
 
     def place(self, adapter_id: str) -> bool:
@@ -226,19 +200,19 @@ class AdapterManager:
         with self._lock:
             if self._device_tier.ready(entry):
                 return True
-        self._loader.ensure(entry)
+        self._ensure(entry)
         with self._lock:
             weights = entry.weights
             if entry.error is None and weights is not None and entry.slot is None:
-                if not self._device_tier.claim(self._entries.values(), entry, weights):
+                if not self._device_tier.claim(self._records.entries(), entry, weights):
                     return False
             event = entry.slot_event
         if event is not None and not self.overlap:
             event.wait()
         if event is not None and event.query() and getattr(event, "error", None) is not None:
             failed = SourceUnavailable(f"copying {entry.name} to the device failed")
-            self._loader.fail(entry, failed)
             with self._lock:
+                self._fail(entry, failed)
                 self._device_tier.evict(entry)
         with self._lock:
             return self._device_tier.ready(entry) and entry.error is None
@@ -248,16 +222,16 @@ class AdapterManager:
         filled layer by layer (``layered_admission.py``); the leading layers a prefill may run
         now. Raises InvalidAdapter when its manifest does not fit the base model."""
         with self._lock:
-            entry = self._entries[adapter_id]
+            entry = self._entry(adapter_id)
             if entry.slot is None and entry.fetching and entry.layers_landed and self.overlap:
                 try:
                     weights = landing_weights(entry, self.host, self._device, self.config,
                                               self.slots.max_rank)
                 except InvalidAdapter as err:  # it does not fit this base model (rule 6)
-                    self._loader.fail(entry, err)
+                    self._fail(entry, err)
                     raise
                 if weights is not None:
-                    self._device_tier.claim_layers(self._entries.values(), entry, weights,
+                    self._device_tier.claim_layers(self._records.entries(), entry, weights,
                                                    entry.layers_landed)
             return self._device_tier.layers_ready(entry)
 
@@ -276,7 +250,7 @@ class AdapterManager:
             if len(seen) >= limit:
                 break
             with self._lock:
-                entry = self._entries.get(adapter_id)
+                entry = self._records.get(adapter_id)
                 if entry is None or adapter_id in seen or entry.error is not None:
                     continue
                 ready = self._device_tier.ready(entry)
@@ -289,7 +263,7 @@ class AdapterManager:
         of the next waiting requests; ``cost_model.py`` decides."""
         now = time.perf_counter()
         with self._lock:
-            entries = [self._entries.get(adapter_id) for adapter_id in adapter_ids]
+            entries = [self._records.get(adapter_id) for adapter_id in adapter_ids]
             etas = [
                 self._device_tier.eta(e, now) for e in entries
                 if e is not None and e.error is None and not self._device_tier.ready(e)
@@ -305,7 +279,7 @@ class AdapterManager:
         the copies its compute stream must wait on (rule 1). Every adapter must be placed."""
         with self._lock:  # a referenced adapter is never forgotten: a KeyError is a bug
             return self._device_tier.step(
-                [None if adapter_id is None else self._entries[adapter_id]
+                [None if adapter_id is None else self._entry(adapter_id)
                  for adapter_id in adapter_ids]
             )
 
@@ -324,7 +298,7 @@ class AdapterManager:
         is handed to no other adapter, whose copy would otherwise not wait for the span's
         kernels (rule 2; on a CPU the span has run by then, on CUDA it may still be queued)."""
         with self._lock:
-            step = self._device_tier.step([self._entries[adapter_id]])
+            step = self._device_tier.step([self._entry(adapter_id)])
             self._device_tier.hold(step.slots)
         try:
             yield step
@@ -357,11 +331,11 @@ class AdapterManager:
             entry = self._resolver.resolve(name)
             if pin:
                 with self._lock:
-                    entry.pinned = True
+                    entry.pin()
         entry = self._acquire(entry.adapter_id)  # keep it from being evicted while we wait
         try:
             deadline = time.monotonic() + timeout_s
-            self._loader.wait(entry, deadline, f"loading {name} took over {timeout_s:.0f}s")
+            self._wait_on_host(entry, deadline, f"loading {name} took over {timeout_s:.0f}s")
             while not self._place(entry):
                 with self._lock:
                     self._raise_error(entry)
@@ -377,60 +351,103 @@ class AdapterManager:
 
     def unload(self, name: str) -> None:
         with self._lock:
-            adapter_id = self._names.pop(name, None)
-            entry = self._entries.get(adapter_id or "")
+            entry = self._records.named(name)
             if entry is None:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded on this worker")
             if entry.refs:
-                self._names[name] = entry.adapter_id
                 raise InvalidArgument(
                     f"adapter {name} is used by {entry.refs} queued or running requests; retry "
                     "once they finish"
                 )
             if entry.copying or entry.fetching:
-                self._names[name] = entry.adapter_id
                 raise InvalidArgument(
                     f"adapter {name} is being loaded on this worker; retry once it is resident"
                 )
             self._device_tier.evict(entry)
             self.host.drop(entry)
-            entry.pinned = False
-            others = [n for n, adapter_id in self._names.items() if adapter_id == entry.adapter_id]
-            if not others:
-                del self._entries[entry.adapter_id]
-            elif entry.name == name:  # a refetch asks the store by a name it still knows
-                entry.name = others[0]
+            entry.unpin()
+            self._records.unname(name)
             self._changed.notify_all()
 
     def status(self, name: str) -> AdapterStatus:
-        with self._lock:
-            entry = self._entries.get(self._names.get(name, ""))
-            if entry is None:
-                raise AdapterNotFound(f"adapter {name!r} is not loaded on this worker")
-            return adapter_status(name, entry)
+        return self._records.status(name)
 
     def statuses(self) -> list[AdapterStatus]:
         """One status per name (an adapter known under two names is listed twice)."""
-        with self._lock:
-            return adapter_statuses(self._entries.values(), self._names)
+        return self._records.statuses()
 
     def usage(self) -> TierUsage:
-        with self._lock:
-            return tier_usage(self._entries.values(), self.host_budget)
+        return self._records.usage(self.host_budget)
 
     def inspect(self, name: str) -> AdapterSnapshot | None:
         """The internal state of the adapter ``name`` stands for, as plain values (tests)."""
+        return self._records.inspect(name)
+
+    # -- the host tier ----------------------------------------------------------------------
+    def _ensure(self, entry: AdapterEntry) -> None:
+        """Start fetching ``entry`` into host memory unless it is there or on its way: on a
+        fetch thread with overlap, else here (call it without the lock)."""
         with self._lock:
-            entry = self._entries.get(self._names.get(name, ""))
-            return None if entry is None else snapshot(entry)
+            if not self._loader.begin(self._records.entries(), entry):
+                return
+            storage = self.host.storage(entry)
+        if self.overlap:
+            self._pool.submit(self._fetch, entry, storage)
+        else:
+            self._fetch(entry, storage)
+
+    def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
+        """Fetch ``entry`` (begun), record how it ended; with overlap, place it into a slot at
+        once if a request waits for it, not at the next step."""
+        landed: AdapterWeights | LorastreamError
+        try:
+            landed = self._loader.fetch(entry, storage, partial(self._layers_landed, entry))
+        except LorastreamError as err:
+            landed = err
+        with self._changed:
+            self._loader.end(entry, landed)
+            follow_landing(self._device_tier, entry)
+            waited_for = entry.refs > 0 and entry.error is None
+            self._changed.notify_all()
+        if self.overlap and waited_for:
+            self._place(entry)
+
+    def _layers_landed(self, entry: AdapterEntry, count: int) -> None:
+        """The fetch's report that ``entry``'s first ``count`` layers landed, verified:
+        layer-ordered admission copies them on."""
+        with self._changed:
+            if entry.land_layers(count):
+                follow_landing(self._device_tier, entry)
+                self._changed.notify_all()
+
+    def _wait_on_host(self, entry: AdapterEntry, deadline: float, timeout_message: str) -> None:
+        """Block until ``entry`` is in host memory: start its fetch, and again whenever a fetch
+        ended or a reference dropped (the budget may have room now). Raises the adapter's
+        error, or :class:`SourceUnavailable` at ``deadline`` (``time.monotonic``)."""
+        while True:
+            self._ensure(entry)  # without overlap the fetch runs here
+            with self._changed:
+                if entry.weights is not None:
+                    return
+                if entry.error is not None:
+                    raise entry.error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SourceUnavailable(timeout_message)
+                self._changed.wait(remaining)
+
+    def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:
+        with self._changed:
+            self._loader.fail(entry, err)
+            self._changed.notify_all()
 
     # -- helpers ------------------------------------------------------------------------------
     def _entry(self, adapter_id: str) -> AdapterEntry:
-        with self._lock:
-            return self._entries[adapter_id]  # referenced adapters are never forgotten
+        entry = self._records.get(adapter_id)
+        if entry is None:  # referenced adapters are never forgotten: this is a bug
+            raise KeyError(adapter_id)
+        return entry
 
     def _raise_error(self, entry: AdapterEntry) -> None:
-        with self._lock:
-            error = entry.error
-        if error is not None:
+        if (error := entry.error) is not None:
             raise error

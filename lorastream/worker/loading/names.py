@@ -20,7 +20,6 @@ to the old content is dropped, and a pin held through it moves to the name's nex
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from lorastream.core.errors import AdapterNotFound, SourceUnavailable
@@ -29,30 +28,23 @@ from lorastream.worker.loading.adapter_weights import check_fits
 from lorastream.worker.loading.catalogue import CatalogueState, StoreCatalogue
 from lorastream.worker.loading.entry import AdapterEntry
 from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.records import AdapterRecords
 from lorastream.worker.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
 class NameResolver:
-    """Resolves references into the manager's ``entries`` / ``names`` under its ``lock``."""
+    """Resolves references to the entries of the manager's :class:`AdapterRecords`."""
 
     def __init__(
-        self,
-        entries: dict[str, AdapterEntry],
-        names: dict[str, str],
-        lock: threading.RLock,
-        fetcher: AdapterFetcher,
-        config: ModelConfig,
+        self, records: AdapterRecords, fetcher: AdapterFetcher, config: ModelConfig,
         max_rank: int,
     ) -> None:
-        self._entries = entries  # adapter_id -> entry (the manager's)
-        self._names = names  # reference -> adapter_id (the manager's)
-        self._lock = lock
+        self._records = records
         self._fetcher = fetcher
         self._config = config
         self._max_rank = max_rank
-        self._pin_next: set[str] = set()  # names whose next content inherits a pin
         client = fetcher.client
         self.catalogue = StoreCatalogue(client, self.forget) if client is not None else None
         if self.catalogue is not None:
@@ -66,8 +58,7 @@ class NameResolver:
         """The entry ``ref`` stands for (see the module docstring for where the answer comes
         from). Raises AdapterNotFound, SourceUnavailable (store down, adapter not held here) and
         the store's errors."""
-        with self._lock:
-            known = self._entries.get(self._names.get(ref, ""))
+        known = self._records.named(ref)
         if known is not None and known.local_path is not None:
             return known
         if self.catalogue is None:
@@ -92,11 +83,9 @@ class NameResolver:
                 ) from err
         if lookup.state is CatalogueState.LIVE:
             if lookup.adapter_id is not None:
-                with self._lock:
-                    entry = self._entries.get(lookup.adapter_id)
-                    if entry is not None:
-                        self._names[ref] = entry.adapter_id
-                        return entry
+                entry = self._records.bind(ref, lookup.adapter_id)
+                if entry is not None:
+                    return entry
                 return self._describe(ref, pinned_ref(ref, lookup.adapter_id))
             if not parse_ref(ref).pinned:
                 raise AdapterNotFound(
@@ -119,30 +108,11 @@ class NameResolver:
         registration); a pin held only through it waits for the name's next content. A deleted
         name keeps its mapping: requests for it are refused while the catalogue is live, and an
         operator can still unload what this worker holds under it."""
-        if adapter_id is None:
-            return
-        with self._lock:
-            old = self._names.get(name)
-            entry = self._entries.get(old or "")
-            if old is None or old == adapter_id or (entry and entry.local_path is not None):
-                return
-            del self._names[name]
-            if entry is not None and entry.pinned and old not in self._names.values():
-                entry.pinned = False
-                self._pin_next.add(name)
+        if adapter_id is not None:
+            self._records.unbind_moved(name, adapter_id)
 
     def _describe(self, ref: str, query: str) -> AdapterEntry:
         """Ask the store for ``query``'s manifest; the entry ``ref`` now maps to."""
         manifest = self._fetcher.describe(query)
         check_fits(manifest, self._config, self._max_rank)
-        with self._lock:
-            entry = self._entries.get(manifest.adapter_id)
-            if entry is None:
-                entry = AdapterEntry(manifest.adapter_id, ref, manifest)
-                self._entries[manifest.adapter_id] = entry
-            self._names[ref] = manifest.adapter_id
-            name = parse_ref(ref).name
-            if name in self._pin_next and not parse_ref(ref).pinned:
-                self._pin_next.discard(name)
-                entry.pinned = True
-            return entry
+        return self._records.add(ref, manifest)

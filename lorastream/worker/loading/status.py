@@ -7,7 +7,7 @@ Nothing outside ``loading/`` holds an :class:`AdapterEntry`: the operator calls 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from lorastream.core.generation import AdapterStatus
@@ -58,13 +58,13 @@ def adapter_status(name: str, entry: AdapterEntry) -> AdapterStatus:
 
 
 def adapter_statuses(
-    entries: Iterable[AdapterEntry], names: dict[str, str]
+    entries: Iterable[AdapterEntry], names_of: Callable[[str], list[str]]
 ) -> list[AdapterStatus]:
-    """One status per name (``names``: name -> adapter id), ordered by the adapters' names; an
-    adapter no name maps to any more is listed under its own."""
+    """One status per name (``names_of(adapter_id)``: its names, sorted), ordered by the
+    adapters' names; an adapter no name maps to any more is listed under its own."""
     statuses = []
     for entry in sorted(entries, key=lambda e: e.name):
-        own = sorted(n for n, adapter_id in names.items() if adapter_id == entry.adapter_id)
+        own = names_of(entry.adapter_id)
         statuses.extend(adapter_status(n, entry) for n in own or [entry.name])
     return statuses
 

@@ -29,7 +29,7 @@ RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it
 PIECE_BYTES = 1 << 20  # the most one copy operation moves (or one layer, if larger)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlotInfo:
     adapter_id: str | None = None
     rank: int = 0
@@ -200,6 +200,11 @@ class LoraSlots:
                 by_layer[first + i].append(partial(_copy, target, block[i]))
         info = _slot_info(adapter_id, rank, scaling, blocks)
         return [[partial(self.table.__setitem__, slot, info)], *by_layer]
+
+    def claim(self, slot: int, adapter_id: str) -> None:
+        """Record ``slot`` as ``adapter_id``'s before its copy runs (the copy's last operation
+        records its rank and scaling)."""
+        self.table[slot] = SlotInfo(adapter_id)
 
     def clear(self, slot: int) -> None:
         """Forget the slot's adapter (its weights stay until the next write)."""
