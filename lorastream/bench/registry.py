@@ -8,6 +8,11 @@ the same run the previous scheme is measured as the baseline: the whole name tab
 JSON, fsynced and renamed into place on every registration (what ``registry.json`` did), at the
 same N. The goal: registrations/s flat within 20% from 1k to 100k names, while the JSON baseline
 falls with N.
+
+Beside it, under ``rpc``, the same counts through the store's ``PreloadAdapter`` RPC end to end
+(``registry_rpc.py``: what an operator waits for, each a distinct adapter staged and registered),
+with its own goal: the SQLite layer stayed flat while the RPC path grew 3x over 2,000 names
+(issue 44), so both are measured and both must be flat.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.registry_rpc import run_rpc_registration
 from lorastream.store.registry import Registry, RegistryEntry
 
 DEFAULT_COUNTS = (1_000, 10_000, 100_000)
@@ -90,8 +96,12 @@ def run_registry_bench(
     registrations: int = 400,
     json_registrations: int = 20,
     work_dir: Path | None = None,
+    rpc_sequence: int = 2000,
+    rpc: bool = True,
 ) -> dict[str, object]:
-    """Per-registration latency at each count, SQLite registry against the JSON baseline.
+    """Per-registration latency at each count, SQLite registry against the JSON baseline, and
+    (``rpc``) through the PreloadAdapter RPC: ``registrations`` at each count and a sequence of
+    ``rpc_sequence`` preloads into an empty store (0: none).
 
     The counts' registries are all filled first, then registered into in interleaved rounds of
     ``ROUND`` registrations each, so that the disk's drift over the run falls on every count
@@ -131,6 +141,8 @@ def run_registry_bench(
     first, last = points[0], points[-1]
     growth = last["sqlite"]["p50_ms"] / first["sqlite"]["p50_ms"]  # type: ignore[index]
     json_growth = last["json_rewrite"]["p50_ms"] / first["json_rewrite"]["p50_ms"]  # type: ignore[index]
+    through_rpc = (run_rpc_registration(counts, registrations, rpc_sequence, work_dir)
+                   if rpc else None)
     return {
         "benchmark": "registry",
         "command": command_line(),
@@ -142,5 +154,6 @@ def run_registry_bench(
         "goal": "registrations_per_s_spread <= 1.2",
         "goal_met": spread <= 1.2,
         "points": points,
+        "rpc": through_rpc,
         "machine": machine_info(bandwidth=False),
     }

@@ -87,15 +87,16 @@ class ContentUse(Mapping[str, int]):
         try:
             while freed < need and self._heap:
                 used, adapter_id = heapq.heappop(self._heap)
-                if self._use.get(adapter_id) != (used, False) or popped[-1:] == [(used, adapter_id)]:
+                pair = (used, adapter_id)
+                if self._use.get(adapter_id) != (used, False) or popped[-1:] == [pair]:
                     continue  # stale (a newer pair stands for it, or pinned, or gone) or twice
-                popped.append((used, adapter_id))
+                popped.append(pair)
                 if adapter_id in protected:
                     continue
                 taken.append(adapter_id)
                 freed += self._sizes[adapter_id]
         finally:
-            for pair in popped:  # the order is only read here: put back what was taken
+            for pair in popped:  # only read: put back the live pairs (taken ones go stale later)
                 heapq.heappush(self._heap, pair)
         return taken, freed
 

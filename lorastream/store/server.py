@@ -102,6 +102,6 @@ def serve(settings: StoreSettings) -> None:
         _tls_note(settings),
         settings.cache_dir,
         settings.cache_bytes / (1 << 30),
-        len(store.list()),
+        store.count(),
     )
     serve_until_signalled(server, "adapter store")
