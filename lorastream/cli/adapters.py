@@ -12,18 +12,7 @@ from rich import box
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from lorastream.cli.common import (
-    STORE_OPTION,
-    TLS_CA_OPTION,
-    TLS_CLIENT_CERT_OPTION,
-    TLS_CLIENT_KEY_OPTION,
-    TOKEN_FILE_OPTION,
-    TOKEN_OPTION,
-    client_tls,
-    client_token,
-    out,
-    reported_errors,
-)
+from lorastream.cli.common import Connection, connection_options, out, reported_errors
 from lorastream.core.local_paths import absolute_source
 from lorastream.core.manifest import AdapterManifest, manifest_json
 from lorastream.core.store_client import BytesSink, StoreClient
@@ -35,13 +24,9 @@ app = typer.Typer(
 )
 
 
-def _client(
-    store: str, token: str | None, token_file: Path | None, tls_ca: Path | None,
-    tls_client_cert: Path | None, tls_client_key: Path | None,
-) -> StoreClient:
+def _client(conn: Connection) -> StoreClient:
     """The store client every command opens, from its connection options."""
-    return StoreClient(store, client_token(token, token_file),
-                       tls=client_tls(tls_ca, tls_client_cert, tls_client_key))
+    return StoreClient(conn.target, conn.bearer(), tls=conn.tls())
 
 
 def _transfer_bar() -> Progress:
@@ -56,6 +41,7 @@ def _staged(verb: str, manifest: AdapterManifest) -> str:
 
 
 @app.command("preload")
+@connection_options
 def preload(
     uri: str = typer.Argument(
         ..., help="s3://bucket/prefix, hf://org/repo[@revision], file:///abs/path or a local "
@@ -64,17 +50,11 @@ def preload(
     name: str = typer.Option(..., "--name", help="Name requests will use for this adapter."),
     pin: bool = typer.Option(False, "--pin", help="Never evict it from the store's cache."),
     force: bool = typer.Option(False, "--force", help="Fetch again even if already staged."),
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Fetch, verify and stage an adapter in the store, with a progress bar."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client, _transfer_bar() as bar:
+    with reported_errors(), _client(conn) as client, _transfer_bar() as bar:
         task = bar.add_task(f"{name}: resolving", total=None)
         manifest = None
         for event in client.preload(absolute_source(uri), name, pin=pin, force=force):
@@ -91,6 +71,7 @@ def preload(
 
 
 @app.command("push")
+@connection_options
 def push(
     directory: Path = typer.Argument(
         ..., help="A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) on "
@@ -101,17 +82,11 @@ def push(
     force: bool = typer.Option(
         False, "--force", help="Replace a name staged from another source."
     ),
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Upload a local adapter to the store (no S3 or shared disk needed), with a progress bar."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client, _transfer_bar() as bar:
+    with reported_errors(), _client(conn) as client, _transfer_bar() as bar:
         task = bar.add_task(f"{name}: uploading", total=None)
         manifest = client.push(
             directory, name, pin=pin, force=force,
@@ -121,19 +96,14 @@ def push(
 
 
 @app.command("ls")
+@connection_options
 def ls(
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """List the adapters staged in the store."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         adapters, used, budget = client.list()
     if as_json:
         out.print_json(json.dumps({
@@ -164,92 +134,67 @@ def ls(
 
 
 @app.command("describe")
+@connection_options
 def describe(
     name: str,
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Print an adapter's manifest as JSON."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         manifest = client.describe(name)
     out.print_json(json.dumps(manifest_json(manifest, tensors=True)))
 
 
 @app.command("rm")
+@connection_options
 def rm(
     name: str,
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Delete an adapter from the store."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         client.delete(name)
     out.print(f"deleted {name}")
 
 
 @app.command("pin")
+@connection_options
 def pin(
     name: str,
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Protect an adapter from cache eviction."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         client.pin(name)
     out.print(f"pinned {name}")
 
 
 @app.command("unpin")
+@connection_options
 def unpin(
     name: str,
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Let an adapter be evicted again."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         client.unpin(name)
     out.print(f"unpinned {name}")
 
 
 @app.command("history")
+@connection_options
 def history(
     name: str,
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """List a name's versions, newest first (request one as NAME@<id prefix>)."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         versions = client.history(name)
     if as_json:
         out.print_json(json.dumps([dataclasses.asdict(v) for v in versions]))
@@ -270,44 +215,34 @@ def history(
 
 
 @app.command("rollback")
+@connection_options
 def rollback(
     name: str,
     version: str = typer.Argument(
         "", help="vN (from 'adapters history') or the start of a content id; omitted: the "
         "content the name pointed at before its current one."
     ),
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Point a name at one of its earlier versions again (recorded as its newest version)."""
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         manifest = client.rollback(name, version)
     out.print(_staged("rolled back", manifest))
 
 
 @app.command("pull")
+@connection_options
 def pull(
     name: str,
     out_dir: Path = typer.Option(..., "--out", help="Directory to write the PEFT adapter into."),
-    store: str = STORE_OPTION,
-    token: str | None = TOKEN_OPTION,
-    token_file: Path | None = TOKEN_FILE_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Stream an adapter from the store and write it as a PEFT directory."""
     from lorastream.core.peft_writer import write_peft_dir
 
-    with reported_errors(), _client(
-        store, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    ) as client:
+    with reported_errors(), _client(conn) as client:
         sink = BytesSink()
         manifest = client.stream_tensors(name, sink)
     write_peft_dir(manifest, sink.buffers, out_dir)

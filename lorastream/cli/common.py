@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
 import logging
 import shlex
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -51,6 +54,71 @@ TLS_CLIENT_KEY_OPTION = typer.Option(
     None, "--tls-client-key", envvar="LORASTREAM_TLS_CLIENT_KEY",
     help="Private key (PEM) of --tls-client-cert.",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Connection:
+    """How a command reaches the store (or a worker): its connection options, declared once
+    (:func:`connection_options`) for every command that takes them."""
+
+    target: str  # HOST:PORT
+    token: str | None = None
+    token_file: Path | None = None
+    tls_ca: Path | None = None
+    tls_client_cert: Path | None = None
+    tls_client_key: Path | None = None
+
+    def bearer(self) -> str | None:
+        """:func:`client_token` of ``--token`` / ``--token-file`` (inside reported_errors)."""
+        return client_token(self.token, self.token_file)
+
+    def tls(self) -> ClientTLS | None:
+        """:func:`client_tls` of the ``--tls-*`` flags (inside reported_errors)."""
+        return client_tls(self.tls_ca, self.tls_client_cert, self.tls_client_key)
+
+
+_CONNECTION_OPTIONS = {  # parameter -> (annotation, option); "store" stands for the target
+    "store": (str, STORE_OPTION),
+    "token": (str | None, TOKEN_OPTION),
+    "token_file": (Path | None, TOKEN_FILE_OPTION),
+    "tls_ca": (Path | None, TLS_CA_OPTION),
+    "tls_client_cert": (Path | None, TLS_CLIENT_CERT_OPTION),
+    "tls_client_key": (Path | None, TLS_CLIENT_KEY_OPTION),
+}
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def connection_options(command: Command) -> Command:
+    """Give ``command`` the store's connection options (``--store``, ``--token``,
+    ``--token-file``, ``--tls-ca``, ``--tls-client-cert``, ``--tls-client-key``), after its
+    own, and call it with them as ``conn``: a :class:`Connection`. Put it under
+    ``@app.command``::
+
+        @app.command("rm")
+        @connection_options
+        def rm(name: str, conn: Connection) -> None: ...
+    """
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
+           if p.name != "conn"]
+    added = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                          annotation=annotation)
+        for name, (annotation, option) in _CONNECTION_OPTIONS.items()
+    ]
+
+    @functools.wraps(command)
+    def with_connection(**kwargs: Any) -> Any:
+        options = {name: kwargs.pop(name) for name in _CONNECTION_OPTIONS}
+        conn = Connection(options.pop("store"), **options)
+        return command(conn=conn, **kwargs)
+
+    parameters = [*own, *added]
+    # typer reads the signature: the command's own parameters, then the six options
+    with_connection.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    with_connection.__annotations__ = {p.name: p.annotation for p in parameters}
+    return cast(Command, with_connection)
+
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
