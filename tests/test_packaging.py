@@ -74,8 +74,9 @@ def test_the_cpu_attention_kernel_source_ships_in_the_wheel(wheel_names: set[str
 # -- the locks: runtime apart from the test and benchmark tools ------------------------------------
 LOCKS = sorted(REPO.glob("requirements*.lock"))
 # Tools that `make up` and the images must not install (the dev and bench extras, the gpu extra).
+# (accelerate and psutil are runtime: transformers' GGUF loader needs accelerate, which needs psutil.)
 NOT_RUNTIME = ["pytest", "pytest-asyncio", "pytest-timeout", "moto", "flask", "cfn-lint", "peft",
-               "accelerate", "openai", "matplotlib", "psutil", "grpcio-tools", "triton"]
+               "openai", "matplotlib", "grpcio-tools", "triton"]
 
 
 def _pins(lock: Path) -> dict[str, str]:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +185,19 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_refused_naming_wh
     with pytest.raises(InvalidArgument, match=r"odd.gguf: transformers could not convert this GGUF"):
         resolve_checkpoint(str(odd), cache_dir=cache)
     assert not [p for p in cache.iterdir() if not p.name.startswith(".")]  # no half checkpoint
+
+
+@pytest.mark.parametrize("missing", ["accelerate", "gguf"])
+def test_a_conversion_without_a_loader_package_says_what_to_install_in_one_line(
+    gguf_file: Path, missing: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """transformers' GGUF loader imports accelerate and gguf itself; without one the first start
+    would end in its traceback (what a fresh `make up` did while the runtime lock lacked
+    accelerate). The conversion asks first, and leaves no half checkpoint."""
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed: find_spec -> None
+    cache = tmp_path / "models"
+    with pytest.raises(InvalidArgument, match=rf"needs {missing}, which is not installed: "
+                                              r"pip install -r requirements.lock") as err:
+        resolve_checkpoint(str(gguf_file), cache_dir=cache)
+    assert "\n" not in str(err.value)
+    assert not cache.exists() or not [p for p in cache.iterdir() if not p.name.startswith(".")]

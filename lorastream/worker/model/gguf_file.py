@@ -24,6 +24,7 @@ The converted directory is named by the file's path, size and modification time 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -38,12 +39,16 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from lorastream.core.errors import InvalidArgument
+from lorastream.worker.model.checkpoint_dir import check_checkpoint_dir
 
 log = logging.getLogger(__name__)
 
 CONVERSION_VERSION = "1"  # part of a converted dir's name: bump when the conversion changes
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "lorastream_gguf_source.json"  # beside a converted checkpoint: the file's types
+# What transformers' GGUF loader imports on our behalf (both in requirements.lock): without them
+# it fails deep in from_pretrained, so the conversion asks first and says what to install.
+GGUF_LOADER_NEEDS = ("gguf", "accelerate")
 
 Converter = Callable[[Path, Path], None]  # (gguf file, empty output dir) -> writes a checkpoint
 
@@ -63,6 +68,7 @@ def served_as(tensor_type: str) -> str:
 def gguf_tensor_types(path: Path) -> Counter[str]:
     """Tensor type name -> how many tensors of ``path`` have it (the header only, memory-mapped);
     InvalidArgument if the file is not a GGUF file gguf can read."""
+    require_gguf_loader()
     from gguf import GGUFReader
 
     try:
@@ -131,8 +137,6 @@ def convert_once(final: Path, produce: Callable[[Path], None], what: str) -> Pat
     into place, under a file lock: a crash leaves no half checkpoint (its leftovers are removed
     by the next conversion), and concurrent starts convert once and share the result.
     """
-    from lorastream.worker.model.checkpoint import check_checkpoint_dir  # it imports this module
-
     if final.is_dir():
         return final
     cache_dir = final.parent
@@ -168,6 +172,14 @@ def convert_once(final: Path, produce: Callable[[Path], None], what: str) -> Pat
         lock.release()
 
 
+def require_gguf_loader() -> None:
+    """Raise one line naming what to install when transformers' GGUF loader lacks a package."""
+    missing = [name for name in GGUF_LOADER_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InvalidArgument(
+            f"converting a GGUF model needs {' and '.join(missing)}, which is not installed: "
+            f"pip install -r requirements.lock (or: pip install {' '.join(missing)})"
+        )
 
 
 def convert_gguf(gguf: Path, out_dir: Path, *, require_chat_template: bool = False) -> None:
@@ -176,6 +188,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, require_chat_template: bool = Fal
     Any family transformers' GGUF loader knows; the chat template is kept when the file has
     one (a base model's has none: it serves completions only).
     """
+    require_gguf_loader()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
