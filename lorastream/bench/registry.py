@@ -12,7 +12,8 @@ falls with N.
 Beside it, under ``rpc``, the same counts through the store's ``PreloadAdapter`` RPC end to end
 (``registry_rpc.py``: what an operator waits for, each a distinct adapter staged and registered),
 with its own goal: the SQLite layer stayed flat while the RPC path grew 3x over 2,000 names
-(issue 44), so both are measured and both must be flat.
+(before the registry kept its eviction order as names change), so both are measured and
+both must be flat.
 """
 
 from __future__ import annotations

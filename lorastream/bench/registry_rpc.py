@@ -1,4 +1,4 @@
-"""Registration through the store's ``PreloadAdapter`` RPC against the number of names (issue 44).
+"""Registration through the store's ``PreloadAdapter`` RPC against the number of names.
 
 The SQLite figure (``registry.py``) times the registry alone; this times what an operator waits
 for: a real store server on loopback (port 0, local source, no worker), a ``PreloadAdapter``

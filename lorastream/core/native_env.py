@@ -14,7 +14,7 @@ The caches: the prepacked projections (``model/linear.py``) run on oneDNN, which
 primitive (JIT kernel, scratchpad) for each input shape, and ideep keeps one more object per
 shape; both are keyed by the row count, which a worker takes anywhere from 1 to its token
 budget. At 1,024 entries each they hold hundreds of MB once filled, and a 10-minute soak grew
-the worker's RSS 11.4% over its post-warm-up level before they were full (issue 22). Measured
+the worker's RSS 11.4% over its post-warm-up level before they were full. Measured
 on the default model's projection shapes (30 layers, row counts 1..133 in random order, three
 rounds): RSS +258 MB at the defaults, +143 MB with only oneDNN's cache at 8 (so ideep's counts
 too), +18 MB with both at 64, and the same time per round (24 s): building a primitive costs

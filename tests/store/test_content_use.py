@@ -1,7 +1,7 @@
 """The disk budget's view of the staged contents, kept as the registry changes
 (``lorastream/store/content_use.py``), against the same figures recomputed from SQLite over every
-name and version (what eviction ran on every staging before the registry kept this view) after each of a few hundred
-random changes to a real registry."""
+name and version (what eviction ran on every staging before the registry kept this view) after
+each of a few hundred random changes to a real registry."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ class AdapterSpec:
     seed: int = 1
 
 
-# Ranks 4-64; attention only, MLP only, all linear; one rsLoRA (issue 3's matrix).
+# Ranks 4-64; attention only, MLP only, all linear; one rsLoRA: the tests' matrix.
 ADAPTERS: dict[str, AdapterSpec] = {
     "attn-r4": AdapterSpec(4, ATTENTION, seed=11),
     "mlp-r8": AdapterSpec(8, MLP, seed=12),

@@ -1,4 +1,4 @@
-"""Layer-ordered landing (issue 26 item 3): as a store fetch lands an adapter's tensors, verified,
+"""Layer-ordered landing: as a store fetch lands an adapter's tensors, verified,
 in layer order, the fetch reports how many leading layers are whole -- through the fetch process
 and in the worker alike -- and the adapter's entry follows it. A damaged tensor stops the count
 before its layer; a store that dies mid-stream is resumed and the count goes on.

@@ -1,4 +1,4 @@
-"""Overlapped adapter loading (issue 4), made observable with the fault hooks: a per-chunk delay
+"""Overlapped adapter loading, made observable with the fault hooks: a per-chunk delay
 on the store stream (``fetcher.chunk_delay_s``) and a per-copy delay on the load stream
 (``device.load_stream.copy_delay_s``)."""
 

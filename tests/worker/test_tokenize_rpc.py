@@ -1,4 +1,4 @@
-"""The worker's Tokenize and Detokenize RPCs (issue 23 item 3) on a real gRPC server on port 0:
+"""The worker's Tokenize and Detokenize RPCs on a real gRPC server on port 0:
 the ids are the ones generation prefills, and detokenize inverts tokenize."""
 
 from __future__ import annotations

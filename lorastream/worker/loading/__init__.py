@@ -1,1 +1,1 @@
-"""Tiered adapter loading: store → host buffer → device slot, off the decode path (issue 4)."""
+"""Tiered adapter loading: store → host buffer → device slot, off the decode path."""
