@@ -24,7 +24,6 @@ Whether the weights agree with config.json is checked when they load (``weights.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -35,6 +34,13 @@ from lorastream.core.errors import (
     LorastreamError,
     SourceUnavailable,
     Unauthenticated,
+)
+from lorastream.worker.model.checkpoint_dir import (
+    CONFIG_FILE,
+    PICKLE_SUFFIXES,
+    TOKENIZER_FILES,
+    WEIGHTS_INDEX,
+    check_checkpoint_dir,
 )
 from lorastream.worker.model.embedded import (
     DEFAULT_MODEL,
@@ -50,9 +56,6 @@ DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
 HUB_CACHE = "hub"  # huggingface_hub cache inside cache_dir
 
-CONFIG_FILE = "config.json"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 HUB_PATTERNS = [
     CONFIG_FILE,
     "generation_config.json",
@@ -67,7 +70,6 @@ HUB_PATTERNS = [
     "chat_template.json",
     "additional_chat_templates/*.jinja",
 ]
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 _HUB_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _HUB_ID = re.compile(rf"^(?:hf://)?({_HUB_NAME}/{_HUB_NAME})(?:@(\S+))?$")
@@ -101,78 +103,6 @@ def resolve_checkpoint(
     endpoint = (hf_endpoint or DEFAULT_HF_ENDPOINT).rstrip("/")
     return check_checkpoint_dir(
         download_hub_checkpoint(repo_id, revision, cache_dir / HUB_CACHE, endpoint, hf_token)
-    )
-
-
-# -- checking a directory ----------------------------------------------------------------------
-def check_checkpoint_dir(path: Path) -> Path:
-    """Return ``path`` resolved if it holds a usable HF checkpoint of a supported family, else
-    InvalidArgument."""
-    if not path.exists():
-        raise InvalidArgument(f"{path}: no such directory; pass an HF checkpoint directory")
-    if not path.is_dir():
-        raise InvalidArgument(
-            f"{path}: is a file; pass the checkpoint directory that holds it (or a .gguf file)")
-    path = path.resolve()
-    _check_config(path)
-    _check_weights(path)
-    _check_tokenizer(path)
-    return path
-
-
-def _check_config(path: Path) -> None:
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise InvalidArgument(
-            f"{path}: no {CONFIG_FILE}; an HF checkpoint directory (as save_pretrained writes "
-            "it) is needed"
-        )
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidArgument(f"{config_file}: not readable JSON ({err})") from err
-    if not isinstance(config, dict):
-        raise InvalidArgument(f"{config_file}: expected a JSON object")
-    from lorastream.worker.model.families import family_of
-
-    family_of(config, str(config_file))  # InvalidArgument listing the supported families
-
-
-def _check_weights(path: Path) -> None:
-    index_file = path / WEIGHTS_INDEX
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise InvalidArgument(f"{index_file}: malformed safetensors index ({err!r})") from err
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise InvalidArgument(
-                f"{path}: {WEIGHTS_INDEX} lists shards that are missing: {', '.join(missing)}; "
-                "download the complete checkpoint"
-            )
-        return
-    if any(path.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise InvalidArgument(
-            f"{path}: only pickle weights ({', '.join(pickles)}), which are refused because "
-            "loading them can run arbitrary code; convert them to *.safetensors (e.g. "
-            "model.save_pretrained(dir, safe_serialization=True) in a trusted environment)"
-        )
-    raise InvalidArgument(f"{path}: no *.safetensors weights; save the model with save_pretrained")
-
-
-def _check_tokenizer(path: Path) -> None:
-    if (path / "tokenizer.json").is_file():
-        return
-    if (path / "tokenizer.model").is_file() and (path / "tokenizer_config.json").is_file():
-        return
-    raise InvalidArgument(
-        f"{path}: no tokenizer; the directory needs tokenizer.json, or tokenizer.model with "
-        "tokenizer_config.json (tokenizer.save_pretrained(dir) writes them)"
     )
 
 
