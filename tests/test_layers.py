@@ -115,3 +115,102 @@ def test_the_check_finds_an_import_that_points_up(
     path.write_text(source)
     (found,) = _upward(name, path)
     assert problem in found
+
+
+def _runtime_imports(name: str, path: Path) -> set[str]:
+    """The modules of the tree ``name`` imports when it runs, function-local imports included;
+    ``if TYPE_CHECKING:`` blocks left out (they never run). ``from a.b import c`` counts as
+    ``a.b.c`` when that is a module, else as ``a.b``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(inner) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body for inner in ast.walk(stmt)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES
+                else node.module
+                for alias in node.names
+            )
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {target for target in found if target in MODULES and target != name}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (module -> the modules it imports): each strongly
+    connected group of two or more modules, sorted (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import cycle anywhere in lorastream/, bench and function-local imports included: a
+    module can be read, and imported, after the modules it imports."""
+    graph = {name: _runtime_imports(name, path) for name, path in MODULES.items()}
+    assert sum(len(targets) for targets in graph.values()) > 300
+    assert import_cycles(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "cycles"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}, [["a", "b"], ["c", "d"]]),
+    ],
+)
+def test_the_check_finds_every_cycle(graph: dict[str, set[str]], cycles: list[list[str]]) -> None:
+    assert import_cycles(graph) == cycles
+
+
+def test_a_function_local_import_counts_and_a_typing_only_one_does_not(tmp_path: Path) -> None:
+    path = tmp_path / "module.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from lorastream.bench.soak import SoakConfig\n"
+        "def f():\n    from lorastream.bench.engine_quant import run_quant_bench\n"
+    )
+    assert _runtime_imports("lorastream.bench.x", path) == {"lorastream.bench.engine_quant"}

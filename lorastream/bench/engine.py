@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lorastream.bench.decode_rate import QUESTIONS, decode_rates, peft_decode_rate
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.synthetic import (
     SMOLLM2_135M,
@@ -33,54 +34,9 @@ from lorastream.bench.synthetic import (
 from lorastream.core.generation import PromptInput, SamplingParams
 
 if TYPE_CHECKING:
-    from lorastream.bench.peft_peer import MixedPeft
     from lorastream.worker.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
-
-QUESTIONS = (
-    "What is the capital of France?",
-    "Explain photosynthesis in one sentence.",
-    "Give me three tips for writing clean Python code.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish and German.",
-    "What is 17 times 23?",
-    "Name a famous painting by Vincent van Gogh.",
-    "How do vaccines work?",
-)
-
-
-def _decode_rates(
-    runs: list[Callable[[int], None]], prompts: int, new_tokens: int, repeats: int
-) -> list[float]:
-    """Best decode tok/s of each run (:func:`decode_rate_samples`)."""
-    return [max(samples) for samples in decode_rate_samples(runs, prompts, new_tokens, repeats)]
-
-
-def decode_rate_samples(
-    runs: list[Callable[[int], None]], prompts: int, new_tokens: int, repeats: int
-) -> list[list[float]]:
-    """Each run's decode tok/s in every repeat ([run][repeat]); the runs take turns within every
-    repeat, so that a slow spell of a shared machine hits all of them rather than skewing their
-    ratio, and two runs' rates in one repeat are seconds apart (paired)."""
-    for run in runs:
-        run(2)  # warm-up
-    samples: list[list[float]] = [[] for _ in runs]
-    for _ in range(repeats):
-        for i, run in enumerate(runs):
-            start = time.perf_counter()
-            run(1)
-            one = time.perf_counter() - start
-            start = time.perf_counter()
-            run(new_tokens)
-            full = time.perf_counter() - start
-            # a tiny model's prefill varies more than its decode takes: full - one can come out
-            # at or below zero, and then the whole run's rate (a lower bound) stands in for it
-            decode_s = full - one
-            samples[i].append(prompts * (new_tokens - 1) / decode_s if decode_s > 0
-                              else prompts * new_tokens / full)
-    return samples
-
 
 def step_read_views(slots: LoraSlots, distinct: int) -> list[torch.Tensor]:
     """The weights a decode step over ``distinct`` adapters reads, layer by layer as the
@@ -175,7 +131,7 @@ def run_engine_bench(
                 return run
 
             multi_models = [f"a{i % adapters}" for i in range(prompts)]
-            multi, base = _decode_rates(
+            multi, base = decode_rates(
                 [engine_run(multi_models), engine_run(["base"] * prompts)],
                 prompts, new_tokens, repeats,
             )
@@ -190,8 +146,8 @@ def run_engine_bench(
         from lorastream.bench.peft_peer import load_mixed_peft
 
         peft = (
-            _peft_rate(load_mixed_peft(checkpoint, dirs), [list(p) for p in ids], new_tokens,
-                       repeats)
+            peft_decode_rate(load_mixed_peft(checkpoint, dirs), [list(p) for p in ids],
+                             new_tokens, repeats)
             if include_peft
             else None
         )
@@ -226,22 +182,3 @@ def run_engine_bench(
     result["machine"] = machine
     return result
 
-
-def _peft_rate(
-    peft: MixedPeft, prompts: list[list[int]], new_tokens: int, repeats: int
-) -> float:
-    """HF transformers + PEFT, every adapter loaded, one mixed-adapter batch (adapter_names=)."""
-    from lorastream.bench.peft_peer import left_padded
-
-    model, pad = peft.model, peft.pad
-    input_ids, mask = left_padded(prompts, pad)  # [B, S]
-    names = [f"a{i % peft.adapters}" for i in range(len(prompts))]
-
-    def run(n: int) -> None:
-        with torch.no_grad():
-            model.generate(
-                input_ids=input_ids, attention_mask=mask, adapter_names=names,
-                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad,
-            )
-
-    return _decode_rates([run], len(prompts), new_tokens, repeats)[0]

@@ -44,12 +44,12 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from lorastream.bench.engine import QUESTIONS, _peft_rate, decode_rate_samples
+from lorastream.bench.decode_rate import QUESTIONS, decode_rate_samples, peft_decode_rate
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.peft_peer import load_mixed_peft
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base, reference_rows
@@ -268,7 +268,7 @@ def run_quant_bench(
                 with dequantized_base(peft_model, mode):
                     dequantized[mode] = reference_rows(peft_model, ids, multi_models,
                                                        tokens[FP32], cases)
-        peft = (_peft_rate(peft_model, [list(p) for p in ids], new_tokens, repeats)
+        peft = (peft_decode_rate(peft_model, [list(p) for p in ids], new_tokens, repeats)
                 if include_peft else None)
     fp32_tokens = torch.tensor([tokens[FP32][i][k] for i, k in cases])  # [C]
     per_mode: dict[str, dict[str, object]] = {}
