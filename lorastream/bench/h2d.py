@@ -22,6 +22,7 @@ A synthetic Llama-3-8B all-linear adapter (rank 16, bf16: about 84 MB, docs/desi
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import statistics
 import sys
@@ -108,6 +109,7 @@ def run_h2d_bench(rank: int = 16, repeats: int = 20) -> dict[str, object]:
         "command": command_line(),
         "note": "unmeasured on this project's CPU-only machines: the first GPU numbers",
         "gpu": torch.cuda.get_device_name(cuda),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
         "adapter": f"Llama-3-8B all-linear, rank {rank}, bf16",
         "adapter_bytes": nbytes,
         "repeats": repeats,

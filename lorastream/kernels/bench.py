@@ -18,6 +18,7 @@ timed region, as the engine builds it once per step; its host build time is repo
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import statistics
 import sys
@@ -98,6 +99,7 @@ def run_kernel_bench(
         "note": UNMEASURED_NOTE,
         "model_shapes": "Llama-3-8B (hidden 4096, q 4096, kv 1024, intermediate 14336)",
         "device": torch.cuda.get_device_name(device),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d"),
         "dtype": str(dtype).removeprefix("torch."),
         "warmup": warmup,
         "repeat": repeat,

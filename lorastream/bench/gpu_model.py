@@ -1,0 +1,157 @@
+"""Random-weight base models of real shapes, built where they run, for the GPU benchmarks.
+
+The GPU machine reaches no registry and carries 64 MiB, so no checkpoint travels there: the
+benchmarks build the default model's shapes (SmolLM2-135M-Instruct) and a Llama-3.1-8B-shaped
+model (bf16, 16 GB) from random weights on the device, and their adapters (synthetic PEFT LoRAs
+of the same shapes, ``synthetic.py``) on the host there. Speed does not depend on what the
+weights are; the figures measured on these models are about the engine's time, never its text
+(greedy-token checks against PEFT run on small real checkpoints, in tests/gpu).
+
+The engine is assembled from the worker's own parts as ``service/bootstrap.build_engine`` does,
+with the weights made in memory instead of read from a checkpoint directory (writing and reading
+16 GB of random safetensors would take most of the GPU check's minutes), and a tokenizer that
+only names token ids: prompts are token ids and every request ignores EOS.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorastream.bench.synthetic import BaseShape, make_synthetic_adapter
+from lorastream.worker.device.device import Device
+from lorastream.worker.engine.engine import Engine
+from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.decoder import DecoderModel, DecoderWeights, LayerWeights
+from lorastream.worker.model.kv_cache import KVCache
+from lorastream.worker.service.bootstrap import make_backend
+
+log = logging.getLogger(__name__)
+
+# config.json of each shape, as transformers saves it (the weights are what is made up).
+SHAPES: dict[str, dict[str, Any]] = {
+    # the embedded default model (NOTES.md: SmolLM2-135M-Instruct from its GGUF)
+    "smollm2-135m": {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    },
+    "llama-3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+    # a few MB: the benchmarks' code path on the CPU (tests), never a figure
+    "tiny": {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": False,
+    },
+}
+
+
+def model_config(shape: str) -> ModelConfig:
+    return ModelConfig.from_dict(SHAPES[shape], shape)
+
+
+def base_shape(config: ModelConfig) -> BaseShape:
+    """The projection sizes adapters of ``config`` are made for."""
+    return BaseShape(config.hidden_size, config.intermediate_size, config.num_layers,
+                     config.num_heads, config.num_kv_heads, config.head_dim)
+
+
+def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   seed: int = 0) -> DecoderWeights:
+    """Weights of ``config``'s shapes drawn on ``device``: projections ~ N(0, 1/fan_in) (the
+    activations keep their scale through the layers), norms at one. Llama's parts only."""
+    if config.family != "llama" or config.qkv_bias or config.mlp_bias or config.qk_norm:
+        raise ValueError(f"{config.name}: random weights are made for Llama's layout only")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, q, kv, inter = (config.hidden_size, config.num_heads * config.head_dim,
+                       config.num_kv_heads * config.head_dim, config.intermediate_size)
+
+    def proj(out_features: int, in_features: int) -> torch.Tensor:  # [out, in]
+        w = torch.randn(out_features, in_features, generator=gen, device=device, dtype=dtype)
+        return w.mul_(in_features ** -0.5)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    layers = [
+        LayerWeights(attn_norm=ones(h), wqkv=proj(q + 2 * kv, h), wo=proj(h, q),
+                     mlp_norm=ones(h), w_gate_up=proj(2 * inter, h), w_down=proj(h, inter))
+        for _ in range(config.num_layers)
+    ]
+    embed = torch.randn(config.vocab_size, h, generator=gen, device=device, dtype=dtype)  # [V, H]
+    lm_head = embed if config.tie_word_embeddings else proj(config.vocab_size, h)  # [V, H]
+    return DecoderWeights(embed=embed, layers=layers, norm=ones(h), lm_head=lm_head)
+
+
+class IdTokenizer:
+    """Names token ids (``<17>``): what the engine's detokenizer asks of a tokenizer, for a
+    model whose prompts are token ids and whose text nobody reads."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False,
+               **kwargs: Any) -> str:
+        return "".join(f"<{int(t)}>" for t in token_ids)
+
+
+def random_engine(
+    config: ModelConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_loras: int,
+    max_lora_rank: int,
+    host_cache_bytes: int,
+    kv_cache_bytes: int,
+    max_batch_size: int,
+    overlap: bool = True,
+    lora_backend: str = "triton",
+    max_num_tokens: int = 4096,
+    max_seq_len: int = 2048,
+    seed: int = 0,
+) -> Engine:
+    """A ready (not started) engine over random weights of ``config``, with the worker's parts
+    as ``build_engine`` wires them: the device layer, the paged KV cache, the LoRA slots, the
+    adapter tiers (no store: adapters are registered from local directories) and the loop."""
+    model = DecoderModel(config, random_weights(config, dtype, device, seed), device)
+    worker_device = Device(device)
+    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, kv_cache_bytes, dtype,
+                 device)
+    slots = LoraSlots(config, max_loras, max_lora_rank, dtype, device)
+    adapters = AdapterManager(config, slots, worker_device, AdapterFetcher(worker_device, None),
+                              host_cache_bytes, overlap=overlap)
+    log.info("random %s engine on %s (%s): KV %d tokens, %d slots of rank <= %d, overlap %s",
+             config.name, device, str(dtype).removeprefix("torch."), kv.capacity_tokens,
+             max_loras, max_lora_rank, "on" if overlap else "off")
+    return Engine(
+        model, IdTokenizer(), kv, slots, adapters,
+        make_backend(lora_backend, dtype, device, model.native_ops), worker_device,
+        base_model_name="base", max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+        max_seq_len=max_seq_len, default_max_tokens=16,
+    )
+
+
+def make_adapters(root: Path, config: ModelConfig, count: int, rank: int,
+                  dtype: torch.dtype, first_seed: int = 0) -> list[Path]:
+    """``count`` all-linear PEFT LoRAs of ``config``'s shapes (random A and non-zero B) under
+    ``root``, made on the host of the machine that runs the benchmark."""
+    shape = base_shape(config)
+    return [make_synthetic_adapter(root / f"a{first_seed + i}", shape, rank=rank, dtype=dtype,
+                                   seed=first_seed + i)
+            for i in range(count)]
