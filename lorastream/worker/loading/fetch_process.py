@@ -7,7 +7,8 @@ a lower priority without slowing the token stream; and on a CPU it takes cores f
 OpenMP threads of the decode step, which wait for each other at the end of every parallel op, so
 each time slice taken from either stalls both. Measured on the default model with 4 streams
 decoding while rank-64 adapters were fetched back to back: ITL p50 136 ms with the fetch at
-normal priority, 75 ms with it in a process at SCHED_IDLE, 72 ms with no fetch (docs/worker.md).
+normal priority, 75 ms with it in a process at SCHED_IDLE, 72 ms with no fetch
+(docs/notes/loading.md).
 In its own process every thread of the fetch runs at the priority it set for itself, and none of
 them holds the worker's GIL.
 
