@@ -30,6 +30,7 @@ on demand, call :func:`release_thread` first (``device.loader_thread_init``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -40,6 +41,7 @@ _BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _process_cpus: frozenset[int] | None = None  # the CPUs of the process before a thread was bound
 
 
+@functools.cache
 def _libgomp() -> ctypes.CDLL | None:
     """The GNU OpenMP runtime this process loaded (torch's), or None."""
     try:
@@ -51,6 +53,8 @@ def _libgomp() -> ctypes.CDLL | None:
         return None
     gomp = ctypes.CDLL(path)
     gomp.omp_get_thread_num.restype = ctypes.c_int
+    gomp.omp_set_num_threads.argtypes = [ctypes.c_int]
+    gomp.omp_set_num_threads.restype = None
     gomp.GOMP_parallel.argtypes = [_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
     gomp.GOMP_parallel.restype = None
     return gomp
@@ -111,3 +115,14 @@ def release_thread() -> None:
     it (threads inherit their creator's CPU mask)."""
     if _process_cpus is not None:
         os.sched_setaffinity(0, _process_cpus)
+
+
+def set_openmp_threads_here(count: int) -> bool:
+    """Make the calling thread's own parallel regions use ``count`` threads (OpenMP's per-thread
+    ``nthreads`` setting), leaving torch's process-wide count alone; False where there is no
+    GNU OpenMP runtime here (nothing changed). ``device.use_one_intra_op_thread`` says why."""
+    gomp = _libgomp()
+    if gomp is None:
+        return False
+    gomp.omp_set_num_threads(count)
+    return True

@@ -21,7 +21,7 @@ On the CPU the loader threads compete with the step's matmul threads for the sam
 they would not: copies are DMA). :func:`loader_thread_init` gives them the loader priority
 (SCHED_IDLE by default, ``priority.py`` says why), the CPU counterpart of a low-priority CUDA
 stream (decoding keeps the cores, loads use the gaps), and one intra-op thread
-(:func:`use_intra_op_threads` says why that matters).
+(:func:`use_intra_op_threads` says why that matters, :func:`use_one_intra_op_thread` how).
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorastream.worker.device.cpu_binding import bind_team, release_thread, unbind_team
+from lorastream.worker.device.cpu_binding import (
+    bind_team,
+    release_thread,
+    set_openmp_threads_here,
+    unbind_team,
+)
 from lorastream.worker.device.priority import lower_priority
 from lorastream.worker.device.step_gate import StepGate
 
@@ -44,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 def use_intra_op_threads(count: int) -> None:
-    """Run the calling thread's torch CPU ops on ``count`` intra-op (OpenMP) threads.
+    """Make the calling thread the one that computes, on ``count`` intra-op (OpenMP) threads.
 
     Why the worker cares: GNU OpenMP gives every thread that runs a parallel torch op a pool of
     its own, and once the process holds more OpenMP threads than there are cores it stops
@@ -52,13 +57,33 @@ def use_intra_op_threads(count: int) -> None:
     small parallel ops (the LoRA matmuls); each then pays a futex wake-up. Measured on the default
     model with 32 adapters: decode steps ~30% slower once a second thread had used torch with two
     threads. So one thread of the process, the engine's, computes with several threads and every
-    other thread that touches torch (loaders, request handlers) calls this with 1.
+    other thread that touches torch (loaders, request handlers) calls
+    :func:`use_one_intra_op_thread`.
 
-    torch adopts its process-wide count lazily, at a thread's first parallel op, and that would
-    undo a count set before it: ``get_num_threads`` makes that first adoption happen now.
+    ``torch.set_num_threads`` also sets torch's process-wide count, which every thread adopts
+    lazily at its first parallel op -- and which every C++ extension adopts again on its own
+    (``at::parallel_for`` is inline: each shared object keeps its own per-thread "adopted" flag).
+    Only the computing thread may set it. ``get_num_threads`` makes this thread's adoption in
+    libtorch happen now, before the count is set.
     """
     torch.get_num_threads()
     torch.set_num_threads(count)
+
+
+def use_one_intra_op_thread() -> None:
+    """Run the calling thread's torch CPU ops on one thread, leaving the engine's count alone.
+
+    Only this thread's OpenMP setting changes (``cpu_binding.set_openmp_threads_here``), never
+    torch's process-wide count: a request thread that lowered that to 1 with
+    ``torch.set_num_threads(1)`` took the engine's second core away at the engine's first C++ op
+    (``lorastream/kernels/csrc``): the extension adopted the process-wide count on the engine's
+    thread (previous paragraph), and every later step ran on one thread with the other core idle
+    (issue 44).
+    """
+    torch.get_num_threads()  # libtorch's adoption first: it would undo the setting below
+    if not set_openmp_threads_here(1):
+        log.debug("no GNU OpenMP runtime: %s keeps torch's thread count",
+                  threading.current_thread().name)
 
 
 def loader_thread_init(priority: str) -> None:
@@ -67,7 +92,7 @@ def loader_thread_init(priority: str) -> None:
     torch on one intra-op thread so that decoding keeps the only multi-threaded OpenMP pool."""
     release_thread()
     lower_priority(priority)
-    use_intra_op_threads(1)
+    use_one_intra_op_thread()
 
 
 class Event:

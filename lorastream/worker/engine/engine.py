@@ -27,7 +27,7 @@ import torch
 
 from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
-from lorastream.worker.device.device import Device, use_intra_op_threads
+from lorastream.worker.device.device import Device, use_one_intra_op_thread
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.intake import RequestIntake
 from lorastream.worker.engine.landing import LandingPrefills
@@ -148,7 +148,7 @@ class Engine:
 
         def drive() -> None:
             try:
-                use_intra_op_threads(1)  # the loop's thread keeps the one multi-threaded pool
+                use_one_intra_op_thread()  # the loop's thread keeps the one multi-threaded pool
                 outcome.append(work())
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
                 failure.append(exc)

@@ -14,7 +14,7 @@ from lorastream.core.auth import refuse_open_bind
 from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
 from lorastream.core.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
 from lorastream.core.tls import ServerTLS
-from lorastream.worker.device.device import use_intra_op_threads
+from lorastream.worker.device.device import use_one_intra_op_thread
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
@@ -69,8 +69,7 @@ def build_server(
         executor=futures.ThreadPoolExecutor(
             max_workers=settings.max_workers,
             thread_name_prefix="worker",
-            initializer=use_intra_op_threads,  # request threads leave the cores to the engine
-            initargs=(1,),
+            initializer=use_one_intra_op_thread,  # request threads leave the cores to the engine
         ),
         interceptors=[
             BearerTokenInterceptor(tokens, REQUIRED_SCOPES), ErrorMappingInterceptor()
