@@ -399,16 +399,19 @@ class AdapterManager:
     def _fetch(self, entry: AdapterEntry, storage: torch.Tensor | None) -> None:
         """Fetch ``entry`` (begun), record how it ended; with overlap, place it into a slot at
         once if a request waits for it, not at the next step."""
-        landed: AdapterWeights | LorastreamError
+        landed: AdapterWeights | LorastreamError = SourceUnavailable(
+            f"fetching adapter {entry.name} was interrupted"
+        )
         try:
             landed = self._loader.fetch(entry, storage, partial(self._layers_landed, entry))
         except LorastreamError as err:
             landed = err
-        with self._changed:
-            self._loader.end(entry, landed)
-            follow_landing(self._device_tier, entry)
-            waited_for = entry.refs > 0 and entry.error is None
-            self._changed.notify_all()
+        finally:  # however the fetch ended, it ends here (anything else still propagates)
+            with self._changed:
+                self._loader.end(entry, landed)
+                follow_landing(self._device_tier, entry)
+                waited_for = entry.refs > 0 and entry.error is None
+                self._changed.notify_all()
         if self.overlap and waited_for:
             self._place(entry)
 
