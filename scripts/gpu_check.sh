@@ -91,6 +91,10 @@ system_site=--system-site-packages
 [ "$dry_run" = 1 ] && system_site=
 setup_venv() {
   set -e
+  if ! ls "$wheelhouse"/*.whl > /dev/null 2>&1; then
+    echo "no wheelhouse at $wheelhouse: run \`make gpu-wheelhouse\` and carry .gpu-wheelhouse"
+    return 1
+  fi
   rm -rf "$venv"
   "$image_python" -m venv --without-pip $system_site "$venv"
   local image_site venv_site
@@ -104,6 +108,12 @@ export image_python venv wheelhouse system_site
 export -f setup_venv
 step "venv over the image + wheelhouse ($wheelhouse)" 120 0 bash -c setup_venv
 py=$venv/bin/python
+if [ "$failed" = 1 ]; then
+  note "stopped: without its venv nothing else can run"
+  exec 1>&- 2>&-
+  wait "$tee_pid"
+  exit 1
+fi
 export PYTHONPATH=$PWD PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 
 # 2. The environment, then every import.

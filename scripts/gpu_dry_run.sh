@@ -11,8 +11,8 @@
 #     tests/gpu and the GPU benchmarks reach, tests/gpu with TRITON_INTERPRET=0 where every test
 #     must skip with the no-CUDA reason, and every GPU benchmark refusing to run (exit 2).
 # Cached under $LORASTREAM_GPU_DRY_RUN_CACHE (default ~/.cache/lorastream-ci/gpu-dry-run), keyed
-# by the package lists: cold about 6 minutes here (the image stand-in: triton's and transformers'
-# downloads), warm about one.
+# by the package lists: cold 8-10 minutes here (the image stand-in: triton's and transformers'
+# downloads), warm about 80 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=${LORASTREAM_GPU_DRY_RUN_CACHE:-$HOME/.cache/lorastream-ci/gpu-dry-run}

@@ -7,10 +7,10 @@ UNMEASURED until a GPU runs it (``scripts/gpu_check.sh``): it refuses to run wit
 - **decode**: tokens/s of ``streams`` prompts with as many distinct adapters against the base
   model alone on the same prompts (``bench/engine.py``'s paired method): goal >= 0.85x;
 - **ITL under loads**: ``streams`` running streams, each with its own resident adapter; their
-  inter-token latency p99 while requests for device-cold adapters (held in host memory, so each
-  is a copy into a slot) arrive one after another, against the same streams with no loads, on an
-  engine with overlapped loading: goal <= 1.1x; the same on an engine with overlap off, for
-  contrast;
+  inter-token latency p99 while one-token requests for device-cold adapters (held in host memory,
+  so each is a copy into a slot) arrive one after another, against the same streams while the
+  same requests arrive for resident adapters (the same prefills, no loads), on an engine with
+  overlapped loading: goal <= 1.1x; the same on an engine with overlap off, for contrast;
 - **cold TTFT**: time to first token of a request whose adapter is device-cold, against the load
   path's own copy of that adapter into a slot (timed on the host, as the request waits for it)
   plus the TTFT of a resident adapter's request of the same length: goal <= 1.25x.
@@ -94,10 +94,11 @@ def _device_cold(engine: Engine, name: str) -> bool:
 
 
 def _itl_phase(engine: Engine, residents: list[str], prompts: _Prompts, new_tokens: int,
-               cold: list[str] | None) -> dict[str, Any]:
-    """``residents`` decode together; with ``cold``, requests for those adapters (one token
-    each) follow one another from the moment every stream has its first token until the last
-    stream ends. The streams' inter-token gaps in that window, in ms."""
+               arrivals: list[str]) -> dict[str, Any]:
+    """``residents`` decode together while one-token requests for ``arrivals`` (in turn) follow
+    one another, from the moment every stream has its first token until the last stream ends.
+    The streams' inter-token gaps in that window, in ms, and how many arrivals found their
+    adapter out of a slot (a load)."""
     times: list[list[float]] = [[] for _ in residents]
     threads = [threading.Thread(target=_token_times, args=(engine, name, prompt, new_tokens, t))
                for name, prompt, t in zip(residents, prompts(len(residents)), times, strict=True)]
@@ -107,8 +108,8 @@ def _itl_phase(engine: Engine, residents: list[str], prompts: _Prompts, new_toke
         time.sleep(0.001)
     window_start = time.perf_counter()
     loads, requests = 0, 0
-    while cold and any(t.is_alive() for t in threads):
-        name = cold[requests % len(cold)]
+    while any(t.is_alive() for t in threads):
+        name = arrivals[requests % len(arrivals)]
         loads += _device_cold(engine, name)
         _token_times(engine, name, prompts(1)[0], 1, [])
         requests += 1
@@ -193,7 +194,7 @@ def _engine_figures(engine: Engine, dirs: list[Path], streams: int, prompts: _Pr
     figures: dict[str, Any] = {}
     _run_all(engine, residents, prompts(streams), 2)  # warm-up; every resident in a slot
     figures["resident_on_device"] = sum(not _device_cold(engine, n) for n in residents)
-    figures["none"] = _itl_phase(engine, residents, prompts, new_tokens, None)
+    figures["none"] = _itl_phase(engine, residents, prompts, new_tokens, residents)
     figures["loads"] = _itl_phase(engine, residents, prompts, new_tokens, cold)
     if with_decode:
         figures["decode"] = _decode(engine, residents, prompts, new_tokens, repeats)
