@@ -1,5 +1,5 @@
-"""The engine's thread keeps its intra-op threads while request and loader threads take one each
-(issue 44): a side thread's setting must not reach the engine's thread through torch's
+"""The engine's thread keeps its intra-op threads while request and loader threads take one each:
+a side thread's setting must not reach the engine's thread through torch's
 process-wide count, which a C++ extension's first parallel op adopts on the engine's thread.
 
 Each case runs in a fresh interpreter: torch's adoption of the count is per thread and per shared

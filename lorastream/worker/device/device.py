@@ -77,8 +77,7 @@ def use_one_intra_op_thread() -> None:
     torch's process-wide count: a request thread that lowered that to 1 with
     ``torch.set_num_threads(1)`` took the engine's second core away at the engine's first C++ op
     (``lorastream/kernels/csrc``): the extension adopted the process-wide count on the engine's
-    thread (previous paragraph), and every later step ran on one thread with the other core idle
-    (issue 44).
+    thread (previous paragraph), and every later step ran on one thread with the other core idle.
     """
     torch.get_num_threads()  # libtorch's adoption first: it would undo the setting below
     if not set_openmp_threads_here(1):
