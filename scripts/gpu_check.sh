@@ -55,7 +55,8 @@ step() {
   echo "== [$(elapsed) s] $name (limit ${limit} s)"
   local start
   start=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@"
+  # SIGINT first: pytest stops as on Ctrl-C and still writes its JUnit XML and summary
+  timeout --signal=INT --kill-after=15 "$limit" "$@"
   status=$?
   local took=$(( $(date +%s) - start ))
   if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then

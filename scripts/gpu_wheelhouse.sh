@@ -3,8 +3,8 @@
 # manylinux x86-64 wheels of scripts/gpu_requirements.txt, downloaded here into DEST (default
 # .gpu-wheelhouse/, ignored by git), then resolved for Python 3.12 without installing anything
 # (pip install --dry-run --no-index: every pin has its wheel). Fails when the wheelhouse passes
-# 40 MiB, or the repository's tracked files plus the wheelhouse pass 60 MiB (the device tool
-# carries 64 MiB in all).
+# 40 MiB, or the working tree (tracked and untracked-not-ignored files) plus the wheelhouse pass
+# 60 MiB (the device tool carries 64 MiB in all).
 #   scripts/gpu_wheelhouse.sh [DEST]        (make gpu-wheelhouse)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,8 +53,10 @@ print(f"gpu wheelhouse: {len(got)} pins resolve for Python 3.12 (cp312, manylinu
 PY
 
 wheelhouse_bytes=$(cat "$dest"/*.whl | wc -c)
-tracked_bytes=$(git ls-files -z | xargs -0 cat 2>/dev/null | wc -c)
-carried=$((wheelhouse_bytes + tracked_bytes))
+# What the device tool carries besides: tracked files and untracked ones git does not ignore.
+tree_bytes=$(git ls-files -z --cached --others --exclude-standard \
+             | xargs -0 cat 2>/dev/null | wc -c)
+carried=$((wheelhouse_bytes + tree_bytes))
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
 echo "gpu wheelhouse: $dest, $(ls "$dest"/*.whl | wc -l) wheels, $(mib "$wheelhouse_bytes") MiB" \
      "(limit 40); repository + wheelhouse $(mib "$carried") MiB (limit 60)"
