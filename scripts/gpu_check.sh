@@ -151,9 +151,12 @@ fi
 rm -f "$out/pip-check.txt"
 step "imports (scripts/gpu_imports.py)" 60 0 "$py" scripts/gpu_imports.py
 
-# 3. tests/gpu.
-step "tests/gpu (TRITON_INTERPRET=0)" 200 0 "$py" -m pytest -q -rs -p no:cacheprovider \
-  --timeout=120 tests/gpu --junitxml="$out/gpu-tests.xml"
+# 3. tests/gpu, a file per pytest-xdist worker (the SGMV file's Triton compiles beside the
+# engine tests): a quarter of the cores, at most 4 (the H200's 16 cores: 4; 0 runs in-process).
+workers=${LORASTREAM_GPU_TEST_WORKERS:-$(( $(nproc) / 4 > 4 ? 4 : $(nproc) / 4 ))}
+step "tests/gpu (TRITON_INTERPRET=0, $workers xdist workers)" 200 0 "$py" -m pytest -q -rs \
+  -p no:cacheprovider -n "$workers" --dist loadfile --timeout=120 tests/gpu \
+  --junitxml="$out/gpu-tests.xml"
 if [ -f "$out/gpu-tests.xml" ]; then
   expect=()
   [ "$dry_run" = 1 ] && expect=(--expect-all-skipped "no CUDA device")
