@@ -19,5 +19,6 @@ if compgen -G "docker/local/wheels/torch-*.whl" >/dev/null; then
 fi
 echo "base image ${LORASTREAM_PYTHON_IMAGE:-python:3.11-slim}," \
      "torch index '${LORASTREAM_TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}'"
+export LORASTREAM_TEST_COMPOSE=1  # tests/compose_live skip without it
 exec "$PY" -m pytest -q -m compose -o log_cli=true --log-cli-level=WARNING --durations=0 \
     tests/compose_live "$@"

@@ -388,7 +388,9 @@ def test_dockerfile_installs_the_runtime_lock_and_cpu_torch() -> None:
     runs = " ".join(arg for kw, arg in dockerfile_instructions() if kw == "RUN")
     assert "--requirement requirements.lock" in runs
     assert all("requirements-dev.lock" not in arg for _, arg in dockerfile_instructions())
-    args = dict(arg.split("=", 1) for kw, arg in dockerfile_instructions() if kw == "ARG" and "=" in arg)
+    args = dict(
+        arg.split("=", 1) for kw, arg in dockerfile_instructions() if kw == "ARG" and "=" in arg
+    )
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert '${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}' in runs
     assert "--find-links /opt/build-extras/wheels" in runs
@@ -428,7 +430,9 @@ def test_build_context_keeps_what_the_dockerfile_copies_and_drops_the_venv() -> 
         for line in DOCKERIGNORE.read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    args = dict(arg.split("=", 1) for kw, arg in dockerfile_instructions() if kw == "ARG" and "=" in arg)
+    args = dict(
+        arg.split("=", 1) for kw, arg in dockerfile_instructions() if kw == "ARG" and "=" in arg
+    )
     for keyword, arguments in dockerfile_instructions():
         if keyword != "COPY" or arguments.startswith("--from"):
             continue

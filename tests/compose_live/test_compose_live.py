@@ -3,8 +3,9 @@ by a Docker engine, and everything checked through the published ports only.
 
 The S3 service is moto's server built from the local base image (tests/compose_live/
 docker-compose.moto.yml); the rest is docker-compose.yml as users run it, tokens generated on the
-first start. Run by ``make test-compose`` (scripts/docker_test_compose.sh); ``make test`` leaves it
-out (``-m "not compose"``), and without an engine every test is skipped with the reason.
+first start. Run by ``make test-compose`` (scripts/docker_test_compose.sh, which sets
+LORASTREAM_TEST_COMPOSE=1); ``make test`` leaves it out (``-m "not compose"``), and any other run,
+or one without an engine, skips every test with the reason.
 In order: an adapter preloaded from S3 and pinned through the operator API; chat and completions
 of the base model and two adapters against ``lorastream up`` on the host (same greedy tokens); a
 worker container killed while streams run; ``docker compose down -v`` leaving nothing behind.
