@@ -195,16 +195,19 @@ class HostUp:
 
     READY_LINE = "lorastream is up"
 
-    def __init__(self, adapters: dict[str, Path], token_file: Path) -> None:
+    def __init__(self, adapters: dict[str, Path], workdir: Path) -> None:
         store, worker, gateway, metrics = free_ports(4)
         self.url = f"http://127.0.0.1:{gateway}"
         command = [sys.executable, "-m", "lorastream.cli.main", "up", "--no-samples",
                    "--port", str(gateway), "--store-port", str(store),
                    "--worker-port", str(worker), "--metrics-port", str(metrics),
-                   "--token-file", str(token_file), "--log-level", "WARNING"]
+                   "--token-file", str(workdir / "operator-token"), "--log-level", "WARNING"]
         for name, path in adapters.items():
             command += ["--adapter", f"{name}={path}"]
+        # A store cache of its own: the user's may hold the same names staged from another path
+        # (AlreadyExists). The converted model is shared (~/.cache/lorastream/models).
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORASTREAM_")}
+        env["LORASTREAM_STORE_CACHE_DIR"] = str(workdir / "store")
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -162,7 +162,7 @@ def test_chat_and_completions_match_lorastream_up_on_the_host(
         assert status == 200, (label, reply)
         in_compose[label] = reply
 
-    host = HostUp(ADAPTERS, tmp_path_factory.mktemp("host") / "operator-token")
+    host = HostUp(ADAPTERS, tmp_path_factory.mktemp("host"))
     try:
         host.wait_ready(timeout_s=600)
         on_host = {}
