@@ -9,7 +9,8 @@ pydantic-settings class (as vLLM's ``arg_utils`` derives its flags from its conf
   the singular (``workers`` -> ``--worker A --worker B``);
 - its help is the field's description, then the environment variables the field reads and its
   default, both taken from the field;
-- a bool takes ``on`` or ``off``; a ``Literal`` one of its values;
+- a bool is a switch, ``--x`` or ``--no-x`` (as typer's and vLLM's flags are; its variable
+  still takes true or false); a ``Literal`` takes one of its values;
 - a field marked ``CliSuppress`` (a token that would show in process listings) has no flag:
   only the environment sets it.
 
@@ -56,8 +57,20 @@ class SettingFlag:
     env: tuple[str, ...]  # the variables the field reads, the first set one wins
     default: str | None  # as --help shows it; None: the field has no default value to show
     description: str
-    metavar: str
+    metavar: str  # "" for a switch
     repeated: bool  # a list field: one item per flag
+    switch: bool = False  # a bool field: --x or --no-x, no value
+
+    @property
+    def off(self) -> str:
+        """A switch's second flag, which sets the field false: ``--no-fetch-process``."""
+        return "--no-" + self.flag.removeprefix("--")
+
+    @property
+    def usage(self) -> str:
+        """The flag as --help shows it: ``--port INTEGER``, ``--fetch-process /
+        --no-fetch-process``."""
+        return f"{self.flag} / {self.off}" if self.switch else f"{self.flag} {self.metavar}"
 
     @property
     def help(self) -> str:
@@ -88,6 +101,7 @@ def setting_flags(settings: type[BaseSettings]) -> list[SettingFlag]:
 def _setting_flag(settings: type[BaseSettings], name: str, info: FieldInfo) -> SettingFlag:
     kind = _without_none(info.annotation)
     repeated = get_origin(kind) is list
+    switch = kind is bool
     stem = name.removesuffix("_s")
     metavar = "SECONDS" if stem != name else _metavar(get_args(kind)[0] if repeated else kind)
     if repeated:
@@ -100,6 +114,7 @@ def _setting_flag(settings: type[BaseSettings], name: str, info: FieldInfo) -> S
         description=info.description or "",
         metavar=metavar,
         repeated=repeated,
+        switch=switch,
     )
 
 
@@ -113,15 +128,15 @@ def _without_none(annotation: Any) -> Any:
 
 def _metavar(kind: Any) -> str:
     if kind is bool:
-        return "[on|off]"
+        return ""
     if get_origin(kind) is Literal:
         return "[" + "|".join(str(value) for value in get_args(kind)) + "]"
     return _METAVARS.get(kind, "TEXT")
 
 
 def _shown_default(name: str, info: FieldInfo) -> str | None:
-    """The default as the help and the docs show it: ``on``, ``0.5``, ``1048576 (1 MiB)``,
-    ``~/.cache/...``; None when there is none to show (None, an empty list)."""
+    """The default as the help and the docs show it: ``on`` (a switch), ``0.5``,
+    ``1048576 (1 MiB)``, ``~/.cache/...``; None when there is none to show (None, an empty list)."""
     if info.default_factory is not None:
         value = info.default_factory()  # type: ignore[call-arg]
     elif info.default is PydanticUndefined:
@@ -183,8 +198,13 @@ def with_settings(
 
 
 def _parameter(flag: SettingFlag) -> inspect.Parameter:
-    option = typer.Option(None, flag.flag, help=flag.help, metavar=flag.metavar, show_default=False)
-    kind = list[str] | None if flag.repeated else str | None
+    if flag.switch:  # None unless given: the variable or the default decides
+        option = typer.Option(None, f"{flag.flag}/{flag.off}", help=flag.help, show_default=False)
+        kind: Any = bool | None
+    else:
+        option = typer.Option(None, flag.flag, help=flag.help, metavar=flag.metavar,
+                              show_default=False)
+        kind = list[str] | None if flag.repeated else str | None
     return inspect.Parameter(
         flag.field, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind
     )
@@ -203,8 +223,8 @@ def load_settings(settings: type[S], given: dict[str, Any]) -> S:
 
 def _explain(settings: type[BaseSettings], given: dict[str, Any], error: ErrorDetails) -> str:
     message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "bool_parsing":
-        message = "Input should be on or off"
+    if error["type"] == "bool_parsing":  # only a variable: a switch takes no value
+        message = "Input should be true or false"
     name = _field_of(settings, error["loc"][0]) if error["loc"] else None
     if name is None:
         return message
