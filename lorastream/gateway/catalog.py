@@ -7,11 +7,45 @@ from __future__ import annotations
 
 from typing import Any
 
+from lorastream.core.adapter_fit import BaseShape, misfit
 from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest
 from lorastream.gateway.worker_pool import WorkerState
 
 OWNER = "lorastream"
+
+
+def base_of(
+    m: AdapterManifest, bases: dict[str, BaseShape], fallback: str | None
+) -> tuple[str | None, str | None]:
+    """(the served base ``m`` fits, None) or (None, why it fits none of ``bases``).
+
+    ``bases`` (served name -> shape, :meth:`WorkerPool.bases`) are what the workers serve; the
+    store, and its cache shared by every stack on a machine, may hold adapters of other bases,
+    which a worker would refuse at request time. With no base known (no worker polled yet, or
+    workers that do not say) every adapter is taken as ``fallback``'s."""
+    if not bases:
+        return fallback, None
+    reasons = []
+    for name, shape in bases.items():
+        reason = misfit(m, shape)
+        if reason is None:
+            return name, None
+        reasons.append(f"not {name}: {reason}" if len(bases) > 1 else reason)
+    return None, "; ".join(reasons)
+
+
+def served_adapters(
+    manifests: list[AdapterManifest], bases: dict[str, BaseShape], fallback: str | None
+) -> list[tuple[AdapterManifest, str | None]]:
+    """The adapters ``/v1/models`` lists, sorted by name, each with the base it fits (its
+    ``parent``): only those some worker can serve, as vLLM lists only what it can serve."""
+    listed: list[tuple[AdapterManifest, str | None]] = []
+    for m in sorted(manifests, key=lambda m: m.name):
+        base, why_not = base_of(m, bases, fallback)
+        if why_not is None:
+            listed.append((m, base))
+    return listed
 
 
 def base_model_object(name: str, created: int) -> dict[str, Any]:

@@ -12,8 +12,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorastream.core.errors import AdapterNotFound, LorastreamError
+from lorastream.core.manifest import AdapterManifest
 from lorastream.gateway.auth import is_operator, require_api_key
-from lorastream.gateway.catalog import adapter_model_object, base_model_object
+from lorastream.gateway.catalog import (
+    adapter_model_object,
+    base_model_object,
+    base_of,
+    served_adapters,
+)
 from lorastream.gateway.client_watch import on_disconnect, unless_disconnected
 from lorastream.gateway.dispatch import Generation
 from lorastream.gateway.drain import Drain, shutting_down
@@ -57,20 +63,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """The base model and every adapter in the store, with the adapter's metadata (its source
-    only to the operate token)."""
+    """The base model and every adapter in the store that fits the base the workers serve (the
+    store may hold other bases' adapters), with the adapter's metadata (its source only to the
+    operate token) and its base as ``parent``."""
     state = gateway_state(request)
-    manifests, _, _ = await state.in_thread(state.store.list)
     base = state.pool.base_model
+    bases = state.pool.bases()
+
+    def listed() -> list[tuple[AdapterManifest, str | None]]:
+        manifests, _, _ = state.store.list()
+        return served_adapters(manifests, bases, base)
+
+    adapters = await state.in_thread(listed)
     data = [base_model_object(base, state.started_at)] if base else []
     operator = is_operator(request)
-    data += [adapter_model_object(m, base, operator)
-             for m in sorted(manifests, key=lambda m: m.name)]
+    data += [adapter_model_object(m, parent, operator) for m, parent in adapters]
     return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+    """One model of the list: 404 for an adapter that is not in the store, or that is but fits
+    no base the workers serve (saying why)."""
     state = gateway_state(request)
     base = state.pool.base_model
     if model == base:
@@ -80,7 +94,12 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     except AdapterNotFound as exc:
         raise ApiError(404, f"the model {model!r} does not exist: {exc}", param="model",
                        code="model_not_found") from exc
-    return adapter_model_object(manifest, base, is_operator(request))
+    parent, why_not = base_of(manifest, state.pool.bases(), base)
+    if why_not is not None:
+        raise ApiError(404, f"the model {model!r} is an adapter trained for a different base "
+                       f"model than the workers serve: {why_not}", param="model",
+                       code="model_not_found")
+    return adapter_model_object(manifest, parent, is_operator(request))
 
 
 async def _generate(

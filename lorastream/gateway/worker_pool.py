@@ -27,6 +27,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from lorastream.core.adapter_fit import BaseShape
 from lorastream.core.generation import AdapterStatus, WorkerStats
 from lorastream.core.tls import ClientTLS
 from lorastream.gateway.discovery import TargetResolver
@@ -46,6 +47,7 @@ class WorkerState:
     client: AsyncWorkerClient
     healthy: bool = False
     base_model: str | None = None
+    base_shape: BaseShape | None = None  # what an adapter must match to fit its base model
     adapters: list[AdapterStatus] = field(default_factory=list)
     stats: WorkerStats | None = None
     polled_load: int = 0  # waiting + running at the last poll
@@ -122,6 +124,14 @@ class WorkerPool:
         """The base model's served name (from the healthy workers, else the last ones seen)."""
         ordered = sorted(self.workers.values(), key=lambda w: not w.healthy)
         return next((w.base_model for w in ordered if w.base_model), None)
+
+    def bases(self) -> dict[str, BaseShape]:
+        """Served base model name -> what an adapter must match to fit it, from the healthy
+        workers (else the last ones seen), for those that said."""
+        workers = list(self.workers.values())
+        seen = [w for w in workers if w.healthy] or workers
+        return {w.base_model: w.base_shape for w in seen
+                if w.base_model and w.base_shape is not None and w.base_shape.known}
 
     # -- what the dispatcher reports -------------------------------------------------------
     def acquire(self, target: str, adapter: str | None) -> None:
@@ -267,13 +277,14 @@ class WorkerPool:
             return
         client = worker.client
         try:
-            (adapters, base_model), stats = await asyncio.gather(
+            (adapters, base_model, base_shape), stats = await asyncio.gather(
                 client.list_adapters(), client.stats()
             )
         except Exception as exc:  # noqa: BLE001 - keep the last picture; the stream owns health
             log.info("worker %s: poll failed (%s); keeping its last picture", worker.target, exc)
             return
         worker.adapters, worker.base_model, worker.stats = adapters, base_model, stats
+        worker.base_shape = base_shape
         worker.polled_load = stats.waiting_requests + stats.running_requests
         worker.last_poll = time.monotonic()
         self._metrics.worker_queue.labels(worker.target).set(worker.load)
