@@ -1,0 +1,248 @@
+"""Prefix caching on chat traffic: the same conversations with the cache on and off, in one run.
+
+Workload (``chat``): ``adapters`` synthetic adapters, each with its own system prompt of
+``system_tokens`` token ids; ``clients`` clients at once, client ``i`` talking to adapter
+``i % adapters`` in a conversation of ``turns`` turns. Turn ``t``'s prompt is the system prompt,
+then every earlier user message and reply, then a new user message of ``user_tokens`` ids::
+
+    turn 1: [system][user 1]
+    turn 2: [system][user 1][reply 1][user 2]        reply 1 as generated (greedy)
+    ...
+
+Each reply is ``reply_tokens`` tokens (greedy, EOS ignored), so both runs do the same decode work
+and must give the same tokens. With the cache, a system prompt is prefilled once per adapter and
+each turn prefills only what the last one did not compute.
+
+Workload (``no-sharing``): the same number of requests and clients, each prompt of the chat's
+first-turn length but of fresh random ids: the cache never hits, so the run shows what looking
+up and registering blocks costs.
+
+Figures: time to first token (submit to first event) over all requests, p50; generated
+tokens per second of wall time over the whole workload; ratios on / off. Token ids, not text: the
+K/V work is the same and no tokenizer round trip blurs the prefixes.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
+from lorastream.core.generation import PromptInput, SamplingParams
+
+if TYPE_CHECKING:
+    from lorastream.worker.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+FIRST_ID = 100  # prompts use ids from here up: clear of the special tokens of every model here
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    model: str = "default"
+    adapters: int = 8
+    clients: int = 16
+    turns: int = 4
+    system_tokens: int = 1000
+    user_tokens: int = 24
+    reply_tokens: int = 32
+    rank: int = 8
+    kv_cache_bytes: int = 2 << 30
+    seed: int = 0
+
+
+@dataclass
+class RunFigures:
+    ttft_ms: list[float]
+    generated: int
+    wall_s: float
+    outputs: dict[str, list[int]]
+    hit_rate: float
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "requests": len(self.ttft_ms),
+            "ttft_p50_ms": round(statistics.median(self.ttft_ms), 1),
+            "ttft_p90_ms": round(_quantile(self.ttft_ms, 0.9), 1),
+            "generated_tokens": self.generated,
+            "wall_s": round(self.wall_s, 2),
+            "tokens_per_s": round(self.generated / self.wall_s, 1),
+            "prefix_hit_rate": round(self.hit_rate, 3),
+        }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _ids(rng: random.Random, count: int, vocab: int) -> list[int]:
+    return [rng.randrange(FIRST_ID, vocab) for _ in range(count)]
+
+
+def _timed(engine: Engine, model: str, prompt: list[int], reply_tokens: int
+           ) -> tuple[float, list[int]]:
+    """(TTFT in ms, the reply's tokens) of one greedy request."""
+    params = SamplingParams(max_tokens=reply_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    for event in engine.submit(model, PromptInput(token_ids=tuple(prompt)), params):
+        if first is None:
+            first = time.perf_counter()
+        tokens.extend(event.token_ids)
+    assert first is not None
+    return (first - start) * 1000, tokens
+
+
+def _clients(count: int, body: object) -> float:
+    """Run ``body(i)`` for clients 0 .. count-1 at once; the wall time in seconds."""
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            body(i)  # type: ignore[operator]
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"client-{i}") for i in range(count)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return time.perf_counter() - start
+
+
+def chat_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigures:
+    systems = [_ids(random.Random(f"system-{c.seed}-{a}"), c.system_tokens, vocab)
+               for a in range(c.adapters)]
+    ttft: list[float] = []
+    outputs: dict[str, list[int]] = {}
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        rng = random.Random(f"user-{c.seed}-{i}")
+        prompt = list(systems[i % c.adapters])
+        for turn in range(c.turns):
+            prompt += _ids(rng, c.user_tokens, vocab)
+            ms, reply = _timed(engine, f"a{i % c.adapters}", prompt, c.reply_tokens)
+            prompt += reply
+            with lock:
+                ttft.append(ms)
+                outputs[f"{i}/{turn}"] = reply
+
+    before = engine.prefix.stats.hit_tokens, engine.prefix.stats.queried_tokens
+    wall = _clients(c.clients, client)
+    hits = engine.prefix.stats.hit_tokens - before[0]
+    queried = engine.prefix.stats.queried_tokens - before[1]
+    return RunFigures(ttft, sum(len(o) for o in outputs.values()), wall, outputs,
+                      hits / queried if queried else 0.0)
+
+
+def no_sharing_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigures:
+    ttft: list[float] = []
+    outputs: dict[str, list[int]] = {}
+    lock = threading.Lock()
+    length = c.system_tokens + c.user_tokens
+
+    def client(i: int) -> None:
+        rng = random.Random(f"random-{c.seed}-{i}")
+        for turn in range(c.turns):
+            ms, reply = _timed(engine, f"a{i % c.adapters}", _ids(rng, length, vocab),
+                               c.reply_tokens)
+            with lock:
+                ttft.append(ms)
+                outputs[f"{i}/{turn}"] = reply
+
+    before = engine.prefix.stats.hit_tokens, engine.prefix.stats.queried_tokens
+    wall = _clients(c.clients, client)
+    hits = engine.prefix.stats.hit_tokens - before[0]
+    queried = engine.prefix.stats.queried_tokens - before[1]
+    return RunFigures(ttft, sum(len(o) for o in outputs.values()), wall, outputs,
+                      hits / queried if queried else 0.0)
+
+
+def _run_side(c: PrefixConfig, checkpoint: Path, dirs: list[Path], caching: bool
+              ) -> tuple[RunFigures, RunFigures]:
+    from lorastream.worker.service.bootstrap import build_engine
+    from lorastream.worker.service.config import WorkerSettings
+    from lorastream.worker.service.operations import WorkerOperations
+
+    settings = WorkerSettings(
+        model=c.model, served_model_name="base", max_loras=c.adapters, max_lora_rank=c.rank,
+        max_batch_size=max(c.clients, 1), kv_cache_bytes=c.kv_cache_bytes,
+        max_seq_len=c.system_tokens + c.turns * (c.user_tokens + c.reply_tokens) + 16,
+        prefix_caching=caching,
+    )
+    engine = build_engine(settings, checkpoint=checkpoint)
+    vocab = engine.model.config.vocab_size
+    ops = WorkerOperations(engine)
+    for i, path in enumerate(dirs):
+        ops.load_adapter(f"a{i}", str(path))
+
+    def work() -> tuple[RunFigures, RunFigures]:
+        _timed(engine, "a0", _ids(random.Random("warm-up"), 64, vocab), 2)  # warm-up, not timed
+        engine.reset_prefix_cache()
+        chat = chat_workload(engine, c, vocab)
+        return chat, no_sharing_workload(engine, c, vocab)
+
+    try:
+        return engine.run_while(work)  # the loop on this thread, as in the worker process
+    finally:
+        del engine
+        gc.collect()
+
+
+def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
+    from lorastream.worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.service.config import WorkerSettings
+
+    load_before = os.getloadavg()[0]
+    checkpoint = resolve_checkpoint(c.model, cache_dir=WorkerSettings().model_cache_dir)
+    shape = checkpoint_shape(c.model)
+    with tempfile.TemporaryDirectory(prefix="lorastream-prefix-") as tmp:
+        dirs = [make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=c.rank, seed=c.seed + i)
+                for i in range(c.adapters)]
+        on_chat, on_random = _run_side(c, checkpoint, dirs, True)
+        off_chat, off_random = _run_side(c, checkpoint, dirs, False)
+    on, off = on_chat.summary(), off_chat.summary()
+    on_r, off_r = on_random.summary(), off_random.summary()
+    same = on_chat.outputs == off_chat.outputs and on_random.outputs == off_random.outputs
+    return {
+        "benchmark": "prefix",
+        "command": command_line(),
+        "machine": machine_info(),
+        "load_average_1m_at_start": round(load_before, 2),
+        "config": asdict(c),
+        "chat": {"on": on, "off": off},
+        "no_sharing": {"on": on_r, "off": off_r},
+        "ttft_p50_on_over_off": _ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
+        "tokens_per_s_on_over_off": _ratio(on["tokens_per_s"], off["tokens_per_s"]),
+        "no_sharing_tokens_per_s_on_over_off": _ratio(on_r["tokens_per_s"],
+                                                      off_r["tokens_per_s"]),
+        "outputs_identical": 1 if same else 0,
+        "goal_ttft": "ttft_p50_on_over_off <= 0.3",
+        "goal_throughput": "tokens_per_s_on_over_off >= 1.3",
+        "goal_no_sharing": "no_sharing_tokens_per_s_on_over_off >= 0.97",
+        "goal_identical": "outputs_identical == 1",
+    }
+
+
+def _ratio(a: object, b: object) -> float | None:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
+        return None
+    return round(a / b, 3)

@@ -1,0 +1,69 @@
+"""The prefix-caching benchmark's section and goal rows on the benchmark page."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lorastream.bench.report_format import (
+    Result,
+    get,
+    goal_row,
+    ms,
+    number,
+    paragraphs,
+    pct,
+    ratio,
+    table,
+    text,
+)
+
+
+def prefix_goals(r: Result) -> list[list[str]]:
+    return [
+        goal_row("chat TTFT p50, prefix caching on / off", r.get("ttft_p50_on_over_off"),
+                 r.get("goal_ttft"), digits=3),
+        goal_row("chat tokens/s, prefix caching on / off", r.get("tokens_per_s_on_over_off"),
+                 r.get("goal_throughput"), digits=3),
+        goal_row("no-sharing tokens/s, prefix caching on / off",
+                 r.get("no_sharing_tokens_per_s_on_over_off"), r.get("goal_no_sharing"),
+                 digits=3),
+        goal_row("greedy outputs identical, on and off (1 = yes)", r.get("outputs_identical"),
+                 r.get("goal_identical"), digits=0),
+    ]
+
+
+def _rows(r: Result, workload: str) -> list[list[str]]:
+    rows = []
+    for side in ("on", "off"):
+        s = get(r, workload, side) or {}
+        rows.append([
+            f"{workload.replace('_', '-')}, caching {side}", number(s.get("requests"), 0),
+            ms(s.get("ttft_p50_ms")), ms(s.get("ttft_p90_ms")), number(s.get("tokens_per_s")),
+            number(s.get("wall_s"), 2), pct(s.get("prefix_hit_rate")),
+        ])
+    return rows
+
+
+def prefix_section(r: Result, plots: Mapping[str, str]) -> str:
+    c = r.get("config") or {}
+    header = ("workload", "requests", "TTFT p50 (ms)", "TTFT p90 (ms)", "tokens/s", "wall (s)",
+              "prompt tokens from the cache")
+    return paragraphs([
+        f"Chat traffic over {text(c.get('adapters'))} adapters (rank {text(c.get('rank'))}, "
+        f"model {text(c.get('model'))}), each with its own system prompt of "
+        f"{text(c.get('system_tokens'))} tokens; {text(c.get('clients'))} clients at once, each "
+        f"in a conversation of {text(c.get('turns'))} turns with one adapter (a user message of "
+        f"{text(c.get('user_tokens'))} tokens, a greedy reply of {text(c.get('reply_tokens'))}; "
+        "each turn's prompt carries the whole conversation so far). The same run then builds "
+        "a worker with `--prefix-caching off` and replays the same conversations. "
+        "**no-sharing**: as many requests, each a fresh random prompt of the first turn's "
+        "length: the cache never hits, so its cost shows. TTFT is from submission to the first "
+        "token, over every request; tokens/s is generated tokens over the workload's wall time.",
+        table(header, _rows(r, "chat") + _rows(r, "no_sharing")),
+        f"With the cache, TTFT p50 is {ratio(r.get('ttft_p50_on_over_off'), 3)} and throughput "
+        f"{ratio(r.get('tokens_per_s_on_over_off'), 3)} of the run without it; on prompts that "
+        f"share nothing, throughput is {ratio(r.get('no_sharing_tokens_per_s_on_over_off'), 3)}."
+        " Greedy outputs are "
+        f"{'identical' if r.get('outputs_identical') == 1 else '**not identical**'} between "
+        "the two runs.",
+    ])

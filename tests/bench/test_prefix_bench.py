@@ -1,0 +1,50 @@
+"""``bench prefix`` at tiny size through the CLI: both workloads on and off, the fields the page
+reads, the cache hitting on chat and never on random prompts, and its section on the page."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from lorastream.cli.main import app
+
+runner = CliRunner()
+
+
+def test_a_tiny_run_reports_both_workloads_on_and_off_and_the_page_shows_them(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    results = tmp_path / "results"
+    result = runner.invoke(app, [
+        "bench", "prefix", "--model", str(tiny_model), "--adapters", "2", "--clients", "3",
+        "--turns", "2", "--system-tokens", "40", "--user-tokens", "5", "--reply-tokens", "4",
+        "--rank", "4", "--output", str(results / "prefix.json"),
+    ])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((results / "prefix.json").read_text())
+    assert doc["benchmark"] == "prefix" and doc["config"]["clients"] == 3
+    for workload in ("chat", "no_sharing"):
+        for side in ("on", "off"):
+            s = doc[workload][side]
+            assert s["requests"] == 6 and s["generated_tokens"] == 6 * 4
+            assert 0 < s["ttft_p50_ms"] <= s["ttft_p90_ms"] and s["tokens_per_s"] > 0
+    # 2 adapters x 2 system blocks, then each later turn its conversation's earlier blocks
+    assert doc["chat"]["on"]["prefix_hit_rate"] > 0.3
+    assert doc["chat"]["off"]["prefix_hit_rate"] == 0
+    assert doc["no_sharing"]["on"]["prefix_hit_rate"] == 0  # random prompts never hit
+    assert doc["outputs_identical"] == 1
+    on, off = doc["chat"]["on"], doc["chat"]["off"]
+    assert doc["ttft_p50_on_over_off"] == round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
+    assert doc["tokens_per_s_on_over_off"] == round(on["tokens_per_s"] / off["tokens_per_s"], 3)
+
+    page = tmp_path / "BENCHMARKS.md"
+    result = runner.invoke(app, ["bench", "report", "--results", str(results), "--out", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    section = text[text.index("(prefix)\n"):]
+    assert "Chat traffic over 2 adapters (rank 4" in section
+    assert f"| chat, caching on | 6 | {on['ttft_p50_ms']:,.1f} |" in section
+    assert "Greedy outputs are identical" in section
+    assert "chat TTFT p50, prefix caching on / off" in text
