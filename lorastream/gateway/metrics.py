@@ -8,7 +8,8 @@ Counters and histograms, labels in brackets:
 - ``lorastream_gateway_e2e_latency_seconds`` [model]: request arrival to the last token
 - ``lorastream_gateway_generated_tokens_total`` [model]: completion tokens
 - ``lorastream_gateway_model_requests_total`` [model]: generations routed
-- ``lorastream_gateway_routing_decisions_total`` [reason]: device, host, hash, least-loaded
+- ``lorastream_gateway_routing_decisions_total`` [reason]: device, host, hash, least-loaded,
+  prefix
 - ``lorastream_gateway_adapter_tier_requests_total`` [tier]: requests for an adapter by where
   the worker they were routed to held it: ``device`` (a hit), ``host`` (in host memory or
   loading), ``absent``; the hit rate is device / all
