@@ -173,8 +173,11 @@ def test_without_allowed_roots_no_local_path_is_staged(adapter: Path, tmp_path: 
     server.start()
     try:
         with StoreClient(f"127.0.0.1:{port}") as client:
-            with pytest.raises(errors.InvalidArgument, match=r"allowed local roots \(none\)"):
+            with pytest.raises(errors.InvalidArgument, match=r"allowed local roots \(none\)") as no:
                 list(client.preload(str(adapter), "x"))
+        # the refusal says how to allow one, for the store and for the stack `up` starts
+        assert "start the store with --allowed-local-root DIR" in str(no.value)
+        assert "lorastream up --allowed-local-root DIR" in str(no.value)
     finally:
         server.stop(None).wait()
 
@@ -266,6 +269,16 @@ def test_up_generates_distinct_tokens_unless_told_not_to() -> None:
 def test_up_allows_its_samples_and_the_local_adapters_it_is_given() -> None:
     roots = local_roots(SAMPLES_DIR, {"a": "/data/a", "b": "s3://bucket/b", "c": "file:///data/c"})
     assert roots == [str(SAMPLES_DIR), "/data/a", "/data/c"]
+
+
+def test_up_allows_the_roots_it_is_given_made_absolute_from_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``up --allowed-local-root``: relative ones from the shell's directory (the store runs
+    elsewhere), comma-separated ones split as the store splits them."""
+    monkeypatch.chdir(tmp_path)
+    roots = local_roots(SAMPLES_DIR, {"a": "/data/a"}, ["mine", "/x,/y", "/data/a"])
+    assert roots == [str(SAMPLES_DIR), "/data/a", str(tmp_path / "mine"), "/x", "/y"]
 
 
 def test_up_passes_tokens_in_the_environment_not_the_command_line(

@@ -79,6 +79,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
     printed example trusting the throwaway CA."""
     model = make_tiny_checkpoint(tmp_path / "model")
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
+    extra = make_peft_adapter(model, tmp_path / "extra-root" / "extra", rank=4, targets=["q_proj"])
     store_port, worker_port, gateway_port, metrics_port = _free_ports(4)
     env_home = {"HOME": str(tmp_path / "home")}  # caches under tmp_path, not the user's
     (tmp_path / "home").mkdir()
@@ -88,7 +89,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         [sys.executable, "-m", "lorastream.cli.main", "up", "--model", str(model),
          "--adapter", f"demo={adapter}", "--store-port", str(store_port),
          "--worker-port", str(worker_port), "--port", str(gateway_port),
-         "--metrics-port", str(metrics_port),
+         "--metrics-port", str(metrics_port), "--allowed-local-root", str(extra.parent),
          "--log-level", "WARNING", *(["--tls"] if tls else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env_home},
     )
@@ -103,7 +104,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
             lines.append(line)
             if line.startswith("Ctrl-C stops everything"):
                 break
-        assert any("--model demo" in line for line in lines), "".join(lines)
+        assert any("--model demo" in line for line in lines), (len(lines), lines[:30])
         for command in printed_commands(lines):  # each as printed, in a new shell
             ran = subprocess.run(
                 ["bash", "-c", command], cwd=tmp_path / "home", capture_output=True, text=True,
@@ -128,8 +129,9 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         assert httpx.get(f"{gateway}/health", verify=verify).status_code == 200
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0,
                                http_client=httpx.Client(verify=verify))
-        # the printed operator examples registered my-adapter
-        assert {m.id for m in client.models.list()} == {str(model), "demo", "my-adapter"}
+        # the printed operator examples registered my-adapter, a copy of a sample: trained for
+        # the default model, it fits not this one, and /v1/models lists only what fits
+        assert {m.id for m in client.models.list()} == {str(model), "demo"}
         reply = client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
         )
@@ -143,8 +145,18 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
         assert token_file.read_text().strip() == token
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
         assert httpx.get(f"{gateway}/v1/adapters", verify=verify).status_code == 401
-        assert httpx.get(f"{gateway}/v1/adapters", verify=verify,
-                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        operator = {"Authorization": f"Bearer {token}"}
+        stored = httpx.get(f"{gateway}/v1/adapters", verify=verify, headers=operator)
+        assert {a["name"] for a in stored.json()["data"]} == {"demo", "my-adapter"}
+        # --allowed-local-root reaches the store: vLLM's load_lora_adapter stages a path under
+        # it, and refuses one elsewhere saying which flag allows it
+        for name, path, status in [("extra", extra, 200),
+                                   ("elsewhere", tmp_path / "elsewhere" / "a", 400)]:
+            loaded = httpx.post(f"{gateway}/v1/load_lora_adapter", verify=verify,
+                                headers=operator, json={"lora_name": name, "lora_path": str(path)},
+                                timeout=60)
+            assert loaded.status_code == status, loaded.text
+        assert "lorastream up --allowed-local-root DIR" in loaded.text
         anonymous = CliRunner().invoke(
             app, ["adapters", "ls", "--store", f"localhost:{store_port}", *tls_flags]
         )
@@ -218,6 +230,14 @@ def test_a_relative_adapter_path_is_registered_as_an_absolute_one(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert parse_adapter_specs([spec]) == {"demo": str(tmp_path / "adapters" / "demo")}
+
+
+def test_up_help_offers_another_allowed_local_root() -> None:
+    result = CliRunner().invoke(app, ["up", "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "--allowed-local-root DIR Another directory the store may stage local adapters" in text
+    assert "POST /v1/load_lora_adapter" in text
 
 
 @pytest.mark.parametrize("role", ["store", "worker", "gateway", "store metrics",

@@ -7,10 +7,12 @@ children through their environment, never their command line.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from lorastream.core.auth import AccessTokens, generate_token
+from lorastream.core.local_paths import absolute_source
 
 DEFAULT_TOKEN_FILE = Path.home() / ".cache" / "lorastream" / "up-operator-token"
 
@@ -23,14 +25,20 @@ def stack_tokens(operate: str | None, insecure_no_auth: bool) -> AccessTokens:
     return AccessTokens(operate=operate or generate_token(), read=generate_token())
 
 
-def local_roots(samples_dir: Path, adapters: dict[str, str]) -> list[str]:
-    """The directories the stack's store may stage local adapters from: the samples, and each
-    local ``--adapter`` directory (``adapters``: name -> URI)."""
+def local_roots(
+    samples_dir: Path, adapters: dict[str, str], allowed: Sequence[str] = ()
+) -> list[str]:
+    """The directories the stack's store may stage local adapters from: the samples, each
+    local ``--adapter`` directory (``adapters``: name -> URI) and the ``allowed`` ones
+    (``up --allowed-local-root``, each comma-separated part made absolute from here, as the
+    store splits them)."""
     roots = [str(samples_dir)]
     for uri in adapters.values():
         parts = urlsplit(uri)
         if parts.scheme in ("", "file"):
             roots.append(unquote(parts.path) if parts.scheme else uri)
+    for item in allowed:
+        roots += [absolute_source(part.strip()) for part in item.split(",") if part.strip()]
     return list(dict.fromkeys(roots))
 
 

@@ -24,8 +24,9 @@ def generated_token(stack: Stack) -> bool:
 
 def operator_lines(stack: Stack) -> list[str]:
     """The operator part of what `lorastream up` prints: the operate token, shown once here."""
-    intro = ("Operators: register an adapter (any PEFT LoRA directory under the samples or an "
-             "--adapter directory, s3:// or hf:// URI; here a copy of a sample) and list them.")
+    intro = ("Operators: register an adapter (any PEFT LoRA directory under the samples, an "
+             "--adapter or an --allowed-local-root directory, s3:// or hf:// URI; here a copy of "
+             "a sample) and list them.")
     if not stack.tokens.operate:
         return [intro + " The stack has no token (--insecure-no-auth): anyone on this machine "
                 "may do the same:"]

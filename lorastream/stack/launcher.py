@@ -55,6 +55,9 @@ class StackConfig:
     gateway_port: int = 8000
     metrics_port: int = DEFAULT_METRICS_PORT  # the store's /metrics; worker i on +1+i
     adapters: dict[str, str] = field(default_factory=dict)  # name -> source URI
+    # more directories the store may stage local adapters from (the samples and the local
+    # --adapter directories always are): the store's --allowed-local-root, passed through
+    allowed_local_roots: list[str] = field(default_factory=list)
     log_level: str = "INFO"
     ready_timeout_s: float = 600.0  # the first start converts the default model (~35 s)
     token: str | None = None  # operate token of the stack [default: a fresh one, see start()]
@@ -292,7 +295,7 @@ class Stack:
         operate, read = self.tokens.operate, self.tokens.read
         if operate and not c.token and not c.insecure_no_auth:
             write_secret_file(self.token_file, operate)
-        roots = [arg for root in local_roots(SAMPLES_DIR, c.adapters)
+        roots = [arg for root in local_roots(SAMPLES_DIR, c.adapters, c.allowed_local_roots)
                  for arg in ("--allowed-local-root", root)]
         store = self._spawn(
             "adapter store", ["store", "serve", "--port", str(c.store_port),

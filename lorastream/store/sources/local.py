@@ -50,7 +50,8 @@ class LocalSource(AdapterSource):
             allowed = ", ".join(str(root) for root in self._roots) or "none"
             raise InvalidArgument(
                 f"{uri}: local adapter paths must lie under the store's allowed local roots "
-                f"({allowed}); start the store with --allowed-local-root DIR to allow one"
+                f"({allowed}); start the store with --allowed-local-root DIR to allow one "
+                "(`lorastream up --allowed-local-root DIR` for the stack `up` starts)"
             )
         return real
 
