@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorastream.core import worker_codec
+from lorastream.core.adapter_fit import BaseShape
 from lorastream.core.errors import LorastreamError, ServerUnreachable
 from lorastream.core.generation import (
     AdapterStatus,
@@ -161,10 +162,11 @@ class AsyncWorkerClient:
         finally:
             call.cancel()
 
-    async def list_adapters(self) -> tuple[list[AdapterStatus], str]:
-        """Adapters on the worker, and its base model's served name."""
+    async def list_adapters(self) -> tuple[list[AdapterStatus], str, BaseShape]:
+        """Adapters on the worker, its base model's served name, and what an adapter must
+        match to fit that base."""
         reply = await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())
-        return [worker_codec.adapter_status_from_pb(a) for a in reply.adapters], reply.base_model
+        return worker_codec.adapter_list_from_pb(reply)
 
     async def stats(self) -> WorkerStats:
         reply = await self._call(self._stub.GetStats, pb.GetStatsRequest())
@@ -177,6 +179,9 @@ class AsyncWorkerClient:
 
     async def unload_adapter(self, name: str) -> None:
         await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call(self._stub.ResetPrefixCache, pb.ResetPrefixCacheRequest())
 
     async def tokenize(self, request: TokenizeInput) -> Tokenized:
         reply = await self._call(self._stub.Tokenize, worker_codec.tokenize_request_to_pb(request))
