@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -283,7 +284,7 @@ def run_engine(config: SaturateConfig, adapter_dirs: dict[str, Path]) -> dict[st
     settings when torch loads, and the child has the cores to itself as the worker had)."""
     job = {"config": asdict(config), "adapters": {n: str(p) for n, p in adapter_dirs.items()}}
     done = subprocess.run(
-        [sys.executable, "-c", "from lorastream.bench.saturate import engine_child; engine_child()"],
+        [sys.executable, "-c", f"from {__name__} import engine_child; engine_child()"],
         input=json.dumps(job), capture_output=True, text=True, check=False,
     )
     if done.returncode != 0:
@@ -297,13 +298,15 @@ def engine_child() -> None:
 
     tune_native_libraries()  # before torch loads, as `worker serve` does
     from lorastream.core.generation import PromptInput, SamplingParams
+    from lorastream.worker.device.device import use_one_intra_op_thread
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings
     from lorastream.worker.service.operations import WorkerOperations
 
     job = json.loads(sys.stdin.read())
-    config = SaturateConfig(**{**job["config"], "prompt_tokens": tuple(job["config"]["prompt_tokens"]),
-                               "adapters": tuple(job["config"]["adapters"])})
+    given = job["config"]
+    config = SaturateConfig(**{**given, "prompt_tokens": tuple(given["prompt_tokens"]),
+                               "adapters": tuple(given["adapters"])})
     adapters: dict[str, str] = job["adapters"]
     engine = build_engine(WorkerSettings(model=config.model))
     ops = WorkerOperations(engine)
@@ -313,6 +316,7 @@ def engine_child() -> None:
         lock = threading.Lock()
 
         def client() -> None:  # one of `concurrency` clients, each one request at a time
+            use_one_intra_op_thread()  # as the worker's request threads do
             while True:
                 with lock:
                     if not pending:
@@ -387,9 +391,9 @@ def run_saturate_bench(config: SaturateConfig,
     }
 
 
-def goals_met(workloads: list[dict[str, object]]) -> dict[str, bool]:
+def goals_met(workloads: list[dict[str, Any]]) -> dict[str, bool]:
     """Both goals, over every workload."""
-    util = all((w["served"]["utilisation"] or 0) >= UTILISATION_GOAL for w in workloads)  # type: ignore[index]
+    util = all((w["served"]["utilisation"] or 0) >= UTILISATION_GOAL for w in workloads)
     ratios = [w["served_over_engine"] for w in workloads]  # None: the engine was not measured
     return {"utilisation": util,
             "served_over_engine": all(r is not None and r >= ENGINE_RATIO_GOAL for r in ratios)}
