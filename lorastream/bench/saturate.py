@@ -18,7 +18,7 @@ Reported per workload:
   worker's engine built in a child process as ``bench engine`` builds it, requests submitted
   straight to it, no gRPC or HTTP), and **served / engine**, goal >= 0.8.
 
-Issue 44 is what this guards: a request thread's ``torch.set_num_threads(1)`` left the engine
+What this guards against: a request thread's ``torch.set_num_threads(1)`` left the engine
 computing on one of two cores (``lorastream/worker/device/device.py``), which ``bench engine``
 never saw: it has no request threads.
 """
