@@ -138,9 +138,11 @@ class CpuWindow:
         self.cpus = len(os.sched_getaffinity(0))
 
     def __enter__(self) -> "CpuWindow":
-        self._me = psutil.Process()
+        # the benchmark's own CPU (its HTTP client), unless it is one of the measured processes
+        measured = {p.pid for p in self.processes.values()}
+        self._me = None if os.getpid() in measured else psutil.Process()
         self._start = {n: _cpu_seconds(p) for n, p in self.processes.items()}
-        self._client = sum(self._me.cpu_times()[:2])
+        self._client = sum(self._me.cpu_times()[:2]) if self._me else 0.0
         self._threads = _thread_seconds(self.threads_of) if self.threads_of else {}
         self._machine = _machine_times()
         self._t0 = time.perf_counter()
@@ -149,7 +151,7 @@ class CpuWindow:
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._t0
         self._end = {n: _cpu_seconds(p) for n, p in self.processes.items()}
-        self._client_end = sum(self._me.cpu_times()[:2])
+        self._client_end = sum(self._me.cpu_times()[:2]) if self._me else 0.0
         self._threads_end = _thread_seconds(self.threads_of) if self.threads_of else {}
         self._machine_end = _machine_times()
 

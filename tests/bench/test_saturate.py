@@ -78,3 +78,18 @@ def test_goals_hold_over_every_workload(utilisation: float, ratio: float | None,
     good = {"served": {"utilisation": 0.97}, "served_over_engine": 0.95}
     other = {"served": {"utilisation": utilisation}, "served_over_engine": ratio}
     assert goals_met([good, other]) == met
+
+
+def test_a_window_over_this_process_does_not_count_it_twice() -> None:
+    import os
+    import time
+
+    from lorastream.bench.saturate import CpuWindow
+
+    with CpuWindow({"engine": os.getpid()}, threads_of=os.getpid()) as window:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:  # busy on this thread
+            pass
+    r = window.result()
+    assert r["client_cpu_s"] == 0.0 and r["cpu_s"]["engine"] >= 0.25
+    assert r["busiest_threads_cpu_s"][0] >= 0.25
