@@ -195,11 +195,12 @@ class StoreClient:
         return adapters, used, budget
 
     def pages(
-        self, where: AdapterFilter = AdapterFilter(), page_size: int = 0
+        self, where: AdapterFilter = AdapterFilter(), page_size: int = 0, page_token: str = ""
     ) -> Iterator[tuple[list[AdapterManifest], int, int]]:
         """Staged adapters matching ``where`` a page at a time (0: the store's largest page),
-        each with the cache's bytes used and budget."""
-        token = ""
+        each with the cache's bytes used and budget; from ``page_token`` on (a page's last name:
+        the names after it)."""
+        token = page_token
         while True:
             request = codec.list_request_to_pb(where, token, page_size)
             reply = self._call(self._stub.ListAdapters, request)

@@ -114,7 +114,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:
         return ApiError(400, "the request body must be a JSON object, sent with "
                         "'Content-Type: application/json'", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int)]
+    # a body field or a query parameter: the location starts with where it was read from
+    loc = [str(p) for p in first.get("loc", ())
+           if p not in ("body", "query") and not isinstance(p, int)]
     # Union members add their type to the location (prompt.str, prompt.list[int]): keep the field.
     param = loc[0] if loc else None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")

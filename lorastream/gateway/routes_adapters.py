@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorastream.core.errors import LorastreamError
 from lorastream.core.generation import AdapterStatus
-from lorastream.core.manifest import PreloadProgress, manifest_json
+from lorastream.core.manifest import AdapterManifest, PreloadProgress, manifest_json
 from lorastream.gateway.adapter_ops import forget, load_into, run_preload
 from lorastream.gateway.auth import require_operator
 from lorastream.gateway.catalog import residency_row, residency_summary, status_json
 from lorastream.gateway.errors import UpstreamTimeout
 from lorastream.gateway.http_errors import ApiError, api_error
+from lorastream.gateway.listing import Page, store_pages, stream_list
 from lorastream.gateway.openai_responses import SSE_DONE, sse
 from lorastream.gateway.state import GatewayState, gateway_state
 
@@ -74,15 +75,19 @@ async def preload(body: PreloadBody, request: Request) -> Response | dict[str, A
 
 
 @router.get("")
-async def list_adapters(request: Request) -> dict[str, Any]:
-    """Every staged adapter, where it resides on the workers (last poll), and the cache usage."""
+async def list_adapters(request: Request) -> Response:
+    """Every staged adapter in name order, where it resides on the workers (last poll), and the
+    cache usage; streamed a store page at a time (gateway/listing.py)."""
     state = gateway_state(request)
-    manifests, used, budget = await state.in_thread(state.store.list)
     residency = residency_summary(list(state.pool.workers.values()))
-    data = [{**manifest_json(m), "workers": residency.get(m.name, {})}
-            for m in sorted(manifests, key=lambda m: m.name)]
-    return {"object": "list", "data": data, "cache_bytes_used": used,
-            "cache_bytes_budget": budget}
+
+    def items(page: list[AdapterManifest]) -> list[dict[str, Any]]:
+        return [{**manifest_json(m), "workers": residency.get(m.name, {})} for m in page]
+
+    def tail(page: Page) -> dict[str, Any]:
+        return {"cache_bytes_used": page[1], "cache_bytes_budget": page[2]}
+
+    return await stream_list([], store_pages(state), items, tail)
 
 
 @router.post("/{name:path}/load")

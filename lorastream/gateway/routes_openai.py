@@ -6,9 +6,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorastream.core.errors import AdapterNotFound, LorastreamError
@@ -25,6 +25,7 @@ from lorastream.gateway.dispatch import Generation
 from lorastream.gateway.drain import Drain, shutting_down
 from lorastream.gateway.errors import ClientGone
 from lorastream.gateway.http_errors import ApiError, api_error
+from lorastream.gateway.listing import MAX_LIMIT, cursor_page, store_pages, stream_list
 from lorastream.gateway.lorax import check_adapter_source
 from lorastream.gateway.openai_responses import (
     SSE_DONE,
@@ -61,24 +62,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _generate(request, body, chat=True)
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> dict[str, Any]:
+@router.get("/v1/models", response_model=None)
+async def list_models(
+    request: Request,
+    limit: Annotated[int | None, Query(ge=1, le=MAX_LIMIT)] = None,
+    after: str | None = None,
+) -> Response | dict[str, Any]:
     """The base model and every adapter in the store that fits the base the workers serve (the
     store may hold other bases' adapters), with the adapter's metadata (its source only to the
-    operate token) and its base as ``parent``."""
+    operate token) and its base as ``parent``. Streamed a store page at a time; ``limit`` and
+    ``after`` ask for one page instead (gateway/listing.py)."""
     state = gateway_state(request)
     base = state.pool.base_model
     bases = state.pool.bases()
-
-    def listed() -> list[tuple[AdapterManifest, str | None]]:
-        manifests, _, _ = state.store.list()
-        return served_adapters(manifests, bases, base)
-
-    adapters = await state.in_thread(listed)
-    data = [base_model_object(base, state.started_at)] if base else []
     operator = is_operator(request)
-    data += [adapter_model_object(m, parent, operator) for m, parent in adapters]
-    return {"object": "list", "data": data}
+
+    def items(page: list[AdapterManifest]) -> list[dict[str, Any]]:
+        return [adapter_model_object(m, parent, operator)
+                for m, parent in served_adapters(page, bases, base)]
+
+    head = [base_model_object(base, state.started_at)] if base and after is None else []
+    start = "" if after is None or after == base else after
+    if limit is None and after is None:
+        return await stream_list(head, store_pages(state), items)
+    page_size = min((limit or MAX_LIMIT) + 1, MAX_LIMIT)
+    return await cursor_page(head, store_pages(state, start, page_size), items,
+                             limit or MAX_LIMIT)
 
 
 @router.get("/v1/models/{model:path}")
