@@ -70,6 +70,10 @@ class WorkerClient:
     def unload_adapter(self, name: str) -> None:
         self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the worker's cached prompt prefixes (needs the operate token)."""
+        self._call(self._stub.ResetPrefixCache, pb.ResetPrefixCacheRequest())
+
     def list_adapters(self) -> tuple[list[AdapterStatus], str]:
         """Adapters on the worker, and its base model's served name."""
         reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest())

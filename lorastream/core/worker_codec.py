@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lorastream.core.adapter_fit import BaseShape
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import (
     AdapterStatus,
@@ -187,6 +188,7 @@ def event_to_pb(e: GenerationEvent) -> worker_pb2.GenerateResponse:
             for lp in e.logprobs
         ],
         index=e.index,
+        cached_tokens=e.cached_tokens,
     )
 
 
@@ -205,6 +207,7 @@ def event_from_pb(msg: worker_pb2.GenerateResponse) -> GenerationEvent:
             for lp in msg.logprobs
         ),
         index=msg.index,
+        cached_tokens=msg.cached_tokens,
     )
 
 
@@ -232,6 +235,29 @@ def adapter_status_from_pb(msg: worker_pb2.AdapterStatus) -> AdapterStatus:
         references=msg.references,
         slot=msg.slot,
     )
+
+
+def adapter_list_to_pb(
+    statuses: list[AdapterStatus], base_model: str, base: BaseShape
+) -> worker_pb2.ListAdaptersResponse:
+    return worker_pb2.ListAdaptersResponse(
+        adapters=[adapter_status_to_pb(s) for s in statuses],
+        base_model=base_model,
+        num_layers=base.num_layers,
+        adaptable_modules=[
+            worker_pb2.AdaptableModule(name=name, in_features=fan_in, out_features=fan_out)
+            for name, (fan_in, fan_out) in base.modules.items()
+        ],
+    )
+
+
+def adapter_list_from_pb(
+    msg: worker_pb2.ListAdaptersResponse,
+) -> tuple[list[AdapterStatus], str, BaseShape]:
+    """The worker's adapters, its base model's served name and what an adapter must match."""
+    modules = {m.name: (m.in_features, m.out_features) for m in msg.adaptable_modules}
+    return ([adapter_status_from_pb(a) for a in msg.adapters], msg.base_model,
+            BaseShape(msg.num_layers, modules))
 
 
 def stats_to_pb(s: WorkerStats) -> worker_pb2.GetStatsResponse:

@@ -18,7 +18,7 @@ from lorastream.core.auth import refuse_open_bind
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS
-from lorastream.gateway import routes_adapters, routes_openai, routes_vllm
+from lorastream.gateway import routes_adapters, routes_openai, routes_prefix_cache, routes_vllm
 from lorastream.gateway.body_limit import BodyLimit
 from lorastream.gateway.config import GatewaySettings
 from lorastream.gateway.discovery import TargetResolver
@@ -143,6 +143,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_handlers(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_adapters.router)
+    app.include_router(routes_prefix_cache.router)
     app.include_router(routes_vllm.operate_router)
     app.include_router(routes_vllm.read_router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -16,7 +16,7 @@ from lorastream.core.errors import Cancelled, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, SamplingParams
 from lorastream.gateway.errors import ClientGone, WorkerFailed, WorkerUnavailable
 from lorastream.gateway.metrics import GatewayMetrics
-from lorastream.gateway.routing import RouteDecision, Router
+from lorastream.gateway.routing import RouteDecision, Router, prefix_key
 from lorastream.gateway.worker_channel import GenerationCall
 from lorastream.gateway.worker_pool import WorkerPool
 
@@ -146,9 +146,11 @@ class Dispatcher:
         """
         failed: set[str] = set()
         is_base = model == self._pool.base_model
+        prefix = prefix_key(prompt)  # the worker that served it last likely has it cached
         while True:
             views = self._pool.views()
-            decision = self._router.choose(model, views, base_model=is_base, exclude=failed)
+            decision = self._router.choose(model, views, base_model=is_base, exclude=failed,
+                                           prefix=prefix)
             self._metrics.routed(model, decision, views, base_model=is_base)
             self._pool.acquire(decision.target, None if is_base else model)
             worker = self._pool.get(decision.target)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)lorastream/gpu_worker/v1/gpu_worker.proto\x12\x18lorastream.gpu_worker.v1\"\x94\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12K\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x37.lorastream.gpu_worker.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\x05\x12>\n\nstructured\x18\x10 \x01(\x0b\x32*.lorastream.gpu_worker.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"g\n\x10StructuredOutput\x12\x36\n\x04kind\x18\x01 \x01(\x0e\x32(.lorastream.gpu_worker.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\"\x87\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12:\n\x08messages\x18\x04 \x01(\x0b\x32&.lorastream.gpu_worker.v1.ChatMessagesH\x00\x12>\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\".lorastream.gpu_worker.v1.TokenIdsH\x00\x12:\n\x08sampling\x18\x06 \x01(\x0b\x32(.lorastream.gpu_worker.v1.SamplingParamsB\x07\n\x05input\"[\n\x0c\x43hatMessages\x12\x37\n\x08messages\x18\x01 \x03(\x0b\x32%.lorastream.gpu_worker.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"@\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x12\n\nextra_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xee\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12=\n\rfinish_reason\x18\x03 \x01(\x0e\x32&.lorastream.gpu_worker.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x39\n\x08logprobs\x18\x06 \x03(\x0b\x32\'.lorastream.gpu_worker.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\"t\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\x03top\x18\x04 \x03(\x0b\x32$.lorastream.gpu_worker.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"C\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nlocal_path\x18\x02 \x01(\t\x12\x0b\n\x03pin\x18\x03 \x01(\x08\"O\n\x13LoadAdapterResponse\x12\x38\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\'.lorastream.gpu_worker.v1.AdapterStatus\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"\xb9\x01\n\rAdapterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x36\n\tresidency\x18\x03 \x01(\x0e\x32#.lorastream.gpu_worker.v1.Residency\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x12\n\nreferences\x18\x07 \x01(\x05\x12\x0c\n\x04slot\x18\x08 \x01(\x05\"e\n\x14ListAdaptersResponse\x12\x39\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\'.lorastream.gpu_worker.v1.AdapterStatus\x12\x12\n\nbase_model\x18\x02 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xd1\x02\n\x10GetStatsResponse\x12\x18\n\x10waiting_requests\x18\x01 \x01(\x05\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x18\n\x10loading_adapters\x18\x03 \x01(\x05\x12\x1a\n\x12\x64\x65vice_slots_total\x18\x04 \x01(\x05\x12\x19\n\x11\x64\x65vice_slots_used\x18\x05 \x01(\x05\x12\x17\n\x0fhost_bytes_used\x18\x06 \x01(\x03\x12\x19\n\x11host_bytes_budget\x18\x07 \x01(\x03\x12\x16\n\x0ekv_tokens_used\x18\x08 \x01(\x03\x12\x17\n\x0fkv_tokens_total\x18\t \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\n \x01(\x03\x12\x1f\n\x17requests_finished_total\x18\x0b \x01(\x03\x12\x12\n\nbase_model\x18\x0c \x01(\t\"\xbe\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12:\n\x08messages\x18\x02 \x01(\x0b\x32&.lorastream.gpu_worker.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x07\n\x05input\"M\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t*\x8a\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x02\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*}\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x14\n\x10RESIDENCY_REMOTE\x10\x01\x12\x15\n\x11RESIDENCY_LOADING\x10\x02\x12\x12\n\x0eRESIDENCY_HOST\x10\x03\x12\x14\n\x10RESIDENCY_DEVICE\x10\x04\x32\xf3\x05\n\x10GpuWorkerService\x12\x63\n\x08Generate\x12).lorastream.gpu_worker.v1.GenerateRequest\x1a*.lorastream.gpu_worker.v1.GenerateResponse0\x01\x12j\n\x0bLoadAdapter\x12,.lorastream.gpu_worker.v1.LoadAdapterRequest\x1a-.lorastream.gpu_worker.v1.LoadAdapterResponse\x12p\n\rUnloadAdapter\x12..lorastream.gpu_worker.v1.UnloadAdapterRequest\x1a/.lorastream.gpu_worker.v1.UnloadAdapterResponse\x12m\n\x0cListAdapters\x12-.lorastream.gpu_worker.v1.ListAdaptersRequest\x1a..lorastream.gpu_worker.v1.ListAdaptersResponse\x12\x61\n\x08GetStats\x12).lorastream.gpu_worker.v1.GetStatsRequest\x1a*.lorastream.gpu_worker.v1.GetStatsResponse\x12\x61\n\x08Tokenize\x12).lorastream.gpu_worker.v1.TokenizeRequest\x1a*.lorastream.gpu_worker.v1.TokenizeResponse\x12g\n\nDetokenize\x12+.lorastream.gpu_worker.v1.DetokenizeRequest\x1a,.lorastream.gpu_worker.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)lorastream/gpu_worker/v1/gpu_worker.proto\x12\x18lorastream.gpu_worker.v1\"\x94\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12K\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x37.lorastream.gpu_worker.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\x05\x12>\n\nstructured\x18\x10 \x01(\x0b\x32*.lorastream.gpu_worker.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"g\n\x10StructuredOutput\x12\x36\n\x04kind\x18\x01 \x01(\x0e\x32(.lorastream.gpu_worker.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\"\x87\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12:\n\x08messages\x18\x04 \x01(\x0b\x32&.lorastream.gpu_worker.v1.ChatMessagesH\x00\x12>\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\".lorastream.gpu_worker.v1.TokenIdsH\x00\x12:\n\x08sampling\x18\x06 \x01(\x0b\x32(.lorastream.gpu_worker.v1.SamplingParamsB\x07\n\x05input\"[\n\x0c\x43hatMessages\x12\x37\n\x08messages\x18\x01 \x03(\x0b\x32%.lorastream.gpu_worker.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"@\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x12\n\nextra_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12=\n\rfinish_reason\x18\x03 \x01(\x0e\x32&.lorastream.gpu_worker.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x39\n\x08logprobs\x18\x06 \x03(\x0b\x32\'.lorastream.gpu_worker.v1.TokenLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\"t\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x31\n\x03top\x18\x04 \x03(\x0b\x32$.lorastream.gpu_worker.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"C\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nlocal_path\x18\x02 \x01(\t\x12\x0b\n\x03pin\x18\x03 \x01(\x08\"O\n\x13LoadAdapterResponse\x12\x38\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\'.lorastream.gpu_worker.v1.AdapterStatus\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x19\n\x17ResetPrefixCacheRequest\"\x1a\n\x18ResetPrefixCacheResponse\"\x15\n\x13ListAdaptersRequest\"\xb9\x01\n\rAdapterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x36\n\tresidency\x18\x03 \x01(\x0e\x32#.lorastream.gpu_worker.v1.Residency\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x12\n\nreferences\x18\x07 \x01(\x05\x12\x0c\n\x04slot\x18\x08 \x01(\x05\"\xbf\x01\n\x14ListAdaptersResponse\x12\x39\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\'.lorastream.gpu_worker.v1.AdapterStatus\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x44\n\x11\x61\x64\x61ptable_modules\x18\x04 \x03(\x0b\x32).lorastream.gpu_worker.v1.AdaptableModule\"J\n\x0f\x41\x64\x61ptableModule\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bin_features\x18\x02 \x01(\x05\x12\x14\n\x0cout_features\x18\x03 \x01(\x05\"\x11\n\x0fGetStatsRequest\"\xd1\x02\n\x10GetStatsResponse\x12\x18\n\x10waiting_requests\x18\x01 \x01(\x05\x12\x18\n\x10running_requests\x18\x02 \x01(\x05\x12\x18\n\x10loading_adapters\x18\x03 \x01(\x05\x12\x1a\n\x12\x64\x65vice_slots_total\x18\x04 \x01(\x05\x12\x19\n\x11\x64\x65vice_slots_used\x18\x05 \x01(\x05\x12\x17\n\x0fhost_bytes_used\x18\x06 \x01(\x03\x12\x19\n\x11host_bytes_budget\x18\x07 \x01(\x03\x12\x16\n\x0ekv_tokens_used\x18\x08 \x01(\x03\x12\x17\n\x0fkv_tokens_total\x18\t \x01(\x03\x12\x1e\n\x16generated_tokens_total\x18\n \x01(\x03\x12\x1f\n\x17requests_finished_total\x18\x0b \x01(\x03\x12\x12\n\nbase_model\x18\x0c \x01(\t\"\xbe\x01\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12:\n\x08messages\x18\x02 \x01(\x0b\x32&.lorastream.gpu_worker.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x07\n\x05input\"M\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\ntoken_strs\x18\x03 \x03(\t\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"$\n\x12\x44\x65tokenizeResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t*\x8a\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x02\x12\x1b\n\x17STRUCTURED_KIND_GRAMMAR\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*}\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x14\n\x10RESIDENCY_REMOTE\x10\x01\x12\x15\n\x11RESIDENCY_LOADING\x10\x02\x12\x12\n\x0eRESIDENCY_HOST\x10\x03\x12\x14\n\x10RESIDENCY_DEVICE\x10\x04\x32\xee\x06\n\x10GpuWorkerService\x12\x63\n\x08Generate\x12).lorastream.gpu_worker.v1.GenerateRequest\x1a*.lorastream.gpu_worker.v1.GenerateResponse0\x01\x12j\n\x0bLoadAdapter\x12,.lorastream.gpu_worker.v1.LoadAdapterRequest\x1a-.lorastream.gpu_worker.v1.LoadAdapterResponse\x12p\n\rUnloadAdapter\x12..lorastream.gpu_worker.v1.UnloadAdapterRequest\x1a/.lorastream.gpu_worker.v1.UnloadAdapterResponse\x12m\n\x0cListAdapters\x12-.lorastream.gpu_worker.v1.ListAdaptersRequest\x1a..lorastream.gpu_worker.v1.ListAdaptersResponse\x12\x61\n\x08GetStats\x12).lorastream.gpu_worker.v1.GetStatsRequest\x1a*.lorastream.gpu_worker.v1.GetStatsResponse\x12\x61\n\x08Tokenize\x12).lorastream.gpu_worker.v1.TokenizeRequest\x1a*.lorastream.gpu_worker.v1.TokenizeResponse\x12g\n\nDetokenize\x12+.lorastream.gpu_worker.v1.DetokenizeRequest\x1a,.lorastream.gpu_worker.v1.DetokenizeResponse\x12y\n\x10ResetPrefixCache\x12\x31.lorastream.gpu_worker.v1.ResetPrefixCacheRequest\x1a\x32.lorastream.gpu_worker.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STRUCTUREDKIND']._serialized_start=2818
-  _globals['_STRUCTUREDKIND']._serialized_end=2956
-  _globals['_FINISHREASON']._serialized_start=2958
-  _globals['_FINISHREASON']._serialized_end=3082
-  _globals['_RESIDENCY']._serialized_start=3084
-  _globals['_RESIDENCY']._serialized_end=3209
+  _globals['_STRUCTUREDKIND']._serialized_start=3063
+  _globals['_STRUCTUREDKIND']._serialized_end=3201
+  _globals['_FINISHREASON']._serialized_start=3203
+  _globals['_FINISHREASON']._serialized_end=3327
+  _globals['_RESIDENCY']._serialized_start=3329
+  _globals['_RESIDENCY']._serialized_end=3454
   _globals['_SAMPLINGPARAMS']._serialized_start=72
   _globals['_SAMPLINGPARAMS']._serialized_end=604
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=519
@@ -54,37 +54,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=1136
   _globals['_TOKENIDS']._serialized_end=1159
   _globals['_GENERATERESPONSE']._serialized_start=1162
-  _globals['_GENERATERESPONSE']._serialized_end=1400
-  _globals['_TOKENLOGPROBS']._serialized_start=1402
-  _globals['_TOKENLOGPROBS']._serialized_end=1518
-  _globals['_TOPLOGPROB']._serialized_start=1520
-  _globals['_TOPLOGPROB']._serialized_end=1582
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1584
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1651
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1653
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1732
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1734
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1770
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1772
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1795
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1797
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1818
-  _globals['_ADAPTERSTATUS']._serialized_start=1821
-  _globals['_ADAPTERSTATUS']._serialized_end=2006
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2008
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2109
-  _globals['_GETSTATSREQUEST']._serialized_start=2111
-  _globals['_GETSTATSREQUEST']._serialized_end=2128
-  _globals['_GETSTATSRESPONSE']._serialized_start=2131
-  _globals['_GETSTATSRESPONSE']._serialized_end=2468
-  _globals['_TOKENIZEREQUEST']._serialized_start=2471
-  _globals['_TOKENIZEREQUEST']._serialized_end=2661
-  _globals['_TOKENIZERESPONSE']._serialized_start=2663
-  _globals['_TOKENIZERESPONSE']._serialized_end=2740
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2742
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2777
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2779
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2815
-  _globals['_GPUWORKERSERVICE']._serialized_start=3212
-  _globals['_GPUWORKERSERVICE']._serialized_end=3967
+  _globals['_GENERATERESPONSE']._serialized_end=1423
+  _globals['_TOKENLOGPROBS']._serialized_start=1425
+  _globals['_TOKENLOGPROBS']._serialized_end=1541
+  _globals['_TOPLOGPROB']._serialized_start=1543
+  _globals['_TOPLOGPROB']._serialized_end=1605
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1607
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1674
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1676
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1755
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1757
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1793
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1795
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1818
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1820
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1845
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1847
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1873
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1875
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1896
+  _globals['_ADAPTERSTATUS']._serialized_start=1899
+  _globals['_ADAPTERSTATUS']._serialized_end=2084
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2087
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2278
+  _globals['_ADAPTABLEMODULE']._serialized_start=2280
+  _globals['_ADAPTABLEMODULE']._serialized_end=2354
+  _globals['_GETSTATSREQUEST']._serialized_start=2356
+  _globals['_GETSTATSREQUEST']._serialized_end=2373
+  _globals['_GETSTATSRESPONSE']._serialized_start=2376
+  _globals['_GETSTATSRESPONSE']._serialized_end=2713
+  _globals['_TOKENIZEREQUEST']._serialized_start=2716
+  _globals['_TOKENIZEREQUEST']._serialized_end=2906
+  _globals['_TOKENIZERESPONSE']._serialized_start=2908
+  _globals['_TOKENIZERESPONSE']._serialized_end=2985
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2987
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3022
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3024
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3060
+  _globals['_GPUWORKERSERVICE']._serialized_start=3457
+  _globals['_GPUWORKERSERVICE']._serialized_end=4335
 # @@protoc_insertion_point(module_scope)

@@ -136,7 +136,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs", "index")
+    __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs", "index", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
@@ -151,7 +152,8 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "top")
@@ -201,6 +203,14 @@ class UnloadAdapterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ListAdaptersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -226,12 +236,26 @@ class AdapterStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., residency: _Optional[_Union[Residency, str]] = ..., rank: _Optional[int] = ..., nbytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., references: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters", "base_model")
+    __slots__ = ("adapters", "base_model", "num_layers", "adaptable_modules")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTABLE_MODULES_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterStatus]
     base_model: str
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., base_model: _Optional[str] = ...) -> None: ...
+    num_layers: int
+    adaptable_modules: _containers.RepeatedCompositeFieldContainer[AdaptableModule]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterStatus, _Mapping]]] = ..., base_model: _Optional[str] = ..., num_layers: _Optional[int] = ..., adaptable_modules: _Optional[_Iterable[_Union[AdaptableModule, _Mapping]]] = ...) -> None: ...
+
+class AdaptableModule(_message.Message):
+    __slots__ = ("name", "in_features", "out_features")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    OUT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    in_features: int
+    out_features: int
+    def __init__(self, name: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -70,6 +70,11 @@ class GpuWorkerServiceStub:
                 request_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/lorastream.gpu_worker.v1.GpuWorkerService/ResetPrefixCache',
+                request_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class GpuWorkerServiceServicer:
@@ -125,6 +130,14 @@ class GpuWorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forget every cached prompt prefix (operate scope): requests sent after the reply reuse
+        nothing computed before it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GpuWorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +175,11 @@ def add_GpuWorkerServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeRequest.FromString,
                     response_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class GpuWorkerService:
             '/lorastream.gpu_worker.v1.GpuWorkerService/Detokenize',
             lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeRequest.SerializeToString,
             lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorastream.gpu_worker.v1.GpuWorkerService/ResetPrefixCache',
+            lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            lorastream_dot_gpu__worker_dot_v1_dot_gpu__worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

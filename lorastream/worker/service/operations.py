@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lorastream.core.adapter_fit import BaseShape
 from lorastream.core.generation import AdapterStatus, WorkerStats
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
@@ -24,8 +25,17 @@ class WorkerOperations:
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (requests sent afterwards reuse none of them)."""
+        self.engine.reset_prefix_cache()
+
     def list_adapters(self) -> list[AdapterStatus]:
         return self.adapters.statuses()
+
+    def base_shape(self) -> BaseShape:
+        """What an adapter must match to fit this worker's base model (the gateway's list)."""
+        config = self.engine.model.config
+        return BaseShape(config.num_layers, config.module_shapes())
 
     def stats(self) -> WorkerStats:
         engine = self.engine

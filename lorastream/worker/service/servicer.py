@@ -24,7 +24,8 @@ SERVICE_NAME = SERVICE.full_name
 # chooses which weights answer for a name, so only operators may do it. Generation, listing and
 # stats stay open to whoever reaches the port (the gateway; keep the port private).
 REQUIRED_SCOPES = {
-    f"/{SERVICE_NAME}/{m}": Scope.OPERATE for m in ("LoadAdapter", "UnloadAdapter")
+    f"/{SERVICE_NAME}/{m}": Scope.OPERATE
+    for m in ("LoadAdapter", "UnloadAdapter", "ResetPrefixCache")
 }
 
 
@@ -58,12 +59,17 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         self._ops.unload_adapter(request.name)
         return pb.UnloadAdapterResponse()
 
+    def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        self._ops.reset_prefix_cache()
+        return pb.ResetPrefixCacheResponse()
+
     def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> pb.ListAdaptersResponse:
-        return pb.ListAdaptersResponse(
-            adapters=[worker_codec.adapter_status_to_pb(s) for s in self._ops.list_adapters()],
-            base_model=self._engine.base_model_name,
+        return worker_codec.adapter_list_to_pb(
+            self._ops.list_adapters(), self._engine.base_model_name, self._ops.base_shape()
         )
 
     def GetStats(
