@@ -78,7 +78,7 @@ def _cpu_model() -> str:
 def cpu_model(cpuinfo: str) -> str:
     """The first processor's model name from ``/proc/cpuinfo`` text, with its family, model and
     stepping where given: a VM's model name can be as bare as "AMD EPYC", which named two
-    machines of this project whose decode speed differed 4x (docs/worker.md, Performance)."""
+    machines of this project whose decode speed differed 4x (docs/notes/serve-goals.md)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():

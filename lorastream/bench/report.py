@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorastream.bench import gpu_report
 from lorastream.bench import plots as plot
 from lorastream.bench import (
     report_grammar,
+    report_prefix,
     report_push,
     report_quant,
     report_registry,
+    report_saturate,
     report_serve,
     report_soak,
     report_transfer,
@@ -77,6 +80,9 @@ BENCHES = (
           "lorastream bench serve --output {results}/serve.json",
           report_serve.serve_section, report_serve.serve_goals,
           (("serve_cdf", plot.ttft_itl_cdf), ("serve_interference", plot.interference_cdf))),
+    Bench("saturate", "Saturated serving: CPU busy, and served against the engine (saturate)",
+          "lorastream bench saturate --output {results}/saturate.json",
+          report_saturate.saturate_section, report_saturate.saturate_goals),
     Bench("scale", "Scale: from ten to ten thousand adapters, and HF + PEFT (scale)",
           "lorastream bench scale --output {results}/scale.json",
           sections.scale_section, sections.scale_goals, (("scale", plot.scale_plot),)),
@@ -86,6 +92,10 @@ BENCHES = (
     Bench("push", "Push from memory vs write to S3 then preload, to first token (push)",
           "lorastream bench push --output {results}/push.json",
           report_push.push_section, report_push.push_goals),
+    Bench("prefix", "Prefix caching on chat traffic: on vs off, and prompts that share nothing "
+          "(prefix)",
+          "lorastream bench prefix --output {results}/prefix.json",
+          report_prefix.prefix_section, report_prefix.prefix_goals),
     Bench("grammar", "Structured outputs: llguidance vs xgrammar per step (grammar)",
           "lorastream bench grammar --output {results}/grammar.json",
           report_grammar.grammar_section, report_grammar.grammar_goals),
@@ -109,8 +119,8 @@ _MACHINE_ROWS = (
 def load_results(results_dir: Path) -> dict[str, Result | None]:
     """benchmark name -> its result JSON, or None when the file is missing or unreadable."""
     results: dict[str, Result | None] = {}
-    for bench in BENCHES:
-        path = results_dir / f"{bench.name}.json"
+    for name in [*(bench.name for bench in BENCHES), *gpu_report.RESULTS]:
+        path = results_dir / f"{name}.json"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -118,7 +128,7 @@ def load_results(results_dir: Path) -> dict[str, Result | None]:
         except (OSError, ValueError) as err:
             log.warning("ignoring %s: %s", path, err)
             data = None
-        results[bench.name] = data if isinstance(data, Mapping) else None
+        results[name] = data if isinstance(data, Mapping) else None
     return results
 
 
@@ -178,7 +188,7 @@ def render_page(
         parts.append(code_block(text(result.get("command") or
                                      bench.command.format(results=results_dir))))
         parts.append(bench.section(result, plots))
-    parts += ["## Kernels (GPU)", sections.kernels_section()]
+    parts += ["## GPU figures", gpu_report.gpu_section(results)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 

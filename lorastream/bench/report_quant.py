@@ -218,7 +218,7 @@ def _roofline(r: Result) -> str:
              _needs(f, "base_only"), _needs(f, "multi_adapter"), number(f.get("weights_ms"))]
             for mode, f in modes.items() if isinstance(f, Mapping)]
     return paragraphs([
-        "Roofline (bench/roofline.py, docs/worker.md \"The roofline at 32 rows\"): this "
+        "Roofline (bench/roofline.py, docs/quantization.md \"The roofline at 32 rows\"): this "
         f"machine's cores multiply-add at {number(peaks.get('fp32'))} G/s in fp32 FMAs, "
         f"{number(peaks.get('int8'))} G/s in int8 × int8 with exact int32 sums (`vpmaddubsw` "
         f"+ `vpmaddwd`, no VNNI) and {number(peaks.get('int16'))} G/s in int16 (`vpmaddwd`), "

@@ -14,7 +14,6 @@ from lorastream.bench.report_format import (
     Goal,
     Result,
     as_number,
-    code_block,
     get,
     goal_row,
     ms,
@@ -230,15 +229,6 @@ def _scale_explained(runs: list[Result], c: Mapping[str, Any]) -> str:
         "queueing. Absolute throughput is that of a 2-core CPU running prefill and decode of a "
         "135M model together with the store and the benchmark's clients; on a GPU the same "
         "trace is limited by none of these."
-    )
-
-
-def kernels_section() -> str:
-    return (
-        "`lorastream bench kernels` times the Triton SGMV shrink + expand kernels against the "
-        "base layer's `torch.mm` on Llama-3-8B shapes. It needs a CUDA GPU, which the machines "
-        "these results come from do not have, so it is not part of `make bench` and this page "
-        "reports no figure for it. On a GPU machine:\n\n" + code_block("lorastream bench kernels")
     )
 
 

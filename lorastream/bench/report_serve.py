@@ -116,9 +116,9 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
 _MEASURE_ROWS = (  # (result key, row label): the worker as run, then one CPU measure changed
     ("", "defaults"),
     ("copies_beside_steps", "copies beside the steps (--copy-turn-ms 0)"),
-    ("compute_threads_unbound", "threads placed by the kernel (--bind-compute-threads off)"),
+    ("compute_threads_unbound", "threads placed by the kernel (--no-bind-compute-threads)"),
     ("fetch_turns_2ms", "fetch turns of 2 ms (--fetch-turn-ms 2)"),
-    ("layered_admission", "layered admission (--layered-admission on)"),
+    ("layered_admission", "layered admission (--layered-admission)"),
 )
 
 
@@ -223,7 +223,7 @@ def _loader_budget_explained(r: Result) -> str:
         "long, taken from decode steps that otherwise keep both cores busy. A step that loses "
         f"that share runs {1 / (1 - min(share, 0.99)) - 1:.0%} longer, where the interference "
         f"goal allows {allowed} at the p99. Most of the loaders' CPU is gRPC's own per-byte work on "
-        "both ends of the stream, not the landing and checksums (docs/worker.md, \"Cold "
+        "both ends of the stream, not the landing and checksums (docs/loading.md, \"Cold "
         "adapters on a CPU\"). The worker leaves the loaders what decoding leaves (and fetch "
         "turns, if asked for: the table above), so the two goals hold together only as far as "
         "that share suffices; holding both in every run needs fewer CPU cycles per byte on the "
@@ -251,7 +251,7 @@ def _layered_probe(r: Result, cold: float) -> str:
     if layered is None or load is None:
         return ""
     verdict = ("faster in this run; it stays off by default because the gain has not held "
-               "from run to run (docs/worker.md, Layer-ordered admission)"
+               "from run to run (docs/loading.md, Layer-ordered admission)"
                if layered < 0.95 * cold else
                "no gain beyond the run-to-run spread here, so it stays off by default")
     ratio = as_number(get(r, "layered_admission", "interference", "itl_p99_ratio"))

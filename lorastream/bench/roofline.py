@@ -2,7 +2,8 @@
 rows could run per mode if its projections ran at the cores' multiply-add peak.
 
 A decode step of 32 rows on a CPU is bound by multiply-adds in its projections, not by reading
-their weights (docs/worker.md, "The roofline at 32 rows"). The peak is measured on this machine
+their weights (docs/quantization.md, "The roofline at 32 rows").
+The peak is measured on this machine
 (``lorastream/kernels/cpu_peak.py``: register-only loops of each kind of product, every thread), the
 multiply-adds are counted from the model's projection shapes, and the rest of each step (what a
 step spends outside its projections: attention, norms, sampling, the scheduler) is the mode's own,

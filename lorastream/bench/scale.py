@@ -166,7 +166,7 @@ def _run_count(
     args = [
         "worker", "serve", "--model", config.model, "--served-model-name", "base",
         "--port", str(port), "--store", store, "--max-loras", str(config.slots),
-        "--max-lora-rank", str(max(config.ranks)), "--lora-overlap-loading", "on",
+        "--max-lora-rank", str(max(config.ranks)), "--lora-overlap-loading",
         "--host-cache-bytes", str(config.host_cache_bytes),
         "--kv-cache-bytes", str(config.kv_cache_bytes), "--metrics-port", str(metrics_port),
     ]

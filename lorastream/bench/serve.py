@@ -23,10 +23,10 @@ both modes the interference part and the cold probe run once more per variant of
 measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
 (``--copy-turn-ms 0``) rather than in turns between them (``lorastream/worker/device/step_gate.py``);
 the compute threads placed by the kernel rather than bound one per core
-(``--bind-compute-threads off``, ``lorastream/worker/device/cpu_binding.py``); and store fetches
+(``--no-bind-compute-threads``, ``lorastream/worker/device/cpu_binding.py``); and store fetches
 given a turn of the cores before each step while they are in flight (``--fetch-turn-ms 2``,
 ``step_gate.py``; off by default), which trades the running streams' ITL for load time; and,
-not a CPU measure, layer-ordered admission (``--layered-admission on``; off by default), whose
+not a CPU measure, layer-ordered admission (``--layered-admission``; off by default), whose
 cold probe against the defaults' is what it wins.
 
 The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
@@ -314,7 +314,8 @@ def _worker_args(config: ServeConfig, overlap: str, store: str, port: int) -> li
     return [
         "worker", "serve", "--model", config.model, "--served-model-name", "base",
         "--port", str(port), "--store", store, "--max-loras", str(config.slots),
-        "--max-lora-rank", str(config.rank), "--lora-overlap-loading", overlap,
+        "--max-lora-rank", str(config.rank),
+        "--lora-overlap-loading" if overlap == "on" else "--no-lora-overlap-loading",
         "--host-cache-bytes", str(config.host_cache_bytes),
         "--kv-cache-bytes", str(config.kv_cache_bytes),
     ]
@@ -326,13 +327,13 @@ CPU_VARIANTS = {
     # slot copies beside the decode steps instead of in turns between them (step_gate.py)
     "copies_beside_steps": ("--copy-turn-ms", "0"),
     # compute threads placed by the kernel instead of bound one per core (cpu_binding.py)
-    "compute_threads_unbound": ("--bind-compute-threads", "off"),
+    "compute_threads_unbound": ("--no-bind-compute-threads",),
     # fetches get a turn of the cores before each step while in flight (step_gate.py; off by
     # default: faster loads beside decoding, at the running streams' expense)
     "fetch_turns_2ms": ("--fetch-turn-ms", "2"),
     # not a CPU measure: a cold request admitted once its adapter's first layers are in a slot,
     # its prefill run layer by layer as they land (engine/landing.py; off by default)
-    "layered_admission": ("--layered-admission", "on"),
+    "layered_admission": ("--layered-admission",),
 }
 
 

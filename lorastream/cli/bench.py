@@ -59,10 +59,19 @@ def registry(
     json_registrations: int = typer.Option(
         20, min=1, help="Registrations timed for the JSON-rewrite baseline at each count."
     ),
+    rpc: bool = typer.Option(
+        True, help="Also time registrations through the store's PreloadAdapter RPC at each "
+        "count (a store server per count, filled with that many distinct adapters)."
+    ),
+    rpc_sequence: int = typer.Option(
+        2000, min=0, help="PreloadAdapter calls one after another into an empty store; their "
+        "last fifth's median over the first's is reported (0: skip)."
+    ),
     output: Path | None = OUTPUT_OPTION,
 ) -> None:
     """Registration cost against the number of names: the store's SQLite registry beside the
-    JSON file it replaced (rewritten whole on every registration), in the same run."""
+    JSON file it replaced (rewritten whole on every registration), in the same run, and the
+    same counts through the store's PreloadAdapter RPC end to end."""
     require_bench_extra()
     from lorastream.bench.registry import run_registry_bench
 
@@ -74,7 +83,8 @@ def registry(
     if not parsed or min(parsed) < 1:
         console.print("[red]error[/]: --counts: every count must be >= 1")
         raise typer.Exit(2)
-    _print_result(run_registry_bench(parsed, registrations, json_registrations), output)
+    _print_result(run_registry_bench(parsed, registrations, json_registrations,
+                                     rpc_sequence=rpc_sequence, rpc=rpc), output)
 
 
 @app.command("grammar")
@@ -175,6 +185,39 @@ def engine(
     _print_result(result, output)
 
 
+@app.command("prefix")
+def prefix(
+    model: str = typer.Option(
+        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+    ),
+    adapters: int = typer.Option(8, min=1, help="Adapters, each with its own system prompt."),
+    clients: int = typer.Option(16, min=1, help="Concurrent clients (one conversation each)."),
+    turns: int = typer.Option(4, min=1, help="Turns per conversation."),
+    system_tokens: int = typer.Option(1000, min=1, help="Tokens of each system prompt."),
+    user_tokens: int = typer.Option(24, min=1, help="Tokens of each user message."),
+    reply_tokens: int = typer.Option(32, min=1, help="Tokens of each (greedy) reply."),
+    rank: int = typer.Option(8, min=1, help="Rank of the synthetic adapters (all linear)."),
+    seed: int = typer.Option(0, help="Seed of the prompts and adapters."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Chat traffic with prefix caching on vs off in one run, and prompts that share nothing
+    (goals: TTFT p50 <= 0.3x, tokens/s >= 1.3x, no-sharing >= 0.97x, identical outputs)."""
+    require_bench_extra()
+    from lorastream.core.native_env import tune_native_libraries
+
+    tune_native_libraries()  # as `worker serve` does, before torch loads
+    from lorastream.bench.prefix import PrefixConfig, run_prefix_bench
+
+    setup_logging(log_level)
+    config = PrefixConfig(
+        model=model, adapters=adapters, clients=clients, turns=turns,
+        system_tokens=system_tokens, user_tokens=user_tokens, reply_tokens=reply_tokens,
+        rank=rank, seed=seed,
+    )
+    _print_result(run_prefix_bench(config), output)
+
+
 @app.command("kernels")
 def kernels(
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float16."),
@@ -230,6 +273,36 @@ def serve(
         store_link_mbps=store_link_mbps, store_link_burst_bytes=store_link_burst_bytes,
     )
     _print_result(run_serve_bench(config), output)
+
+
+@app.command("saturate")
+def saturate(
+    model: str = typer.Option("default", help="Base model of the worker."),
+    requests: int = typer.Option(128, min=1, help="Requests per workload."),
+    concurrency: int = typer.Option(16, min=1, help="Streaming requests in flight at a time."),
+    prompt_tokens: str = typer.Option("32-64", help="Prompt lengths in token ids, LOW-HIGH."),
+    new_tokens: int = typer.Option(32, min=2, help="Tokens generated per request (ignore_eos)."),
+    adapters: str = typer.Option(
+        "0,8", help="Workloads, comma-separated: adapters named round-robin (0 = base only)."
+    ),
+    rank: int = typer.Option(16, min=1, help="Rank of the synthetic adapters."),
+    engine: bool = typer.Option(True, help="Also run the engine alone on the same requests."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """The stack as `up` starts it, saturated through the gateway; prints the CPU busy share and
+    served / engine tok/s every run (goals: CPU busy >= 90%; served >= 0.8x the engine)."""
+    require_bench_extra()
+    from lorastream.bench.saturate import SaturateConfig, run_saturate_bench
+
+    setup_logging(log_level)
+    low, _, high = prompt_tokens.partition("-")
+    config = SaturateConfig(
+        model=model, requests=requests, concurrency=concurrency,
+        prompt_tokens=(int(low), int(high or low)), new_tokens=new_tokens,
+        adapters=tuple(int(a) for a in adapters.split(",") if a), rank=rank, engine=engine,
+    )
+    _print_result(run_saturate_bench(config, report=console.print), output)
 
 
 @app.command("scale")

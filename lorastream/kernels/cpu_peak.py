@@ -1,6 +1,6 @@
 """The cores' multiply-add peak per kind of product (``csrc/multiply_peak.cpp``): the roofline of
 a decode step whose projections are bound by multiply-adds, as a batch of 32 rows is on a CPU
-(docs/worker.md, "The roofline at 32 rows").
+(docs/quantization.md, "The roofline at 32 rows").
 
 Semantics::
 

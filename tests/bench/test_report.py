@@ -94,13 +94,13 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
         "cold_ttft_vs_link_plus_resident_overlap_on": 0.977, "goal_cold_ttft_ratio": "<= 1.25",
         "copies_beside_steps": {"worker_flags": "--copy-turn-ms 0",
                                 "interference": mode(300.0, 1.7)["interference"]},
-        "compute_threads_unbound": {"worker_flags": "--bind-compute-threads off",
+        "compute_threads_unbound": {"worker_flags": "--no-bind-compute-threads",
                                     "interference": mode(300.0, 1.4)["interference"]},
         "fetch_turns_2ms": {"worker_flags": "--fetch-turn-ms 2",
                             "interference": mode(300.0, 1.25)["interference"],
                             "cold_probe": {"cold_ttft_ms": 812.0, "load_ms": 700.0,
                                            "cold_vs_link_plus_warm": 0.9}},
-        "layered_admission": {"worker_flags": "--layered-admission on",
+        "layered_admission": {"worker_flags": "--layered-admission",
                               "interference": mode(300.0, 1.15)["interference"],
                               "cold_probe": {"cold_ttft_ms": 750.0, "load_ms": 650.0,
                                              "cold_vs_link_plus_warm": 0.8}},
@@ -334,7 +334,7 @@ def test_serve_section_explains_what_a_cold_request_waits_for(ratio: float, said
             "against 900.0 ms with the defaults (0.83x; LoadAdapter 650.0 ms): faster in this "
             "run; it stays off by default because the gain has not held from run to run") in page
     assert "The running streams' ITL p99 ratio during loads was 1.15× with it on." in page
-    assert "| layered admission (--layered-admission on) |" in page
+    assert "| layered admission (--layered-admission) |" in page
     slow = {**serve, "layered_admission": {**serve["layered_admission"], "cold_probe": {
         "cold_ttft_ms": 880.0, "load_ms": 700.0}}}
     assert "(0.98x; LoadAdapter 700.0 ms): no gain beyond the run-to-run spread here" in (
@@ -406,12 +406,12 @@ def test_serve_section_compares_each_cpu_measure_turned_off() -> None:
     assert "| 70.0 | 77.0 | 1.10× |" in rows["| defaults"]
     assert rows["| copies beside the steps (--copy-turn-ms 0)"].endswith(
         "| 70.0 | 119.0 | 1.70× | – | – | – |")
-    assert rows["| threads placed by the kernel (--bind-compute-threads off)"].endswith(
+    assert rows["| threads placed by the kernel (--no-bind-compute-threads)"].endswith(
         "| 70.0 | 98.0 | 1.40× | – | – | – |")
     assert rows["| fetch turns of 2 ms (--fetch-turn-ms 2)"].endswith(
         "| 70.0 | 87.5 | 1.25× | 812.0 | 0.90× | 700.0 |")
     assert "4 rounds of 5.0 s each" in page
-    assert rows["| layered admission (--layered-admission on)"].endswith(
+    assert rows["| layered admission (--layered-admission)"].endswith(
         "| 70.0 | 80.5 | 1.15× | 750.0 | 0.80× | 650.0 |")
     no_fetch_turns = {k: v for k, v in serve.items()
                       if k not in ("fetch_turns_2ms", "layered_admission")}

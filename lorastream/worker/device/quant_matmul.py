@@ -72,11 +72,13 @@ def quantization_slow_here(device: torch.device, mode: str, native: bool = False
     than the fp32 product at decode shapes; it serves there so that its tokens can be checked.
     The weight-only mode (``int8``) runs the C++ op where the CPU ops are loaded
     (``lorastream/kernels/cpu_int8.py``: fp32 activations, as fast as the fp32 product or faster at every
-    row count measured, docs/worker.md). Without them it takes torch's kernel, fast only with
+    row count measured, docs/notes/quantization.md).
+    Without them it takes torch's kernel, fast only with
     AVX-512 (bf16 conversion); on an AVX2-only CPU ``bench engine --quantization`` measured that
     at 0.6-0.76x the fp32 path's decode. ``int8-dynamic`` multiplies in int8: fbgemm's AVX2
-    kernels where torch has fbgemm (x86 builds), faster than fp32 (docs/worker.md); without
-    fbgemm it runs ``torch._int_mm``, fast only with AVX-512 VNNI."""
+    kernels where torch has fbgemm (x86 builds), faster than fp32
+    (docs/notes/quantization.md); without fbgemm it runs ``torch._int_mm``, fast only with
+    AVX-512 VNNI."""
     if device.type != "cpu" or (mode == "int8" and native):
         return None
     if mode == "fp8":
