@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml; echo 
 DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev gemma up test test-slow test-gpu protos bench bench-gpu bench-report clean
+.PHONY: install install-dev gemma up test test-slow test-fresh test-compose test-gpu gpu-wheelhouse gpu-check gpu-dry-run protos bench bench-gpu bench-report clean
 
 install: $(STAMP)
 
@@ -46,10 +46,21 @@ up: install
 	$(VENV)/bin/lorastream up
 
 test: install-dev
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not fresh and not compose" $(PYTEST_ARGS)
 
 test-slow: install-dev
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Where a new user starts (tests/fresh): a venv from requirements.lock alone, built by the install
+# rule above in a temporary folder, a fresh HOME, `lorastream up`, the printed chat requests, Ctrl-C.
+test-fresh: install-dev
+	$(PY) -m pytest -q -m fresh --durations=5 tests/fresh $(PYTEST_ARGS)
+
+# The compose stack for real (tests/compose_live): images built from docker/, `docker compose
+# --profile cpu up`, checked through the published ports, `down -v`. Needs a Docker engine and the
+# compose v2 plugin: scripts/docker_host_prepare.sh prepares a machine without registry access.
+test-compose: install-dev
+	PY=$(PY) bash scripts/docker_test_compose.sh $(PYTEST_ARGS)
 
 # The GPU path, on a machine with CUDA (README, "GPU tests"): PEFT parity on CUDA, pinned landing
 # and the load stream (rules 1 and 2), the step loop under torch.cuda.set_sync_debug_mode("error"),
@@ -58,13 +69,28 @@ test-slow: install-dev
 test-gpu: install-dev
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -rs tests/gpu $(PYTEST_ARGS)
 
+# The GPU path in one call on a CUDA machine with no registry (README, "GPU tests"): `make
+# gpu-wheelhouse` here (.gpu-wheelhouse/, <= 40 MiB), carry it, then `make gpu-check` there
+# (scripts/gpu_check.sh: tests/gpu and the GPU benchmarks in <= 7 min, results in GPU_CHECK_OUT).
+# `make gpu-dry-run` rehearses it on a CPU machine (CI does).
+GPU_CHECK_OUT ?= $(or $(OUT),gpu-check-out)
+gpu-wheelhouse:
+	PYTHON=$(PYTHON) bash scripts/gpu_wheelhouse.sh
+
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_OUT)
+
+gpu-dry-run:
+	PYTHON=$(PYTHON) bash scripts/gpu_dry_run.sh
+
 protos: install-dev
 	$(PY) scripts/gen_protos.py
 
 # Every benchmark into docs/benchmarks/results/, then the page docs/BENCHMARKS.md from them
 # (about 105 min on a 2-core AVX2 EPYC at 17-21 GB/s: 87 for the full run of 67565aa, plus the 18
 # the int8 run has taken since its agreement became teacher-forced; the soak's 10 minutes and
-# 10,000 scale adapters included). bench-report only regenerates the page and plots from those
+# 10,000 scale adapters included; saturate, prefix and the registry's RPC pass add roughly 45,
+# timed on a loaded machine only). bench-report only regenerates the page and plots from those
 # results.
 BENCH_RESULTS ?= docs/benchmarks/results
 LORASTREAM := $(VENV)/bin/lorastream
@@ -76,10 +102,12 @@ bench: install-dev gemma
 	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
 	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 4 --output $(BENCH_RESULTS)/engine-int8.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
+	$(LORASTREAM) bench saturate --output $(BENCH_RESULTS)/saturate.json
 	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
 	$(LORASTREAM) bench push --output $(BENCH_RESULTS)/push.json
 	$(LORASTREAM) bench registry --output $(BENCH_RESULTS)/registry.json
 	$(LORASTREAM) bench grammar --output $(BENCH_RESULTS)/grammar.json
+	$(LORASTREAM) bench prefix --output $(BENCH_RESULTS)/prefix.json
 	$(LORASTREAM) bench soak --output $(BENCH_RESULTS)/soak.json
 	$(MAKE) bench-report
 
@@ -90,6 +118,8 @@ bench-gpu: install-dev
 	mkdir -p $(BENCH_RESULTS)
 	TRITON_INTERPRET=0 $(PY) -m lorastream.kernels.bench --output $(BENCH_RESULTS)/kernels-gpu.json
 	$(PY) -m lorastream.bench.h2d --output $(BENCH_RESULTS)/h2d-gpu.json
+	TRITON_INTERPRET=0 $(PY) -m lorastream.bench.gpu_serving --output $(BENCH_RESULTS)/gpu-serving-8b.json
+	TRITON_INTERPRET=0 $(PY) -m lorastream.bench.gpu_serving --shape smollm2-135m --output $(BENCH_RESULTS)/gpu-serving-smollm2.json
 	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve-gpu.json
 	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench engine --quantization int8,int8-dynamic,fp8 --repeats 4 --output $(BENCH_RESULTS)/engine-quant-gpu.json
 

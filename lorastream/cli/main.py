@@ -50,6 +50,13 @@ def up(
         help="NAME=URI to register in the store at start (repeatable); URI is s3://, hf://, or a "
         "local PEFT directory (a relative path is taken from the current directory).",
     ),
+    allowed_local_root: list[str] = typer.Option(
+        [], "--allowed-local-root", metavar="DIR",
+        help="Another directory the store may stage local adapters from (repeatable; the "
+        "store's own flag, passed through): vLLM's POST /v1/load_lora_adapter and `lorastream "
+        "adapters preload` refuse a local path outside these, the samples and the --adapter "
+        "folders.",
+    ),
     samples: bool = typer.Option(
         True, "--samples/--no-samples",
         help="With no --adapter on the default model, register the two sample adapters: "
@@ -77,7 +84,7 @@ def up(
         "[default: ~/.cache/lorastream/up-operator-token].",
     ),
     insecure_no_auth: bool = typer.Option(
-        False, "--insecure-no-auth",
+        False, "--insecure-no-auth/--no-insecure-no-auth",
         help="Generate no tokens: anyone on this machine may stage, delete, load adapters and "
         "download their weights.",
     ),
@@ -99,6 +106,7 @@ def up(
             model=model, workers=workers, store_port=store_port, worker_port=worker_port,
             gateway_port=port, metrics_port=metrics_port,
             adapters=stack_adapters(model, adapter, samples),
+            allowed_local_roots=allowed_local_root,
             log_level=log_level, token=token, tls=tls, token_file=token_file,
             insecure_no_auth=insecure_no_auth,
         )
