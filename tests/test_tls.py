@@ -274,7 +274,7 @@ def test_the_gateways_async_client_speaks_mutual_tls_to_a_worker(
         stranger = AsyncWorkerClient(tls_stack.worker, tls=ClientTLS.from_files(
             pki.local.ca, pki.intruder_cert, pki.intruder_key))
         try:
-            _, base = await good.list_adapters()
+            _, base, _ = await good.list_adapters()
             return base, await stranger.healthy(2.0)
         finally:
             await good.close()

@@ -172,7 +172,8 @@ def test_the_fetch_process_reuses_its_message_buffers(tmp_path: Path) -> None:
         for _ in range(3):
             process.fetch("big", memory.tensor)
         per_mb = (_python_thread_faults(process.pid) - before) / (3 * nbytes / 1e6)
-        assert per_mb < 5, f"{per_mb:.1f} page faults per MB landed"
+        # ~0 alone; 5.0 was seen once beside a loaded machine's reclaim. glibc's defaults: ~50.
+        assert per_mb < 10, f"{per_mb:.1f} page faults per MB landed"
     finally:
         process.close()
         stack_gen.close()
