@@ -39,8 +39,13 @@ def test_saturate_bench_reports_served_engine_and_cpu_per_service(tiny_model: Pa
             assert 6 * 3 <= r["tokens"] <= 6 * 4
             assert r["output_tok_s"] > 0 and r["ttft_ms"]["p50"] > 0
             assert r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"]
-            assert 0 < r["cpu_used_s"] <= r["cpu_available_s"] * 1.05
-            assert 0 < r["utilisation"] <= 1.05 and 0 <= r["machine_idle_share"] <= 1
+            # /proc counts CPU in 10 ms ticks: each process read at the window's two ends can be
+            # a tick over, which a window of a few tens of ms (this tiny run) can see
+            ticks = 0.01 * 2 * max(3, len(r.get("cpu_s", {})))
+            allowed = r["cpu_available_s"] * 1.05 + ticks
+            assert 0 < r["cpu_used_s"] <= allowed
+            assert 0 < r["utilisation"] <= allowed / r["cpu_available_s"]
+            assert 0 <= r["machine_idle_share"] <= 1
             assert r["busiest_threads_cpu_s"] == sorted(r["busiest_threads_cpu_s"], reverse=True)
         assert set(w["served"]["cpu_s"]) == {"store", "worker", "gateway"}
         assert w["served"]["cpu_s"]["worker"] > 0
