@@ -34,6 +34,7 @@ from lorastream.stack.launcher import (
     stack_adapters,
 )
 from tests.support.models import make_peft_adapter, make_tiny_checkpoint
+from tests.support.ports import free_ports
 
 
 def printed_commands(lines: list[str]) -> list[str]:
@@ -61,16 +62,6 @@ def _sample(text: str, name: str, **labels: str) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
 def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stops_cleanly(
     tmp_path: Path, tls: bool
@@ -80,7 +71,7 @@ def test_up_starts_store_worker_and_gateway_serves_a_registered_adapter_and_stop
     model = make_tiny_checkpoint(tmp_path / "model")
     adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj", "v_proj"])
     extra = make_peft_adapter(model, tmp_path / "extra-root" / "extra", rank=4, targets=["q_proj"])
-    store_port, worker_port, gateway_port, metrics_port = _free_ports(4)
+    store_port, worker_port, gateway_port, metrics_port = free_ports(4)
     env_home = {"HOME": str(tmp_path / "home")}  # caches under tmp_path, not the user's
     (tmp_path / "home").mkdir()
     import os
@@ -248,7 +239,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(role: str) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         roles = ("store", "worker", "gateway", "store metrics")
-        others = iter(_free_ports(len(roles)))
+        others = iter(free_ports(len(roles)))
         ports = {name: port if name == role else next(others) for name in roles}
         if role == "worker 0 metrics":  # worker i serves its metrics on --metrics-port + 1 + i
             ports["store metrics"] = port - 1

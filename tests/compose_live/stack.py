@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.support.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = [REPO / "docker-compose.yml", REPO / "tests/compose_live/docker-compose.moto.yml"]
@@ -44,17 +45,6 @@ def engine_problem() -> str | None:
         if done.returncode != 0:
             return f"{what} (scripts/docker_host_prepare.sh sets it up)"
     return None
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.support.ports import free_ports
 
 pytestmark = [pytest.mark.fresh, pytest.mark.timeout(1800)]
 
@@ -35,17 +36,6 @@ EXPECT = {
     "french": lambda text: "Paris" in text and "capitale" in text.lower(),
     "default": lambda text: "Paris" in text,
 }
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _user_env(home: Path) -> dict[str, str]:
@@ -139,7 +129,7 @@ def test_make_up_serves_the_samples_on_a_fresh_machine(tmp_path: Path) -> None:
     assert subprocess.run([str(venv / "bin/python"), "-c", probe], capture_output=True,
                           text=True, check=True, env=env).stdout.strip() == "[]"
 
-    store, worker, gateway, metrics = _free_ports(4)
+    store, worker, gateway, metrics = free_ports(4)
     command = [str(venv / "bin/lorastream"), "up", "--port", str(gateway),
                "--store-port", str(store), "--worker-port", str(worker),
                "--metrics-port", str(metrics)]
