@@ -32,6 +32,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -145,6 +146,13 @@ def chat_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigures:
                 ttft.append(ms)
                 outputs[f"{i}/{turn}"] = reply
 
+    return _measured(engine, c, client, ttft, outputs)
+
+
+def _measured(engine: Engine, c: PrefixConfig, client: Callable[[int], None],
+              ttft: list[float], outputs: dict[str, list[int]]) -> RunFigures:
+    """Run ``c.clients`` clients at once and gather what they recorded, with the cache's hit
+    rate over the run."""
     before = engine.prefix.stats.hit_tokens, engine.prefix.stats.queried_tokens
     wall = _clients(c.clients, client)
     hits = engine.prefix.stats.hit_tokens - before[0]
@@ -168,12 +176,7 @@ def no_sharing_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigur
                 ttft.append(ms)
                 outputs[f"{i}/{turn}"] = reply
 
-    before = engine.prefix.stats.hit_tokens, engine.prefix.stats.queried_tokens
-    wall = _clients(c.clients, client)
-    hits = engine.prefix.stats.hit_tokens - before[0]
-    queried = engine.prefix.stats.queried_tokens - before[1]
-    return RunFigures(ttft, sum(len(o) for o in outputs.values()), wall, outputs,
-                      hits / queried if queried else 0.0)
+    return _measured(engine, c, client, ttft, outputs)
 
 
 def _run_side(c: PrefixConfig, checkpoint: Path, dirs: list[Path], caching: bool
