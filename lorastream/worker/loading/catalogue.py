@@ -1,6 +1,6 @@
 """The worker's copy of the store's catalogue (name -> current content id), kept by a watch.
 
-A background thread holds a ``WatchAdapters`` stream (docs/store.md, "Watch"): the snapshot
+A background thread holds a ``WatchAdapters`` stream (docs/store-api.md, "Watch"): the snapshot
 fills the catalogue, each change updates it, then the change is acknowledged (the store holds a
 push's reply until its watchers acknowledged it: once a push is acknowledged, this worker resolves
 the name to the new content). Requests resolve names here, with no store call.
