@@ -254,7 +254,7 @@ class TokenLogprobs:
     """Log-probabilities at one generated position: the sampled token's and the top ones.
 
     Values are ``log_softmax`` of the logits after penalties, logit bias and the min_tokens
-    mask, before temperature, top-k and top-p (docs/gateway.md, "Sampling parameters").
+    mask, before temperature, top-k and top-p (docs/gateway-api.md, "Sampling parameters").
     """
 
     token_id: int

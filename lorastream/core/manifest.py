@@ -61,7 +61,7 @@ class AdapterManifest:
 
 def manifest_json(m: AdapterManifest, *, tensors: bool = False) -> dict[str, Any]:
     """An adapter as JSON: the one shape of the gateway's HTTP API and ``lorastream adapters``
-    (docs/gateway.md, docs/store.md). ``tensors`` is the tensor count; with ``tensors=True`` the
+    (docs/gateway.md, docs/store-api.md). ``tensors`` is the tensor count; with ``tensors=True`` the
     tensors themselves follow under ``tensor_list`` (``lorastream adapters describe``)."""
     doc: dict[str, Any] = {
         "name": m.name,

@@ -273,7 +273,7 @@ class ChatCompletionRequest(_GenerationRequest, VllmChatExtras):
 
     @property
     def tool_use(self) -> ToolUse:
-        """The request's tools (docs/gateway.md, "Tools"); ``tool_choice`` defaults to auto."""
+        """The request's tools (docs/gateway-api.md, "Tools"); ``tool_choice`` defaults to auto."""
         return ToolUse(tuple(self.tools or ()), self.tool_choice or "auto",
                        self.parallel_tool_calls)
 

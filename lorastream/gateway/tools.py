@@ -22,7 +22,7 @@ one block per call. Semantics of ``tool_choice``:
 =================================  =========================================================
 
 A constrained call is a grammar (llguidance's Lark with the call's JSON schema embedded), so it
-shares a batch with free requests like any structured output (docs/gateway.md).
+shares a batch with free requests like any structured output (docs/gateway-api.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ they were absent would hand it something it did not ask for. Each field here is 
 its neutral value (what vLLM does when it is absent); anything else is a 400 naming the field.
 The fields vLLM has and this server implements are declared on the request models themselves
 (``top_k``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-``structured_outputs``; docs/gateway.md has the table).
+``structured_outputs``; docs/gateway-api.md has the table).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Structured outputs: compile a request's constraint for the tokenizer, mask each step's logits.
 
 The grammar engine is llguidance (chosen over xgrammar on measured cost on this CPU and on what it
-pulls in; ``lorastream bench grammar`` runs both side by side and docs/gateway.md gives the
+pulls in; ``lorastream bench grammar`` runs both side by side and docs/gateway-api.md gives the
 figures). One :class:`GrammarCompiler` per engine turns a :class:`StructuredOutput` into a
 :class:`GrammarMatcher` per request; each step the engine asks the matchers of the constrained
 rows for their masks (:meth:`GrammarCompiler.mask_`), samples, and feeds each matcher its token
