@@ -27,6 +27,9 @@ out = Console()
 STORE_OPTION = typer.Option(
     "localhost:50051", "--store", envvar="LORASTREAM_STORE", help="Adapter store HOST:PORT."
 )
+WORKER_OPTION = typer.Option(
+    "localhost:50052", "--worker", envvar="LORASTREAM_WORKER", help="GPU worker HOST:PORT."
+)
 TOKEN_OPTION = typer.Option(
     None,
     "--token",
@@ -59,7 +62,8 @@ TLS_CLIENT_KEY_OPTION = typer.Option(
 @dataclasses.dataclass(frozen=True)
 class Connection:
     """How a command reaches the store (or a worker): its connection options, declared once
-    (:func:`connection_options`) for every command that takes them."""
+    (:func:`connection_options`, :func:`worker_connection_options`) for every command that takes
+    them."""
 
     target: str  # HOST:PORT
     token: str | None = None
@@ -77,14 +81,20 @@ class Connection:
         return client_tls(self.tls_ca, self.tls_client_cert, self.tls_client_key)
 
 
-_CONNECTION_OPTIONS = {  # parameter -> (annotation, option); "store" stands for the target
-    "store": (str, STORE_OPTION),
-    "token": (str | None, TOKEN_OPTION),
-    "token_file": (Path | None, TOKEN_FILE_OPTION),
+# parameter -> (annotation, option); the first parameter holds the target HOST:PORT
+_Options = dict[str, tuple[Any, Any]]
+_TLS_OPTIONS: _Options = {
     "tls_ca": (Path | None, TLS_CA_OPTION),
     "tls_client_cert": (Path | None, TLS_CLIENT_CERT_OPTION),
     "tls_client_key": (Path | None, TLS_CLIENT_KEY_OPTION),
 }
+_STORE_OPTIONS: _Options = {
+    "store": (str, STORE_OPTION),
+    "token": (str | None, TOKEN_OPTION),
+    "token_file": (Path | None, TOKEN_FILE_OPTION),
+    **_TLS_OPTIONS,
+}
+_WORKER_OPTIONS: _Options = {"worker": (str, WORKER_OPTION), **_TLS_OPTIONS}
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 
@@ -99,22 +109,34 @@ def connection_options(command: Command) -> Command:
         @connection_options
         def rm(name: str, conn: Connection) -> None: ...
     """
+    return _with_options(command, _STORE_OPTIONS)
+
+
+def worker_connection_options(command: Command) -> Command:
+    """As :func:`connection_options`, for a command that talks to a GPU worker: ``--worker``,
+    ``--tls-ca``, ``--tls-client-cert``, ``--tls-client-key`` (``conn.token`` is None)."""
+    return _with_options(command, _WORKER_OPTIONS)
+
+
+def _with_options(command: Command, declared: _Options) -> Command:
+    """``command`` with the ``declared`` options after its own, called with them as ``conn``."""
+    target, *_ = declared
     own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
            if p.name != "conn"]
     added = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
                           annotation=annotation)
-        for name, (annotation, option) in _CONNECTION_OPTIONS.items()
+        for name, (annotation, option) in declared.items()
     ]
 
     @functools.wraps(command)
     def with_connection(**kwargs: Any) -> Any:
-        options = {name: kwargs.pop(name) for name in _CONNECTION_OPTIONS}
-        conn = Connection(options.pop("store"), **options)
+        options = {name: kwargs.pop(name) for name in declared}
+        conn = Connection(options.pop(target), **options)
         return command(conn=conn, **kwargs)
 
     parameters = [*own, *added]
-    # typer reads the signature: the command's own parameters, then the six options
+    # typer reads the signature: the command's own parameters, then the connection options
     with_connection.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     with_connection.__annotations__ = {p.name: p.annotation for p in parameters}
     return cast(Command, with_connection)

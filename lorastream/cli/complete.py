@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import typer
 
 from lorastream.cli.common import (
-    TLS_CA_OPTION,
-    TLS_CLIENT_CERT_OPTION,
-    TLS_CLIENT_KEY_OPTION,
-    client_tls,
+    Connection,
     console,
     out,
     reported_errors,
-)
-
-WORKER_OPTION = typer.Option(
-    "localhost:50052", "--worker", envvar="LORASTREAM_WORKER", help="GPU worker HOST:PORT."
+    worker_connection_options,
 )
 
 
+@worker_connection_options
 def complete(
     model: str = typer.Option(
         ..., "--model", help="An adapter name, or the base model's served name."
@@ -38,10 +32,8 @@ def complete(
     as_json: bool = typer.Option(
         False, "--json", help='Print one line {"text": ..., "token_ids": [...]} (generated only).'
     ),
-    worker: str = WORKER_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_client_cert: Path | None = TLS_CLIENT_CERT_OPTION,
-    tls_client_key: Path | None = TLS_CLIENT_KEY_OPTION,
+    *,
+    conn: Connection,
 ) -> None:
     """Generate a completion from a worker. Greedy (temperature 0) stops at end-of-sequence."""
     from lorastream.core.generation import PromptInput, SamplingParams
@@ -53,9 +45,7 @@ def complete(
     )
     prompt_input = PromptInput(messages=(("user", prompt),)) if chat else PromptInput(text=prompt)
     text, token_ids, reason = [], [], None
-    with reported_errors(), WorkerClient(
-        worker, tls=client_tls(tls_ca, tls_client_cert, tls_client_key)
-    ) as client:
+    with reported_errors(), WorkerClient(conn.target, tls=conn.tls()) as client:
         for event in client.generate(model, prompt_input, params):
             text.append(event.text)
             token_ids.extend(event.token_ids)
