@@ -205,7 +205,8 @@ def last_full_sentence(text: str) -> str:
 def shout_examples(model: Any, tokenizer: Any, questions: list[str], tokens: int) -> list[Example]:
     """The base model's own answers, upper-cased: the adapter should change the case only."""
     answers = generate_answers(model, tokenizer, questions, tokens)
-    return [Example(q, last_full_sentence(a).upper()) for q, a in zip(questions, answers) if a]
+    pairs = zip(questions, answers, strict=True)
+    return [Example(q, last_full_sentence(a).upper()) for q, a in pairs if a]
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -223,12 +224,11 @@ def collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str
     """Right-pad a batch; padded positions have attention 0 and label -100."""
     width = max(len(ids) for ids, _ in encoded)
     pad = [width - len(ids) for ids, _ in encoded]
+    rows = list(zip(encoded, pad, strict=True))
     return {  # each [B, S]
-        "input_ids": torch.tensor([ids + [pad_id] * n for (ids, _), n in zip(encoded, pad)]),
-        "attention_mask": torch.tensor(
-            [[1] * len(ids) + [0] * n for (ids, _), n in zip(encoded, pad)]
-        ),
-        "labels": torch.tensor([lab + [-100] * n for (_, lab), n in zip(encoded, pad)]),
+        "input_ids": torch.tensor([ids + [pad_id] * n for (ids, _), n in rows]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * n for (ids, _), n in rows]),
+        "labels": torch.tensor([lab + [-100] * n for (_, lab), n in rows]),
     }
 
 

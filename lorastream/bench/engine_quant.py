@@ -146,7 +146,7 @@ def paired_ratios(rates: list[float], fp32: list[float]) -> dict[str, float]:
 
 def agreement(tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> float:
     """Fraction of reference positions where ``tokens`` holds the same token."""
-    same = sum(a == b for i, ref in reference.items() for a, b in zip(tokens[i], ref))
+    same = sum(a == b for i, ref in reference.items() for a, b in zip(tokens[i], ref, strict=False))
     total = sum(len(ref) for ref in reference.values())
     return same / max(total, 1)
 

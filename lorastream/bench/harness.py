@@ -10,6 +10,7 @@ sorted raw samples that CDF plots are drawn from.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import socket
@@ -124,7 +125,7 @@ def itls(results: list[RequestResult], window: tuple[float, float] | None = None
     """Inter-token gaps, or those that end inside ``window`` (a stall shows in the gap it ends)."""
     gaps = []
     for r in results:
-        for a, b in zip(r.token_times, r.token_times[1:]):
+        for a, b in itertools.pairwise(r.token_times):
             if window is None or window[0] < b <= window[1]:
                 gaps.append(b - a)
     return gaps

@@ -88,8 +88,8 @@ def cpu_model(cpuinfo: str) -> str:
     name = fields.get("model name")
     if not name:
         raise ValueError("no model name in /proc/cpuinfo")
-    ids = [f"{label} {fields[key]}" for key, label in
-           (("cpu family", "family"), ("model", "model"), ("stepping", "stepping")) if key in fields]
+    labels = (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
+    ids = [f"{label} {fields[key]}" for key, label in labels if key in fields]
     return f"{name} ({', '.join(ids)})" if ids else name
 
 

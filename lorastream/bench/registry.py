@@ -119,8 +119,8 @@ def run_registry_bench(
         sqlite: dict[int, list[float]] = {n: [] for n in counts}
         for done in range(0, registrations, ROUND):
             for n in counts:
-                registry = registries[n]
-                sqlite[n] += _timed(lambda i: registry.put(_entry(i)), n + done,
+                put = registries[n].put  # bound now: the lambda runs before the loop moves on
+                sqlite[n] += _timed(lambda i, put=put: put(_entry(i)), n + done,
                                     min(ROUND, registrations - done))
         pages = {n: _page_ms(registries[n], n) for n in counts}
         for registry in registries.values():

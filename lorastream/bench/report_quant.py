@@ -254,9 +254,9 @@ def _attention(r: Result, torch_path: bool) -> str:
     if not torch_path:
         return ""
     return ("Decode attention ran on the native CPU kernel (`--cpu-kernels`, "
-            "lorastream/kernels/cpu_attention.py: the paged cache read in place); the base-only decode of "
-            "each mode on torch's path (gathered blocks, then SDPA) is beside it, measured in "
-            "the same turns.")
+            "lorastream/kernels/cpu_attention.py: the paged cache read in place); the base-only "
+            "decode of each mode on torch's path (gathered blocks, then SDPA) is beside it, "
+            "measured in the same turns.")
 
 
 def _where_the_time_goes(r: Result) -> str:

@@ -10,8 +10,8 @@ from typing import Any
 
 from lorastream.bench.report_format import (
     GOALS_HEADER,
-    Goal,
     MISSING,
+    Goal,
     Result,
     as_number,
     get,
@@ -143,8 +143,8 @@ def _cpu_measures_explained(r: Result) -> str:
         "for the same two cores, and a decode step runs its ops on two OpenMP threads that wait "
         "for each other after every op, so whatever either loses stalls both. Two measures, on "
         "by default: copies into the slots take turns with the steps, at most `--copy-turn-ms` "
-        "per gap (lorastream/worker/device/step_gate.py); and the two compute threads are bound one "
-        "per core, so that a thread pushed aside by other work waits for its own core instead "
+        "per gap (lorastream/worker/device/step_gate.py); and the two compute threads are bound "
+        "one per core, so that a thread pushed aside by other work waits for its own core instead "
         "of sharing its partner's while the adapter fetch, at idle priority, holds the core it "
         "left (lorastream/worker/device/cpu_binding.py). A third is off by default: fetch turns, "
         "where the engine leaves the cores to a store fetch in flight for `--fetch-turn-ms` "
@@ -222,8 +222,8 @@ def _loader_budget_explained(r: Result) -> str:
         f"link speed they need {share:.0%} of the machine's {number(cores, 0)} cores for that "
         "long, taken from decode steps that otherwise keep both cores busy. A step that loses "
         f"that share runs {1 / (1 - min(share, 0.99)) - 1:.0%} longer, where the interference "
-        f"goal allows {allowed} at the p99. Most of the loaders' CPU is gRPC's own per-byte work on "
-        "both ends of the stream, not the landing and checksums (docs/loading.md, \"Cold "
+        f"goal allows {allowed} at the p99. Most of the loaders' CPU is gRPC's own per-byte work "
+        "on both ends of the stream, not the landing and checksums (docs/loading.md, \"Cold "
         "adapters on a CPU\"). The worker leaves the loaders what decoding leaves (and fetch "
         "turns, if asked for: the table above), so the two goals hold together only as far as "
         "that share suffices; holding both in every run needs fewer CPU cycles per byte on the "

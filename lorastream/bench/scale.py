@@ -57,8 +57,8 @@ from lorastream.bench.synthetic import (
     resolve_model_checkpoint,
     synthetic_lora,
 )
-from lorastream.core.push import push_state_dict
 from lorastream.core.generation import SamplingParams
+from lorastream.core.push import push_state_dict
 from lorastream.core.store_client import StoreClient
 from lorastream.core.worker_client import WorkerClient
 

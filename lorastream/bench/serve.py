@@ -21,7 +21,8 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
 The worker's peak resident memory is sampled and reported against its configured budgets. After
 both modes the interference part and the cold probe run once more per variant of the worker's CPU
 measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
-(``--copy-turn-ms 0``) rather than in turns between them (``lorastream/worker/device/step_gate.py``);
+(``--copy-turn-ms 0``) rather than in turns between them
+(``lorastream/worker/device/step_gate.py``);
 the compute threads placed by the kernel rather than bound one per core
 (``--no-bind-compute-threads``, ``lorastream/worker/device/cpu_binding.py``); and store fetches
 given a turn of the cores before each step while they are in flight (``--fetch-turn-ms 2``,

@@ -77,7 +77,8 @@ class SoakConfig:
     host_cache_bytes: int = 1 << 30
     kv_cache_bytes: int = 256 << 20
     worker_drain_s: float = 5.0
-    pin_workers: bool = True  # each worker on its own share of the CPUs (see soak_workers.Workers.cpus)
+    # each worker on its own share of the CPUs (see soak_workers.Workers.cpus)
+    pin_workers: bool = True
     seed: int = 0
 
 

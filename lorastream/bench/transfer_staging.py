@@ -37,9 +37,9 @@ PHASES = ("resolve", "download", "validate", "stage")
 
 
 def _run_moto(ports: "mp.Queue[int]") -> None:
-    from moto.server import ThreadedMotoServer
-
     import logging
+
+    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -44,7 +44,8 @@ class Unauthenticated(LorastreamError):
 
 
 class AlreadyExists(LorastreamError):
-    """A name is already registered with different content and the request did not ask to replace it."""
+    """A name is already registered with different content, and the request did not ask to
+    replace it."""
 
 
 class Conflict(LorastreamError):

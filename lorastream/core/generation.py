@@ -1,4 +1,5 @@
-"""Plain types of the worker's API, shared by the worker, its clients (CLI, gateway) and the codec."""
+"""Plain types of the worker's API, shared by the worker, its clients (CLI, gateway) and the
+codec."""
 
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ class SamplingParams:
             self.stop_token_ids, Sequence
         ):
             raise InvalidArgument(
-                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}"
+                "stop_token_ids must be a list of token ids, "
+                f"got {type(self.stop_token_ids).__name__}"
             )
         for token_id in self.stop_token_ids:
             if not 0 <= _integer("stop_token_ids", token_id) < vocab_size:

@@ -21,7 +21,7 @@ from lorastream.core.generation import (
     WorkerStats,
 )
 from lorastream.core.structured import StructuredKind, StructuredOutput
-from lorastream.core.tokenization import TokenizeInput, Tokenized
+from lorastream.core.tokenization import Tokenized, TokenizeInput
 from lorastream.gpu_worker.v1 import gpu_worker_pb2 as worker_pb2
 
 # -- the GPU worker's API -------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Errors the gateway itself raises, beside the shared domain errors of ``lorastream.core.errors``.
 
-Plain exceptions (no HTTP here): ``lorastream.gateway.http_errors`` maps every one to a status code and
-OpenAI's error body.
+Plain exceptions (no HTTP here): ``lorastream.gateway.http_errors`` maps every one to a status
+code and OpenAI's error body.
 """
 
 from __future__ import annotations

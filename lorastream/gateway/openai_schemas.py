@@ -5,8 +5,8 @@ silently ignored ``best_of`` or ``echo`` would hand the client something it did 
 each refusal is a field validator, so the error's ``param`` names the field. LoRAX's
 ``adapter_id`` is honoured like ``model`` (never ignored: a request naming an adapter must not be
 answered by the base model). vLLM's extras that this server does not implement are refused the
-same way (lorastream/gateway/vllm_extras.py). Other unknown fields are ignored, as vLLM does, so vendor
-extensions do not break clients.
+same way (lorastream/gateway/vllm_extras.py). Other unknown fields are ignored, as vLLM does, so
+vendor extensions do not break clients.
 """
 
 from __future__ import annotations

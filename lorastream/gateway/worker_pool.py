@@ -225,7 +225,8 @@ class WorkerPool:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of the stream means "down"
-                reason = getattr(exc, "details", lambda: str(exc))() or type(exc).__name__
+                details = getattr(exc, "details", None)  # a grpc.RpcError's text
+                reason = (details() if callable(details) else str(exc)) or type(exc).__name__
             if worker.healthy:
                 log.warning("worker %s: health stream broke (%s)", worker.target, reason)
             self._set_health(worker, False)

@@ -1,6 +1,7 @@
 """Pure torch SGMV: gather each token's slot weights, one batched matmul, in fp32.
 
-Same semantics and signatures as `lorastream.kernels.sgmv` (the docstrings there hold the pseudo-code).
+Same semantics and signatures as `lorastream.kernels.sgmv` (the docstrings there hold the
+pseudo-code).
 Simple rather than fast: it materialises a copy of the weights per token and syncs to find the
 rows that have an adapter. It is the reference the Triton kernels are tested against and the
 obviously-correct fallback on machines without Triton.

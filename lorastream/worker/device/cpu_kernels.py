@@ -1,6 +1,7 @@
-"""``--cpu-kernels``: whether this worker computes with the C++ CPU ops (``lorastream/kernels/cpu_ops.py``:
-decode attention over the paged cache, the LoRA delta of slot-major steps, RMSNorm and the
-rotary embedding, int8-dynamic's input rotation, int8's weight-only product) or torch's paths.
+"""``--cpu-kernels``: whether this worker computes with the C++ CPU ops
+(``lorastream/kernels/cpu_ops.py``: decode attention over the paged cache, the LoRA delta of
+slot-major steps, RMSNorm and the rotary embedding, int8-dynamic's input rotation, int8's
+weight-only product) or torch's paths.
 
 ``torch`` never; ``native`` always, or an error saying why it cannot; ``auto`` where the ops
 apply (fp32 on the CPU) and build, else torch's paths with a warning giving the reason.

@@ -11,8 +11,9 @@ On CUDA:
 On the CPU (every machine here):
   * host buffers are plain tensors (``pin_memory`` raises on the CPU build of torch);
   * the load stream is ONE dedicated copy thread that runs submitted copies in submission order,
-    in turns between the decode steps (:class:`~lorastream.worker.device.step_gate.StepGate` says why;
-    the engine runs each step inside :meth:`Device.step`);
+    in turns between the decode steps
+    (:class:`~lorastream.worker.device.step_gate.StepGate` says why; the engine runs each step
+    inside :meth:`Device.step`);
   * an :class:`Event` is a host-side completion flag with the same ``query``/``wait`` calls.
 
 A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.

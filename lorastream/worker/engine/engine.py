@@ -29,9 +29,9 @@ from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnava
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
 from lorastream.worker.device.device import Device, use_one_intra_op_thread
 from lorastream.worker.device.staging import StepStaging
+from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.intake import RequestIntake
 from lorastream.worker.engine.landing import LandingPrefills
-from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.logits_processors import token_logprobs
 from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sampling import Sampler, SamplingParams

@@ -1,4 +1,5 @@
-"""The batched sampler of the decode step (``SamplingParams`` itself is in lorastream.core.generation).
+"""The batched sampler of the decode step (``SamplingParams`` itself is in
+lorastream.core.generation).
 
 The sampler turns the last-position logits of every sequence in a batch into one token id each,
 after the requests' penalties, logit bias and min_tokens mask (logits_processors.py) and, for the

@@ -29,7 +29,9 @@ class StepInputs:
 
 
 def _slots_of(blocks: list[int], start: int, count: int) -> list[int]:
-    return [blocks[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(start, start + count)]
+    return [
+        blocks[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(start, start + count)
+    ]
 
 
 def build_step_inputs(

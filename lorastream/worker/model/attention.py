@@ -20,8 +20,8 @@ Nothing here reads a device tensor back to the host: block ranges of prefill chu
 their host-side lengths, those of decode rows are computed on the device from the shapes.
 
 ``native`` (fp32 on the CPU, ``--cpu-kernels``): decode rows run the C++ kernel of
-``lorastream/kernels/cpu_attention.py`` instead, which reads the cache blocks in place (same semantics and
-score layout; no gathered copy, no SDPA call); prefill chunks keep SDPA.
+``lorastream/kernels/cpu_attention.py`` instead, which reads the cache blocks in place (same
+semantics and score layout; no gathered copy, no SDPA call); prefill chunks keep SDPA.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Prefix caching (``lorastream/worker/engine/prefix_cache.py``) keeps the full blo
 requests under a hash of their prefix: a block no one holds stays *idle* with its K/V until a new
 allocation needs it (least recently released first). A block a sequence holds is never taken.
 
-Layout per layer: ``k[layer]`` and ``v[layer]`` are ``[num_blocks, BLOCK_SIZE, kv_heads, head_dim]``.
+Layout per layer: ``k[layer]`` and ``v[layer]`` are
+``[num_blocks, BLOCK_SIZE, kv_heads, head_dim]``.
 Token ``j`` of a sequence lives in block ``table[j // BLOCK_SIZE]`` at row ``j % BLOCK_SIZE``;
 its flat slot is ``block * BLOCK_SIZE + j % BLOCK_SIZE``. Example: table [7, 2], token 17 ->
 block 2, row 1 -> slot 33.

@@ -41,18 +41,18 @@ The model's weight in the checkpoint's basis (what the reference computes with) 
 ``dequant(Wq)``, un-rotated for int8-dynamic: :func:`dequantized_weight`.
 
 **int8 on the CPU's C++ op.** Where the C++ CPU ops are loaded (``--cpu-kernels``; fp32 on the
-CPU), int8 runs ``lorastream/kernels/cpu_int8.py``'s op over the weight packed once at load in blocks of 16
-channels (the only copy): fp32 activations, so its product is the dequantized one to fp32
-rounding, and faster than the fp32 product at every row count measured. The default model's 30
+CPU), int8 runs ``lorastream/kernels/cpu_int8.py``'s op over the weight packed once at load in
+blocks of 16 channels (the only copy): fp32 activations, so its product is the dequantized one to
+fp32 rounding, and faster than the fp32 product at every row count measured. The default model's 30
 layers + lm_head, weights cold, 2 cores of the AVX2 EPYC, ms per pass (op / fp32 prepacked /
 torch's int8pack): 1 row 11.5 / 30.3 / 20.1, 4 rows 14.7 / 34.9 / 26.0, 8 rows 27.8 / 36.9 /
 44.2, 32 rows 68.4 / 81.0 / 154.4. Elsewhere (CUDA; torch's CPU paths) the kernels below.
 
 **The lm_head's candidates, exact (int8 on torch's kernel, int8-dynamic).** The bf16 kernel
 rounds activations and outputs to 8 significant bits, which moves a logit by up to ~0.4% of the
-row's largest. At the lm_head that decides greedy tokens, so ``exact_top`` recomputes the ``EXACT_TOP`` largest logits
-of each row as the fp32 product over the dequantized rows (what the reference computes) and puts
-them back::
+row's largest. At the lm_head that decides greedy tokens, so ``exact_top`` recomputes the
+``EXACT_TOP`` largest logits of each row as the fp32 product over the dequantized rows (what the
+reference computes) and puts them back::
 
     top = the EXACT_TOP largest y[t, :]
     y[t, v] = sum_k x[t, k] * dequant(Wq)[v, k] (+ bias[v])    for v in top (fp32)

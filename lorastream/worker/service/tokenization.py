@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lorastream.core.errors import InvalidArgument
-from lorastream.core.tokenization import TokenizeInput, Tokenized
+from lorastream.core.tokenization import Tokenized, TokenizeInput
 from lorastream.worker.engine.chat_template import render_chat
 from lorastream.worker.engine.intake import RequestIntake
 
