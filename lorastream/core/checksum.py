@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import Final, Protocol
 
 import blake3
 import xxhash
@@ -25,12 +25,12 @@ from crc32c import crc32c as _crc32c
 
 Buffer = bytes | bytearray | memoryview
 
-XXH3_128 = "xxh3-128"
-BLAKE3 = "blake3"
-SHA256 = "sha256"
+XXH3_128: Final = "xxh3-128"
+BLAKE3: Final = "blake3"
+SHA256: Final = "sha256"
 FAST_DIGESTS = (XXH3_128, BLAKE3)  # what a manifest's fast_checksum may name
 TENSOR_DIGESTS = (*FAST_DIGESTS, SHA256)  # what the store may stage with (sha256: no fast one)
-DEFAULT_TENSOR_DIGEST = XXH3_128  # measured: docs/BENCHMARKS.md, transfer section
+DEFAULT_TENSOR_DIGEST: Final = XXH3_128  # measured: docs/BENCHMARKS.md, transfer section
 
 
 def crc32c(data: Buffer) -> int:

@@ -7,8 +7,8 @@ CLI and the worker see the same domain exceptions the server raised.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -49,7 +49,7 @@ DOMAIN_ERROR_KEY = "lorastream-error"
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _CODES:
-            return _CODES[cls]  # type: ignore[index]
+            return _CODES[cls]
     return grpc.StatusCode.INTERNAL
 
 
@@ -66,9 +66,12 @@ def reported_by_server(err: grpc.RpcError) -> bool:
     """True when ``err`` is a status a lorastream server sent for a domain error."""
     try:
         metadata = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+        # grpc's stubs name the entries _Metadatum (.key, .value); at run time they are (key, value)
+        # namedtuples, and a grpc.aio error's metadata is (key, value) pairs too
+        pairs = cast("Iterable[tuple[str, str | bytes]]", metadata or ())
     except Exception:  # noqa: BLE001 - a call that never reached a server has none
         return False
-    return any(key == DOMAIN_ERROR_KEY for key, _ in (metadata or ()))
+    return any(key == DOMAIN_ERROR_KEY for key, _ in pairs)
 
 
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
@@ -115,7 +118,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         return handler
 
 
-def raise_from_rpc_error(err: grpc.RpcError) -> None:
+def raise_from_rpc_error(err: grpc.RpcError) -> NoReturn:
     """Re-raise a client-side RpcError as the matching domain exception (or as is)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
@@ -125,7 +128,7 @@ def raise_from_rpc_error(err: grpc.RpcError) -> None:
     if code is grpc.StatusCode.UNAVAILABLE and not reported_by_server(err):
         raise errors.ServerUnreachable(
             f"cannot reach the server, or the connection to it broke: {details}"
-            f"{_tls_hint(details)}"
+            f"{_tls_hint(details or '')}"
         ) from err
     raise exc_type(details) from err
 

@@ -10,14 +10,16 @@ instead.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import grpc.experimental
+from google.protobuf.message import Message
 
 from lorastream.adapter_store.v1 import adapter_store_pb2 as pb
 from lorastream.adapter_store.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -98,11 +100,19 @@ class BytesSink:
         pass
 
 
+class _StreamCall(Protocol):
+    """What a unary-stream stub call returns: an iterator of replies that is also a grpc.Call."""
+
+    def __iter__(self) -> Iterator[pb.WatchAdaptersResponse]: ...
+
+    def cancel(self) -> bool: ...
+
+
 class AdapterWatch:
     """An open WatchAdapters stream: iterate for its messages; :meth:`cancel` ends it (the
     iteration then raises Cancelled). Errors come as lorastream domain exceptions."""
 
-    def __init__(self, call: Iterator[pb.WatchAdaptersResponse]) -> None:
+    def __init__(self, call: _StreamCall) -> None:
         self._call = call
 
     def __iter__(self) -> Iterator[WatchMessage]:
@@ -113,7 +123,7 @@ class AdapterWatch:
             raise_from_rpc_error(err)
 
     def cancel(self) -> None:
-        self._call.cancel()  # type: ignore[attr-defined]
+        self._call.cancel()
 
 
 class StoreClient:
@@ -190,13 +200,14 @@ class StoreClient:
         budget."""
         adapters: list[AdapterManifest] = []
         used = budget = 0
-        for page, used, budget in self.pages(where):
+        for page, page_used, page_budget in self.pages(where):
             adapters += page
+            used, budget = page_used, page_budget  # the last page's figures
         return adapters, used, budget
 
     def pages(
         self, where: AdapterFilter = AdapterFilter(), page_size: int = 0, page_token: str = ""
-    ) -> Iterator[tuple[list[AdapterManifest], int, int]]:
+    ) -> Iterator[tuple[builtins.list[AdapterManifest], int, int]]:
         """Staged adapters matching ``where`` a page at a time (0: the store's largest page),
         each with the cache's bytes used and budget; from ``page_token`` on (a page's last name:
         the names after it)."""
@@ -225,7 +236,7 @@ class StoreClient:
         reply = self._call(self._stub.UnpinAdapter, pb.UnpinAdapterRequest(name=name))
         return codec.manifest_from_pb(reply.manifest)
 
-    def history(self, name: str) -> list[AdapterVersion]:
+    def history(self, name: str) -> builtins.list[AdapterVersion]:
         """``name``'s versions, newest first."""
         reply = self._call(self._stub.ListAdapterVersions,
                            pb.ListAdapterVersionsRequest(name=name))
@@ -257,7 +268,7 @@ class StoreClient:
         except grpc.RpcError as err:
             raise_from_rpc_error(err)
 
-    def _call(self, method, request):  # type: ignore[no-untyped-def]
+    def _call(self, method: Callable[..., Any], request: Message) -> Any:
         try:
             return method(request, metadata=self._metadata, timeout=self._timeout)
         except grpc.RpcError as err:

@@ -143,7 +143,8 @@ class ResponseBuilder:
         ``tool_calls``; text that turns out not to be a call is sent as content then."""
         self._cached_tokens = max(self._cached_tokens, event.cached_tokens)
         reason = finish_reason(event)
-        text, calls = event.text, []
+        text = event.text
+        calls: list[dict[str, Any]] = []
         if self.tools:
             stream = self._tool_streams.setdefault(event.index, ToolCallStream())
             text = stream.feed(event.text)
@@ -208,7 +209,8 @@ class ResponseBuilder:
             "tokens": [e.token for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
             "top_logprobs": [
-                {t.token: _finite(t.logprob) for t in (*e.top, e)} for e in entries
+                {**{t.token: _finite(t.logprob) for t in e.top}, e.token: _finite(e.logprob)}
+                for e in entries
             ],
             "text_offset": offsets,
         }

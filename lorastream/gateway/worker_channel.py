@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,6 +58,22 @@ def raise_domain_error(err: grpc.RpcError, target: str) -> NoReturn:
     name = code.name if code is not None else "UNKNOWN"
     details = err.details() if hasattr(err, "details") else str(err)
     raise WorkerFailed(f"worker {target} failed ({name}): {details}") from err
+
+
+_CheckRequest = health_pb2.HealthCheckRequest
+_CheckResponse = health_pb2.HealthCheckResponse
+
+
+class _HealthStub(Protocol):
+    """gRPC health's stub on an aio channel: the two calls this client makes."""
+
+    def Check(
+        self, request: _CheckRequest, *, timeout: float | None = None
+    ) -> grpc.aio.UnaryUnaryCall[_CheckRequest, _CheckResponse]: ...
+
+    def Watch(
+        self, request: _CheckRequest
+    ) -> grpc.aio.UnaryStreamCall[_CheckRequest, _CheckResponse]: ...
 
 
 class Probe(enum.Enum):
@@ -116,7 +132,8 @@ class AsyncWorkerClient:
         # tls None: plaintext; server_name: what the worker's certificate names (open_aio_channel)
         self._channel = open_aio_channel(target, tls, CHANNEL_OPTIONS, server_name)
         self._stub = pb_grpc.GpuWorkerServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        # the stubs of grpc_health declare HealthStub without its methods: _HealthStub names them
+        self._health = cast("_HealthStub", health_pb2_grpc.HealthStub(self._channel))
         self._timeout = rpc_timeout_s
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.core.adapter_validation import (
@@ -137,7 +138,7 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
     }
 
 
-def _content_from_json(doc: dict[str, object]) -> ValidatedAdapter:
+def _content_from_json(doc: dict[str, Any]) -> ValidatedAdapter:
     tensors = tuple(
         StagedTensor(
             TensorInfo(
@@ -150,14 +151,14 @@ def _content_from_json(doc: dict[str, object]) -> ValidatedAdapter:
             ),
             file_offset=t["file_offset"],
         )
-        for t in doc["tensors"]  # type: ignore[union-attr]
+        for t in doc["tensors"]
     )
     return ValidatedAdapter(
         base_model=str(doc["base_model"]),
-        rank=int(doc["rank"]),  # type: ignore[arg-type]
-        alpha=float(doc["alpha"]),  # type: ignore[arg-type]
+        rank=int(doc["rank"]),
+        alpha=float(doc["alpha"]),
         use_rslora=bool(doc["use_rslora"]),
-        target_modules=tuple(doc["target_modules"]),  # type: ignore[arg-type]
+        target_modules=tuple(doc["target_modules"]),
         tensors=tensors,
     )
 

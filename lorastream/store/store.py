@@ -29,6 +29,7 @@ name back at one.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 import time
@@ -133,7 +134,7 @@ class AdapterStore:
         with self._lock:
             return self._manifest_of(self._lookup(ref))
 
-    def history(self, name: str) -> list[AdapterVersion]:
+    def history(self, name: str) -> builtins.list[AdapterVersion]:
         """``name``'s versions, newest first (evicted ones too, marked not staged)."""
         validate_name(name)
         with self._lock:

@@ -194,6 +194,9 @@ class HubSource(AdapterSource):
                 if "/" in remote.path or remote.path in ("", ".", ".."):
                     raise InvalidArgument(f"{resolved.uri}: refusing file name {remote.path!r}")
                 counter = _ByteCounter(progress)
+                # huggingface_hub types tqdm_class as type[tqdm]; it calls it to make a bar, so a
+                # callable that makes a bar-like object does
+                relay = functools.partial(_ProgressRelay, counter)
                 try:
                     cached = hf_hub_download(
                         repo_id,
@@ -203,8 +206,7 @@ class HubSource(AdapterSource):
                         endpoint=self._endpoint,
                         token=self._token,
                         cache_dir=cache,
-                        # huggingface_hub accepts any callable that makes a bar-like object
-                        tqdm_class=functools.partial(_ProgressRelay, counter),  # type: ignore
+                        tqdm_class=relay,  # type: ignore[call-overload]  # any bar maker will do
                     )
                 except Exception as err:  # noqa: BLE001 - mapped to a domain error
                     self._raise_mapped(err, resolved.uri, sha)

@@ -25,15 +25,16 @@ at memory bandwidth, 2-5x faster than ``grouped_mm`` for one token per adapter. 
 largest rank in the batch (ranks are sliced to it), not the slot capacity.
 
 With ``native`` (``--cpu-kernels``, fp32 on the CPU), a slot-major step whose batch rows are its
-layout (decode: the step builder orders decode rows by slot) runs ``lorastream/kernels/cpu_lora.py``'s
-``lora_rows`` instead: one C++ op per input that reads each row's A and B once and adds the delta
-into the output in place (same sums, another order), where the bmm path runs 18 ops per layer.
+layout (decode: the step builder orders decode rows by slot) runs
+``lorastream/kernels/cpu_lora.py``'s ``lora_rows`` instead: one C++ op per input that reads each
+row's A and B once and adds the delta into the output in place (same sums, another order), where
+the bmm path runs 18 ops per layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +79,15 @@ class LoraStepMeta:
         return self.offs is None and self.output_rows is None
 
 
-class LoraBackend(Protocol):
+MetaT = TypeVar("MetaT")  # a backend's per-step metadata: LoraStepMeta, or Triton's own
+
+
+class LoraBackend(Protocol[MetaT]):
     name: str
 
     def prepare(
         self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
-    ) -> LoraStepMeta | None:
+    ) -> MetaT | None:
         """Metadata for rows whose slot is ``token_slots[row]`` (-1: base model), staged in
         ``arena`` when given (the engine flushes it), else as plain tensors."""
 
@@ -94,7 +98,7 @@ class LoraBackend(Protocol):
         b: torch.Tensor,  # [S, N, R]
         out: torch.Tensor,  # [T, N_total]
         col: int,
-        meta: LoraStepMeta,
+        meta: MetaT,
     ) -> None:
         """out[:, col:col+N] += scaling[s] * (x @ a[s, :r]ᵀ) @ b[s, :, :r]ᵀ per row."""
 
@@ -179,7 +183,8 @@ def _in_layout(x: torch.Tensor, meta: LoraStepMeta) -> torch.Tensor:
 def _grouped_ok(t: torch.Tensor) -> bool:
     """grouped_mm needs every non-unit stride to be a multiple of 16 bytes."""
     size = t.element_size()
-    return all(st * size % 16 == 0 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1)
+    dims = zip(t.stride(), t.shape, strict=True)
+    return all(st * size % 16 == 0 for st, n in dims if st != 1 and n > 1)
 
 
 class TorchLoraBackend:

@@ -1,6 +1,6 @@
-"""The LoRA delta with the Triton SGMV kernels of ``lorastream/kernels/`` (CUDA; the CPU runs them only in
-Triton's interpreter, for tests). Same contract as the torch backend: metadata built on the host
-once per step (``SgmvMetadata``), reused by every layer's shrink and expand."""
+"""The LoRA delta with the Triton SGMV kernels of ``lorastream/kernels/`` (CUDA; the CPU runs
+them only in Triton's interpreter, for tests). Same contract as the torch backend: metadata built
+on the host once per step (``SgmvMetadata``), reused by every layer's shrink and expand."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class TritonLoraBackend:
         b: torch.Tensor,  # [S, N, R]
         out: torch.Tensor,  # [T, N_total]
         col: int,
-        meta: TritonStepMeta,  # type: ignore[override]
+        meta: TritonStepMeta,
     ) -> None:
         h = sgmv_shrink(x, a, meta.token_slots, meta.ranks, meta=meta.sgmv)  # [T, R] fp32
         sgmv_expand(
