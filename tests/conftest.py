@@ -6,7 +6,8 @@ test module is imported. These machines have no GPU: Triton kernels run in the i
 
 Workers built or started by tests take their host budget's pages on demand: taken at start
 (``--host-memory-prefault``, the default) the default 4 GiB would be resident per worker, and
-the test process holds many. ``tests/worker/test_fetch_process.py`` turns it on where it checks it.
+the test process holds many. ``tests/worker/loading/test_fetch_process.py`` turns it on where it
+checks it.
 
 Stores built or started by tests may stage local adapters from the temporary directory (where
 the tests make them); a store allows no local path unless given roots. Tests of the roots

@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.fresh, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 READY_LINE = "lorastream is up"
-# What the samples answer, greedy (README; tests/test_sample_adapters.py checks the exact text).
+# What the samples answer, greedy (README; tests/stack/test_sample_adapters.py checks the exact
+# text).
 EXPECT = {
     "shout": lambda text: "PARIS" in text and text == text.upper(),
     "french": lambda text: "Paris" in text and "capitale" in text.lower(),

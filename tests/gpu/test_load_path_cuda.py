@@ -6,7 +6,8 @@ step may still read. The delays are made on the device (``torch.cuda._sleep`` sp
 a copy or a step is still running when the other side would otherwise go ahead; each rule is
 checked with its event (the slot holds what the rule promises) and without it (the race is real:
 the test would fail if the device layer forgot the wait). Then the engine-level tests of
-tests/worker/test_overlap_loading.py run again on a CUDA engine, with their host-side delays.
+tests/worker/loading/test_overlap_loading.py run again on a CUDA engine, with their host-side
+delays.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.device.device import Device, Event
 from lorastream.worker.loading.fetcher import AdapterFetcher
-from tests.worker import test_overlap_loading as overlap
+from tests.worker.loading import test_overlap_loading as overlap
 from tests.worker.conftest import EngineFactory, StoreStack
 
 DELAY_MS = 100.0  # how long the delayed side keeps its stream busy

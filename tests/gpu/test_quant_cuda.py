@@ -5,7 +5,7 @@ scales and a bf16 output), against the dequantized product and against HF transf
 over the dequantized weights on the same GPU. fp8 needs compute capability 8.9 or newer: on an
 older GPU its tests skip with the reason, and the worker's refusal of it is tested instead.
 
-Bounds as on the CPU (tests/worker/test_quantization.py), the model in bf16 on the GPU: logits
+Bounds as on the CPU (tests/worker/model/test_quantization.py), the model in bf16 on the GPU: logits
 within ``LOGIT_BOUND[mode] * max |logit|`` of the fp32 reference per token.
 """
 

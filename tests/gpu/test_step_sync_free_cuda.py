@@ -5,7 +5,7 @@
 engine step -- slot events, metadata staging and its copy, the LoRA metadata, the forward, the
 compute event, the sampler -- and off only for the step's one transfer to the host, the sampled
 tokens (``step_sampling.sample_step``: ``sampled.tokens.tolist()``).
-tests/worker/test_step_sync_free.py checks the same path on the CPU by forbidding the Tensor
+tests/worker/model/test_step_sync_free.py checks the same path on the CPU by forbidding the Tensor
 methods that would sync.
 """
 

@@ -1,5 +1,6 @@
 """The prefix cache's bookkeeping: block states, LRU eviction of idle blocks only, the chain
-hash and what goes into its key (no engine; tests/worker/test_prefix_cache_engine.py runs it)."""
+hash and what goes into its key (no engine; tests/worker/engine/test_prefix_cache_engine.py runs
+it)."""
 
 from __future__ import annotations
 

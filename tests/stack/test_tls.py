@@ -44,7 +44,7 @@ from tests.support.models import make_peft_adapter, make_tiny_checkpoint
 
 BASE = "tiny"
 ADAPTER = "demo"
-HEALTHCHECK_SCRIPT = Path(__file__).resolve().parent.parent / "docker" / "healthcheck.py"
+HEALTHCHECK_SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "healthcheck.py"
 
 
 @dataclass(frozen=True)

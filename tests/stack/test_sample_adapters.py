@@ -25,10 +25,11 @@ from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.operations import WorkerOperations
 from tests.support.models import make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "lorastream" / "samples" / "adapters"
 SCRIPT = ROOT / "scripts" / "train_sample_adapters.py"
-# Shared with tests/worker/test_default_model.py: the conversion (~35 s) happens once per machine.
+# Shared with tests/worker/engine/test_default_model.py: the conversion (~35 s) happens once per
+# machine.
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "lorastream" / "test-models"
 # Held out from both training sets (lorastream/samples/dataset_templates.json "held_out").
 QUESTIONS = ("What is the capital of Italy?", "Tell me about dogs.", "How do I make pancakes?")

@@ -34,7 +34,7 @@ from lorastream.cli.main import app
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -599,7 +599,7 @@ def _seconds(duration: str) -> float:
 def test_stop_grace_period_covers_the_drain_and_a_margin(
     service: str, drain: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.test_compose_stack import run_capturing
+    from tests.deploy.test_compose_stack import run_capturing
 
     config = load_compose()["services"][service]
     serve, variable = DRAINING[service]
@@ -623,7 +623,7 @@ METRICS = {  # service -> the function its command reaches, the port its metrics
 def test_the_store_and_the_workers_serve_metrics_on_a_port_published_on_loopback(
     service: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.test_compose_stack import run_capturing
+    from tests.deploy.test_compose_stack import run_capturing
 
     config = load_compose()["services"][service]
     serve, port = METRICS[service]
@@ -642,7 +642,7 @@ def test_the_store_and_the_workers_serve_metrics_on_a_port_published_on_loopback
 def test_the_published_metrics_port_moves_on_the_host_only(
     env: dict[str, str], published: str
 ) -> None:
-    from tests.test_compose_stack import option
+    from tests.deploy.test_compose_stack import option
 
     worker = load_compose(env)["services"]["gpu-worker-cpu"]
     assert published in worker["ports"]

@@ -25,7 +25,7 @@ from lorastream.gateway.config import GatewaySettings
 from lorastream.store.config import StoreSettings
 from lorastream.worker.service.config import WorkerSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

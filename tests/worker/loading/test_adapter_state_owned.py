@@ -25,7 +25,7 @@ from lorastream.worker.lora.slots import SlotInfo
 from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import EngineFactory, StoreStack
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "lorastream" / "worker"
 OWNER = WORKER / "loading"
 # Code that drives the worker from above: the engine's own modules, its service, the benchmarks.

@@ -24,7 +24,7 @@ from lorastream.core.structured import (
 )
 from lorastream.worker.engine.grammar import GrammarCompiler, unpack_bitmask
 from lorastream.worker.model.checkpoint import resolve_checkpoint
-from tests.worker.test_default_model import DEFAULT_MODEL_CACHE
+from tests.worker.engine.test_default_model import DEFAULT_MODEL_CACHE
 
 PERSON = {
     "type": "object",

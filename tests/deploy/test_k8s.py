@@ -27,9 +27,9 @@ import yaml
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from tests.test_compose_stack import option, run_capturing
+from tests.deploy.test_compose_stack import option, run_capturing
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 SCHEMAS = K8S / "schemas"
 NAMESPACE = "lorastream"

@@ -92,6 +92,6 @@ def test_triton_backend_on_a_cpu_without_the_interpreter_is_refused_at_startup()
         "    print('refused:', err)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                            timeout=120, cwd=Path(__file__).resolve().parents[2])
+                            timeout=120, cwd=Path(__file__).resolve().parents[3])
     assert "refused: --lora-backend triton cannot run here" in result.stdout, result.stderr
     assert "TRITON_INTERPRET=1" in result.stdout

@@ -4,8 +4,8 @@ refusal to serve other hosts without tokens, against real servers on port 0.
 Each attack here succeeded before the fix: the store's reads had no token check
 (``OPERATOR_METHODS`` listed only preload, delete, pin, unpin), any absolute path was staged,
 and nothing looked at the bound address. The worker's load/unload are in
-tests/worker/test_worker_auth.py, the gateway's API keys and /v1/models in
-tests/gateway/test_gateway_auth.py, `lorastream up`'s generated tokens in tests/test_stack.py.
+tests/worker/service/test_worker_auth.py, the gateway's API keys and /v1/models in
+tests/gateway/test_gateway_auth.py, `lorastream up`'s generated tokens in tests/stack/test_stack.py.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def test_an_operate_token_also_reads_and_a_read_token_only_reads(
     assert AccessTokens().allows(presented, scope)  # no token configured: open (loopback dev)
 
 
-# -- what `lorastream up` sets up (its end-to-end run is tests/test_stack.py) ---------------------
+# -- what `lorastream up` sets up (its end-to-end run is tests/stack/test_stack.py) ---------------
 def test_up_generates_distinct_tokens_unless_told_not_to() -> None:
     tokens = stack_tokens(None, insecure_no_auth=False)
     assert tokens.operate and tokens.read and tokens.operate != tokens.read

@@ -27,7 +27,7 @@ import torch
 from lorastream.bench.gpu_serving import main as gpu_serving_main
 from lorastream.bench.gpu_serving import run_gpu_serving_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 
 

@@ -19,7 +19,7 @@ from lorastream.store.sources import SourceRegistry
 from lorastream.store.store import AdapterStore
 from lorastream.worker.metrics import TierState, WorkerMetrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "lorastream.json"
 TARGET_LABELS = {"le", "instance", "job"}  # added by histograms and by Prometheus' scrape
 _SUFFIXES = ("", "_total", "_bucket", "_sum", "_count")

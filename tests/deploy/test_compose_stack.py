@@ -1,9 +1,9 @@
 """The whole docker-compose stack (GPU worker, its CPU variant, the gateway) and the CUDA image,
 checked without a Docker engine.
 
-Continues ``tests/test_compose.py`` (same helpers: anchors and ``${VAR:-default}`` resolved as
-compose does, the vendored Compose Specification schema). On top of the schema: which services each
-profile enables and whether that project is consistent the way compose-go checks it (a required
+Continues ``tests/deploy/test_compose.py`` (same helpers: anchors and ``${VAR:-default}`` resolved
+as compose does, the vendored Compose Specification schema). On top of the schema: which services
+each profile enables and whether that project is consistent the way compose-go checks it (a required
 ``depends_on`` on a service the profile left out is an invalid project), that the gateway reaches
 exactly one worker service in each profile, the GPU reservation, and that the worker and gateway
 commands are real ``lorastream`` commands yielding the intended settings.
@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from lorastream.cli.main import app
 from lorastream.worker.service.config import WorkerSettings
-from tests.test_compose import (
+from tests.deploy.test_compose import (
     DOCKERFILE,
     DOCKERIGNORE,
     ROOT,
