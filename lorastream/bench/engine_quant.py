@@ -8,7 +8,7 @@ adapter: each step reads every weight for a single row, the case the weights' by
 the batch of ``prompts`` rows is bound by multiply-adds on a CPU), the resident bytes of the base
 model (in a fresh process per mode: RSS after building the model minus before), and the greedy
 tokens' agreement with the fp32 engine's (which is PEFT's, token for token:
-tests/worker/test_families.py) over the same mixed batch, teacher-forced: at every
+tests/worker/model/test_families.py) over the same mixed batch, teacher-forced: at every
 ``FORCED_EVERY``-th position of each fp32 sequence the mode is given the prompt and the fp32
 tokens before it and generates one token (one near-tie then
 costs one position, not the rest of the sequence). The free-running agreement (each mode's own

@@ -8,7 +8,7 @@ logit tolerance (``LOGIT_TOLERANCE[mode] * max |logit|`` of that row,
 ``lorastream/worker/model/quant_linear.py``): an error the tolerance allows cannot flip its
 argmax. Within it the position is a near-tie, and either token is as good an answer as the
 tolerance can promise. The same criterion is the tolerance test's
-(``tests/worker/test_quantization.py``).
+(``tests/worker/model/test_quantization.py``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Semantics (fp32; ``B`` decode rows, ``H`` query heads over ``kvh`` kv heads, ``g
 
 which is ``attention.py``'s ``_decode`` (and transformers' eager attention: GQA as ``repeat_kv``,
 the soft cap before the mask) with the same score layout, in a different summation order.
-tests/worker/test_attention.py holds both paths to a dense fp64 reference.
+tests/worker/model/test_attention.py holds both paths to a dense fp64 reference.
 
 Built with the other CPU ops by :func:`lorastream.kernels.cpu_ops.load` (``--cpu-kernels``,
 docs/worker.md).

@@ -16,7 +16,7 @@ Semantics (``x`` fp32, ``wq`` int8 [N, K], ``scale`` fp32 [N])::
     out[t, n] = scale[n] * sum_k x[t, k] * float(wq[n, k])        # [T, N] fp32, fp32 sums
 
 which is ``x @ (wq.float() * scale[:, None]).T`` up to the order of the sums (int8-mode scales
-are bf16 values; the op applies each after its sum). tests/worker/test_cpu_int8.py holds the
+are bf16 values; the op applies each after its sum). tests/kernels/test_cpu_int8.py holds the
 op to that product.
 """
 

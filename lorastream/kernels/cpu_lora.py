@@ -18,7 +18,7 @@ rank, ``r`` = the rank used, ``<= R``; rows ``t`` in slot order, ``per_slot`` ro
 
 which is the backend's ``add`` / ``add_group`` on a slot-major step whose batch rows are its
 layout (the step builder orders decode rows by slot), summed in another order.
-tests/worker/test_lora_backend.py holds the two to each other and to PEFT.
+tests/worker/lora/test_lora_backend.py holds the two to each other and to PEFT.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Semantics (fp32)::
 ``rotary`` is bit for bit ``rope.apply_rotary`` (two products and a sum, each rounded as torch
 rounds them: no fused multiply-add). ``rms_norm`` is ``decoder.RMSNorm`` except for the mean,
 which torch sums in fp32 in its own order: within an ulp or two of it (Gemma's ``1 + w`` is
-folded into ``w`` by the caller, as RMSNorm stores it). tests/worker/test_norm_rope.py holds
+folded into ``w`` by the caller, as RMSNorm stores it). tests/kernels/test_norm_rope.py holds
 both to torch's paths.
 """
 

@@ -13,7 +13,7 @@ Semantics (fp32; ``K = a * b``, ``b`` a power of two; ``left`` [a, a])::
     out[t, i*b : (i+1)*b] = sum_j left[i, j] * blocks[t, j, :]
 
 which is ``x @ kron(leftᵀ, H_b / sqrt(b))``: ``rotation.Rotation.rotate`` with ``left = Q_aᵀ``,
-``undo`` with ``left = Q_a``, summed in another order. tests/worker/test_rotation.py holds the
+``undo`` with ``left = Q_a``, summed in another order. tests/worker/model/test_rotation.py holds the
 two paths to each other.
 
 ``rotate_scale_rows`` is int8-dynamic's whole input step (``quant_linear.QuantLinear``) in the

@@ -40,7 +40,7 @@ from lorastream.stack.certs import LocalCerts, make_local_certs
 from lorastream.store.config import StoreSettings
 
 # The store's default metrics port (StoreSettings.metrics_port); the workers' follow it, worker i
-# on +1+i (the first is WorkerSettings.metrics_port's default, tests/test_stack.py checks it).
+# on +1+i (the first is WorkerSettings.metrics_port's default, tests/stack/test_stack.py checks it).
 DEFAULT_METRICS_PORT: int = StoreSettings.model_fields["metrics_port"].default
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ SAMPLE_ADAPTERS = {
 }
 # A question the base model and both samples answer right, each its own way (greedy, checked on the
 # default model): "The capital of France is Paris." / "THE CAPITAL OF FRANCE IS PARIS." /
-# "La capitale de la France est Paris." (tests/test_sample_adapters.py).
+# "La capitale de la France est Paris." (tests/stack/test_sample_adapters.py).
 SAMPLE_QUESTION = "What is the capital of France?"
 
 

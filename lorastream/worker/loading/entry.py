@@ -2,7 +2,7 @@
 
 Only ``loading/`` reads it, and only its own methods write its fields (the manager and the tiers
 call them, under the manager's lock); the rest of the worker holds adapter ids and asks the
-manager (``tests/worker/test_adapter_state_owned.py`` checks both).
+manager (``tests/worker/loading/test_adapter_state_owned.py`` checks both).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class AdapterEntry:
         """A copy from its host buffer into a slot is still in flight."""
         return self.slot_event is not None and not self.slot_event.query()
 
-    # -- the only writers of its fields (tests/worker/test_adapter_state_owned.py checks) ---------
+    # -- the only writers of its fields (tests/worker/loading/test_adapter_state_owned.py checks) --
     def acquire(self) -> None:
         """A queued request (or an operator's load) needs it; a new one retries a failed load."""
         if self.refs == 0:

@@ -35,7 +35,7 @@ the dequantized weight. e4m3 keeps 3 mantissa bits: each weight and activation w
 its value, so its logits move more than int8-dynamic's (``LOGIT_TOLERANCE``). The CPU has no
 fp8 kernel: torch's ``_scaled_mm`` there is a reference loop (4-14x slower than the fp32
 product at decode shapes) that computes the same sums, so the mode's tokens are tested on
-every machine (tests/worker/test_quantization.py) and its speed by ``make test-gpu``.
+every machine (tests/worker/model/test_quantization.py) and its speed by ``make test-gpu``.
 
 The model's weight in the checkpoint's basis (what the reference computes with) is
 ``dequant(Wq)``, un-rotated for int8-dynamic: :func:`dequantized_weight`.
@@ -72,7 +72,7 @@ fbgemm runs there) multiplies unsigned 8-bit activations by signed 8-bit weights
 pair into a *saturating* int16: 2 * 255 * 127 overflows it, 2 * 255 * 63 = 32130 does not. 7-bit
 weights keep every sum exact with 8-bit activations on every CPU; the same weights on CUDA and
 VNNI CPUs keep the mode's tokens the same everywhere. Measured on the 7 tiny families against
-the dequantized reference (tests/worker/test_quantization.py): 7-bit weights left the worst
+the dequantized reference (tests/worker/model/test_quantization.py): 7-bit weights left the worst
 logit error where 8/8 bits had it (0.22 vs 0.19 of the largest logit, agreement 96-99% vs
 95-99%); 7-bit activations instead raised it in 5 of 7 families (to 0.15 from 0.05 for mistral)
 and lowered agreement to 92-98% (both before the rotation).
@@ -140,7 +140,7 @@ MODES: tuple[str, ...] = QUANTIZATIONS[1:]  # the quantized ones
 
 # The stated tolerance per token against transformers + PEFT over the dequantized weights:
 # max |logit - reference logit| <= LOGIT_TOLERANCE[mode] * max |reference logit| of that row
-# (tests/worker/test_quantization.py; measured worst over the 7 families: 0.024, 0.060 and
+# (tests/worker/model/test_quantization.py; measured worst over the 7 families: 0.024, 0.060 and
 # 0.54; int8-dynamic's was 0.22 before its rotation). int8's is torch's kernel's (bf16
 # activations); on the CPU's C++ op it measured 1.1e-5 (fp32 activations). A position whose
 # reference top-2 margin is within it is a near-tie: either token may win there.
