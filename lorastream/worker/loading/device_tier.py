@@ -188,11 +188,10 @@ class DeviceTier:
         for slot in range(self.slots.num_slots):
             if slot not in occupants and slot not in self._held:
                 return slot
-        idle = [e for e in occupants.values() if e.refs == 0 and not e.pinned]
+        idle = [(s, e) for s, e in occupants.items() if e.refs == 0 and not e.pinned]
         if not idle:
             return None
-        victim = min(idle, key=lambda e: e.last_used)
-        slot = victim.slot
+        slot, victim = min(idle, key=lambda held: held[1].last_used)
         log.debug("evicting %s from slot %s", victim.name, slot)
         self.metrics.evictions.labels("device").inc()
         self.evict(victim)

@@ -56,7 +56,7 @@ class HostAdapterBuffer(LandingBuffer):
         """Zero-copy typed views of every tensor, keyed by PEFT name (shapes from the manifest)."""
         assert self.buffer is not None and self.manifest is not None
         views = {}
-        for info, start in zip(self.manifest.tensors, self.offsets):
+        for info, start in zip(self.manifest.tensors, self.offsets, strict=True):
             raw = self.buffer[start : start + info.nbytes]
             views[info.name] = raw.view(_TORCH_DTYPES[info.dtype]).view(info.shape)
         return views

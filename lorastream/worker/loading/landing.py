@@ -50,8 +50,9 @@ def host_nbytes(manifest: AdapterManifest) -> int:
 
 
 class LandingBuffer:
-    """A :class:`~lorastream.core.store_client.TensorSink`: chunks land at their offset in ``storage``
-    (a ``[>= nbytes]`` uint8 array, e.g. a range of the host arena); no bytes object is joined.
+    """A :class:`~lorastream.core.store_client.TensorSink`: chunks land at their offset in
+    ``storage`` (a ``[>= nbytes]`` uint8 array, e.g. a range of the host arena); no bytes object
+    is joined.
 
     ``on_layers(count)`` is called each time the count of leading layers whose tensors are all
     verified grows (:class:`~lorastream.worker.loading.layer_progress.LayerProgress`).
@@ -107,7 +108,7 @@ class LandingBuffer:
     def view(self, tensor_index: int) -> memoryview:
         assert self._np is not None and self.manifest is not None
         start = self.offsets[tensor_index]
-        return memoryview(self._np[start : start + self.manifest.tensors[tensor_index].nbytes])
+        return self._np[start : start + self.manifest.tensors[tensor_index].nbytes].data
 
     def verified(self, tensor_index: int) -> None:
         if self.progress is None or self._on_layers is None:

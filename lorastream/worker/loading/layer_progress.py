@@ -49,7 +49,7 @@ class LayerProgress:
         self._layer_of: list[int] = []  # tensor index -> layer, self.layers: of no layer
         self._pending = [0] * (self.layers + 1)  # per layer (then: of no layer), unverified
         self._verified = [t.nbytes == 0 for t in manifest.tensors]
-        for info, done in zip(manifest.tensors, self._verified):
+        for info, done in zip(manifest.tensors, self._verified, strict=True):
             key = parse_lora_key(info.name)
             layer = self.layers if key is None else key.layer
             self._layer_of.append(layer)

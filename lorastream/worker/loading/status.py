@@ -62,7 +62,7 @@ def adapter_statuses(
 ) -> list[AdapterStatus]:
     """One status per name (``names_of(adapter_id)``: its names, sorted), ordered by the
     adapters' names; an adapter no name maps to any more is listed under its own."""
-    statuses = []
+    statuses: list[AdapterStatus] = []
     for entry in sorted(entries, key=lambda e: e.name):
         own = names_of(entry.adapter_id)
         statuses.extend(adapter_status(n, entry) for n in own or [entry.name])
