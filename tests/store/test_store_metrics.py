@@ -17,7 +17,7 @@ from lorastream.core.store_client import BytesSink, StoreClient
 from lorastream.store.config import StoreSettings
 from lorastream.store.metrics import source_of
 from lorastream.store.server import build_store, create_server
-from tests.store.test_sources_hub import adapter_files
+from tests.store.sources.test_hub import adapter_files
 from tests.support.hub_server import HubServer
 from tests.support.models import make_peft_adapter
 from tests.support.s3_server import MotoS3Server, upload_dir
