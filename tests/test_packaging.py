@@ -1,5 +1,6 @@
 """The installed package: one import root, ``lorastream``, with every module under the folder of
-the same name; its dependencies: a runtime lock apart from the dev lock, both within pyproject's ranges."""
+the same name; its dependencies: a runtime lock apart from the dev lock, both within pyproject's
+ranges."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def test_the_cpu_attention_kernel_source_ships_in_the_wheel(wheel_names: set[str
 # -- the locks: runtime apart from the test and benchmark tools ------------------------------------
 LOCKS = sorted(REPO.glob("requirements*.lock"))
 # Tools that `make up` and the images must not install (the dev and bench extras, the gpu extra).
-# (accelerate and psutil are runtime: transformers' GGUF loader needs accelerate, which needs psutil.)
+# (accelerate and psutil are runtime: transformers' GGUF loader needs accelerate, which needs
+# psutil.)
 NOT_RUNTIME = ["pytest", "pytest-asyncio", "pytest-timeout", "moto", "flask", "cfn-lint", "peft",
                "openai", "matplotlib", "grpcio-tools", "triton"]
 

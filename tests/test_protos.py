@@ -1,4 +1,5 @@
-"""The committed protobuf modules are exactly what the pinned grpcio-tools generates from protos/."""
+"""The committed protobuf modules are exactly what the pinned grpcio-tools generates from
+protos/."""
 
 from __future__ import annotations
 

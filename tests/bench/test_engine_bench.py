@@ -4,6 +4,7 @@ of any family."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_the_probe_reads_each_distinct_adapters_weights_once(distinct: int) -> N
     assert read == distinct * adapter_nbytes(SHAPE, 16, ALL_LINEAR)
     # no byte twice: the views are disjoint
     spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views)
-    assert all(end <= begin for (_, end), (begin, _) in zip(spans, spans[1:]))
+    assert all(end <= begin for (_, end), (begin, _) in itertools.pairwise(spans))
     assert all(v.is_contiguous() for v in views)  # streamed, not gathered
 
 

@@ -30,7 +30,8 @@ def test_loader_cpu_counts_the_store_and_the_workers_children_not_the_worker() -
     # the "worker" burns 0.6 s itself and starts a child (its fetch process) that burns 0.2 s
     worker_code = (
         "import subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', {BURN.format(seconds=0.2) + 'time.sleep(60)'!r}])\n"
+        "child = subprocess.Popen("
+        f"[sys.executable, '-c', {BURN.format(seconds=0.2) + 'time.sleep(60)'!r}])\n"
         + BURN.format(seconds=0.6) + "time.sleep(60)\n"
     )
     worker = subprocess.Popen([sys.executable, "-c", worker_code])

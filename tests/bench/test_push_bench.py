@@ -32,7 +32,8 @@ def test_a_tiny_run_times_both_paths_and_the_page_reports_their_p50s(
             assert len(samples) == 2 and all(v > 0 for v in samples)
             assert min(samples) <= doc[path][key]["p50"] <= max(samples)
         total, staged = doc[path]["total_ms"]["samples"], doc[path]["staged_ms"]["samples"]
-        assert all(t > s for t, s in zip(total, staged))  # the request comes after staging
+        # the request comes after staging
+        assert all(t > s for t, s in zip(total, staged, strict=True))
     assert doc["s3_over_push"] == round(doc["s3"]["total_ms"]["p50"]
                                         / doc["push"]["total_ms"]["p50"], 2)
 

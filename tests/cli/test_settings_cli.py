@@ -312,7 +312,7 @@ def test_the_configuration_table_lists_every_field_with_its_flag_variables_and_d
             )
     offered = {opt for param in service.command.params
                for opt in (*param.opts, *param.secondary_opts)}
-    for documented_flag, variables, _, _ in rows:
+    for documented_flag, *_ in rows:
         for flag_name in backticked(documented_flag):
             assert flag_name in offered, f"{service.doc}: {flag_name} is not a flag"
     assert len(rows) == len(service.settings.model_fields) + 1  # + --log-level

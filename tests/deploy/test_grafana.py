@@ -156,6 +156,6 @@ def test_docs_metrics_lists_every_exported_metric(
 ) -> None:
     documented = set(re.findall(r"\| `(lorastream_[a-z0-9_]+)` \|",
                                 (ROOT / "docs" / "metrics.md").read_text()))
-    for service, families in exported.items():
+    for families in exported.values():
         for name in families:
             assert {name, f"{name}_total"} & documented, f"docs/metrics.md: no row for {name}"

@@ -30,7 +30,7 @@ from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.server import create_server as create_worker
 from tests.support.models import make_tiny_checkpoint
-from tests.worker.conftest import tiny_adapters  # noqa: F401 - a fixture, built on tiny_model
+from tests.worker.conftest import make_tiny_adapters
 
 BASE = "tiny"
 CONTEXT = 2048  # long enough that a cancelled generation is visibly cut short
@@ -43,6 +43,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The worker tests' tiny Llama (same weights, same adapters fit) with a 2048-token context."""
     path = tmp_path_factory.mktemp("gateway-tiny") / "model"
     return make_tiny_checkpoint(path, max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The worker tests' adapters, on this tiny_model."""
+    return make_tiny_adapters(tiny_model, tmp_path_factory.mktemp("tiny-adapters"))
 
 
 @dataclass

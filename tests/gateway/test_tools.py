@@ -157,7 +157,9 @@ def _prompt_tokens(cluster: Cluster, **kwargs: Any) -> int:
     return response.usage.prompt_tokens
 
 
-def test_tools_and_earlier_calls_reach_the_template(tool_cluster: Cluster, tool_model: Path) -> None:
+def test_tools_and_earlier_calls_reach_the_template(
+    tool_cluster: Cluster, tool_model: Path
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tool_model)

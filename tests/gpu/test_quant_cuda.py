@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.core.generation import PromptInput
 from lorastream.core.errors import InvalidArgument
+from lorastream.core.generation import PromptInput
 from lorastream.worker.device.device import Device
 from lorastream.worker.device.quant_matmul import FP8_MIN_CAPABILITY
 from lorastream.worker.engine.sampling import SamplingParams

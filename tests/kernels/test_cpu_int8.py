@@ -1,5 +1,6 @@
-"""``lorastream/kernels/cpu_int8.py``: the C++ int8 weight-only product (fp32 activations) against the
-product over the dequantized weight, its packed layout, and ``--quantization int8`` on it."""
+"""``lorastream/kernels/cpu_int8.py``: the C++ int8 weight-only product (fp32 activations)
+against the product over the dequantized weight, its packed layout, and ``--quantization int8``
+on it."""
 
 from __future__ import annotations
 

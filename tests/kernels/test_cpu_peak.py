@@ -1,5 +1,5 @@
-"""``lorastream/kernels/cpu_peak.py``: the cores' multiply-add peak per kind of product, the roofline of the
-quantized-base benchmark (lorastream/bench/roofline.py)."""
+"""``lorastream/kernels/cpu_peak.py``: the cores' multiply-add peak per kind of product, the
+roofline of the quantized-base benchmark (lorastream/bench/roofline.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``lorastream/kernels/cpu_norm_rope.py``: the C++ RMSNorm and rotary embedding against torch's paths in
-``worker/model`` (the rotary bit for bit, the norm within an ulp or two of its mean)."""
+"""``lorastream/kernels/cpu_norm_rope.py``: the C++ RMSNorm and rotary embedding against torch's
+paths in ``worker/model`` (the rotary bit for bit, the norm within an ulp or two of its mean)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,6 @@ import lorastream
 from lorastream.cli.main import app
 from lorastream.core.errors import InvalidArgument
 from lorastream.stack.examples import examples
-from lorastream.store.config import StoreSettings
-from lorastream.worker.service.config import WorkerSettings
 from lorastream.stack.launcher import (
     SAMPLE_QUESTION,
     Stack,
@@ -33,6 +31,8 @@ from lorastream.stack.launcher import (
     parse_adapter_specs,
     stack_adapters,
 )
+from lorastream.store.config import StoreSettings
+from lorastream.worker.service.config import WorkerSettings
 from tests.support.models import make_peft_adapter, make_tiny_checkpoint
 from tests.support.ports import free_ports
 

@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 from lorastream.bench.synthetic import BaseShape, make_synthetic_adapter
+from lorastream.store.sources import SourceRegistry
+from lorastream.store.sources.local import LocalSource
+from lorastream.store.store import AdapterStore
+from tests.store.fixtures_core import StoreFactory
 from tests.support.hub_server import HubServer
-from tests.support.models import make_peft_adapter, make_tiny_llama
+from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_llama
 from tests.support.s3_server import DUMMY_CREDENTIALS, MotoS3Server
 
 # 6 layers x rank 64 x 4096 features x 4 bytes = 6 MiB of weights: above S3's 5 MiB part size.
@@ -77,3 +81,41 @@ def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "r8": make_peft_adapter(base, root / "r8", rank=8, seed=2),
         "six-mib": make_synthetic_adapter(root / "six-mib", SIX_MIB_SHAPE, rank=64),
     }
+
+
+# -- the store core tests: real PEFT adapters, stores on local files ------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real PEFT adapters on a tiny random Llama: attention r4, all-linear r8, MLP r16 rsLoRA."""
+    root = tmp_path_factory.mktemp("core-adapters")
+    base = make_tiny_llama(root / "base")
+    return {
+        "attn-r4": make_peft_adapter(base, root / "attn-r4", rank=4, targets=ATTENTION),
+        "all-r8": make_peft_adapter(base, root / "all-r8", rank=8, targets=ALL_LINEAR, seed=2),
+        "mlp-r16": make_peft_adapter(
+            base, root / "mlp-r16", rank=16, targets=MLP, use_rslora=True, seed=3
+        ),
+    }
+
+
+@pytest.fixture
+def store_factory(tmp_path: Path) -> StoreFactory:
+    """Build AdapterStores on ``tmp_path/cache`` (the same dir each call, to test restarts)."""
+
+    def make(
+        cache_bytes: int = 1 << 30,
+        *,
+        source: LocalSource | None = None,
+        cache_dir: Path | None = None,
+        max_header_bytes: int = 16 << 20,
+    ) -> AdapterStore:
+        return AdapterStore(
+            cache_dir or tmp_path / "cache",
+            cache_bytes,
+            SourceRegistry([source or LocalSource()]),
+            max_header_bytes=max_header_bytes,
+        )
+
+    return make

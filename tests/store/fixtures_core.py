@@ -1,7 +1,5 @@
-"""Fixtures and helpers for the store core tests (real PEFT adapters, real local files).
-
-Imported by test_validation.py and test_store_core.py; kept out of conftest.py so it does not
-collide with fixtures other store tests define.
+"""Helpers for the store core tests (real PEFT adapters, real local files); their fixtures,
+``tiny_adapters`` and ``store_factory``, are in conftest.py.
 """
 
 from __future__ import annotations
@@ -16,54 +14,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.stream_layout import StreamLayout
 from lorastream.store.registry import REGISTRY_FILE
-from lorastream.store.sources import SourceRegistry
 from lorastream.store.sources.base import ProgressCallback, ResolvedSource
 from lorastream.store.sources.local import LocalSource
 from lorastream.store.store import AdapterStore
-from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_llama
 
 StoreFactory = Callable[..., AdapterStore]
-
-
-@pytest.fixture(scope="session")
-def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Real PEFT adapters on a tiny random Llama: attention r4, all-linear r8, MLP r16 rsLoRA."""
-    root = tmp_path_factory.mktemp("core-adapters")
-    base = make_tiny_llama(root / "base")
-    return {
-        "attn-r4": make_peft_adapter(base, root / "attn-r4", rank=4, targets=ATTENTION),
-        "all-r8": make_peft_adapter(base, root / "all-r8", rank=8, targets=ALL_LINEAR, seed=2),
-        "mlp-r16": make_peft_adapter(
-            base, root / "mlp-r16", rank=16, targets=MLP, use_rslora=True, seed=3
-        ),
-    }
-
-
-@pytest.fixture
-def store_factory(tmp_path: Path) -> StoreFactory:
-    """Build AdapterStores on ``tmp_path/cache`` (the same dir each call, to test restarts)."""
-
-    def make(
-        cache_bytes: int = 1 << 30,
-        *,
-        source: LocalSource | None = None,
-        cache_dir: Path | None = None,
-        max_header_bytes: int = 16 << 20,
-    ) -> AdapterStore:
-        return AdapterStore(
-            cache_dir or tmp_path / "cache",
-            cache_bytes,
-            SourceRegistry([source or LocalSource()]),
-            max_header_bytes=max_header_bytes,
-        )
-
-    return make
 
 
 class CountingLocalSource(LocalSource):

@@ -15,12 +15,12 @@ import pytest
 import xxhash
 
 from lorastream.core import checksum, codec
+from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.core.adapter_validation import STAGED_FILES, content_id, validate_adapter_dir
 from lorastream.core.checksum import TENSOR_DIGESTS, verify_tensor
 from lorastream.core.errors import InvalidAdapter
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.store_client import BytesSink, StoreClient
-from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.store import reader as store_reader
 from lorastream.store import staging, writeback
 from lorastream.store.config import StoreSettings
@@ -207,7 +207,8 @@ def test_without_chunk_crcs_a_damaged_byte_still_fails_its_tensor(
         return data[:5] + bytes([data[5] ^ 1]) + data[6:] if calls == 3 else data
 
     monkeypatch.setattr(store_reader.os, "pread", damaging_pread)
-    with pytest.raises(InvalidAdapter, match=f"{digest} mismatch for a tensor .*damaged in transit"):
+    damaged = f"{digest} mismatch for a tensor .*damaged in transit"
+    with pytest.raises(InvalidAdapter, match=damaged):
         store.client.stream_tensors("a", BytesSink(), chunk_bytes=4096)
     assert calls >= 3 and manifest.total_bytes > 3 * 4096
 

@@ -23,11 +23,7 @@ from lorastream.store.registry import (
     RegistryEntry,
 )
 from lorastream.store.server import create_server
-from tests.store.fixtures_core import (  # noqa: F401 - fixtures
-    StoreFactory,
-    store_factory,
-    tiny_adapters,
-)
+from tests.store.fixtures_core import StoreFactory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +47,8 @@ _REGISTER_FOREVER = textwrap.dedent(
     i = 0
     while True:
         name = f"org/adapter-{i:06d}"
-        registry.put(RegistryEntry(name, f"{i:064x}", f"s3://b/{name}", "rev", 1.0, 2.0, i % 2 == 0))
+        entry = RegistryEntry(name, f"{i:064x}", f"s3://b/{name}", "rev", 1.0, 2.0, i % 2 == 0)
+        registry.put(entry)
         print(name, flush=True)
         i += 1
     """

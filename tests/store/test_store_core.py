@@ -31,15 +31,13 @@ from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.core.checksum import crc32c
 from lorastream.core.manifest import PreloadProgress
 from lorastream.core.stream_layout import StreamLayout
-from tests.store.fixtures_core import (  # noqa: F401 - fixtures
+from tests.store.fixtures_core import (
     CountingLocalSource,
     StoreFactory,
     assert_cache_clean,
     assert_streams_intact,
     copy_adapter,
-    store_factory,
     stream_all,
-    tiny_adapters,
 )
 
 REPO = Path(__file__).resolve().parents[2]

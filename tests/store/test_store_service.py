@@ -76,7 +76,7 @@ def test_stream_lands_tensors_equal_to_the_source(server: Running, adapters) -> 
     assert [t.name for t in manifest.tensors] == sorted(original) or set(
         t.name for t in manifest.tensors
     ) == set(original)
-    for info, buf in zip(manifest.tensors, sink.buffers):
+    for info, buf in zip(manifest.tensors, sink.buffers, strict=True):
         assert bytes(buf) == original[info.name].numpy().tobytes()
 
 
@@ -194,7 +194,7 @@ def test_stream_resumes_from_the_last_verified_offset_after_the_store_restarts(
     assert "second" in holder, "the store never restarted: the test proved nothing"
     assert len(sink.writes) == len(set(sink.writes)), "a resumed stream re-sent landed bytes"
     original = load_file(str(adapters["all-r16"] / "adapter_model.safetensors"))
-    for info, buf in zip(manifest.tensors, sink.buffers):
+    for info, buf in zip(manifest.tensors, sink.buffers, strict=True):
         assert bytes(buf) == original[info.name].numpy().tobytes()
 
 

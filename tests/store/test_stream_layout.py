@@ -9,7 +9,9 @@ from lorastream.core.stream_layout import StreamLayout
 
 
 def _layout(*sizes: int) -> StreamLayout:
-    tensors = tuple(TensorInfo(f"t{i}", "F32", (size // 4,), size, "") for i, size in enumerate(sizes))
+    tensors = tuple(
+        TensorInfo(f"t{i}", "F32", (size // 4,), size, "") for i, size in enumerate(sizes)
+    )
     return StreamLayout(
         AdapterManifest("id", "n", "", "", "", 1, 1.0, False, (), tensors)
     )

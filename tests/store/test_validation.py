@@ -17,14 +17,12 @@ from safetensors.torch import load_file, save_file
 from lorastream.core import errors
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lorastream.core.adapter_validation import layer_order, validate_adapter_dir
-from tests.store.fixtures_core import (  # noqa: F401 - fixtures
+from tests.store.fixtures_core import (
     StoreFactory,
     assert_cache_clean,
     assert_streams_intact,
     copy_adapter,
     read_header,
-    store_factory,
-    tiny_adapters,
     write_header,
 )
 

@@ -26,13 +26,11 @@ from lorastream.store.config import StoreSettings
 from lorastream.store.registry import REGISTRY_FILE, Registry, RegistryEntry
 from lorastream.store.server import create_server
 from lorastream.store.versions import entry_for_ref
-from tests.store.fixtures_core import (  # noqa: F401 - fixtures
+from tests.store.fixtures_core import (
     StoreFactory,
     assert_cache_clean,
     assert_streams_intact,
     copy_adapter,
-    store_factory,
-    tiny_adapters,
 )
 
 REPO = Path(__file__).resolve().parents[2]

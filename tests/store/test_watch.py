@@ -18,7 +18,7 @@ from lorastream.store import watch as watch_module
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server
 from lorastream.store.store import AdapterStore
-from tests.store.fixtures_core import copy_adapter, tiny_adapters  # noqa: F401 - fixtures
+from tests.store.fixtures_core import copy_adapter
 
 
 @pytest.fixture

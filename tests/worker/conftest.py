@@ -50,16 +50,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
 
 
-@pytest.fixture(scope="session")
-def tiny_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny-adapters")
+def make_tiny_adapters(model: Path, root: Path) -> dict[str, Path]:
+    """The :data:`ADAPTERS` as real PEFT adapters on ``model``, under ``root``."""
     return {
         name: make_peft_adapter(
-            tiny_model, root / name, rank=s.rank, targets=s.targets, use_rslora=s.use_rslora,
+            model, root / name, rank=s.rank, targets=s.targets, use_rslora=s.use_rslora,
             seed=s.seed, b_std=0.2,
         )
         for name, s in ADAPTERS.items()
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_tiny_adapters(tiny_model, tmp_path_factory.mktemp("tiny-adapters"))
 
 
 def peft_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:

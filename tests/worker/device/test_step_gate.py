@@ -5,6 +5,7 @@ copies up."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -59,7 +60,7 @@ def test_copies_run_between_steps_one_turn_per_gap_and_progress_while_steps_run(
     assert len(record.ops) == 40
     assert not [(s, o) for s in record.steps for o in record.ops if _overlap(s, o)]
     # Each gap between two steps holds at most one turn: ~4 ms, i.e. at most 5 of the 1 ms ops.
-    for before, after in zip(record.steps, record.steps[1:]):
+    for before, after in itertools.pairwise(record.steps):
         in_gap = [o for o in record.ops if before[1] <= o[0] and o[1] <= after[0]]
         assert len(in_gap) <= 5, f"{len(in_gap)} copy operations ran in one gap"
     finished = max(end for _, end in record.ops)

@@ -37,7 +37,9 @@ def _still_serves(engine, adapter: str = "tiny") -> None:  # type: ignore[no-unt
 
 
 @pytest.fixture(scope="module")
-def foreign_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_adapters: dict[str, Path]) -> dict[str, Path]:
+def foreign_adapters(
+    tmp_path_factory: pytest.TempPathFactory, tiny_adapters: dict[str, Path]
+) -> dict[str, Path]:
     """Adapters that must be refused: another base model's, one adapting a missing layer, one
     adapting a module the worker does not adapt (lm_head)."""
     root = tmp_path_factory.mktemp("foreign")
@@ -80,7 +82,8 @@ def test_adapters_that_do_not_fit_are_refused_before_a_slot(
     [
         ("tiny", PromptInput(token_ids=tuple(range(3, 200)) * 2), SamplingParams(),
          errors.InvalidArgument, "context is 256 tokens"),
-        ("tiny", _prompt(), SamplingParams(temperature=-1.0), errors.InvalidArgument, "temperature"),
+        ("tiny", _prompt(), SamplingParams(temperature=-1.0), errors.InvalidArgument,
+         "temperature"),
         ("tiny", _prompt(), SamplingParams(top_p=1.5), errors.InvalidArgument, "top_p"),
         ("tiny", _prompt(), SamplingParams(top_k=-2), errors.InvalidArgument, "top_k"),
         ("tiny", _prompt(), SamplingParams(max_tokens=-3), errors.InvalidArgument, "max_tokens"),
@@ -106,7 +109,9 @@ def test_bad_requests_get_a_clear_error_and_the_worker_keeps_serving(
     _still_serves(engine)
 
 
-def test_a_request_that_can_never_fit_the_kv_cache_is_refused(engine_factory: EngineFactory) -> None:
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused(
+    engine_factory: EngineFactory,
+) -> None:
     engine = engine_factory(kv_cache_bytes=64 << 10)  # a few blocks only
     with pytest.raises(errors.InvalidArgument, match="KV cache blocks"):
         engine.submit("tiny", _prompt(), SamplingParams(max_tokens=200))
@@ -223,7 +228,9 @@ def test_a_corrupt_local_adapter_is_refused_and_loses_nothing(
     assert [s.name for s in ops.list_adapters()] == ["good"]
 
 
-def test_concurrent_submissions_from_many_threads_all_complete(engine_factory: EngineFactory) -> None:
+def test_concurrent_submissions_from_many_threads_all_complete(
+    engine_factory: EngineFactory,
+) -> None:
     engine = engine_factory()
     results: list[int] = []
     lock = threading.Lock()

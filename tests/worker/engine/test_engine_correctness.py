@@ -98,7 +98,10 @@ def test_mixed_batch_logits_agree_with_peft_within_fp32_tolerance(
     prompt = PROMPTS[1]
     tables = {name: kv.allocator.allocate(len(prompt)) for name in names}
     done, logits = 0, {}
-    steps = [len(prompt)] if chunk is None else [chunk] * (len(prompt) // chunk) + [len(prompt) % chunk]
+    if chunk is None:
+        steps = [len(prompt)]
+    else:
+        steps = [chunk] * (len(prompt) // chunk) + [len(prompt) % chunk]
     for length in [s for s in steps if s]:  # every adapter prefills the same chunk each step
         ids, positions, cache, token_slots, spans, rows = [], [], [], [], [], []
         for name in names:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -39,19 +38,24 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
-    return AutoTokenizer.from_pretrained(resolve_checkpoint("default", cache_dir=DEFAULT_MODEL_CACHE))
+def tokenizer():
+    checkpoint = resolve_checkpoint("default", cache_dir=DEFAULT_MODEL_CACHE)
+    return AutoTokenizer.from_pretrained(checkpoint)
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:  # type: ignore[no-untyped-def]
-    return GrammarCompiler(tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id])
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(
+        tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id]
+    )
 
 
 def reference_unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     rows = []
     for row in bitmask.tolist():
-        rows.append([v < 32 * len(row) and bool((row[v // 32] >> (v % 32)) & 1) for v in range(vocab)])
+        rows.append(
+            [v < 32 * len(row) and bool((row[v // 32] >> (v % 32)) & 1) for v in range(vocab)]
+        )
     return torch.tensor(rows, dtype=torch.bool)
 
 
@@ -63,7 +67,7 @@ def test_unpack_bitmask_matches_the_bit_layout(vocab: int, words: int) -> None:
 
 
 def constrained_greedy(
-    compiler: GrammarCompiler, tokenizer, output: StructuredOutput, seed: int, limit: int = 200  # type: ignore[no-untyped-def]
+    compiler: GrammarCompiler, tokenizer, output: StructuredOutput, seed: int, limit: int = 200
 ) -> tuple[str, bool]:
     """Decode argmax of random logits under the constraint; (text, finished by the grammar)."""
     matcher = compiler.matcher(output)
@@ -85,7 +89,7 @@ def constrained_greedy(
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_json_schema_output_parses_as_the_schema(compiler, tokenizer, seed: int) -> None:  # type: ignore[no-untyped-def]
+def test_json_schema_output_parses_as_the_schema(compiler, tokenizer, seed: int) -> None:
     text, finished = constrained_greedy(
         compiler, tokenizer, StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(PERSON)), seed
     )
@@ -93,7 +97,7 @@ def test_json_schema_output_parses_as_the_schema(compiler, tokenizer, seed: int)
     jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_json_object_output_is_an_object(compiler, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_json_object_output_is_an_object(compiler, tokenizer) -> None:
     text, finished = constrained_greedy(
         compiler, tokenizer, StructuredOutput(StructuredKind.JSON_SCHEMA, JSON_OBJECT_SCHEMA), 0,
         limit=400,
@@ -112,7 +116,9 @@ def test_json_object_output_is_an_object(compiler, tokenizer) -> None:  # type: 
          r"colour=(red|green|blue)"),
     ],
 )
-def test_regex_and_grammar_outputs_match(compiler, tokenizer, kind, spec: str, pattern: str) -> None:  # type: ignore[no-untyped-def]
+def test_regex_and_grammar_outputs_match(
+    compiler, tokenizer, kind, spec: str, pattern: str
+) -> None:
     for seed in range(3):
         text, finished = constrained_greedy(compiler, tokenizer, StructuredOutput(kind, spec), seed)
         assert finished and re.fullmatch(pattern, text), text
@@ -130,26 +136,28 @@ def test_regex_and_grammar_outputs_match(compiler, tokenizer, kind, spec: str, p
         (StructuredOutput(StructuredKind.REGEX, "a" * (MAX_SPEC_BYTES + 1)), "at most"),
     ],
 )
-def test_bad_constraints_are_refused_naming_the_parameter(compiler, output, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_constraints_are_refused_naming_the_parameter(compiler, output, message: str) -> None:
     with pytest.raises(InvalidArgument, match="response_format") as info:
         compiler.matcher(output)
     assert message in str(info.value)
 
 
-def test_rows_of_a_batch_follow_their_own_constraints(compiler, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_rows_of_a_batch_follow_their_own_constraints(compiler, tokenizer) -> None:
     yes_no = compiler.matcher(StructuredOutput(StructuredKind.REGEX, "yes|no"))
     digits = compiler.matcher(StructuredOutput(StructuredKind.REGEX, "[0-9]+"))
     logits = torch.randn(3, compiler.vocab_size, generator=torch.Generator().manual_seed(5))
     free = logits[1].clone()
     compiler.mask_(logits, [(0, yes_no), (2, digits)])
-    allowed_0 = {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
-    allowed_2 = {tokenizer.decode([t]) for t in torch.isfinite(logits[2]).nonzero().flatten().tolist()}
+    allowed_0, allowed_2 = (
+        {tokenizer.decode([t]) for t in torch.isfinite(logits[row]).nonzero().flatten().tolist()}
+        for row in (0, 2)
+    )
     assert allowed_0 and all("yes".startswith(s) or "no".startswith(s) for s in allowed_0)
     assert allowed_2 and all(s.isdigit() for s in allowed_2)
     assert torch.equal(logits[1], free)
 
 
-def test_compiled_grammars_are_cached_and_bounded(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_compiled_grammars_are_cached_and_bounded(tokenizer) -> None:
     compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), cache_size=2)
     for pattern in ("a+", "b+", "c+", "a+"):
         compiler.matcher(StructuredOutput(StructuredKind.REGEX, pattern))

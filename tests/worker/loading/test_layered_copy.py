@@ -109,7 +109,7 @@ def test_a_layered_copy_waits_for_its_layers_whatever_the_stream_runs(
     assert all(slots.a[m][:, entry.slot].abs().sum() == 0 for m in slots.a)  # nothing copied
     for landed in range(1, config.num_layers + 1):
         tier.land_layers(entry, landed)
-        _until(lambda: tier.layers_ready(entry) == landed)
+        _until(lambda landed=landed: tier.layers_ready(entry) == landed)
     assert tier.ready(entry)
 
 

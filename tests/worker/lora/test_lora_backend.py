@@ -5,6 +5,7 @@ with ``native`` (``--cpu-kernels``) its slot-major steps whose rows are the layo
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def _token_slots(popularity: str, tokens: int, base_rows: int, seed: int) -> lis
     gen = torch.Generator().manual_seed(seed)
     lengths = segment_lengths(tokens, popularity)[: len(RANKS)]
     slot_ids = torch.randperm(len(RANKS), generator=gen)[: len(lengths)].tolist()
-    rows = [s for s, n in zip(slot_ids, lengths) for _ in range(n)] + [-1] * base_rows
+    rows = [s for s, n in zip(slot_ids, lengths, strict=True) for _ in range(n)] + [-1] * base_rows
     return [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
 
 
@@ -170,7 +171,7 @@ def test_rows_already_in_slot_order_skip_the_gathers_and_match_the_reference(
 
 
 def test_an_adapter_reaches_its_slot_in_one_copy_per_module_and_matrix(
-    tiny_adapters: dict[str, "Path"],
+    tiny_adapters: dict[str, Path],
 ) -> None:
     from lorastream.worker.device.device import Device
     from lorastream.worker.loading.fetcher import AdapterFetcher
@@ -216,7 +217,7 @@ def test_projections_of_one_input_share_one_shrink_and_match_one_by_one(
     before = torch.randn(4, sum(widths), generator=gen)
     one_by_one, grouped = before.clone(), before.clone()
     step = LoraStep(slots, backend, meta)
-    for module, col in zip(qkv, cols):
+    for module, col in zip(qkv, cols, strict=True):
         step.add(0, module, x, one_by_one, col)
     b_rows = [slots.b[m][0] for m in qkv]
     took = backend.add_group(x, slots.a_groups[qkv][0], b_rows, grouped.clone(), list(cols), meta)

@@ -182,7 +182,8 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_refused_naming_wh
     writer.write_tensors_to_file()
     writer.close()
     cache = tmp_path / "models"
-    with pytest.raises(InvalidArgument, match=r"odd.gguf: transformers could not convert this GGUF"):
+    refused = r"odd.gguf: transformers could not convert this GGUF"
+    with pytest.raises(InvalidArgument, match=refused):
         resolve_checkpoint(str(odd), cache_dir=cache)
     assert not [p for p in cache.iterdir() if not p.name.startswith(".")]  # no half checkpoint
 

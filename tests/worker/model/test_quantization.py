@@ -41,12 +41,12 @@ from lorastream.worker.loading.adapter_weights import adapter_weights
 from lorastream.worker.loading.fetcher import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.model import quant_linear
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
 from lorastream.worker.model.linear import Linear
-from lorastream.worker.model import quant_linear
 from lorastream.worker.model.quant_linear import (
     EXACT_TOP,
     LOGIT_TOLERANCE,
@@ -67,8 +67,8 @@ from tests.worker.conftest import EngineFactory
 MODES = ["int8", "int8-dynamic", "fp8"]
 LOGIT_BOUND = LOGIT_TOLERANCE  # max |Δlogit| / max |logit| per token (quant_linear.py)
 MIN_DECISIVE_AGREEMENT = 0.99
-# int8 on the C++ op (lorastream/kernels/cpu_int8.py): fp32 activations, the reference's product summed in
-# another order (measured worst 1.1e-5, every position equal in every family)
+# int8 on the C++ op (lorastream/kernels/cpu_int8.py): fp32 activations, the reference's product
+# summed in another order (measured worst 1.1e-5, every position equal in every family)
 OP_INT8_BOUND = 1e-4
 OP_INT8_RAW_AGREEMENT = 0.99
 FP8_RAW = 0.85

@@ -54,7 +54,9 @@ def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
     cpu = torch.device("cpu")
     model = DecoderModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu)
     model.rope.cos_sin(torch.arange(200))  # grow the tables beyond the step (as a long run would)
-    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20, torch.float32, cpu)
+    kv = KVCache(
+        config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20, torch.float32, cpu
+    )
     slots = LoraSlots(config, 2, 8, torch.float32, cpu)
     for s in range(2):
         for m in slots.a:

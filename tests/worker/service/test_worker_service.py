@@ -67,7 +67,8 @@ def _generate(worker: str, model: str, prompt: int = 0, **params: object) -> tup
     sampling = SamplingParams(**{"max_tokens": NEW_TOKENS, **params})  # type: ignore[arg-type]
     tokens, text = [], ""
     with WorkerClient(worker) as client:
-        for event in client.generate(model, PromptInput(token_ids=tuple(PROMPTS[prompt])), sampling):
+        prompt_input = PromptInput(token_ids=tuple(PROMPTS[prompt]))
+        for event in client.generate(model, prompt_input, sampling):
             tokens.extend(event.token_ids)
             text += event.text
     return tokens, text
