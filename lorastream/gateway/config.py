@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import CliSuppress, NoDecode, SettingsConfigDict
@@ -136,6 +136,13 @@ class GatewaySettings(StoreTLSSettings):
         description="Once workers are busy, the preferred worker may be this fraction of the "
         "mean queue deeper than the least loaded one (when that exceeds --spill-threshold); "
         "0: the threshold alone.",
+    )
+    routing: Literal["affinity", "random"] = Field(
+        "affinity",
+        description="Routing policy: 'affinity' sends a request to a worker holding its adapter "
+        "(device, then host memory), else to the adapter's rendezvous-hash home, within the "
+        "load bound (--spill-threshold); 'random' picks uniformly among healthy workers under "
+        "--max-requests-per-worker (a baseline for comparison; docs/gateway.md).",
     )
     routing_hint_ttl_s: float = Field(
         3.0,

@@ -21,6 +21,11 @@ Semantics (for a request for adapter ``m``, over the healthy workers with room):
 
 The base model needs no residency: it goes to the least loaded worker (ties broken by hash).
 
+Policy ``random`` (``--routing random``, a baseline to measure the rules above against, e.g. by
+``lorastream bench fleet``): residency, hashing, load bounds and prefix affinity are ignored::
+
+    return uniform choice over candidates, reason=RANDOM   # healthy, under max_load
+
 Prefix affinity (:class:`PrefixAffinity`): the worker that served a prompt prefix of ``m`` last
 (a chat's system prompt and first turns) holds its KV blocks in its prefix cache, so the next
 turn goes there while it is within the bound: a bounded table, least recently used entries
@@ -45,10 +50,12 @@ until A and B are within 2 of it.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from typing import Literal
 
 from lorastream.core.errors import CapacityExhausted
 from lorastream.core.generation import PromptInput
@@ -79,6 +86,10 @@ class RouteReason(StrEnum):
     HOST = "host"
     HASH = "hash"
     LEAST_LOADED = "least-loaded"
+    RANDOM = "random"  # policy "random" only
+
+
+RoutingPolicy = Literal["affinity", "random"]
 
 
 @dataclass(frozen=True)
@@ -149,16 +160,20 @@ class PrefixAffinity:
 class Router:
     """Chooses a worker for each request (``Semantics`` above; ``max_load``: the queue depth at
     which a worker takes no more requests, None for no limit). Its one state is the bounded
-    prefix-affinity table (``prefix_table``: entries, 0 turns affinity off)."""
+    prefix-affinity table (``prefix_table``: entries, 0 turns affinity off). ``policy``
+    "random" picks uniformly among the candidates with ``rng`` (tests pass a seeded one)."""
 
     def __init__(
         self, spill_threshold: int = 2, max_load: int | None = None, spill_fraction: float = 0.25,
-        prefix_table: int = 4096,
+        prefix_table: int = 4096, policy: RoutingPolicy = "affinity",
+        rng: random.Random | None = None,
     ) -> None:
         self.spill_threshold = spill_threshold
         self.spill_fraction = spill_fraction
         self.max_load = max_load
         self.affinity = PrefixAffinity(prefix_table)
+        self.policy = policy
+        self.rng = rng or random.Random()
 
     def choose(
         self,
@@ -187,6 +202,8 @@ class Router:
                 f"all {len(healthy)} healthy workers have {self.max_load} or more requests "
                 "queued; retry later"
             )
+        if self.policy == "random":
+            return RouteDecision(self.rng.choice(candidates).target, RouteReason.RANDOM)
         # Highest hash first: the order every tie is broken by.
         ordered = sorted(candidates, key=lambda w: hrw_score(model, w.target), reverse=True)
         mean = sum(w.load for w in ordered) / len(ordered)

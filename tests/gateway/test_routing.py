@@ -375,3 +375,47 @@ def test_load_awareness_keeps_most_requests_on_a_worker_holding_their_adapter(
     least_loaded = hit_rate(Router(spill_threshold=0, spill_fraction=0.0), concurrency)
     assert affinity >= 0.7, affinity
     assert affinity >= least_loaded + 0.15, (affinity, least_loaded)
+
+
+# -- policy "random": the baseline of `lorastream bench fleet` ---------------------------------
+@pytest.mark.parametrize(
+    ("loads", "residency", "unhealthy", "max_load", "eligible"),
+    [
+        ([0, 0, 0], {0: Tier.DEVICE}, (), None, {0, 1, 2}),  # residency is ignored
+        ([9, 0, 0], {0: Tier.DEVICE}, (), None, {0, 1, 2}),  # so is the load bound
+        ([0, 0, 0, 0], {}, (1,), None, {0, 2, 3}),  # unhealthy workers are not candidates
+        ([4, 1, 4], {2: Tier.HOST}, (), 4, {1}),  # nor full ones
+    ],
+)
+def test_random_policy_picks_uniformly_among_healthy_workers_under_max_load(
+    loads: list[int], residency: dict[int, Tier], unhealthy: tuple[int, ...],
+    max_load: int | None, eligible: set[int],
+) -> None:
+    router = Router(max_load=max_load, policy="random", rng=random.Random(7))
+    workers = views(loads, residency, unhealthy)
+    draws = 3000
+    counts = {i: 0 for i in range(len(loads))}
+    for _ in range(draws):
+        decision = router.choose("m", workers, prefix="p")
+        assert decision.reason is RouteReason.RANDOM
+        counts[TARGETS.index(decision.target)] += 1
+    assert {i for i, n in counts.items() if n} == eligible
+    for i in eligible:  # uniform: each within 15% of its expected share
+        assert abs(counts[i] - draws / len(eligible)) < 0.15 * draws / len(eligible), counts
+    assert len(router.affinity) == 0  # no prefix affinity is recorded either
+
+
+@pytest.mark.parametrize("policy", ["affinity", "random"])
+def test_an_adapter_stays_on_its_holder_only_under_affinity(policy: str) -> None:
+    router = Router(policy=policy, rng=random.Random(3))  # type: ignore[arg-type]
+    workers = views([0, 0, 0], {1: Tier.DEVICE})
+    targets = {router.choose("m", workers).target for _ in range(60)}
+    assert targets == ({TARGETS[1]} if policy == "affinity" else set(TARGETS[:3]))
+
+
+def test_random_policy_keeps_the_errors_of_an_empty_or_full_fleet() -> None:
+    router = Router(max_load=2, policy="random")
+    with pytest.raises(NoHealthyWorker):
+        router.choose("m", views([0, 0], unhealthy=(0, 1)))
+    with pytest.raises(CapacityExhausted):
+        router.choose("m", views([2, 3]))
