@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file: make the repository importable
     sys.path.insert(0, str(ROOT))
 
-from lorastream.bench.peft_peer import left_padded  # noqa: E402
+from lorastream.bench.peft_peer import left_padded  # noqa: E402 -- after the sys.path line
 
 log = logging.getLogger("train_sample_adapters")
 
@@ -101,7 +101,7 @@ class Example:
 
 
 def load_templates(path: Path = TEMPLATES) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def computed_tables(number_words: list[str], rng: random.Random) -> dict[str, list[dict[str, Any]]]:

@@ -27,7 +27,7 @@ os.environ.setdefault("LORASTREAM_WORKER_METRICS_PORT", "0")
 os.environ.setdefault("LORASTREAM_STORE_METRICS_PORT", "0")
 
 
-def pytest_configure(config) -> None:  # noqa: ANN001
+def pytest_configure(config: object) -> None:
     """Stop at once if ``lorastream``'s subpackages come from another checkout.
 
     An editable install points ``lorastream`` at the checkout it was made from; one made from

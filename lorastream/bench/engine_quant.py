@@ -96,7 +96,7 @@ def _model_resident(checkpoint: str, quantization: str, out: "multiprocessing.Qu
     config = ModelConfig.from_dir(Path(checkpoint))
     before = _rss_bytes()
     model = DecoderModel(config, load_weights(Path(checkpoint), config, torch.float32, cpu), cpu,
-                         quantization)  # type: ignore[arg-type]
+                         quantization)  # type: ignore[arg-type]  # mode: a str checked by the CLI's choices
     gc.collect()
     out.put({"rss_mb": round(_rss_bytes() / 1e6, 1),
              "model_rss_mb": round((_rss_bytes() - before) / 1e6, 1)})
@@ -186,7 +186,7 @@ def run_quant_bench(
         models = {FP32: engine.model} | {
             mode: DecoderModel(config, load_weights(checkpoint, config, torch.float32,
                                                     engine.model.device),
-                               engine.model.device, mode)  # type: ignore[arg-type]
+                               engine.model.device, mode)  # type: ignore[arg-type]  # mode: a str checked by the CLI's choices
             for mode in modes[1:]
         }
         chat = getattr(engine.tokenizer, "chat_template", None) is not None
@@ -344,7 +344,7 @@ def run_quant_bench(
         "multiply_add_peak_gmac_s": peaks,
         "multiply_adds_per_step": prompts * macs_per_row,
         "modes": ({} if "error" in peaks else roofline(
-            prompts, macs_per_row, peaks, steps,  # type: ignore[arg-type]
+            prompts, macs_per_row, peaks, steps,  # type: ignore[arg-type]  # peaks: no error key, so numbers only
             projections_median, projections,
             goals={"base_only": GOAL_BASE_SPEEDUP, "multi_adapter": GOAL_MULTI_SPEEDUP},
             bandwidth_gbs=bandwidth if isinstance(bandwidth, float) else None)),

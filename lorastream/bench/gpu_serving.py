@@ -73,7 +73,8 @@ def _token_times(engine: Engine, name: str, prompt: tuple[int, ...], tokens: int
 
 
 def _ttft_ms(engine: Engine, name: str, prompt: tuple[int, ...]) -> float:
-    began, times = time.perf_counter(), []  # type: ignore[var-annotated]
+    times: list[float] = []
+    began = time.perf_counter()
     _token_times(engine, name, prompt, 1, times)
     return (times[0] - began) * 1000
 

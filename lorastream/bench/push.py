@@ -186,8 +186,8 @@ def run_push_bench(config: PushConfig) -> dict[str, object]:
                 if index:
                     samples[path].append(timing)
     push, via_s3 = _p50s(samples["push"]), _p50s(samples["s3"])
-    push_p50 = push["total_ms"]["p50"] if push else None  # type: ignore[index]
-    s3_p50 = via_s3["total_ms"]["p50"] if via_s3 else None  # type: ignore[index]
+    push_p50 = push["total_ms"]["p50"] if push else None  # type: ignore[index]  # _p50s values are dicts for these keys
+    s3_p50 = via_s3["total_ms"]["p50"] if via_s3 else None  # type: ignore[index]  # _p50s values are dicts for these keys
     return {
         "benchmark": "push",
         "command": command_line(),

@@ -137,11 +137,11 @@ def run_registry_bench(
                 "list_page_ms": _summary(pages[n]), "list_page_names": PAGE,
                 "sqlite_samples": len(sqlite[n]), "json_samples": len(baseline),
             })
-    rates = [float(p["registrations_per_s"]) for p in points]  # type: ignore[arg-type]
+    rates = [float(p["registrations_per_s"]) for p in points]  # type: ignore[arg-type]  # points: JSON-like dicts, this value a number
     spread = max(rates) / min(rates)
     first, last = points[0], points[-1]
-    growth = last["sqlite"]["p50_ms"] / first["sqlite"]["p50_ms"]  # type: ignore[index]
-    json_growth = last["json_rewrite"]["p50_ms"] / first["json_rewrite"]["p50_ms"]  # type: ignore[index]
+    growth = last["sqlite"]["p50_ms"] / first["sqlite"]["p50_ms"]  # type: ignore[index]  # points: JSON-like dicts, this value a dict
+    json_growth = last["json_rewrite"]["p50_ms"] / first["json_rewrite"]["p50_ms"]  # type: ignore[index]  # points: JSON-like dicts, this value a dict
     through_rpc = (run_rpc_registration(counts, registrations, rpc_sequence, work_dir)
                    if rpc else None)
     return {

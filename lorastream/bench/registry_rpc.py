@@ -172,7 +172,7 @@ def run_rpc_registration(
         points = [{"names": n, "names_after": names[n], "rpc": _summary(timed[n]),
                    "registrations_per_s": round(1e3 / _median(timed[n]), 1),
                    "samples": len(timed[n]), "fill_s": fill_s[n]} for n in counts]
-        rates = [float(p["registrations_per_s"]) for p in points]  # type: ignore[arg-type]
+        rates = [float(p["registrations_per_s"]) for p in points]  # type: ignore[arg-type]  # points: JSON-like dicts, this value a number
         spread = max(rates) / min(rates)
         result.update({
             "points": points,

@@ -24,7 +24,7 @@ def registry_goals(r: Result) -> list[list[str]]:
 
 
 def _span(r: Mapping[str, object]) -> str:
-    counts = [p.get("names") for p in r.get("points") or []]  # type: ignore[union-attr]
+    counts = [p.get("names") for p in r.get("points") or []]
     return f", {number(counts[0], 0)} → {number(counts[-1], 0)} names" if counts else ""
 
 
@@ -70,7 +70,7 @@ def rpc_paragraphs(rpc: Mapping[str, object]) -> list[str]:
         return []
     rows = [[number(p.get("names"), 0), number(p.get("registrations_per_s"), 1),
              ms_3(p, "rpc", "p50_ms"), ms_3(p, "rpc", "p99_ms"), number(p.get("fill_s"), 1)]
-            for p in rpc.get("points") or []]  # type: ignore[union-attr]
+            for p in rpc.get("points") or []]
     seq = _mapping(rpc.get("sequence"))
     sequence = (
         f" One after another into an empty store, {number(seq.get('adapters'), 0)} preloads: "

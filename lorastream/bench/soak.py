@@ -273,7 +273,7 @@ def _run_phases(c: SoakConfig, url: str, workers: Workers) -> dict[str, object]:
     post_warm_up = [workers.resident_mb(i) for i in range(c.workers)]
     warm_up_end = round(time.perf_counter() - workers.t0, 1)
 
-    rate = max(0.1, c.load_factor * float(capacity["req_s"]))  # type: ignore[arg-type]
+    rate = max(0.1, c.load_factor * float(capacity["req_s"]))  # type: ignore[arg-type]  # capacity: JSON-like dict, req_s a number
     requests, offsets = make_soak_requests(c, rate)
     restarted = c.workers - 1
     restart: dict[str, object] = {}

@@ -105,7 +105,7 @@ def _run_bare_server(payload_bytes: int, ports: "mp.Queue[int]") -> None:
     payload = bytes(payload_bytes)
     cut: dict[int, list[bytes]] = {}  # chunk size -> chunks; only the size in use is kept
 
-    def stream(request: bytes, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+    def stream(request: bytes, context: grpc.ServicerContext):
         size = int(request)
         if size not in cut:
             cut.clear()

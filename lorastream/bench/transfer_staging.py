@@ -61,7 +61,7 @@ def _run_store(cache_dir: str, endpoint: str, ports: "mp.Queue[int]") -> None:
     server.wait_for_termination()
 
 
-def _s3_client(endpoint: str):  # type: ignore[no-untyped-def]
+def _s3_client(endpoint: str):
     import boto3
     from botocore.config import Config
 

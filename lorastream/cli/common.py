@@ -137,7 +137,7 @@ def _with_options(command: Command, declared: _Options) -> Command:
 
     parameters = [*own, *added]
     # typer reads the signature: the command's own parameters, then the connection options
-    with_connection.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    with_connection.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # mypy's function type has no __signature__; typer reads it
     with_connection.__annotations__ = {p.name: p.annotation for p in parameters}
     return cast(Command, with_connection)
 

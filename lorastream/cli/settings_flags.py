@@ -138,7 +138,7 @@ def _shown_default(name: str, info: FieldInfo) -> str | None:
     """The default as the help and the docs show it: ``on`` (a switch), ``0.5``,
     ``1048576 (1 MiB)``, ``~/.cache/...``; None when there is none to show (None, an empty list)."""
     if info.default_factory is not None:
-        value = info.default_factory()  # type: ignore[call-arg]
+        value = info.default_factory()  # type: ignore[call-arg]  # pydantic allows a factory taking the data; these take none
     elif info.default is PydanticUndefined:
         return None
     else:
@@ -190,7 +190,7 @@ def with_settings(
             *(_parameter(flag) for flag in flags),
             *(param.replace(kind=inspect.Parameter.KEYWORD_ONLY) for param in own),
         ]
-        run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # mypy's function type has no __signature__; typer reads it
         run.__annotations__ = {param.name: param.annotation for param in parameters}
         return run
 

@@ -66,9 +66,9 @@ class AccessTokens:
 
 
 def _matches(presented: str, expected: str | None) -> bool:
-    return bool(expected) and hmac.compare_digest(
-        presented.encode(), expected.encode()  # type: ignore[union-attr]
-    )
+    if not expected:
+        return False
+    return hmac.compare_digest(presented.encode(), expected.encode())
 
 
 def bearer_of(header: str | None) -> str | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from google.protobuf.message import Message
+
 from lorastream.core.manifest import TensorChunk
 
 # -- the chunk response on the wire ---------------------------------------------------------
@@ -91,8 +93,8 @@ def fields(raw: memoryview) -> Iterator[tuple[int, int | memoryview]]:
         raise ValueError("field runs past the message")
 
 
-def serialize_response(message: object) -> bytes:
+def serialize_response(message: bytes | Message) -> bytes:
     """Response serializer for servicers that may yield pre-encoded bytes."""
     if isinstance(message, bytes):
         return message
-    return message.SerializeToString()  # type: ignore[attr-defined]
+    return message.SerializeToString()

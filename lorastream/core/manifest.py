@@ -55,8 +55,8 @@ class AdapterManifest:
         """alpha / r, or alpha / sqrt(r) with rsLoRA (as PEFT computes it)."""
         return self.alpha / (self.rank**0.5) if self.use_rslora else self.alpha / self.rank
 
-    def replace(self, **changes: object) -> "AdapterManifest":
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> "AdapterManifest":
+        return dataclasses.replace(self, **changes)
 
 
 def manifest_json(m: AdapterManifest, *, tensors: bool = False) -> dict[str, Any]:

@@ -175,7 +175,7 @@ class CompletionRequest(_GenerationRequest):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return PromptInput(text=prompt)
-        return PromptInput(token_ids=tuple(prompt))  # type: ignore[arg-type]
+        return PromptInput(token_ids=tuple(prompt))  # type: ignore[arg-type]  # list[int] by now: str and nested lists were taken above
 
 
 class ContentPart(BaseModel):

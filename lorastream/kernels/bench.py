@@ -193,7 +193,7 @@ def _median_us(fn: Callable[[], None], warmup: int, repeat: int) -> float:
 
 
 def _timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    return torch.cuda.Event(enable_timing=True)
 
 
 def _per_layer(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

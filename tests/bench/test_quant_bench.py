@@ -44,7 +44,7 @@ def test_the_projection_time_runs_every_projection_and_the_lm_head_once_per_pass
     model = SimpleNamespace(
         proj=[[Projection(f"{i}.{j}", 8 + j) for j in range(4)] for i in range(2)],
         lm_head=Projection("lm_head", 8), dtype=torch.float32, device=torch.device("cpu"))
-    times = projection_ms({"m": model}, rows=5, passes=3)  # type: ignore[dict-item]
+    times = projection_ms({"m": model}, rows=5, passes=3)  # type: ignore[dict-item]  # a SimpleNamespace stands in for a model
     assert list(times) == ["m"] and len(times["m"]) == 3 and min(times["m"]) >= 0
     one_pass = [("0.0", (5, 8)), ("0.1", (5, 9)), ("0.2", (5, 10)), ("0.3", (5, 11)),
                 ("1.0", (5, 8)), ("1.1", (5, 9)), ("1.2", (5, 10)), ("1.3", (5, 11)),

@@ -38,7 +38,7 @@ class Service:
     @property
     def command(self) -> click.Command:
         group = typer.main.get_command(app)
-        return group.commands[self.name].commands["serve"]  # type: ignore[attr-defined]
+        return group.commands[self.name].commands["serve"]  # type: ignore[attr-defined]  # a click Group here; typed Command
 
 
 SERVICES = [
@@ -85,7 +85,7 @@ def test_no_option_restates_a_default_and_every_field_is_a_flag_or_suppressed(
     for flag in setting_flags(service.settings):
         option = options[flag.field]
         assert option.default is None, f"{flag.flag} restates a default"
-        assert flag.flag in option.opts  # type: ignore[attr-defined]
+        assert flag.flag in option.opts
     assert set(options) - flagged == {"log_level"}
 
 
@@ -229,7 +229,7 @@ def test_every_boolean_setting_is_a_switch_with_its_negation(service: Service) -
 
 
 def test_up_takes_its_boolean_options_as_switches_too() -> None:
-    up = typer.main.get_command(app).commands["up"]  # type: ignore[attr-defined]
+    up = typer.main.get_command(app).commands["up"]  # type: ignore[attr-defined]  # a click Group here; typed Command
     options = bool_options(up)
     assert {o.name for o in options} >= {"insecure_no_auth", "tls", "samples"}
     for option in options:

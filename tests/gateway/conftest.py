@@ -105,7 +105,7 @@ class Gateway:
 
     def openai(self, **kwargs: object) -> openai.OpenAI:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
-                               timeout=30, **kwargs)  # type: ignore[arg-type]
+                               timeout=30, **kwargs)  # type: ignore[arg-type]  # kwargs: OpenAI()'s own keywords
         self.clients.append(client)
         return client
 

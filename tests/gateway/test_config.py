@@ -55,7 +55,7 @@ def test_tokens_of_the_gateway_and_of_the_store_are_read_separately(
 )
 def test_invalid_settings_are_refused(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
-        GatewaySettings(**overrides)  # type: ignore[arg-type]
+        GatewaySettings(**overrides)  # type: ignore[arg-type]  # overrides: the settings' own fields
 
 
 def test_an_app_without_workers_is_refused_with_what_to_pass() -> None:

@@ -56,7 +56,7 @@ def test_models_lists_only_the_adapters_that_fit_the_served_base(mixed_store: Cl
     client = mixed_store.gateway.openai()
     models = {m.id: m for m in client.models.list()}
     assert set(models) == {BASE, *STORED_ADAPTERS}
-    assert {models[name].parent for name in STORED_ADAPTERS} == {BASE}  # type: ignore[attr-defined]
+    assert {models[name].parent for name in STORED_ADAPTERS} == {BASE}  # type: ignore[attr-defined]  # parent: a field the server adds
     # the control: the store holds the others, and operators still see them there
     with mixed_store.gateway.http(TOKEN) as operator:
         stored = {a["name"] for a in operator.get("/v1/adapters").json()["data"]}
@@ -73,7 +73,7 @@ def test_an_adapter_of_another_base_is_not_found_saying_why(
     client = mixed_store.gateway.openai()
     with pytest.raises(openai.NotFoundError, match=f"trained for a different base model.*{why}"):
         client.models.retrieve(name)
-    assert client.models.retrieve("attn-r4").parent == BASE  # type: ignore[attr-defined]
+    assert client.models.retrieve("attn-r4").parent == BASE  # type: ignore[attr-defined]  # parent: a field the server adds
     # what the list now says is what a request meets: the worker refuses it too
     with pytest.raises(openai.APIError, match="different base model"):
         client.completions.create(model=name, prompt="abc", max_tokens=2)

@@ -35,7 +35,7 @@ def test_greedy_chat_uses_the_chat_template_and_equals_the_worker(
     cluster: Cluster, model: str
 ) -> None:
     reply = cluster.gateway.openai().chat.completions.create(
-        model=model, messages=CHAT, max_tokens=10, temperature=0  # type: ignore[arg-type]
+        model=model, messages=CHAT, max_tokens=10, temperature=0  # type: ignore[arg-type]  # plain dicts, not openai's TypedDicts
     )
     messages = tuple((m["role"], m["content"]) for m in CHAT)
     text, tokens = worker_greedy(cluster.workers[1].target, model,
@@ -80,9 +80,9 @@ def test_streamed_completion_concatenates_to_the_whole_one(
 def test_streamed_chat_opens_with_the_role_and_matches_the_whole_reply(cluster: Cluster) -> None:
     client = cluster.gateway.openai()
     whole = client.chat.completions.create(model="attn-r4", messages=CHAT, max_tokens=12,
-                                           temperature=0)  # type: ignore[arg-type]
+                                           temperature=0)
     chunks = list(client.chat.completions.create(
-        model="attn-r4", messages=CHAT, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+        model="attn-r4", messages=CHAT, max_tokens=12, temperature=0,
         stream=True, stream_options={"include_usage": True},
     ))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -115,7 +115,7 @@ def test_models_list_has_the_base_model_and_every_stored_adapter_with_metadata(
     models = {m.id: m for m in client.models.list()}
     assert set(models) == {BASE, *STORED_ADAPTERS}
     adapter = models["all-r16-rslora"]
-    meta, parent = adapter.metadata, adapter.parent  # type: ignore[attr-defined]
+    meta, parent = adapter.metadata, adapter.parent  # type: ignore[attr-defined]  # fields the server adds to openai's Model
     assert (meta["rank"], meta["use_rslora"], parent) == (16, True, BASE)
     assert set(meta["target_modules"]) >= {"q_proj", "down_proj"}
     assert "source" not in meta and meta["pinned"] is False  # sources: operators only
@@ -123,7 +123,7 @@ def test_models_list_has_the_base_model_and_every_stored_adapter_with_metadata(
         listed = {m["id"]: m for m in operator.get("/v1/models").json()["data"]}
     assert listed["all-r16-rslora"]["metadata"]["source"].endswith("all-r16-rslora")
     assert adapter.created > 0 and adapter.owned_by == "lorastream"
-    assert client.models.retrieve("attn-r4").metadata["rank"] == 4  # type: ignore[attr-defined]
+    assert client.models.retrieve("attn-r4").metadata["rank"] == 4  # type: ignore[attr-defined]  # fields the server adds to openai's Model
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("ghost")
 
@@ -178,7 +178,7 @@ def test_bad_parameters_are_bad_request_errors_naming_the_field(
 ) -> None:
     request = {"model": "attn-r4", "prompt": "Hello", **params}
     with pytest.raises(openai.BadRequestError) as caught:
-        cluster.gateway.openai().completions.create(**request)  # type: ignore[call-overload]
+        cluster.gateway.openai().completions.create(**request)  # type: ignore[call-overload]  # request: a plain dict of the call's arguments
     error = caught.value.body
     assert isinstance(error, dict) and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
@@ -207,7 +207,7 @@ def test_unsupported_chat_fields_are_refused_naming_the_field(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         cluster.gateway.openai().chat.completions.create(
-            model="attn-r4", messages=CHAT, max_tokens=2, **params  # type: ignore[arg-type]
+            model="attn-r4", messages=CHAT, max_tokens=2, **params
         )
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param, error
@@ -215,7 +215,7 @@ def test_unsupported_chat_fields_are_refused_naming_the_field(
 
 def test_tool_choice_none_logprobs_false_and_neutral_extras_are_accepted(cluster: Cluster) -> None:
     reply = cluster.gateway.openai().chat.completions.create(
-        model="attn-r4", messages=CHAT, max_tokens=2, tool_choice="none",  # type: ignore[arg-type]
+        model="attn-r4", messages=CHAT, max_tokens=2, tool_choice="none",
         logprobs=False, extra_body={"min_p": 0.0, "skip_special_tokens": True,
                                     "add_generation_prompt": True},
     )
@@ -252,10 +252,10 @@ def test_chat_refuses_non_text_content_and_unsupported_features(cluster: Cluster
     client = cluster.gateway.openai()
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(openai.BadRequestError, match="text content"):
-        client.chat.completions.create(model=BASE, messages=image)  # type: ignore[arg-type]
+        client.chat.completions.create(model=BASE, messages=image)  # type: ignore[arg-type]  # a message openai's types refuse, on purpose
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello!"}]}]
     reply = client.chat.completions.create(
-        model=BASE, messages=parts, max_completion_tokens=3  # type: ignore[arg-type]
+        model=BASE, messages=parts, max_completion_tokens=3  # type: ignore[arg-type]  # plain dicts, not openai's TypedDicts
     )
     assert reply.usage.completion_tokens <= 3
 

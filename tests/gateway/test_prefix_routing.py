@@ -36,7 +36,7 @@ def test_a_repeated_system_prompt_reports_its_cached_tokens(
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": model}]
     replies = [
         client.chat.completions.create(
-            model=model, messages=messages, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+            model=model, messages=messages, max_tokens=4, temperature=0,  # type: ignore[arg-type]  # plain dicts, not openai's TypedDicts
         )
         for _ in range(2)
     ]

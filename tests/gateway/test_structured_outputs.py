@@ -117,7 +117,7 @@ def test_constrained_and_free_requests_run_side_by_side(cluster: Cluster) -> Non
 
 def test_n_choices_are_each_constrained(cluster: Cluster) -> None:
     reply = cluster.gateway.openai().chat.completions.create(
-        model="attn-r4", messages=CHAT, max_tokens=10, n=3, temperature=1.0, seed=1,  # type: ignore[arg-type]
+        model="attn-r4", messages=CHAT, max_tokens=10, n=3, temperature=1.0, seed=1,  # type: ignore[arg-type]  # plain dicts, not openai's TypedDicts
         extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
     )
     assert len(reply.choices) == 3

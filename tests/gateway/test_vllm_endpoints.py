@@ -167,7 +167,7 @@ def test_tokenize_chat_counts_what_a_chat_completion_prefills(keyed: Cluster) ->
                                                    "return_token_strs": True}, KEY)
     assert status == 200, tokenized
     reply = _client(keyed).chat.completions.create(
-        model=BASE, messages=messages, max_tokens=1  # type: ignore[arg-type]
+        model=BASE, messages=messages, max_tokens=1  # type: ignore[arg-type]  # plain dicts, not openai's TypedDicts
     )
     assert reply.usage is not None and reply.usage.prompt_tokens == tokenized["count"]
     assert "".join(tokenized["token_strs"]) == "<system>Be brief.<user>Hi<assistant>"

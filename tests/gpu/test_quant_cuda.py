@@ -55,7 +55,7 @@ def test_cuda_quant_linear_matches_the_dequantized_product(
     torch.manual_seed(0)
     w = (torch.randn(96, 128, device=cuda) * 0.1).to(dtype)
     x = torch.randn(rows, 128, device=cuda).to(dtype)
-    linear = QuantLinear(w, None, mode)  # type: ignore[arg-type]
+    linear = QuantLinear(w, None, mode)  # type: ignore[arg-type]  # mode: a str from the parametrize list
     assert linear.weight_q.device.type == "cuda"
     expected = x.float() @ linear.dequantized().T  # [T, N]
     y = linear(x)
@@ -87,7 +87,7 @@ def test_cuda_int8_mixed_batch_logits_agree_with_peft_over_dequantized_weights(
     config = ModelConfig.from_dir(tiny_model)
     dtype = torch.bfloat16
     model = DecoderModel(config, load_weights(tiny_model, config, dtype, cuda), cuda,
-                         mode)  # type: ignore[arg-type]
+                         mode)  # type: ignore[arg-type]  # mode: a str from the parametrize list
     slots = LoraSlots(config, len(ADAPTERS), 64, dtype, cuda)
     slot_of = {}
     for slot, (name, path) in enumerate(tiny_adapters.items()):

@@ -53,8 +53,8 @@ class SyncGuard:
             torch.cuda.set_sync_debug_mode("default")  # the step's one read: tokens.tolist()
             return sampled
 
-        engine._step = guarded_step  # type: ignore[method-assign]
-        engine.sampler.step = guarded_sample  # type: ignore[method-assign]
+        engine._step = guarded_step  # type: ignore[method-assign]  # a guard wrapped around the method
+        engine.sampler.step = guarded_sample  # type: ignore[method-assign]  # a guard wrapped around the method
 
 
 @pytest.fixture

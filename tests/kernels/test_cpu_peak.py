@@ -62,4 +62,4 @@ def test_the_op_names_a_bad_argument(kind: str, iterations: int, threads: int,
 ])
 def test_the_wrapper_names_a_bad_argument(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        multiply_add_peak(**kwargs)  # type: ignore[arg-type]
+        multiply_add_peak(**kwargs)  # type: ignore[arg-type]  # a bad value on purpose

@@ -171,7 +171,7 @@ def test_wrong_tls_files_are_refused_naming_the_flag_and_the_path(
     pki: PKI, tmp_path: Path, files: object, message: str
 ) -> None:
     with pytest.raises(InvalidArgument, match=message):
-        files(pki.local, tmp_path)  # type: ignore[operator]
+        files(pki.local, tmp_path)  # type: ignore[operator]  # files: typed object, a callable from the parametrize list
 
 
 def test_a_store_with_a_wrong_certificate_path_does_not_start(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ class _RecordingSink(BytesSink):
     """A BytesSink that records its writes and verified tensors, and can run ``on_write`` once
     after ``n`` writes (to stop the store mid-stream)."""
 
-    def __init__(self, n: int = 0, on_write=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, n: int = 0, on_write=None) -> None:
         super().__init__()
         self.n, self.on_write = n, on_write
         self.writes: list[tuple[int, int]] = []

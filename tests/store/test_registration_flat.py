@@ -135,7 +135,7 @@ def _one_preload(client: StoreClient, store: AdapterStore, watch: _WatchTap,
         events = list(client.preload(str(source), name_of(i)))
     finally:
         _Listings.current = None
-        threading.settrace(None)  # type: ignore[arg-type]
+        threading.settrace(None)
         db.set_progress_handler(None, 1)
     assert events[-1].manifest is not None and events[-1].manifest.name == name_of(i)
     work.reply_bytes = sum(codec.progress_to_pb(e).ByteSize() for e in events)
@@ -153,7 +153,7 @@ def _work_at(names: int, root: Path, adapters: DistinctAdapters, full: bool) -> 
     with served_store(root, cache_bytes=1 << 40) as (client, store):
         fill(store, adapters, 0, names)
         if full:  # room for what is staged, and less than one more adapter
-            store._contents.budget = store.bytes_used + store.bytes_used // names // 2  # noqa: SLF001
+            store._contents.budget = store.bytes_used + store.bytes_used // names // 2  # noqa: SLF001 -- the budget set in place
         with StoreClient(client.target) as watcher:
             watch = _WatchTap(watcher)
             try:

@@ -33,7 +33,7 @@ def _entry(name: str, adapter_id: str = "a" * 64, **fields: object) -> RegistryE
         "source_uri": f"s3://bucket/{name}", "revision": "etag", "created_at": 1.0,
         "last_used_at": 1.0, "pinned": False, **fields,
     }
-    return RegistryEntry(name=name, adapter_id=adapter_id, **values)  # type: ignore[arg-type]
+    return RegistryEntry(name=name, adapter_id=adapter_id, **values)  # type: ignore[arg-type]  # values: the entry's own fields
 
 
 # Registers names one at a time, printing each name once its registration returned.

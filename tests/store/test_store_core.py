@@ -131,7 +131,7 @@ def test_out_of_range_resume_points_are_invalid_arguments(
     start_offset = manifest.tensors[0].nbytes if offset == "nbytes" else offset
     with store.open_stream("all") as lease:
         with pytest.raises(errors.InvalidArgument, match=message):
-            lease.chunks(start, start_offset, chunk_bytes)  # type: ignore[arg-type]
+            lease.chunks(start, start_offset, chunk_bytes)  # type: ignore[arg-type]  # a bad value on purpose
 
 
 # -- identity, operator calls, progress ----------------------------------------------------------

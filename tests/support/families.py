@@ -65,7 +65,7 @@ def reference_tokens(checkpoint: Path, adapter: Path | None) -> dict[int, list[i
 def make_family_case(family: str, root: Path) -> FamilyCase:
     checkpoint = make_tiny_family(family, root / "model")
     adapters = {
-        name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]
+        name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
         for name, spec in adapter_specs(family).items()
     }
     reference = {}

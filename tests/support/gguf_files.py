@@ -87,5 +87,5 @@ def gguf_matrix(path: Path, name: str) -> np.ndarray:
     """The dequantized values of tensor ``name`` of ``path``, [rows, cols] fp32."""
     import gguf
 
-    tensor = next(t for t in _reader(path).tensors if t.name == name)  # type: ignore[attr-defined]
+    tensor = next(t for t in _reader(path).tensors if t.name == name)  # type: ignore[attr-defined]  # gguf's reader tensors are untyped
     return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)

@@ -108,7 +108,7 @@ def save_tiny_tokenizer(
 def make_tiny_checkpoint(out_dir: Path, seed: int = 0, **overrides: object) -> Path:
     """A complete tiny HF checkpoint: weights, config.json and a tokenizer."""
     make_tiny_llama(out_dir, seed=seed, **overrides)
-    vocab = int(overrides.get("vocab_size", TINY_LLAMA["vocab_size"]))  # type: ignore[arg-type]
+    vocab = int(overrides.get("vocab_size", TINY_LLAMA["vocab_size"]))
     return save_tiny_tokenizer(out_dir, vocab)
 
 

@@ -18,7 +18,7 @@ def no_device_reads(where: str = "on the step path") -> Iterator[None]:
     """Inside the block, any read of a tensor back to the host raises AssertionError."""
     saved = {name: getattr(torch.Tensor, name) for name in DEVICE_READS}
 
-    def forbid(name: str):  # type: ignore[no-untyped-def]
+    def forbid(name: str):
         def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
             raise AssertionError(f"Tensor.{name}() {where} forces a device sync")
         return read

@@ -173,6 +173,6 @@ def busy(seconds: float) -> None:
 
 def greedy_tokens(engine: Engine, model: str, prompt: int, **params: object) -> list[int]:
     """The tokens ``engine`` generates for ``PROMPTS[prompt]`` (12 unless ``max_tokens``)."""
-    sampling = SamplingParams(**{"max_tokens": 12, **params})  # type: ignore[arg-type]
+    sampling = SamplingParams(**{"max_tokens": 12, **params})  # type: ignore[arg-type]  # params: SamplingParams' own fields
     stream = engine.submit(model, PromptInput(token_ids=tuple(PROMPTS[prompt])), sampling)
     return [t for event in stream for t in event.token_ids]

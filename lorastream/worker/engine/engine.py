@@ -323,7 +323,7 @@ class Engine:
         )
         for seq, count in inputs.fed:
             seq.num_computed += count
-        decode = self.tokenizer.decode  # type: ignore[attr-defined]
+        decode = self.tokenizer.decode  # type: ignore[attr-defined]  # a transformers tokenizer, typed object
         for i, (seq, token) in enumerate(zip(drawn.sequences, drawn.tokens, strict=True)):
             self._emit(seq, int(token), token_logprobs(int(token), drawn.logprobs.get(i), decode))
         self.adapters.observe_step(rows, time.perf_counter() - started)

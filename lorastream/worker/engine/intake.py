@@ -82,7 +82,7 @@ class RequestIntake:
         elif prompt.messages is not None:
             ids = list(render_chat(tok, self.model_name, prompt, tokenize=True))
         else:
-            ids = list(tok(prompt.text or "").input_ids)  # type: ignore[operator]
+            ids = list(tok(prompt.text or "").input_ids)  # type: ignore[operator]  # a transformers tokenizer, typed object
         if not ids:
             raise InvalidArgument("the prompt is empty")
         return ids

@@ -161,7 +161,7 @@ def build_meta(
         output_rows=None if identity else longs(output_rows),
     )
     if slot_major:
-        return LoraStepMeta(  # type: ignore[arg-type]
+        return LoraStepMeta(
             **common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot
         )
     ends, total = [], 0
@@ -169,7 +169,7 @@ def build_meta(
         total += len(by_slot.get(slot, ()))
         ends.append(total)
     return LoraStepMeta(
-        **common,  # type: ignore[arg-type]
+        **common,  # type: ignore[arg-type]  # common: tensors and ints by key, as the fields
         offs=longs(ends).to(torch.int32),
         sorted_slots=longs([s for s in active for _ in by_slot[s]]),
     )

@@ -48,7 +48,7 @@ def recording_session(calls: list[tuple[str, str | None]]) -> boto3.session.Sess
     session = boto3.session.Session()
 
     def record(params: dict[str, object], model: object, **_: object) -> None:
-        calls.append((getattr(model, "name", "?"), params.get("Range")))  # type: ignore[arg-type]
+        calls.append((getattr(model, "name", "?"), params.get("Range")))  # type: ignore[arg-type]  # botocore's params: a plain dict
 
     session.events.register("before-parameter-build.s3.GetObject", record)
     session.events.register("before-parameter-build.s3.HeadObject", record)

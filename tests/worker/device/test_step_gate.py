@@ -163,21 +163,21 @@ def test_the_engine_copies_adapters_into_slots_only_between_its_steps(
 
     def timed_step(plan: object) -> None:
         began = time.perf_counter()
-        step(plan)  # type: ignore[arg-type]
+        step(plan)  # type: ignore[arg-type]  # a timing wrapper around the method
         record.steps.append((began, time.perf_counter()))
 
     def timed(op: object) -> object:
         def run() -> None:
             began = time.perf_counter()
-            op()  # type: ignore[operator]
+            op()  # type: ignore[operator]  # a timing wrapper around the method
             record.ops.append((began, time.perf_counter()))
         return run
 
-    engine._step = timed_step  # type: ignore[method-assign]
+    engine._step = timed_step  # type: ignore[method-assign]  # a timing wrapper around the method
     def timed_ops(*args: object, **kwargs: object) -> list[object]:
-        return [timed(op) for op in write_ops(*args, **kwargs)]  # type: ignore[arg-type]
+        return [timed(op) for op in write_ops(*args, **kwargs)]  # type: ignore[arg-type]  # a timing wrapper around the method
 
-    engine.slots.write_ops = timed_ops  # type: ignore[method-assign]
+    engine.slots.write_ops = timed_ops  # type: ignore[method-assign]  # a timing wrapper around the method
     engine.start()
     running = engine.submit("tiny", PromptInput(token_ids=tuple(PROMPTS[0])),
                             SamplingParams(max_tokens=300, ignore_eos=True))

@@ -36,13 +36,13 @@ def checkpoint() -> Path:
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("default-adapters")
     return {
-        name: make_synthetic_adapter(root / name, SMOLLM2_135M, std=0.05, **spec)  # type: ignore[arg-type]
+        name: make_synthetic_adapter(root / name, SMOLLM2_135M, std=0.05, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
         for name, spec in ADAPTERS.items()
     }
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def engine(checkpoint: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     settings = WorkerSettings(
         model="default", max_loras=4, max_lora_rank=16, kv_cache_bytes=64 << 20,
         model_cache_dir=tmp_path_factory.mktemp("unused-cache"),

@@ -19,7 +19,7 @@ from tests.support.models import make_peft_adapter, make_tiny_llama
 from tests.worker.conftest import PROMPTS, EngineFactory
 
 
-def _tokens(stream) -> tuple[list[int], FinishReason | None]:  # type: ignore[no-untyped-def]
+def _tokens(stream) -> tuple[list[int], FinishReason | None]:
     tokens, reason = [], None
     for event in stream:
         tokens.extend(event.token_ids)
@@ -31,7 +31,7 @@ def _prompt(i: int = 0) -> PromptInput:
     return PromptInput(token_ids=tuple(PROMPTS[i]))
 
 
-def _still_serves(engine, adapter: str = "tiny") -> None:  # type: ignore[no-untyped-def]
+def _still_serves(engine, adapter: str = "tiny") -> None:
     tokens, reason = _tokens(engine.submit(adapter, _prompt(), SamplingParams(max_tokens=4)))
     assert tokens and reason is not None
 

@@ -23,7 +23,7 @@ from lorastream.worker.service.operations import WorkerOperations
 from tests.worker.conftest import ADAPTERS, NEW_TOKENS, PROMPTS, EngineFactory, peft_model
 
 
-def _collect(stream) -> tuple[list[int], str, FinishReason | None]:  # type: ignore[no-untyped-def]
+def _collect(stream) -> tuple[list[int], str, FinishReason | None]:
     tokens, text, reason = [], "", None
     for event in stream:
         tokens.extend(event.token_ids)
@@ -42,7 +42,7 @@ def test_one_mixed_batch_of_every_adapter_and_the_base_gives_peft_greedy_tokens(
     # requests queue up and land in the same first step
     engine = engine_factory(start=False, cpu_kernels=kernels)
     assert engine.model.native_attention is (kernels == "native")
-    assert engine.backend.native is (kernels == "native")  # type: ignore[attr-defined]
+    assert engine.backend.native is (kernels == "native")  # type: ignore[attr-defined]  # native: on the torch backend only
     ops = WorkerOperations(engine)
     for name, path in tiny_adapters.items():
         ops.load_adapter(name, str(path))

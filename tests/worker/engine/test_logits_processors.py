@@ -182,7 +182,7 @@ def test_sampling_counts_each_token_into_its_history() -> None:
     rows = [_row(params, [1, 2], [7, 7]), _row(SamplingParams(), [1], [])]
     sampler = Sampler()
     tokens = sampler.step(_logits(2), rows).tokens
-    counts = rows[0].history.output_counts  # type: ignore[union-attr]
+    counts = rows[0].history.output_counts  # type: ignore[union-attr]  # history is set on a running row
     assert counts[7] == 2 + (tokens[0] == 7)
     assert counts.sum() == 3 and counts[tokens[0]] >= 1
 
@@ -272,6 +272,6 @@ def test_mixed_adapter_batch_with_different_params_matches_hf_peft_row_by_row(
         assert len(entry.top) == 4 and entry.top[0].logprob == entry.logprob
         assert entry.logprob == pytest.approx(exact[n, entry.token_id].item(), abs=1e-4)
         assert [t.token_id for t in entry.top] == exact[n].topk(4).indices.tolist()
-        decode = engine.tokenizer.decode  # type: ignore[attr-defined]
+        decode = engine.tokenizer.decode  # type: ignore[attr-defined]  # a transformers tokenizer, typed object
         assert entry.token == decode([entry.token_id])
         assert all(math.isfinite(t.logprob) for t in entry.top)

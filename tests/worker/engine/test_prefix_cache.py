@@ -25,7 +25,7 @@ CONFIG = ModelConfig(
 def seq(prompt: list[int], adapter: str | None = None, max_tokens: int = 8) -> Sequence:
     return Sequence(
         request_id="r", prompt_ids=list(prompt), params=SamplingParams(), adapter_id=adapter,
-        stream=RequestStream("r"), detokenizer=None,  # type: ignore[arg-type]
+        stream=RequestStream("r"), detokenizer=None,  # type: ignore[arg-type]  # a sequence without a detokenizer suffices
         generator=None, max_len=len(prompt) + max_tokens, eos_ids=frozenset(),
     )
 
@@ -161,8 +161,8 @@ def test_blocks_of_another_adapter_content_never_match(
 def test_base_model_and_quantization_are_part_of_the_key(field: str, a: str, b: str) -> None:
     alloc = BlockAllocator(32)
     prompt = list(range(40))
-    one = PrefixCache(alloc, CONFIG, **{field: a})  # type: ignore[arg-type]
-    other = PrefixCache(alloc, CONFIG, **{field: b})  # type: ignore[arg-type]
+    one = PrefixCache(alloc, CONFIG, **{field: a})  # type: ignore[arg-type]  # field: one of PrefixCache's keywords
+    other = PrefixCache(alloc, CONFIG, **{field: b})  # type: ignore[arg-type]  # field: one of PrefixCache's keywords
     s = seq(prompt)
     admit(one, s)
     run_to_end(one, s, [])

@@ -50,7 +50,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     checkpoint = make_tiny_family(request.param, root / "model")
     specs = adapter_specs(request.param)
     adapters = {
-        name: make_family_adapter(checkpoint, root / name, **specs[name])  # type: ignore[arg-type]
+        name: make_family_adapter(checkpoint, root / name, **specs[name])  # type: ignore[arg-type]  # specs: the function's own keywords
         for name in ADAPTERS
     }
     return Case(request.param, checkpoint, adapters)
@@ -60,7 +60,7 @@ def make_engine(case: Case, tmp: Path, prefix_caching: bool, **overrides: object
     settings = WorkerSettings(
         model=str(case.checkpoint), served_model_name=BASE, model_cache_dir=tmp / "models",
         max_loras=4, max_lora_rank=16, prefix_caching=prefix_caching,
-        **{"kv_cache_bytes": 4 << 20, "max_num_tokens": 24, **overrides},  # type: ignore[arg-type]
+        **{"kv_cache_bytes": 4 << 20, "max_num_tokens": 24, **overrides},  # type: ignore[arg-type]  # the settings' own fields
     )
     engine = build_engine(settings, checkpoint=case.checkpoint)
     for name, path in case.adapters.items():
@@ -89,7 +89,7 @@ def run_batch(
     engine: Engine, requests: list[tuple[str, list[int]]], **params: object
 ) -> list[Outcome]:
     """Submit every request before reading any (they run as one mixed batch), greedy."""
-    sampling = SamplingParams(**{"max_tokens": NEW_TOKENS, "logprobs": 3, **params})  # type: ignore[arg-type]
+    sampling = SamplingParams(**{"max_tokens": NEW_TOKENS, "logprobs": 3, **params})  # type: ignore[arg-type]  # params: SamplingParams' own fields
     streams = [engine.submit(m, PromptInput(token_ids=tuple(p)), sampling) for m, p in requests]
     outcomes = []
     for stream in streams:
@@ -156,12 +156,12 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Case:
     checkpoint = make_tiny_family("llama", root / "model")
     specs = adapter_specs("llama")
     adapters = {
-        name: make_family_adapter(checkpoint, root / name, **specs[name])  # type: ignore[arg-type]
+        name: make_family_adapter(checkpoint, root / name, **specs[name])  # type: ignore[arg-type]  # specs: the function's own keywords
         for name in ADAPTERS
     }
     # a second version of attn-r4: other weights, pushed later under the same name
     adapters["attn-r4-v2"] = make_family_adapter(
-        checkpoint, root / "attn-r4-v2", **{**specs["attn-r4"], "seed": 99}  # type: ignore[arg-type]
+        checkpoint, root / "attn-r4-v2", **{**specs["attn-r4"], "seed": 99}  # type: ignore[arg-type]  # specs: the function's own keywords
     )
     return Case("llama", checkpoint, adapters)
 

@@ -261,24 +261,24 @@ def test_inverse_cdf_picks_by_cumulative_weight_and_never_a_zero_weight_token(
         (SamplingParams(temperature=-1), "temperature must be >= 0, got -1"),
         (SamplingParams(temperature=math.nan), "temperature must be a finite number"),
         (SamplingParams(temperature=math.inf), "temperature must be a finite number"),
-        (SamplingParams(temperature="hot"), "temperature must be a number"),  # type: ignore
+        (SamplingParams(temperature="hot"), "temperature must be a number"),  # type: ignore[arg-type]  # a wrong type on purpose
         (SamplingParams(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
         (SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
         (SamplingParams(top_p=-math.inf), "top_p must be a finite number"),
         (SamplingParams(top_k=-1), "top_k must be 0 (disabled) or >= 1, got -1"),
-        (SamplingParams(top_k=2.5), "top_k must be an integer"),  # type: ignore[arg-type]
+        (SamplingParams(top_k=2.5), "top_k must be an integer"),  # type: ignore[arg-type]  # a wrong type on purpose
         (SamplingParams(max_tokens=0), "max_tokens must be >= 1, got 0"),
         (SamplingParams(max_tokens=True), "max_tokens must be an integer"),
         (SamplingParams(seed=-1), "seed must be in [0, 2**64 - 1], got -1"),
         (SamplingParams(seed=2**64), "seed must be in [0, 2**64 - 1]"),
         (SamplingParams(stop=("ok", "")), "stop strings must not be empty"),
         (SamplingParams(stop=tuple("x" * i for i in range(1, 18))), "at most 16 strings, got 17"),
-        (SamplingParams(stop="END"), "wrap a single stop string in a list"),  # type: ignore
-        (SamplingParams(stop=("a", 3)), "stop strings must be strings"),  # type: ignore[arg-type]
+        (SamplingParams(stop="END"), "wrap a single stop string in a list"),  # type: ignore[arg-type]  # a wrong type on purpose
+        (SamplingParams(stop=("a", 3)), "stop strings must be strings"),  # type: ignore[arg-type]  # a wrong type on purpose
         (SamplingParams(stop=("x" * 1025,)), "at most 1024 characters"),
         (SamplingParams(stop_token_ids=(5, VOCAB)), f"in [0, {VOCAB - 1}] (the vocabulary), got"),
         (SamplingParams(stop_token_ids=(-1,)), "stop_token_ids must be in [0, 999]"),
-        (SamplingParams(ignore_eos=1), "ignore_eos must be a bool"),  # type: ignore[arg-type]
+        (SamplingParams(ignore_eos=1), "ignore_eos must be a bool"),  # type: ignore[arg-type]  # a wrong type on purpose
         (SamplingParams(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
         (SamplingParams(frequency_penalty=-3), "frequency_penalty must be in [-2, 2], got -3"),
         (SamplingParams(frequency_penalty=math.nan), "frequency_penalty must be a finite"),

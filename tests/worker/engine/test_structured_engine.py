@@ -44,7 +44,7 @@ def _collect(events: list[GenerationEvent]) -> dict[int, tuple[list[int], str, F
     out: dict[int, tuple[list[int], str, FinishReason]] = {}
     for e in events:
         tokens, text, _ = out.get(e.index, ([], "", None))
-        out[e.index] = (tokens + list(e.token_ids), text + e.text, e.finish_reason)  # type: ignore[assignment]
+        out[e.index] = (tokens + list(e.token_ids), text + e.text, e.finish_reason)  # type: ignore[assignment]  # finish_reason: None before the last event
     return out
 
 
@@ -122,6 +122,6 @@ def test_a_bad_constraint_is_refused_at_submit_and_nothing_is_queued(
     engine = engine_factory()
     with pytest.raises(InvalidArgument, match=match):
         engine.submit("tiny", PromptInput(text="x"), SamplingParams(
-            max_tokens=4, structured=output, **params  # type: ignore[arg-type]
+            max_tokens=4, structured=output, **params  # type: ignore[arg-type]  # params: SamplingParams' own fields
         ))
     assert engine.waiting == 0 and engine.running == 0

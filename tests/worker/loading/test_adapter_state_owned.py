@@ -244,7 +244,7 @@ def test_only_the_records_hold_the_entries_and_names() -> None:
 def test_collaborators_get_no_lock_map_or_callback(collaborator: type) -> None:
     """The manager's collaborators get narrow objects: not its lock or condition, not a map
     of its entries, not a function to call back into it."""
-    parameters = inspect.signature(collaborator.__init__).parameters  # type: ignore[misc]
+    parameters = inspect.signature(collaborator.__init__).parameters  # type: ignore[misc]  # reading __init__ off the class
     wide = {
         name: str(parameter.annotation) for name, parameter in parameters.items()
         if any(kind in str(parameter.annotation)

@@ -15,7 +15,7 @@ def _fitted(fixed: float = 0.040, per_token: float = 0.0005) -> AdmissionCostMod
 
 
 def test_the_step_cost_is_fitted_from_observed_steps() -> None:
-    fixed, per_token = _fitted().step_cost()  # type: ignore[misc]
+    fixed, per_token = _fitted().step_cost()  # type: ignore[misc]  # fitted: not None after a fit
     assert fixed == pytest.approx(0.040, rel=1e-6) and per_token == pytest.approx(0.0005, rel=1e-6)
 
 

@@ -41,7 +41,7 @@ def test_fetches_land_through_the_fetch_process_at_the_loader_priority(
     landed_here: list[str] = []
     original_write = HostAdapterBuffer.write
 
-    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+    def recording_write(self, tensor_index, offset, data):
         landed_here.append(self.manifest.name)
         original_write(self, tensor_index, offset, data)
 
@@ -106,7 +106,7 @@ def test_off_fetches_on_the_workers_loader_threads_at_the_loader_priority(
     fetched_on: list[int] = []
     original_write = HostAdapterBuffer.write
 
-    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+    def recording_write(self, tensor_index, offset, data):
         fetched_on.append(threading.get_native_id())
         original_write(self, tensor_index, offset, data)
 

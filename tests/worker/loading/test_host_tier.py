@@ -50,7 +50,7 @@ def test_a_view_is_the_arenas_memory(device: Device) -> None:
 
 
 def _entry(name: str, units: int, last_used: float, **state: object) -> AdapterEntry:
-    entry = AdapterEntry(name, name, manifest=None, last_used=last_used)  # type: ignore[arg-type]
+    entry = AdapterEntry(name, name, manifest=None, last_used=last_used)  # type: ignore[arg-type]  # no manifest needed by the tier
     entry.weights = object()  # type: ignore[assignment]  # a host copy is present
     entry.host_bytes = units * U
     for key, value in state.items():
@@ -69,7 +69,7 @@ def test_room_is_made_by_evicting_idle_copies_least_recently_used_first(device: 
     old, new, held = _entry("old", 1, 1.0), _entry("new", 1, 2.0), _entry("held", 1, 0.5, refs=1)
     for e in (old, new, held):
         _hold(tier, e)
-    incoming = AdapterEntry("in", "in", manifest=None)  # type: ignore[arg-type]
+    incoming = AdapterEntry("in", "in", manifest=None)  # type: ignore[arg-type]  # no manifest needed by the tier
     assert tier.reserve([old, new, held], incoming, U)
     assert old.weights is None and old.host_bytes == 0 and old.host_offset is None
     assert new.weights is not None and held.weights is not None
@@ -89,11 +89,11 @@ def test_adapters_in_use_are_never_evicted(device: Device, state: dict[str, obje
     tier = HostTier(device, 2 * U, WorkerMetrics())
     busy = _entry("busy", 2, 0.0, **state)
     _hold(tier, busy)
-    incoming = AdapterEntry("in", "in", manifest=None)  # type: ignore[arg-type]
+    incoming = AdapterEntry("in", "in", manifest=None)  # type: ignore[arg-type]  # no manifest needed by the tier
     assert not tier.reserve([busy], incoming, U)
     assert busy.weights is not None and incoming.host_bytes == 0
     if "slot_event" in state:  # once the copy landed, the range may be reused
-        busy.slot_event.set()  # type: ignore[union-attr]
+        busy.slot_event.set()  # type: ignore[union-attr]  # slot_event: not None in this state
         assert tier.reserve([busy], incoming, U) and busy.weights is None
 
 
@@ -102,7 +102,7 @@ def test_a_fragmented_arena_falls_back_to_a_separate_allocation(device: Device) 
     a, b, c = _entry("a", 1, 0.0, refs=1), _entry("b", 1, 0.0), _entry("c", 1, 0.0, refs=1)
     for e in (a, b, c):
         _hold(tier, e)  # a b c _ : after evicting b, the free units are not adjacent
-    incoming = AdapterEntry("in", "in", manifest=None)  # type: ignore[arg-type]
+    incoming = AdapterEntry("in", "in", manifest=None)  # type: ignore[arg-type]  # no manifest needed by the tier
     assert tier.reserve([a, b, c], incoming, 2 * U)
     assert b.weights is None  # evicted for the bytes
     assert incoming.host_bytes == 2 * U and incoming.host_offset is None

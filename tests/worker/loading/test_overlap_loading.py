@@ -83,11 +83,11 @@ def test_no_step_reads_a_slot_before_its_copy_completed(
     reads: list[tuple[int, bool]] = []
     original = engine.device.compute_wait
 
-    def checked_wait(event) -> None:  # type: ignore[no-untyped-def]
+    def checked_wait(event) -> None:
         reads.append((id(event), event.query()))
         original(event)
 
-    engine.device.compute_wait = checked_wait  # type: ignore[method-assign]
+    engine.device.compute_wait = checked_wait  # type: ignore[method-assign]  # a checking wrapper around the method
     names = list(ADAPTERS)
     results: dict[str, list[int]] = {}
 
@@ -172,7 +172,7 @@ def test_a_store_that_dies_mid_stream_is_resumed_from_the_last_verified_offset(
     writes: list[tuple[int, int]] = []  # (tensor, offset) of each chunk landed in this process
     original_write = HostAdapterBuffer.write
 
-    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+    def recording_write(self, tensor_index, offset, data):
         writes.append((tensor_index, offset))
         original_write(self, tensor_index, offset, data)
 
@@ -262,7 +262,7 @@ def test_fetches_share_the_link_one_at_a_time_unless_configured_otherwise(
     writes: list[str] = []  # the adapter of every chunk landed, in order
     original_write = HostAdapterBuffer.write
 
-    def recording_write(self, tensor_index, offset, data):  # type: ignore[no-untyped-def]
+    def recording_write(self, tensor_index, offset, data):
         writes.append(self.manifest.name)
         original_write(self, tensor_index, offset, data)
 

@@ -33,7 +33,7 @@ def _count_describes(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[st
     calls: list[str] = []
     real = fetcher.describe
 
-    def counted(name: str):  # type: ignore[no-untyped-def]
+    def counted(name: str):
         calls.append(name)
         return real(name)
 

@@ -7,18 +7,18 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first launched
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path  # noqa: E402 -- after TRITON_INTERPRET is set
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402 -- after TRITON_INTERPRET is set
 
-from lorastream.core.generation import PromptInput, SamplingParams  # noqa: E402
-from lorastream.worker.service.operations import WorkerOperations  # noqa: E402
-from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory  # noqa: E402
+from lorastream.core.generation import PromptInput, SamplingParams  # noqa: E402 -- after TRITON_INTERPRET is set
+from lorastream.worker.service.operations import WorkerOperations  # noqa: E402 -- after TRITON_INTERPRET is set
+from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory  # noqa: E402 -- after TRITON_INTERPRET is set
 
 NEW_TOKENS = 6
 
 
-def _run(engine_factory: EngineFactory, backend: str, adapters: dict[str, Path]) -> dict:  # type: ignore[type-arg]
+def _run(engine_factory: EngineFactory, backend: str, adapters: dict[str, Path]) -> dict:
     engine = engine_factory(start=False, lora_backend=backend)
     ops = WorkerOperations(engine)
     for name, path in adapters.items():

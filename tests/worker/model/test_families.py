@@ -292,7 +292,7 @@ BROKEN = {
 
 @pytest.mark.parametrize(("family", "edit", "message"), BROKEN.values(), ids=BROKEN.keys())
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused_at_start(
-    tmp_path: Path, family: str, edit, message: str  # type: ignore[no-untyped-def]
+    tmp_path: Path, family: str, edit, message: str
 ) -> None:
     checkpoint = make_tiny_family(family, tmp_path / "model")
     edit(checkpoint)

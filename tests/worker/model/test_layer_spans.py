@@ -76,7 +76,7 @@ def _prime(model: DecoderModel, kv: KVCache, table: list[int], past: int) -> Non
 def test_layer_spans_give_the_one_pass_forward(family: str, tmp_path: Path) -> None:
     deeper: dict[str, object] = {"num_hidden_layers": 4}
     if "layer_types" in FAMILY_CONFIGS[family]:  # Gemma 3: sliding, full, sliding, full
-        deeper["layer_types"] = list(FAMILY_CONFIGS[family]["layer_types"]) * 2  # type: ignore
+        deeper["layer_types"] = list(FAMILY_CONFIGS[family]["layer_types"]) * 2  # type: ignore[call-overload]  # the config dict's values are object
     checkpoint = make_tiny_family(family, tmp_path / "m", **deeper)
     attn, mlp = FAMILY_TARGETS[family]
     adapter = make_family_adapter(checkpoint, tmp_path / "a", rank=4, targets=attn + mlp)

@@ -124,7 +124,7 @@ def test_quant_linear_matches_the_dequantized_product(
     torch.manual_seed(1)
     w, x = torch.randn(48, k) * 0.1, torch.randn(rows, k)
     b = torch.randn(48) if bias else None
-    linear = QuantLinear(w, b, mode)  # type: ignore[arg-type]
+    linear = QuantLinear(w, b, mode)  # type: ignore[arg-type]  # mode: a str from the parametrize list
     expected = x @ linear.dequantized().T  # [T, N]
     if b is not None:
         expected = expected + b
@@ -167,7 +167,7 @@ def test_exact_top_recomputes_each_rows_candidates_over_the_dequantized_weight(
     torch.manual_seed(2)
     w, x = torch.randn(300, 64) * 0.1, torch.randn(5, 64)
     b = torch.randn(300) if bias else None
-    linear = QuantLinear(w, b, mode, keep_rows=True)  # type: ignore[arg-type]
+    linear = QuantLinear(w, b, mode, keep_rows=True)  # type: ignore[arg-type]  # mode: a str from the parametrize list
     expected = x @ linear.dequantized().T  # [T, N]
     if b is not None:
         expected = expected + b
@@ -238,7 +238,7 @@ def test_fbgemm_holds_the_only_int8_copy_except_the_lm_heads_rows(
     expected = quantize(weights.layers[0].wqkv, "int8-dynamic")[0]  # [N, K]
     model = DecoderModel(config, weights, cpu, "int8-dynamic")
     for layer in model.proj:
-        assert all(p.kernel == "fbgemm" and p._held is None for p in layer)  # type: ignore
+        assert all(p.kernel == "fbgemm" and p._held is None for p in layer)  # type: ignore[union-attr]  # QuantLinear projections
     assert torch.equal(model.proj[0][0].weight_q, expected)  # unpacked from fbgemm's copy
     assert isinstance(model.lm_head, QuantLinear)
     assert model.lm_head._held is not None  # exact_top's rows (and a tied head's lookup)
@@ -251,8 +251,8 @@ def test_an_int8_model_holds_a_quarter_of_the_fp32_projection_bytes(tmp_path: Pa
     model = DecoderModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu, "int8")
     projections = [p for layer in model.proj for p in layer] + [model.lm_head]
     assert all(isinstance(p, QuantLinear) for p in projections)
-    fp32 = sum(4 * p.in_features * p.out_features for p in projections)  # type: ignore[union-attr]
-    int8 = sum(p.nbytes for p in projections)  # type: ignore[union-attr]
+    fp32 = sum(4 * p.in_features * p.out_features for p in projections)
+    int8 = sum(p.nbytes for p in projections)  # type: ignore[union-attr]  # QuantLinear projections
     assert int8 < fp32 / 3.7  # a quarter, plus one fp32 scale per row of K = 64 bytes
     assert model.weights.embed is None and model.weights.lm_head is None  # no fp32 copy kept
     plain = DecoderModel(config, load_weights(checkpoint, config, torch.float32, cpu), cpu)
@@ -287,7 +287,7 @@ def family_case(
     family, root = request.param, tmp_path_factory.mktemp(request.param)
     checkpoint = make_tiny_family(family, root / "model")
     adapters = {
-        name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]
+        name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
         for name, spec in adapter_specs(family).items()
     }
     references: dict[str, Reference] = {mode: {} for mode in MODES}
@@ -313,8 +313,8 @@ def _mixed_batch_logits(
     cpu = torch.device("cpu")
     config = ModelConfig.from_dir(checkpoint)
     weights = load_weights(checkpoint, config, torch.float32, cpu)
-    model = DecoderModel(config, weights, cpu, mode,  # type: ignore[arg-type]
-                         cpu_kernels=cpu_kernels)  # type: ignore[arg-type]
+    model = DecoderModel(config, weights, cpu, mode,  # type: ignore[arg-type]  # mode: a str from the parametrize list
+                         cpu_kernels=cpu_kernels)  # type: ignore[arg-type]  # cpu_kernels: from the parametrize list
     slots = LoraSlots(config, len(adapters), 16, torch.float32, cpu)
     slot_of = {}
     for slot, (name, path) in enumerate(adapters.items()):

@@ -66,7 +66,7 @@ def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
     decode = [_Seq([5, 6, 7, 8], 4, kv.allocator.allocate(8), 0),
               _Seq([9] * 20, 20, kv.allocator.allocate(24), -1)]
     prefill = [(_Seq([3, 4, 5, 6, 7], 0, kv.allocator.allocate(8), 1), 5)]
-    plan = StepPlan(decode=decode, prefill=prefill)  # type: ignore[arg-type]
+    plan = StepPlan(decode=decode, prefill=prefill)  # type: ignore[arg-type]  # _Seq: the fields of a Sequence that steps read
     backend = TorchLoraBackend(torch.float32, cpu)
     inputs = build_step_inputs(plan)  # host lists -> host tensors (no device involved)
     with no_device_reads():

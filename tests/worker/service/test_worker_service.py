@@ -64,7 +64,7 @@ def stack(tiny_model: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> I
 
 
 def _generate(worker: str, model: str, prompt: int = 0, **params: object) -> tuple[list[int], str]:
-    sampling = SamplingParams(**{"max_tokens": NEW_TOKENS, **params})  # type: ignore[arg-type]
+    sampling = SamplingParams(**{"max_tokens": NEW_TOKENS, **params})  # type: ignore[arg-type]  # params: SamplingParams' own fields
     tokens, text = [], ""
     with WorkerClient(worker) as client:
         prompt_input = PromptInput(token_ids=tuple(PROMPTS[prompt]))
