@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml; echo 
 DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev gemma up test test-slow test-fresh test-compose test-gpu gpu-wheelhouse gpu-check gpu-dry-run protos bench bench-gpu bench-report clean
+.PHONY: install install-dev gemma up lint test test-slow test-fresh test-compose test-gpu gpu-wheelhouse gpu-check gpu-dry-run protos bench bench-gpu bench-report clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ gemma: install
 
 up: install
 	$(VENV)/bin/lorastream up
+
+# ruff over the whole tree, mypy over the packages pyproject.toml's [tool.mypy] names; both must
+# report nothing (CI runs it before the tests).
+lint: install-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: install-dev
 	$(PY) -m pytest -q -m "not slow and not fresh and not compose" $(PYTEST_ARGS)

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorastream.bench import gpu_report
-from lorastream.bench import plots as plot
 from lorastream.bench import (
+    gpu_report,
     report_grammar,
     report_prefix,
     report_push,
@@ -29,6 +28,7 @@ from lorastream.bench import (
     report_soak,
     report_transfer,
 )
+from lorastream.bench import plots as plot
 from lorastream.bench import report_sections as sections
 from lorastream.bench.report_format import (
     GOALS_HEADER,
