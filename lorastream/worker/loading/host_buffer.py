@@ -69,8 +69,9 @@ class HostAdapterBuffer(LandingBuffer):
         size is not a multiple of the alignment.
         """
         assert self.buffer is not None and self.manifest is not None
+        buffer, tensors = self.buffer, self.manifest.tensors  # narrowed for close() below
         keyed = []
-        for index, info in enumerate(self.manifest.tensors):
+        for index, info in enumerate(tensors):
             key = parse_lora_key(info.name)
             if key is None:
                 raise ValueError(f"{info.name} is not a LoRA A/B weight")
@@ -83,9 +84,9 @@ class HostAdapterBuffer(LandingBuffer):
             if not run:
                 return
             module, ab, first, index = run[0]
-            info = self.manifest.tensors[index]  # type: ignore[union-attr]
+            info = tensors[index]
             start = self.offsets[index]
-            raw = self.buffer[start : start + info.nbytes * len(run)]  # type: ignore[index]
+            raw = buffer[start : start + info.nbytes * len(run)]
             block = raw.view(_TORCH_DTYPES[info.dtype]).view(len(run), *info.shape)
             blocks.append((module, ab, first, block))
             run.clear()
@@ -94,7 +95,7 @@ class HostAdapterBuffer(LandingBuffer):
             module, ab, layer, index = item
             if run:
                 p_module, p_ab, p_layer, p_index = run[-1]
-                p_info = self.manifest.tensors[p_index]
+                p_info = tensors[p_index]
                 contiguous = (
                     (module, ab, layer) == (p_module, p_ab, p_layer + 1)
                     and self.offsets[index] == self.offsets[p_index] + p_info.nbytes
