@@ -203,11 +203,9 @@ def _run_side(c: PrefixConfig, checkpoint: Path, dirs: list[Path], caching: bool
         chat = chat_workload(engine, c, vocab)
         return chat, no_sharing_workload(engine, c, vocab)
 
-    try:
-        return engine.run_while(work)  # the loop on this thread, as in the worker process
-    finally:
-        del engine
-        gc.collect()
+    # The loop on this thread, as in the worker process. The engine is freed when this frame
+    # returns; the caller collects before building the other side's engine.
+    return engine.run_while(work)
 
 
 def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
@@ -221,7 +219,9 @@ def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
         dirs = [make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=c.rank, seed=c.seed + i)
                 for i in range(c.adapters)]
         on_chat, on_random = _run_side(c, checkpoint, dirs, True)
+        gc.collect()  # the cache-on engine's KV cache freed before the cache-off one is built
         off_chat, off_random = _run_side(c, checkpoint, dirs, False)
+        gc.collect()
     on, off = on_chat.summary(), off_chat.summary()
     on_r, off_r = on_random.summary(), off_random.summary()
     same = on_chat.outputs == off_chat.outputs and on_random.outputs == off_random.outputs
