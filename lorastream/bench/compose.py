@@ -112,7 +112,7 @@ class ComposeProject:
 def inspect(container: str) -> dict[str, Any]:
     out = subprocess.run(["docker", "inspect", container], capture_output=True, text=True,
                          check=True, timeout=60).stdout
-    return json.loads(out)[0]  # type: ignore[no-any-return]
+    return json.loads(out)[0]
 
 
 def health(container: str) -> str:

@@ -107,13 +107,13 @@ def _timed(engine: Engine, model: str, prompt: list[int], reply_tokens: int
     return (first - start) * 1000, tokens
 
 
-def _clients(count: int, body: object) -> float:
+def _clients(count: int, body: Callable[[int], None]) -> float:
     """Run ``body(i)`` for clients 0 .. count-1 at once; the wall time in seconds."""
     failures: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            body(i)  # type: ignore[operator]
+            body(i)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             failures.append(exc)
 

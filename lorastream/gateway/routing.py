@@ -127,8 +127,8 @@ def prefix_key(prompt: PromptInput) -> str:
     if prompt.token_ids is not None:
         data = ",".join(map(str, prompt.token_ids[:PREFIX_TOKENS])).encode()
     elif prompt.messages is not None:
-        data = "".join(f"{role}\0{content}\0" for role, content in prompt.messages)
-        data = data[:PREFIX_CHARS].encode()
+        text = "".join(f"{role}\0{content}\0" for role, content in prompt.messages)
+        data = text[:PREFIX_CHARS].encode()
     else:
         data = (prompt.text or "")[:PREFIX_CHARS].encode()
     return hashlib.blake2b(data, digest_size=12).hexdigest()

@@ -407,7 +407,7 @@ def test_random_policy_picks_uniformly_among_healthy_workers_under_max_load(
 
 @pytest.mark.parametrize("policy", ["affinity", "random"])
 def test_an_adapter_stays_on_its_holder_only_under_affinity(policy: str) -> None:
-    router = Router(policy=policy, rng=random.Random(3))  # type: ignore[arg-type]
+    router = Router(policy=policy, rng=random.Random(3))  # type: ignore[arg-type]  # a str from the parametrize list
     workers = views([0, 0, 0], {1: Tier.DEVICE})
     targets = {router.choose("m", workers).target for _ in range(60)}
     assert targets == ({TARGETS[1]} if policy == "affinity" else set(TARGETS[:3]))
