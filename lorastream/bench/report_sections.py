@@ -237,3 +237,46 @@ def _count_span(r: Result) -> str:
     counts = [as_number(x.get("adapters")) for x in r.get("runs") or [] if isinstance(x, Mapping)]
     known = [int(c) for c in counts if c is not None]
     return f"{min(known)} → {max(known)}" if known else "least → most"
+
+
+# -- fleet -----------------------------------------------------------------------------------------
+def fleet_goals(r: Result) -> list[list[str]]:
+    return []  # a comparison, no goal
+
+
+def fleet_section(r: Result, plots: Mapping[str, str]) -> str:
+    """Three worker containers in compose: affinity routing against random, then a killed worker."""
+    c, runs, f = get(r, "config") or {}, get(r, "runs") or {}, get(r, "failure") or {}
+    rows = [[text(p), number(get(x, "held_share"), 3), number(get(x, "device_share"), 3),
+             number(get(x, "store_fetches"), 0), number(get(x, "output_tok_s"), 1),
+             ms(get(x, "ttft_ms", "p50")), f"{get(x, 'ok')}/{get(x, 'requests')}"]
+            for p, x in runs.items()]
+    reserved = get(f, "reserved") or {}
+    return paragraphs([
+        f"Three CPU worker containers (each `cpus: {get(r, 'stack', 'worker_cpus')}`) behind the "
+        f"gateway, {get(r, 'adapters', 'adapters')} adapters (rank "
+        f"{get(r, 'adapters', 'rank')}) in the S3 service; {c.get('requests')} streamed "
+        f"completions of {c.get('max_tokens')} "
+        f"tokens, zipf s={c.get('zipf_s')}, {c.get('concurrency')} in flight, the same trace "
+        "under each routing policy, each run from cold workers. **Held share**: requests whose "
+        "worker already held the adapter (device slot or host memory), from the workers' own "
+        "hit/miss counters.",
+        table(["policy", "held share", "device share", "store fetches", "tok/s", "TTFT p50 ms",
+               "ok"], rows),
+        f"**A worker killed** ({text(get(f, 'worker'))}, its processes SIGKILLed "
+        f"{get(f, 'killed_after_s')} s into a {c.get('kill_requests')}-request trace): it held "
+        f"{reserved.get('held')} adapters; {reserved.get('reserved')} of the "
+        f"{reserved.get('requested_after_kill')} requested again were served by the others "
+        f"{number(get(reserved, 'seconds', 'min'), 2)}–{number(get(reserved, 'seconds', 'max'), 2)}"
+        f" s after the kill (median {number(get(reserved, 'seconds', 'p50'), 2)} s); "
+        f"{get(f, 'failed_after_kill')} requests failed; the container was back and healthy "
+        f"after {number(get(f, 'container_back_healthy_s'), 1)} s. Load average before/after: "
+        f"{_loads(get(r, 'stack', 'load_avg_before'))} / "
+        f"{_loads(get(r, 'stack', 'load_avg_after'))} (a shared "
+        "2-core machine: timings are noisy).",
+    ])
+
+
+def _loads(values: object) -> str:
+    """1/5/15-minute load averages, one decimal."""
+    return ", ".join(number(v) for v in values) if isinstance(values, list) else MISSING

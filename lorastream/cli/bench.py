@@ -366,6 +366,48 @@ def scale(
     _print_result(run_scale_bench(config), output)
 
 
+@app.command("fleet")
+def fleet(
+    adapters: int = typer.Option(100, min=1, help="Adapters registered in the S3 service."),
+    requests: int = typer.Option(300, min=1, help="Requests of the trace run once per policy."),
+    concurrency: int = typer.Option(8, min=1, help="Requests in flight."),
+    zipf_s: float = typer.Option(1.1, min=0.0, help="Zipf exponent of adapter popularity."),
+    max_tokens: int = typer.Option(4, min=1, help="Tokens generated per request (EOS ignored)."),
+    worker_cpus: float = typer.Option(
+        0.6, min=0.05, help="CPU limit of each of the three worker containers (compose cpus)."
+    ),
+    kill_requests: int = typer.Option(
+        200, min=1, help="Requests of the trace one worker is killed under."
+    ),
+    kill_after_s: float = typer.Option(5.0, min=0.0, help="Seconds into that trace."),
+    seed: int = typer.Option(0, help="Seed of the traces and of the synthetic adapters."),
+    build: bool = typer.Option(
+        True, "--build/--no-build", help="Build the images first (cached layers: about a minute)."
+    ),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Three CPU worker containers behind the gateway (docker compose): the share of requests
+    served by a worker already holding the adapter, affinity routing against random, then one
+    worker killed under traffic (time until its adapters are served again). Needs a Docker
+    engine and compose v2 (scripts/docker_host_prepare.sh)."""
+    require_bench_extra()
+    from lorastream.bench.compose import engine_problem
+    from lorastream.bench.fleet import FleetConfig, run_fleet_bench
+
+    setup_logging(log_level)
+    problem = engine_problem()
+    if problem:
+        console.print(f"[red]error[/]: lorastream bench fleet needs Docker: {problem}")
+        raise typer.Exit(2)
+    config = FleetConfig(
+        adapters=adapters, requests=requests, concurrency=concurrency, zipf_s=zipf_s,
+        max_tokens=max_tokens, worker_cpus=worker_cpus, kill_requests=kill_requests,
+        kill_after_s=kill_after_s, seed=seed, build=build,
+    )
+    _print_result(run_fleet_bench(config), output)
+
+
 @app.command("push")
 def push(
     model: str = typer.Option(
