@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorastream.bench.compose import engine_problem as docker_problem
 from tests.support.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,17 +34,7 @@ def engine_problem() -> str | None:
     stack, which a plain pytest run must not do), and only with an engine and compose v2."""
     if os.environ.get("LORASTREAM_TEST_COMPOSE") != "1":
         return "run by `make test-compose` (LORASTREAM_TEST_COMPOSE=1): it builds a stack"
-    if shutil.which("docker") is None:
-        return "no docker CLI (scripts/docker_host_prepare.sh installs one)"
-    for command, what in ((["docker", "info"], "no Docker engine answers `docker info`"),
-                          (["docker", "compose", "version"], "no compose v2 plugin")):
-        try:
-            done = subprocess.run(command, capture_output=True, timeout=30, check=False)
-        except subprocess.TimeoutExpired:
-            return f"{what} (timed out)"
-        if done.returncode != 0:
-            return f"{what} (scripts/docker_host_prepare.sh sets it up)"
-    return None
+    return docker_problem()
 
 
 @dataclass
@@ -117,12 +107,6 @@ class Compose:
             out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60)
             found[kind] = out.stdout.split()
         return found
-
-
-def inspect(container: str) -> dict[str, Any]:
-    out = subprocess.run(["docker", "inspect", container], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    return json.loads(out)[0]
 
 
 # -- HTTP ------------------------------------------------------------------------------------------

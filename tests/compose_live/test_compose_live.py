@@ -24,6 +24,7 @@ from typing import Any
 import boto3
 import pytest
 
+from lorastream.bench.compose import inspect
 from tests.compose_live.stack import (
     REPO,
     Compose,
@@ -31,7 +32,6 @@ from tests.compose_live.stack import (
     Ports,
     engine_problem,
     http,
-    inspect,
     stream_events,
     wait_until,
 )
