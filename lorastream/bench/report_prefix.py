@@ -44,6 +44,15 @@ def _rows(r: Result, workload: str) -> list[list[str]]:
     return rows
 
 
+def _pairs(r: Result) -> str:
+    pairs = (r.get("no_sharing") or {}).get("pairs") or []
+    if not pairs:
+        return ""
+    listed = ", ".join(f"{text(p.get('first'))} first {ratio(p.get('on_over_off'), 3)}"
+                       for p in pairs)
+    return f"The no-sharing pairs, on / off: {listed}."
+
+
 def prefix_section(r: Result, plots: Mapping[str, str]) -> str:
     c = r.get("config") or {}
     header = ("workload", "requests", "TTFT p50 (ms)", "TTFT p90 (ms)", "tokens/s", "wall (s)",
@@ -54,16 +63,18 @@ def prefix_section(r: Result, plots: Mapping[str, str]) -> str:
         f"{text(c.get('system_tokens'))} tokens; {text(c.get('clients'))} clients at once, each "
         f"in a conversation of {text(c.get('turns'))} turns with one adapter (a user message of "
         f"{text(c.get('user_tokens'))} tokens, a greedy reply of {text(c.get('reply_tokens'))}; "
-        "each turn's prompt carries the whole conversation so far). The same run then builds "
+        "each turn's prompt carries the whole conversation so far). The same run also builds "
         "a worker with `--prefix-caching off` and replays the same conversations. "
         "**no-sharing**: as many requests, each a fresh random prompt of the first turn's "
-        "length: the cache never hits, so its cost shows. TTFT is from submission to the first "
+        "length: the cache never hits (and evicts the chat's blocks), so its cost shows; it runs "
+        "as pairs of one request per client on each worker, in alternating order, and its ratio "
+        "is the median of the pairs' ratios. TTFT is from submission to the first "
         "token, over every request; tokens/s is generated tokens over the workload's wall time.",
         table(header, _rows(r, "chat") + _rows(r, "no_sharing")),
         f"With the cache, TTFT p50 is {ratio(r.get('ttft_p50_on_over_off'), 3)} and throughput "
         f"{ratio(r.get('tokens_per_s_on_over_off'), 3)} of the run without it; on prompts that "
         f"share nothing, throughput is {ratio(r.get('no_sharing_tokens_per_s_on_over_off'), 3)}."
-        " Greedy outputs are "
+        f"{_pairs(r)} Greedy outputs are "
         f"{'identical' if r.get('outputs_identical') == 1 else '**not identical**'} between "
         "the two runs.",
     ])

@@ -1,5 +1,6 @@
-"""``bench prefix`` at tiny size through the CLI: both workloads on and off, the fields the page
-reads, the cache hitting on chat and never on random prompts, and its section on the page."""
+"""``bench prefix`` at tiny size through the CLI: both workloads on and off (no-sharing as
+alternating pairs), the fields the page reads, the cache hitting on chat and never on random
+prompts, and its section on the page."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def test_a_tiny_run_reports_both_workloads_on_and_off_and_the_page_shows_them(
     assert doc["chat"]["off"]["prefix_hit_rate"] == 0
     assert doc["no_sharing"]["on"]["prefix_hit_rate"] == 0  # random prompts never hit
     assert doc["outputs_identical"] == 1
+    # no-sharing as pairs in alternating order; the headline is the median of their ratios
+    pairs = doc["no_sharing"]["pairs"]
+    assert [p["first"] for p in pairs] == ["on", "off"]
+    for p in pairs:
+        assert p["on_over_off"] == round(p["on_tokens_per_s"] / p["off_tokens_per_s"], 3)
+    assert doc["no_sharing_tokens_per_s_on_over_off"] == round(
+        (pairs[0]["on_over_off"] + pairs[1]["on_over_off"]) / 2, 3)
     on, off = doc["chat"]["on"], doc["chat"]["off"]
     assert doc["ttft_p50_on_over_off"] == round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
     assert doc["tokens_per_s_on_over_off"] == round(on["tokens_per_s"] / off["tokens_per_s"], 3)
@@ -47,4 +55,5 @@ def test_a_tiny_run_reports_both_workloads_on_and_off_and_the_page_shows_them(
     assert "Chat traffic over 2 adapters (rank 4" in section
     assert f"| chat, caching on | 6 | {on['ttft_p50_ms']:,.1f} |" in section
     assert "Greedy outputs are identical" in section
+    assert f"The no-sharing pairs, on / off: on first {pairs[0]['on_over_off']:.3f}×" in section
     assert "chat TTFT p50, prefix caching on / off" in text
