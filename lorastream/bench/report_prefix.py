@@ -50,7 +50,7 @@ def _pairs(r: Result) -> str:
         return ""
     listed = ", ".join(f"{text(p.get('first'))} first {ratio(p.get('on_over_off'), 3)}"
                        for p in pairs)
-    return f"The no-sharing pairs, on / off: {listed}."
+    return f" The no-sharing pairs, on / off: {listed}."
 
 
 def prefix_section(r: Result, plots: Mapping[str, str]) -> str:
