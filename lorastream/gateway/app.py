@@ -74,7 +74,8 @@ def build_state(
         token=settings.effective_worker_token,
     )
     router = Router(settings.spill_threshold, settings.max_requests_per_worker,
-                    settings.spill_fraction, policy=settings.routing)
+                    settings.spill_fraction, prefix_table=settings.prefix_affinity_entries,
+                    policy=settings.routing)
     metrics.watch_residency(pool.views)
     return GatewayState(
         settings=settings,

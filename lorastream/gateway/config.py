@@ -144,6 +144,15 @@ class GatewaySettings(StoreTLSSettings):
         "load bound (--spill-threshold); 'random' picks uniformly among healthy workers under "
         "--max-requests-per-worker (a baseline for comparison; docs/gateway.md).",
     )
+    prefix_affinity_entries: int = Field(
+        32768,
+        ge=0,
+        description="Size of the prefix-affinity table (policy 'affinity'): a request goes to the "
+        "worker that last served its prompt's longest known prefix for its model, whose prefix "
+        "cache likely holds it, while that worker is within the load bound; each request adds "
+        "up to 1 + log2(its 64-character chunks) entries, the least recently used are dropped "
+        "first. 0: off (residency and load alone decide).",
+    )
     routing_hint_ttl_s: float = Field(
         3.0,
         gt=0,

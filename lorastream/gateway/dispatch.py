@@ -16,11 +16,16 @@ from lorastream.core.errors import Cancelled, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, SamplingParams
 from lorastream.gateway.errors import ClientGone, WorkerFailed, WorkerUnavailable
 from lorastream.gateway.metrics import GatewayMetrics
-from lorastream.gateway.routing import RouteDecision, Router, prefix_key
+from lorastream.gateway.prefix_affinity import prefix_keys
+from lorastream.gateway.routing import RouteDecision, Router
 from lorastream.gateway.worker_channel import GenerationCall
 from lorastream.gateway.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
+
+ROUTED = "request %s for %s -> %s (%s)"
+"""The debug line of each routed generation: its request id (the OpenAI response's ``id``), model,
+worker and reason (``lorastream bench prefix`` reads it to see where each turn went)."""
 
 
 class Generation:
@@ -146,11 +151,11 @@ class Dispatcher:
         """
         failed: set[str] = set()
         is_base = model == self._pool.base_model
-        prefix = prefix_key(prompt)  # the worker that served it last likely has it cached
+        prefixes = prefix_keys(prompt)  # the worker that served one last likely has it cached
         while True:
             views = self._pool.views()
             decision = self._router.choose(model, views, base_model=is_base, exclude=failed,
-                                           prefix=prefix)
+                                           prefixes=prefixes)
             self._metrics.routed(model, decision, views, base_model=is_base)
             self._pool.acquire(decision.target, None if is_base else model)
             worker = self._pool.get(decision.target)
@@ -171,6 +176,5 @@ class Dispatcher:
             except BaseException:
                 await generation.aclose()
                 raise
-            log.debug("request %s for %s -> %s (%s)", request_id, model, decision.target,
-                      decision.reason.value)
+            log.debug(ROUTED, request_id, model, decision.target, decision.reason.value)
             return generation

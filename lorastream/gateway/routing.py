@@ -15,7 +15,7 @@ Semantics (for a request for adapter ``m``, over the healthy workers with room):
     if top.load <= bound: return top, reason=HASH
     return min(candidates, key=(load, -hrw(m, w))), reason=LEAST_LOADED
     # ... but before returning any of these (the base model's least loaded one included):
-    last = affinity[m, prefix of the prompt]        # who last served this prefix of m
+    last = affinity[m, longest known prefix of the prompt]   # who last served it for m
     if last is a candidate holding m (any tier for the base model) and last.load <= bound:
         return last, reason=PREFIX (DEVICE/HOST/... when it is the worker chosen anyway)
 
@@ -26,11 +26,11 @@ Policy ``random`` (``--routing random``, a baseline to measure the rules above a
 
     return uniform choice over candidates, reason=RANDOM   # healthy, under max_load
 
-Prefix affinity (:class:`PrefixAffinity`): the worker that served a prompt prefix of ``m`` last
-(a chat's system prompt and first turns) holds its KV blocks in its prefix cache, so the next
-turn goes there while it is within the bound: a bounded table, least recently used entries
-dropped, keyed by (model, a hash of the prompt's first ``PREFIX_CHARS`` characters or
-``PREFIX_TOKENS`` token ids). Load awareness is unchanged: past the bound, the rules below apply.
+Prefix affinity (``lorastream.gateway.prefix_affinity``): the worker that served a prompt prefix
+of ``m`` last (a chat's system prompt and earlier turns) holds its KV blocks in its prefix cache,
+so the next turn goes there while it is within the bound: a bounded table, least recently used
+entries dropped, keyed by (model, chained hashes of the prompt's 64-character or 16-token chunks;
+the longest known one decides). Load awareness is unchanged: past the bound, the rules below apply.
 
 So no worker's queue grows past ``bound`` (+1, the request itself) for affinity's sake: the slack
 a preferred worker gets over the least loaded one is ``spill_threshold`` requests, or a fixed
@@ -51,15 +51,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Literal
 
 from lorastream.core.errors import CapacityExhausted
-from lorastream.core.generation import PromptInput
 from lorastream.gateway.errors import NoHealthyWorker
+from lorastream.gateway.prefix_affinity import PrefixAffinity
 
 
 class Tier(IntEnum):
@@ -117,46 +116,6 @@ def hrw_score(model: str, target: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-PREFIX_CHARS = 2048  # of a text prompt, or of a chat's messages (role and content)
-PREFIX_TOKENS = 512  # of a token-id prompt
-
-
-def prefix_key(prompt: PromptInput) -> str:
-    """A hash of the leading part of ``prompt``: the same for every turn of one conversation
-    (its system prompt and first messages) as long as that part is at least this long."""
-    if prompt.token_ids is not None:
-        data = ",".join(map(str, prompt.token_ids[:PREFIX_TOKENS])).encode()
-    elif prompt.messages is not None:
-        text = "".join(f"{role}\0{content}\0" for role, content in prompt.messages)
-        data = text[:PREFIX_CHARS].encode()
-    else:
-        data = (prompt.text or "")[:PREFIX_CHARS].encode()
-    return hashlib.blake2b(data, digest_size=12).hexdigest()
-
-
-class PrefixAffinity:
-    """(model, prefix key) -> the worker that served it last; at most ``capacity`` entries,
-    the least recently used dropped first (0: off)."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._last: OrderedDict[tuple[str, str], str] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._last)
-
-    def last(self, model: str, key: str) -> str | None:
-        return self._last.get((model, key))
-
-    def served(self, model: str, key: str, target: str) -> None:
-        if not self.capacity:
-            return
-        self._last[(model, key)] = target
-        self._last.move_to_end((model, key))
-        while len(self._last) > self.capacity:
-            self._last.popitem(last=False)
-
-
 class Router:
     """Chooses a worker for each request (``Semantics`` above; ``max_load``: the queue depth at
     which a worker takes no more requests, None for no limit). Its one state is the bounded
@@ -165,7 +124,7 @@ class Router:
 
     def __init__(
         self, spill_threshold: int = 2, max_load: int | None = None, spill_fraction: float = 0.25,
-        prefix_table: int = 4096, policy: RoutingPolicy = "affinity",
+        prefix_table: int = 32768, policy: RoutingPolicy = "affinity",
         rng: random.Random | None = None,
     ) -> None:
         self.spill_threshold = spill_threshold
@@ -182,9 +141,9 @@ class Router:
         *,
         base_model: bool = False,
         exclude: Collection[str] = (),
-        prefix: str | None = None,
+        prefixes: Sequence[str] = (),
     ) -> RouteDecision:
-        """The worker for one request for ``model`` (``prefix``: :func:`prefix_key` of its
+        """The worker for one request for ``model`` (``prefixes``: ``prefix_keys`` of its
         prompt, remembered with the choice).
 
         Raises NoHealthyWorker when no healthy worker is left after ``exclude``, and
@@ -210,18 +169,17 @@ class Router:
         bound = self.bound(min(w.load for w in ordered), mean)
         decision = self._by_residency(model, ordered, bound, base_model)
         # reason PREFIX only where affinity changed the choice
-        decision = self._by_prefix(model, ordered, bound, base_model, prefix, decision)
-        if prefix is not None:
-            self.affinity.served(model, prefix, decision.target)
+        decision = self._by_prefix(model, ordered, bound, base_model, prefixes, decision)
+        self.affinity.served(model, prefixes, decision.target)
         return decision
 
     def _by_prefix(
         self, model: str, ordered: Sequence[WorkerView], bound: float, base_model: bool,
-        prefix: str | None, otherwise: RouteDecision,
+        prefixes: Sequence[str], otherwise: RouteDecision,
     ) -> RouteDecision:
-        """The worker that last served ``prefix`` of ``model`` if it may take the request, else
-        ``otherwise`` (also when that is the same worker)."""
-        last = self.affinity.last(model, prefix) if prefix is not None else None
+        """The worker that last served the longest of ``prefixes`` of ``model`` it knows, if that
+        worker may take the request, else ``otherwise`` (also when that is the same worker)."""
+        last = self.affinity.lookup(model, prefixes)
         if last is None or last == otherwise.target:
             return otherwise
         for w in ordered:

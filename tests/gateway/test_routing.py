@@ -396,7 +396,7 @@ def test_random_policy_picks_uniformly_among_healthy_workers_under_max_load(
     draws = 3000
     counts = {i: 0 for i in range(len(loads))}
     for _ in range(draws):
-        decision = router.choose("m", workers, prefix="p")
+        decision = router.choose("m", workers, prefixes=("p",))
         assert decision.reason is RouteReason.RANDOM
         counts[TARGETS.index(decision.target)] += 1
     assert {i for i, n in counts.items() if n} == eligible
