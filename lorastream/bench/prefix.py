@@ -24,6 +24,9 @@ requests evict cached blocks, as a busy server's would.
 Both engines are built once and run at the same time, each on its own loop thread as the worker
 process runs it (only one has work at a time).
 
+Then, unless ``routing`` is off (``--no-routing``), the chat workload goes through the gateway
+over two workers, its prefix affinity on and off (``lorastream.bench.prefix_routing``).
+
 Figures: time to first token (submit to first event) over all requests, p50; generated
 tokens per second of wall time over the whole workload; ratios on / off. Token ids, not text: the
 K/V work is the same and no tokenizer round trip blurs the prefixes.
@@ -38,37 +41,27 @@ import random
 import statistics
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.prefix_routing import run_routing
+from lorastream.bench.prefix_setup import (
+    PrefixConfig,
+    build,
+    random_ids,
+    run_clients,
+    timed_request,
+    worker_settings,
+)
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
-from lorastream.core.generation import PromptInput, SamplingParams
 
 if TYPE_CHECKING:
     from lorastream.worker.engine.engine import Engine
 
 log = logging.getLogger(__name__)
-
-FIRST_ID = 100  # prompts use ids from here up: clear of the special tokens of every model here
-
-
-@dataclass(frozen=True)
-class PrefixConfig:
-    model: str = "default"
-    adapters: int = 8
-    clients: int = 16
-    turns: int = 4
-    system_tokens: int = 1000
-    user_tokens: int = 24
-    reply_tokens: int = 32
-    rank: int = 8
-    kv_cache_bytes: int = 2 << 30
-    seed: int = 0
-
 
 @dataclass
 class RunFigures:
@@ -95,48 +88,8 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _ids(rng: random.Random, count: int, vocab: int) -> list[int]:
-    return [rng.randrange(FIRST_ID, vocab) for _ in range(count)]
-
-
-def _timed(engine: Engine, model: str, prompt: list[int], reply_tokens: int
-           ) -> tuple[float, list[int]]:
-    """(TTFT in ms, the reply's tokens) of one greedy request."""
-    params = SamplingParams(max_tokens=reply_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    first: float | None = None
-    tokens: list[int] = []
-    for event in engine.submit(model, PromptInput(token_ids=tuple(prompt)), params):
-        if first is None:
-            first = time.perf_counter()
-        tokens.extend(event.token_ids)
-    assert first is not None
-    return (first - start) * 1000, tokens
-
-
-def _clients(count: int, body: Callable[[int], None]) -> float:
-    """Run ``body(i)`` for clients 0 .. count-1 at once; the wall time in seconds."""
-    failures: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            body(i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"client-{i}") for i in range(count)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
-    return time.perf_counter() - start
-
-
 def chat_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigures:
-    systems = [_ids(random.Random(f"system-{c.seed}-{a}"), c.system_tokens, vocab)
+    systems = [random_ids(random.Random(f"system-{c.seed}-{a}"), c.system_tokens, vocab)
                for a in range(c.adapters)]
     ttft: list[float] = []
     outputs: dict[str, list[int]] = {}
@@ -146,8 +99,8 @@ def chat_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigures:
         rng = random.Random(f"user-{c.seed}-{i}")
         prompt = list(systems[i % c.adapters])
         for turn in range(c.turns):
-            prompt += _ids(rng, c.user_tokens, vocab)
-            ms, reply = _timed(engine, f"a{i % c.adapters}", prompt, c.reply_tokens)
+            prompt += random_ids(rng, c.user_tokens, vocab)
+            ms, reply = timed_request(engine, f"a{i % c.adapters}", prompt, c.reply_tokens)
             prompt += reply
             with lock:
                 ttft.append(ms)
@@ -161,7 +114,7 @@ def _measured(engine: Engine, c: PrefixConfig, client: Callable[[int], None],
     """Run ``c.clients`` clients at once and gather what they recorded, with the cache's hit
     rate over the run."""
     before = engine.prefix.stats.hit_tokens, engine.prefix.stats.queried_tokens
-    wall = _clients(c.clients, client)
+    wall = run_clients(c.clients, client)
     hits = engine.prefix.stats.hit_tokens - before[0]
     queried = engine.prefix.stats.queried_tokens - before[1]
     return RunFigures(ttft, sum(len(o) for o in outputs.values()), wall, outputs,
@@ -177,7 +130,8 @@ def no_sharing_workload(engine: Engine, c: PrefixConfig, vocab: int, pair: int) 
 
     def client(i: int) -> None:
         rng = random.Random(f"random-{c.seed}-{pair}-{i}")
-        ms, reply = _timed(engine, f"a{i % c.adapters}", _ids(rng, length, vocab), c.reply_tokens)
+        prompt = random_ids(rng, length, vocab)
+        ms, reply = timed_request(engine, f"a{i % c.adapters}", prompt, c.reply_tokens)
         with lock:
             ttft.append(ms)
             outputs[f"{i}/{pair}"] = reply
@@ -214,30 +168,6 @@ def no_sharing_pairs(on: Engine, off: Engine, c: PrefixConfig, vocab: int
     return _merged(sides[True]), _merged(sides[False]), pairs
 
 
-def _build(c: PrefixConfig, checkpoint: Path, dirs: list[Path], caching: bool) -> Engine:
-    """An engine as the worker builds it, the adapters loaded, its loop started on its own
-    thread (as in the worker process), warmed up with an untimed request."""
-    from lorastream.worker.service.bootstrap import build_engine
-    from lorastream.worker.service.config import WorkerSettings
-    from lorastream.worker.service.operations import WorkerOperations
-
-    settings = WorkerSettings(
-        model=c.model, served_model_name="base", max_loras=c.adapters, max_lora_rank=c.rank,
-        max_batch_size=max(c.clients, 1), kv_cache_bytes=c.kv_cache_bytes,
-        max_seq_len=c.system_tokens + c.turns * (c.user_tokens + c.reply_tokens) + 16,
-        prefix_caching=caching,
-    )
-    engine = build_engine(settings, checkpoint=checkpoint)
-    ops = WorkerOperations(engine)
-    for i, path in enumerate(dirs):
-        ops.load_adapter(f"a{i}", str(path))
-    engine.start()
-    vocab = engine.model.config.vocab_size
-    _timed(engine, "a0", _ids(random.Random("warm-up"), 64, vocab), 2)  # warm-up, not timed
-    engine.reset_prefix_cache()
-    return engine
-
-
 def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
     from lorastream.worker.model.checkpoint import resolve_checkpoint
     from lorastream.worker.service.config import WorkerSettings
@@ -250,8 +180,8 @@ def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
                 for i in range(c.adapters)]
         engines: list[Engine] = []
         try:
-            engines.append(_build(c, checkpoint, dirs, True))
-            engines.append(_build(c, checkpoint, dirs, False))
+            engines.append(build(c, checkpoint, dirs, worker_settings(c, True)))
+            engines.append(build(c, checkpoint, dirs, worker_settings(c, False)))
             on_engine, off_engine = engines
             vocab = on_engine.model.config.vocab_size
             on_chat = chat_workload(on_engine, c, vocab)
@@ -262,6 +192,7 @@ def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
                 engine.stop()
             engines.clear()
             gc.collect()
+        routing = run_routing(c, checkpoint, dirs) if c.routing else None
     on, off = on_chat.summary(), off_chat.summary()
     on_r, off_r = on_random.summary(), off_random.summary()
     same = on_chat.outputs == off_chat.outputs and on_random.outputs == off_random.outputs
@@ -280,6 +211,7 @@ def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
         "no_sharing_tokens_per_s_on_over_off": (round(statistics.median(ratios), 3)
                                                 if ratios else None),
         "outputs_identical": 1 if same else 0,
+        "routing": routing,
         "goal_ttft": "ttft_p50_on_over_off <= 0.3",
         "goal_throughput": "tokens_per_s_on_over_off >= 1.3",
         "goal_no_sharing": "no_sharing_tokens_per_s_on_over_off >= 0.97",

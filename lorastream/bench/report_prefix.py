@@ -53,6 +53,38 @@ def _pairs(r: Result) -> str:
     return f" The no-sharing pairs, on / off: {listed}."
 
 
+def _routing(r: Result) -> list[str]:
+    routing = r.get("routing")
+    if not isinstance(routing, Mapping):
+        return []
+    header = ("gateway", "requests", "follow-ups on the last turn's worker",
+              "follow-ups' prompt tokens cached", "all prompt tokens cached",
+              "requests per worker", "TTFT p50 (ms)", "TTFT p90 (ms)", "tokens/s")
+    rows = []
+    for side, label in (("affinity", "prefix affinity on"), ("no_affinity", "prefix affinity off")):
+        s = routing.get(side) or {}
+        rows.append([
+            label, number(s.get("requests"), 0), pct(s.get("follow_ups_on_previous_worker")),
+            pct(s.get("cached_share_follow_ups")), pct(s.get("cached_share_all")),
+            " / ".join(str(n) for n in s.get("requests_per_worker") or []) or "—",
+            ms(s.get("ttft_p50_ms")), ms(s.get("ttft_p90_ms")), number(s.get("tokens_per_s")),
+        ])
+    return [
+        f"**Routing.** The same conversations, as text, through the gateway over "
+        f"{text(routing.get('workers'))} workers on loopback (each caching prefixes, each "
+        "holding every adapter, so load and prefix affinity decide, not residency), with the "
+        "gateway's prefix affinity on and then off (`--prefix-affinity-entries 0`: the routing "
+        "before it); both workers' caches are emptied before each. Where each turn went is the "
+        "gateway's own routing line; cached tokens are the responses' "
+        "`usage.prompt_tokens_details.cached_tokens`.",
+        table(header, rows),
+        f"With affinity, TTFT p50 is {ratio(routing.get('ttft_p50_affinity_over_none'), 3)} "
+        f"and throughput {ratio(routing.get('tokens_per_s_affinity_over_none'), 3)} of the "
+        "run without it; greedy outputs are "
+        f"{'identical' if routing.get('outputs_identical') == 1 else '**not identical**'}.",
+    ]
+
+
 def prefix_section(r: Result, plots: Mapping[str, str]) -> str:
     c = r.get("config") or {}
     header = ("workload", "requests", "TTFT p50 (ms)", "TTFT p90 (ms)", "tokens/s", "wall (s)",
@@ -77,4 +109,5 @@ def prefix_section(r: Result, plots: Mapping[str, str]) -> str:
         f"{_pairs(r)} Greedy outputs are "
         f"{'identical' if r.get('outputs_identical') == 1 else '**not identical**'} between "
         "the two runs.",
+        *_routing(r),
     ])

@@ -198,11 +198,16 @@ def prefix(
     reply_tokens: int = typer.Option(32, min=1, help="Tokens of each (greedy) reply."),
     rank: int = typer.Option(8, min=1, help="Rank of the synthetic adapters (all linear)."),
     seed: int = typer.Option(0, help="Seed of the prompts and adapters."),
+    routing: bool = typer.Option(
+        True, help="Also the chat through the gateway over two workers, its prefix affinity "
+        "on and off (--no-routing: the engine parts only)."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Chat traffic with prefix caching on vs off in one run, and prompts that share nothing
-    (goals: TTFT p50 <= 0.3x, tokens/s >= 1.3x, no-sharing >= 0.97x, identical outputs)."""
+    (goals: TTFT p50 <= 0.3x, tokens/s >= 1.3x, no-sharing >= 0.97x, identical outputs); then
+    the same chat through the gateway over two workers, prefix affinity on vs off."""
     require_bench_extra()
     from lorastream.core.native_env import tune_native_libraries
 
@@ -213,7 +218,7 @@ def prefix(
     config = PrefixConfig(
         model=model, adapters=adapters, clients=clients, turns=turns,
         system_tokens=system_tokens, user_tokens=user_tokens, reply_tokens=reply_tokens,
-        rank=rank, seed=seed,
+        rank=rank, seed=seed, routing=routing,
     )
     _print_result(run_prefix_bench(config), output)
 

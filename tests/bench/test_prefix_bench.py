@@ -1,6 +1,7 @@
 """``bench prefix`` at tiny size through the CLI: both workloads on and off (no-sharing as
 alternating pairs), the fields the page reads, the cache hitting on chat and never on random
-prompts, and its section on the page."""
+prompts, the routing part through the gateway (affinity on and off), and its section on the
+page."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def test_a_tiny_run_reports_both_workloads_on_and_off_and_the_page_shows_them(
     assert doc["ttft_p50_on_over_off"] == round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
     assert doc["tokens_per_s_on_over_off"] == round(on["tokens_per_s"] / off["tokens_per_s"], 3)
 
+    # the routing part: every turn's route was read from the gateway's line (else it raises)
+    routing = doc["routing"]
+    assert routing["workers"] == 2 and routing["outputs_identical"] == 1
+    for side in ("affinity", "no_affinity"):
+        s = routing[side]
+        assert s["requests"] == 6 and sum(s["requests_per_worker"]) == 6
+        assert s["generated_tokens"] == 6 * 4 and sum(s["reasons"].values()) == 6
+        assert 0 <= s["follow_ups_on_previous_worker"] <= 1
+        assert 0 <= s["cached_share_all"] <= s["cached_share_follow_ups"] < 1
+    assert "prefix" not in routing["no_affinity"]["reasons"]  # the table is off
+    assert routing["ttft_p50_affinity_over_none"] == round(
+        routing["affinity"]["ttft_p50_ms"] / routing["no_affinity"]["ttft_p50_ms"], 3)
+
     page = tmp_path / "BENCHMARKS.md"
     result = runner.invoke(app, ["bench", "report", "--results", str(results), "--out", str(page)])
     assert result.exit_code == 0, result.output
@@ -57,3 +71,21 @@ def test_a_tiny_run_reports_both_workloads_on_and_off_and_the_page_shows_them(
     assert "Greedy outputs are identical" in section
     assert f"The no-sharing pairs, on / off: on first {pairs[0]['on_over_off']:.3f}×" in section
     assert "chat TTFT p50, prefix caching on / off" in text
+    affinity = routing["affinity"]
+    assert (f"| prefix affinity on | 6 | {affinity['follow_ups_on_previous_worker']:.1%} |"
+            in section)
+
+
+def test_without_routing_the_page_has_no_routing_part(tiny_model: Path, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    result = runner.invoke(app, [
+        "bench", "prefix", "--model", str(tiny_model), "--adapters", "1", "--clients", "1",
+        "--turns", "1", "--system-tokens", "60", "--user-tokens", "4", "--reply-tokens", "2",
+        "--rank", "4", "--no-routing", "--output", str(results / "prefix.json"),
+    ])
+    assert result.exit_code == 0, result.output
+    assert json.loads((results / "prefix.json").read_text())["routing"] is None
+    page = tmp_path / "BENCHMARKS.md"
+    result = runner.invoke(app, ["bench", "report", "--results", str(results), "--out", str(page)])
+    assert result.exit_code == 0, result.output
+    assert "(prefix)" in page.read_text() and "**Routing.**" not in page.read_text()
