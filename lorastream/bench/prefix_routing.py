@@ -275,6 +275,7 @@ def run_routing(c: PrefixConfig, checkpoint: Path, dirs: list[Path]) -> dict[str
     on, off = sides["affinity"], sides["no_affinity"]
     return {
         "workers": len(workers),
+        "think_s": THINK_S,
         **sides,
         "ttft_p50_affinity_over_none": _ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
         "tokens_per_s_affinity_over_none": _ratio(on["tokens_per_s"], off["tokens_per_s"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from lorastream.bench.prefix_routing import THINK_S
 from lorastream.bench.report_format import (
     Result,
     get,
@@ -57,6 +58,8 @@ def _routing(r: Result) -> list[str]:
     routing = r.get("routing")
     if not isinstance(routing, Mapping):
         return []
+    # runs before think_s was recorded used the module's value (1.0 s then)
+    think = routing.get("think_s", THINK_S)
     header = ("gateway", "requests", "follow-ups on the last turn's worker",
               "follow-ups' prompt tokens cached", "all prompt tokens cached",
               "requests per worker", "TTFT p50 (ms)", "TTFT p90 (ms)", "tokens/s")
@@ -74,7 +77,9 @@ def _routing(r: Result) -> list[str]:
         f"{text(routing.get('workers'))} workers on loopback (each caching prefixes, each "
         "holding every adapter, so load and prefix affinity decide, not residency), with the "
         "gateway's prefix affinity on and then off (`--prefix-affinity-entries 0`: the routing "
-        "before it); both workers' caches are emptied before each. Where each turn went is the "
+        "before it); both workers' caches are emptied before each. Clients do not move in "
+        f"lockstep: each starts within {think} s and thinks up to {2 * think:g} s between turns "
+        "(the same pauses on both sides; wall time includes them). Where each turn went is the "
         "gateway's own routing line; cached tokens are the responses' "
         "`usage.prompt_tokens_details.cached_tokens`.",
         table(header, rows),
