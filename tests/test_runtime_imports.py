@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOT = REPO / "lorastream"
 # Modules that only the benchmarks and the GPU checks run: they may import the dev and bench tools
 # (`lorastream bench` says what to install when one is missing).
-NOT_RUNTIME = ("lorastream/bench/", "lorastream/cli/bench.py", "lorastream/kernels/bench.py")
+NOT_RUNTIME = ("lorastream/bench/", "lorastream/cli/bench", "lorastream/kernels/bench.py")
 # Optional imports: each is guarded where it is imported and names what to install in one line.
 OPTIONAL = {
     "triton": "the gpu extra (CUDA machines): kernels/sgmv.py raises with the install line",
