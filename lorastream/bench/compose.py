@@ -1,7 +1,7 @@
 """A compose project driven through the docker CLI, for benchmarks that run the stack in containers
 (``lorastream bench fleet``): ``docker compose -p PROJECT -f ... --profile cpu`` with chosen ports
 and settings, container health and restarts from ``docker inspect``, and HTTP through the published
-ports only. tests/compose_live drives the same CLI for its own checks.
+ports only. tests/compose_live drives its stacks with the same class.
 """
 
 from __future__ import annotations

@@ -16,16 +16,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorastream.bench.compose import ComposeProject
 from lorastream.bench.compose import engine_problem as docker_problem
 from tests.support.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = [REPO / "docker-compose.yml", REPO / "tests/compose_live/docker-compose.moto.yml"]
-TOKENS_DIR = "/run/lorastream/tokens"
 
 
 def engine_problem() -> str | None:
@@ -59,54 +59,13 @@ class Ports:
         }
 
 
-@dataclass
-class Compose:
-    """``docker compose -p PROJECT -f ... --profile cpu`` with the test's ports."""
+class Compose(ComposeProject):
+    """The package's compose project (``docker compose -p PROJECT -f ... --profile cpu``) with
+    the test's ports; ``files`` default to docker-compose.yml and moto's S3 override."""
 
-    project: str
-    ports: Ports
-    files: list[Path] = field(default_factory=lambda: list(COMPOSE_FILES))
-    log: list[str] = field(default_factory=list)
-
-    def env(self) -> dict[str, str]:
-        # The operator's own settings (LORASTREAM_PYTHON_IMAGE, ..._TORCH_INDEX_URL) pass through;
-        # tokens do not: the stack must generate its own.
-        env = {k: v for k, v in os.environ.items()
-               if not k.endswith(("_TOKEN", "_TOKEN_FILE")) and not k.startswith("COMPOSE_")}
-        return env | self.ports.env()
-
-    def run(self, *args: str, timeout: float = 600, check: bool = True) -> str:
-        command = ["docker", "compose", "-p", self.project,
-                   *(arg for f in self.files for arg in ("-f", str(f))), "--profile", "cpu",
-                   *args]
-        started = time.monotonic()
-        done = subprocess.run(command, cwd=REPO, env=self.env(), capture_output=True, text=True,
-                              timeout=timeout, check=False)
-        self.log.append(f"{' '.join(args)}: rc {done.returncode} in "
-                        f"{time.monotonic() - started:.0f} s")
-        if check and done.returncode != 0:
-            raise AssertionError(f"docker compose {' '.join(args)} failed ({done.returncode}):\n"
-                                 f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-        return done.stdout
-
-    def container(self, service: str) -> str:
-        ids = self.run("ps", "-q", service).split()
-        assert len(ids) == 1, f"{service}: containers {ids}"
-        return ids[0]
-
-    def operate_token(self) -> str:
-        return self.run("exec", "-T", "gateway", "cat", f"{TOKENS_DIR}/operate-token").strip()
-
-    def leftovers(self) -> dict[str, list[str]]:
-        """Containers, networks and volumes still labelled with the project."""
-        label = f"label=com.docker.compose.project={self.project}"
-        found = {}
-        for kind, command in (("containers", ["docker", "ps", "-a", "-q", "--filter", label]),
-                              ("networks", ["docker", "network", "ls", "-q", "--filter", label]),
-                              ("volumes", ["docker", "volume", "ls", "-q", "--filter", label])):
-            out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60)
-            found[kind] = out.stdout.split()
-        return found
+    def __init__(self, project: str, ports: Ports, files: list[Path] | None = None) -> None:
+        super().__init__(project, [str(f) for f in files or COMPOSE_FILES], ports.env())
+        self.ports = ports
 
 
 # -- HTTP ------------------------------------------------------------------------------------------
