@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from lorastream.bench.compose import ComposeProject, health, inspect, kill_processes, wait_until
-from lorastream.bench.harness import adapter_picker, free_port, percentiles
+from lorastream.bench.harness import adapter_picker, free_port, percentiles, sse_chunk
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.synthetic import SMOLLM2_135M, synthetic_lora
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
@@ -185,9 +185,9 @@ def completion(client: httpx.Client, gateway: str, adapter: str, index: int,
                 response.read()
                 error = f"http {response.status_code}"
             for line in response.iter_lines() if error is None else ():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                event = sse_chunk(line)
+                if event is None:
                     continue
-                event = json.loads(line[5:])
                 if "error" in event:
                     error = f"stream error: {event['error'].get('type') or 'error'}"
                     break

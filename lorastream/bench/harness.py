@@ -11,6 +11,7 @@ sorted raw samples that CDF plots are drawn from.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import socket
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -29,6 +31,10 @@ from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.worker_client import WorkerClient
 from lorastream.stack.launcher import wait_http_ok, wait_serving
 from lorastream.worker.device.priority import lower_priority
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
 
 QUESTIONS = (
     "What is the capital of France?", "Why is the sky blue?", "Name three fruits.",
@@ -232,6 +238,36 @@ def resident_bytes(process: psutil.Process) -> int:
             continue
         total += info.rss - info.shared
     return total
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+def sse_chunk(line: str) -> dict[str, Any] | None:
+    """The JSON of one line of an OpenAI event stream; None for other lines and ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    chunk: dict[str, Any] | None = None if payload == "[DONE]" else json.loads(payload)
+    return chunk
+
+
+def serve_app(app: FastAPI, name: str, timeout_s: float = 30
+              ) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """Serve ``app`` with uvicorn on a free loopback port, in a thread named ``name``; (the
+    server, its thread, its URL) once it listens (stop: ``server.should_exit = True``)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the {name} did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 # -- processes -------------------------------------------------------------------------------

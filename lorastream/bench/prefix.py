@@ -51,7 +51,9 @@ from lorastream.bench.prefix_routing import run_routing
 from lorastream.bench.prefix_setup import (
     PrefixConfig,
     build,
+    quantile,
     random_ids,
+    ratio,
     run_clients,
     timed_request,
     worker_settings,
@@ -75,17 +77,12 @@ class RunFigures:
         return {
             "requests": len(self.ttft_ms),
             "ttft_p50_ms": round(statistics.median(self.ttft_ms), 1),
-            "ttft_p90_ms": round(_quantile(self.ttft_ms, 0.9), 1),
+            "ttft_p90_ms": round(quantile(self.ttft_ms, 0.9), 1),
             "generated_tokens": self.generated,
             "wall_s": round(self.wall_s, 2),
             "tokens_per_s": round(self.generated / self.wall_s, 1),
             "prefix_hit_rate": round(self.hit_rate, 3),
         }
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def chat_workload(engine: Engine, c: PrefixConfig, vocab: int) -> RunFigures:
@@ -164,7 +161,7 @@ def no_sharing_pairs(on: Engine, off: Engine, c: PrefixConfig, vocab: int
         pairs.append({"first": "on" if order[0] else "off",
                       "on_tokens_per_s": on_s["tokens_per_s"],
                       "off_tokens_per_s": off_s["tokens_per_s"],
-                      "on_over_off": _ratio(on_s["tokens_per_s"], off_s["tokens_per_s"])})
+                      "on_over_off": ratio(on_s["tokens_per_s"], off_s["tokens_per_s"])})
     return _merged(sides[True]), _merged(sides[False]), pairs
 
 
@@ -205,8 +202,8 @@ def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
         "config": asdict(c),
         "chat": {"on": on, "off": off},
         "no_sharing": {"on": on_r, "off": off_r, "pairs": pairs},
-        "ttft_p50_on_over_off": _ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
-        "tokens_per_s_on_over_off": _ratio(on["tokens_per_s"], off["tokens_per_s"]),
+        "ttft_p50_on_over_off": ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
+        "tokens_per_s_on_over_off": ratio(on["tokens_per_s"], off["tokens_per_s"]),
         # the median of the pairs' ratios: each pair ran back to back, in alternating order
         "no_sharing_tokens_per_s_on_over_off": (round(statistics.median(ratios), 3)
                                                 if ratios else None),
@@ -217,9 +214,3 @@ def run_prefix_bench(c: PrefixConfig) -> dict[str, object]:
         "goal_no_sharing": "no_sharing_tokens_per_s_on_over_off >= 0.97",
         "goal_identical": "outputs_identical == 1",
     }
-
-
-def _ratio(a: object, b: object) -> float | None:
-    if not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
-        return None
-    return round(a / b, 3)

@@ -22,7 +22,6 @@ all turns; requests per worker; TTFT p50/p90 (submit to the first streamed text)
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import secrets
@@ -36,10 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from lorastream.bench.harness import serve_app, sse_chunk
 from lorastream.bench.prefix_setup import (
     PrefixConfig,
     build,
+    quantile,
     random_ids,
+    ratio,
     run_clients,
     worker_settings,
 )
@@ -101,8 +103,6 @@ class RunningGateway:
     """The gateway app served by uvicorn on a loopback port of its own, in a thread."""
 
     def __init__(self, workers: list[str], token: str, affinity_entries: int | None) -> None:
-        import uvicorn
-
         from lorastream.gateway.app import create_app
         from lorastream.gateway.config import GatewaySettings
 
@@ -111,18 +111,8 @@ class RunningGateway:
             workers=workers, token=token, **table,
             store="127.0.0.1:1",  # no store runs: completions never ask it
         )
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_config=None,
-                                timeout_graceful_shutdown=2)
-        self.server: uvicorn.Server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.server: uvicorn.Server
+        self.server, self.thread, self.url = serve_app(create_app(settings), "gateway")
         self._wait_healthy(len(workers))
 
     def _wait_healthy(self, workers: int) -> None:
@@ -154,9 +144,9 @@ def _complete(client: httpx.Client, model: str, prompt: str, reply_tokens: int,
             raise RuntimeError(f"completion for {model}: HTTP {response.status_code}: "
                                f"{response.read().decode(errors='replace')}")
         for line in response.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
-            chunk = json.loads(line[5:])
             if "error" in chunk:
                 raise RuntimeError(f"completion for {model}: {chunk['error']}")
             request_id = request_id or chunk.get("id", "")
@@ -214,7 +204,7 @@ def side_figures(turns: list[Turn], routes: dict[str, tuple[str, str]], workers:
         prompt = sum(t.prompt_tokens for t in ts)
         return round(sum(t.cached_tokens for t in ts) / prompt, 3) if prompt else None
 
-    ttft = sorted(t.ttft_ms for t in turns)
+    ttft = [t.ttft_ms for t in turns]
     generated = sum(t.completion_tokens for t in turns)
     return {
         "requests": len(turns),
@@ -224,7 +214,7 @@ def side_figures(turns: list[Turn], routes: dict[str, tuple[str, str]], workers:
         "requests_per_worker": [served.get(w, 0) for w in workers],
         "reasons": dict(sorted(Counter(reason for _, reason in routes.values()).items())),
         "ttft_p50_ms": round(statistics.median(ttft), 1),
-        "ttft_p90_ms": round(ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], 1),
+        "ttft_p90_ms": round(quantile(ttft, 0.9), 1),
         "generated_tokens": generated,
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(generated / wall_s, 1),
@@ -277,11 +267,7 @@ def run_routing(c: PrefixConfig, checkpoint: Path, dirs: list[Path]) -> dict[str
         "workers": len(workers),
         "think_s": THINK_S,
         **sides,
-        "ttft_p50_affinity_over_none": _ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
-        "tokens_per_s_affinity_over_none": _ratio(on["tokens_per_s"], off["tokens_per_s"]),
+        "ttft_p50_affinity_over_none": ratio(on["ttft_p50_ms"], off["ttft_p50_ms"]),
+        "tokens_per_s_affinity_over_none": ratio(on["tokens_per_s"], off["tokens_per_s"]),
         "outputs_identical": 1 if replies["affinity"] == replies["no_affinity"] else 0,
     }
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None

@@ -107,3 +107,15 @@ def build(c: PrefixConfig, checkpoint: Path, dirs: list[Path], settings: WorkerS
     timed_request(engine, "a0", warm_up, 2)  # not timed
     engine.reset_prefix_cache()
     return engine
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ratio(a: object, b: object) -> float | None:
+    """``a / b`` to 3 decimals; None unless both are numbers and ``b`` is not 0."""
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or not b:
+        return None
+    return round(a / b, 3)

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import psutil
 
-from lorastream.bench.harness import free_port, percentiles
+from lorastream.bench.harness import free_port, percentiles, sse_chunk
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.synthetic import checkpoint_shape, make_synthetic_adapter
 
@@ -197,9 +197,10 @@ async def _one(client: httpx.AsyncClient, url: str, request: Request, base: str,
                 request.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
                 return
             async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                chunk = sse_chunk(line)
+                if chunk is None:
                     continue
-                choices = json.loads(line[6:]).get("choices") or []
+                choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
                     request.tokens += 1
                     if request.ttft is None:

@@ -36,22 +36,24 @@ def prefix_keys(prompt: PromptInput) -> tuple[str, ...]:
     if prompt.token_ids is not None:
         ids = prompt.token_ids
         chunks = [",".join(map(str, ids[i:i + CHUNK_TOKENS])).encode()
-                  for i in range(0, min(len(ids), CHUNK_TOKENS * MAX_CHUNKS), CHUNK_TOKENS)
-                  if i + CHUNK_TOKENS <= len(ids)]
+                  for i in _chunk_starts(len(ids), CHUNK_TOKENS)]
     else:
         if prompt.messages is not None:
             text = "".join(f"{role}\0{content}\0" for role, content in prompt.messages)
         else:
             text = prompt.text or ""
-        chunks = [text[i:i + CHUNK_CHARS].encode()
-                  for i in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS)
-                  if i + CHUNK_CHARS <= len(text)]
+        chunks = [text[i:i + CHUNK_CHARS].encode() for i in _chunk_starts(len(text), CHUNK_CHARS)]
     keys: list[str] = []
     digest = b""
     for chunk in chunks:
         digest = hashlib.blake2b(digest + chunk, digest_size=12).digest()
         keys.append(digest.hex())
     return tuple(reversed(keys))
+
+
+def _chunk_starts(length: int, size: int) -> range:
+    """Where each whole chunk of ``size`` starts in ``length`` items, at most ``MAX_CHUNKS``."""
+    return range(0, min(length, size * MAX_CHUNKS) - size + 1, size)
 
 
 def recorded_keys(keys: Sequence[str]) -> list[str]:

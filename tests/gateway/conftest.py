@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from lorastream.bench.harness import serve_app
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.core.worker_client import WorkerClient
@@ -122,18 +123,8 @@ class Gateway:
 
 def start_gateway(settings: GatewaySettings) -> Gateway:
     app = create_app(settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
-                            timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the gateway did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return Gateway(app, server, thread, f"http://127.0.0.1:{port}", settings)
+    server, thread, url = serve_app(app, "gateway", timeout_s=20)
+    return Gateway(app, server, thread, url, settings)
 
 
 @dataclass
