@@ -13,6 +13,7 @@ from lorastream.bench.harness import (
     make_trace,
     percentiles,
     samples_ms,
+    sse_chunk,
     summarise,
 )
 
@@ -81,3 +82,20 @@ def test_summary_has_sorted_raw_samples_one_per_token_gap_and_request() -> None:
     assert summary["throughput_tok_s"] == pytest.approx(25.0)
     assert summary["throughput_req_s"] == pytest.approx(10.0)
     assert samples_ms([0.00204, 0.001]) == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(("line", "chunk"), [
+    ('data: {"id": "cmpl-1", "choices": []}', {"id": "cmpl-1", "choices": []}),
+    ('data:{"usage": {"prompt_tokens": 3}}', {"usage": {"prompt_tokens": 3}}),
+    ("data: [DONE]", None),
+    ("", None),
+    (": keep-alive", None),
+])
+def test_an_event_stream_line_gives_its_json_chunk_or_none(line: str, chunk: object) -> None:
+    assert sse_chunk(line) == chunk
+
+
+def test_a_broken_event_stream_line_raises() -> None:
+    with pytest.raises(ValueError):
+        sse_chunk("data: {not json")
+
