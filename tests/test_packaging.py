@@ -68,8 +68,8 @@ def test_the_sample_adapters_ship_in_the_wheel(wheel_names: set[str]) -> None:
 
 
 def test_the_cpu_attention_kernel_source_ships_in_the_wheel(wheel_names: set[str]) -> None:
-    """lorastream/kernels/cpu_attention.py compiles it where the package is installed."""
-    assert "lorastream/kernels/csrc/decode_attention.cpp" in wheel_names
+    """lorastream/kernels/cpu/attention.py compiles it where the package is installed."""
+    assert "lorastream/kernels/cpu/csrc/decode_attention.cpp" in wheel_names
 
 
 # -- the locks: runtime apart from the test and benchmark tools ------------------------------------

@@ -30,7 +30,7 @@ import psutil
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.worker_client import WorkerClient
 from lorastream.stack.launcher import wait_http_ok, wait_serving
-from lorastream.worker.device.priority import lower_priority
+from lorastream.worker.device.cpu.priority import lower_priority
 
 if TYPE_CHECKING:
     import uvicorn
@@ -281,7 +281,7 @@ def free_port() -> int:
 def spawn(args: list[str], priority: str | None = None,
           cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
     """``lorastream ARGS --log-level WARNING`` as a child process, at ``priority`` (``idle`` or
-    ``nice:N``, see ``lorastream/worker/device/priority.py``) and on ``cpus`` if given."""
+    ``nice:N``, see ``lorastream/worker/device/cpu/priority.py``) and on ``cpus`` if given."""
 
     def before_exec() -> None:
         if cpus:

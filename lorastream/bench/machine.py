@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from lorastream.core.native_env import openmp_spin_count
+from lorastream.worker.device.cpu.native_env import openmp_spin_count
 
 _REPO = Path(__file__).resolve().parents[2]
 _BANDWIDTH_BYTES = 256 << 20  # read by torch.sum, far larger than any CPU cache

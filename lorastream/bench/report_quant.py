@@ -222,7 +222,7 @@ def _roofline(r: Result) -> str:
         f"machine's cores multiply-add at {number(peaks.get('fp32'))} G/s in fp32 FMAs, "
         f"{number(peaks.get('int8'))} G/s in int8 × int8 with exact int32 sums (`vpmaddubsw` "
         f"+ `vpmaddwd`, no VNNI) and {number(peaks.get('int16'))} G/s in int16 (`vpmaddwd`), "
-        "every thread, measured in registers (lorastream/kernels/cpu_peak.py). A step of "
+        "every thread, measured in registers (lorastream/kernels/cpu/peak.py). A step of "
         f"{text(r.get('prompts'))} rows multiplies "
         f"{number((as_number(roof.get('multiply_adds_per_step')) or 0) / 1e9, 2)} G "
         "multiply-adds in "
@@ -254,7 +254,7 @@ def _attention(r: Result, torch_path: bool) -> str:
     if not torch_path:
         return ""
     return ("Decode attention ran on the native CPU kernel (`--cpu-kernels`, "
-            "lorastream/kernels/cpu_attention.py: the paged cache read in place); the base-only "
+            "lorastream/kernels/cpu/attention.py: the paged cache read in place); the base-only "
             "decode of each mode on torch's path (gathered blocks, then SDPA) is beside it, "
             "measured in the same turns.")
 
@@ -271,7 +271,7 @@ def _where_the_time_goes(r: Result) -> str:
         "x86, "
         "`torch._int_mm` elsewhere), at the price of rounding each token's activations to int8 "
         "(after an orthogonal rotation of the input that spreads outlier channels: one C++ op "
-        "per projection on the CPU, `lorastream/kernels/cpu_rotation.py`) and of 7-bit weights.")
+        "per projection on the CPU, `lorastream/kernels/cpu/rotation.py`) and of 7-bit weights.")
     step = r.get("fp32_step_ms")
     if not isinstance(step, Mapping):
         return general  # results from before these figures

@@ -4,7 +4,7 @@ rows could run per mode if its projections ran at the cores' multiply-add peak.
 A decode step of 32 rows on a CPU is bound by multiply-adds in its projections, not by reading
 their weights (docs/quantization.md, "The roofline at 32 rows").
 The peak is measured on this machine
-(``lorastream/kernels/cpu_peak.py``: register-only loops of each kind of product, every thread), the
+(``lorastream/kernels/cpu/peak.py``: register-only loops of each kind of product, every thread), the
 multiply-adds are counted from the model's projection shapes, and the rest of each step (what a
 step spends outside its projections: attention, norms, sampling, the scheduler) is the mode's own,
 as measured in the same run: its median repeat's step less its projections' median pass. Per
@@ -58,12 +58,12 @@ def measure_peaks(device: str = "cpu") -> dict[str, object]:
     another ``device`` than the CPU, whose peak this is not; no C++ ops; no AVX2)."""
     if device != "cpu":
         return {"error": f"the model ran on {device}; the measured peak is the CPU's"}
-    from lorastream.kernels import cpu_ops
+    from lorastream.kernels.cpu import ops as cpu_ops
 
     reason = cpu_ops.load()
     if reason is not None:
         return {"error": reason}
-    from lorastream.kernels.cpu_peak import KINDS, multiply_add_peak
+    from lorastream.kernels.cpu.peak import KINDS, multiply_add_peak
 
     try:
         return {kind: round(multiply_add_peak(kind) / 1e9, 1) for kind in KINDS}

@@ -297,7 +297,7 @@ def run_engine(config: SaturateConfig, adapter_dirs: dict[str, Path]) -> dict[st
 
 def engine_child() -> None:
     """Entry of :func:`run_engine`'s child: reads the job on stdin, prints the result JSON."""
-    from lorastream.core.native_env import tune_native_libraries
+    from lorastream.worker.device.cpu.native_env import tune_native_libraries
 
     tune_native_libraries()  # before torch loads, as `worker serve` does
     from lorastream.core.generation import PromptInput, SamplingParams

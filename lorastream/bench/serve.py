@@ -22,9 +22,9 @@ The worker's peak resident memory is sampled and reported against its configured
 both modes the interference part and the cold probe run once more per variant of the worker's CPU
 measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
 (``--copy-turn-ms 0``) rather than in turns between them
-(``lorastream/worker/device/step_gate.py``);
+(``lorastream/worker/device/cpu/step_gate.py``);
 the compute threads placed by the kernel rather than bound one per core
-(``--no-bind-compute-threads``, ``lorastream/worker/device/cpu_binding.py``); and store fetches
+(``--no-bind-compute-threads``, ``lorastream/worker/device/cpu/binding.py``); and store fetches
 given a turn of the cores before each step while they are in flight (``--fetch-turn-ms 2``,
 ``step_gate.py``; off by default), which trades the running streams' ITL for load time; and,
 not a CPU measure, layer-ordered admission (``--layered-admission``; off by default), whose
@@ -33,7 +33,7 @@ cold probe against the defaults' is what it wins.
 The store process runs at idle CPU priority (SCHED_IDLE): in a deployment it is another machine,
 and on a 2-core benchmark box it would otherwise take the cores the worker decodes on (at
 ``nice 10`` it still doubled the decode's ITL p50 while it worked; see
-``lorastream/worker/device/priority.py``). For the same reason its egress is capped at
+``lorastream/worker/device/cpu/priority.py``). For the same reason its egress is capped at
 ``store_link_mbps`` (default 125 MB/s, a 1 Gb/s link): on loopback the
 "network" would otherwise run at memory speed and cost the worker's cores, where a real link
 moves the bytes without them. The link banks up to ``store_link_burst_bytes`` (4 MiB, the most
@@ -327,7 +327,7 @@ def _worker_args(config: ServeConfig, overlap: str, store: str, port: int) -> li
 CPU_VARIANTS = {
     # slot copies beside the decode steps instead of in turns between them (step_gate.py)
     "copies_beside_steps": ("--copy-turn-ms", "0"),
-    # compute threads placed by the kernel instead of bound one per core (cpu_binding.py)
+    # compute threads placed by the kernel instead of bound one per core (device/cpu/binding.py)
     "compute_threads_unbound": ("--no-bind-compute-threads",),
     # fetches get a turn of the cores before each step while in flight (step_gate.py; off by
     # default: faster loads beside decoding, at the running streams' expense)

@@ -44,7 +44,6 @@ import grpc
 
 from lorastream.bench.machine import command_line, machine_info
 from lorastream.core.checksum import BLAKE3, DEFAULT_TENSOR_DIGEST, SHA256, XXH3_128
-from lorastream.core.native_env import keep_freed_buffers
 from lorastream.core.store_client import (
     GRPC_OPTIONS,
     STREAM_GRPC_OPTIONS,
@@ -52,6 +51,7 @@ from lorastream.core.store_client import (
     StoreClient,
 )
 from lorastream.core.tls import open_channel
+from lorastream.worker.device.cpu.native_env import keep_freed_buffers
 
 _BARE_METHOD = "/lorastream.bench.Bare/Stream"
 # verified client -> the tensor digest its store stages with

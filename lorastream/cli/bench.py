@@ -145,7 +145,7 @@ def engine(
 ) -> None:
     """Decode tok/s: engine with N adapters vs base only vs HF+PEFT (goals: >= 0.85x, >= 2.5x)."""
     require_bench_extra()
-    from lorastream.core.native_env import tune_native_libraries
+    from lorastream.worker.device.cpu.native_env import tune_native_libraries
 
     tune_native_libraries()  # as `worker serve` does, before torch loads
     from lorastream.bench.engine import run_engine_bench
@@ -182,7 +182,7 @@ def prefix(
     (goals: TTFT p50 <= 0.3x, tokens/s >= 1.3x, no-sharing >= 0.97x, identical outputs); then
     the same chat through the gateway over two workers, prefix affinity on vs off."""
     require_bench_extra()
-    from lorastream.core.native_env import tune_native_libraries
+    from lorastream.worker.device.cpu.native_env import tune_native_libraries
 
     tune_native_libraries()  # as `worker serve` does, before torch loads
     from lorastream.bench.prefix import PrefixConfig, run_prefix_bench

@@ -20,7 +20,7 @@ app = typer.Typer(
 @with_settings(WorkerSettings)
 def serve(settings: WorkerSettings, log_level: str = LOG_LEVEL_OPTION) -> None:
     """Serve generation over gRPC until Ctrl-C. Each setting is a flag or a variable."""
-    from lorastream.core.native_env import tune_native_libraries
+    from lorastream.worker.device.cpu.native_env import tune_native_libraries
 
     tune_native_libraries()  # before torch loads (the settings do not load it)
     from lorastream.worker.service.server import serve as run

@@ -13,7 +13,7 @@ from lorastream.bench.machine import (
     machine_info,
     memory_read_bandwidth_gbs,
 )
-from lorastream.core.native_env import SPIN_COUNT, openmp_spin_count
+from lorastream.worker.device.cpu.native_env import SPIN_COUNT, openmp_spin_count
 
 KEYS = {"cpu", "logical_cores", "usable_cores", "memory_gib", "os", "python", "torch",
         "torch_threads", "openmp_spin_count", "cuda_device", "commit", "dirty", "date_utc"}

@@ -12,7 +12,7 @@ On the CPU (every machine here):
   * host buffers are plain tensors (``pin_memory`` raises on the CPU build of torch);
   * the load stream is ONE dedicated copy thread that runs submitted copies in submission order,
     in turns between the decode steps
-    (:class:`~lorastream.worker.device.step_gate.StepGate` says why; the engine runs each step
+    (:class:`~lorastream.worker.device.cpu.step_gate.StepGate` says why; the engine runs each step
     inside :meth:`Device.step`);
   * an :class:`Event` is a host-side completion flag with the same ``query``/``wait`` calls.
 
@@ -20,7 +20,7 @@ A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become o
 
 On the CPU the loader threads compete with the step's matmul threads for the same cores (on a GPU
 they would not: copies are DMA). :func:`loader_thread_init` gives them the loader priority
-(SCHED_IDLE by default, ``priority.py`` says why), the CPU counterpart of a low-priority CUDA
+(SCHED_IDLE by default, ``cpu/priority.py`` says why), the CPU counterpart of a low-priority CUDA
 stream (decoding keeps the cores, loads use the gaps), and one intra-op thread
 (:func:`use_intra_op_threads` says why that matters, :func:`use_one_intra_op_thread` how).
 """
@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorastream.worker.device.cpu_binding import (
+from lorastream.worker.device.cpu.binding import (
     bind_team,
     release_thread,
     set_openmp_threads_here,
     unbind_team,
 )
-from lorastream.worker.device.priority import lower_priority
-from lorastream.worker.device.step_gate import StepGate
+from lorastream.worker.device.cpu.priority import lower_priority
+from lorastream.worker.device.cpu.step_gate import StepGate
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,11 @@ def use_intra_op_threads(count: int) -> None:
 def use_one_intra_op_thread() -> None:
     """Run the calling thread's torch CPU ops on one thread, leaving the engine's count alone.
 
-    Only this thread's OpenMP setting changes (``cpu_binding.set_openmp_threads_here``), never
+    Only this thread's OpenMP setting changes (``cpu/binding.py``: ``set_openmp_threads_here``),
+    never
     torch's process-wide count: a request thread that lowered that to 1 with
     ``torch.set_num_threads(1)`` took the engine's second core away at the engine's first C++ op
-    (``lorastream/kernels/csrc``): the extension adopted the process-wide count on the engine's
+    (``lorastream/kernels/cpu/csrc``): the extension adopted the process-wide count on the engine's
     thread (previous paragraph), and every later step ran on one thread with the other core idle.
     """
     torch.get_num_threads()  # libtorch's adoption first: it would undo the setting below
@@ -144,7 +145,7 @@ class CudaEvent(Event):  # pragma: no cover - needs a GPU
 
 
 COMPLETED = HostEvent(done=True)
-COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see step_gate.py)
+COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see cpu/step_gate.py)
 FETCH_TURN_S = 0.0  # on the CPU, each gap held open this long while a fetch is in flight
 
 
@@ -159,7 +160,7 @@ class _Job:
 
 
 class _Turn:
-    """The copy thread's turns of the step gate (``step_gate.py``): one begins before an
+    """The copy thread's turns of the step gate (``cpu/step_gate.py``): one begins before an
     operation when none is open, and one that has copied for ``turn_s`` ends before the next
     operation, whichever job that belongs to; so consecutive small jobs (an adapter copied layer
     by layer as its layers land) share a turn instead of taking one gap between steps each."""
@@ -292,14 +293,14 @@ class Device:
         """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch is
         in flight and sequences run), leave the cores to the idle-priority loaders for
         ``fetch_turn_s``; then a copy of the load stream waiting for this gap copies now (one
-        turn), so what it loads can join that step (``step_gate.py``)."""
+        turn), so what it loads can join that step (``cpu/step_gate.py``)."""
         if fetching and self.fetch_turn_s > 0:
             self.gate.hold_gap(self.fetch_turn_s)
         self.gate.give_turn()
 
     def use_compute_threads(self, count: int) -> dict[int, int] | None:
         """Make the calling thread the one that computes, on ``count`` intra-op threads; on the
-        CPU, bind them one per core (``cpu_binding.py`` says why and when). Returns
+        CPU, bind them one per core (``cpu/binding.py`` says why and when). Returns
         ``{thread id: cpu}`` of the bound threads, None if not bound."""
         use_intra_op_threads(count)
         if self.is_cuda or not self.bind_compute:

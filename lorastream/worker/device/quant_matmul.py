@@ -71,7 +71,7 @@ def quantization_slow_here(device: torch.device, mode: str, native: bool = False
     fp8 on the CPU is torch's reference loop for ``torch._scaled_mm``: measured 4-14x slower
     than the fp32 product at decode shapes; it serves there so that its tokens can be checked.
     The weight-only mode (``int8``) runs the C++ op where the CPU ops are loaded
-    (``lorastream/kernels/cpu_int8.py``: fp32 activations, as fast as the fp32 product or faster at
+    (``lorastream/kernels/cpu/int8.py``: fp32 activations, as fast as the fp32 product or faster at
     every row count measured, docs/notes/quantization.md).
     Without them it takes torch's kernel, fast only with
     AVX-512 (bf16 conversion); on an AVX2-only CPU ``bench engine --quantization`` measured that

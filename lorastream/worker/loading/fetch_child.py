@@ -24,8 +24,8 @@ import argparse
 import mmap
 import os
 
-from lorastream.core.native_env import keep_freed_buffers
-from lorastream.worker.device.priority import lower_priority
+from lorastream.worker.device.cpu.native_env import keep_freed_buffers
+from lorastream.worker.device.cpu.priority import lower_priority
 
 
 def map_shared(fd: int, nbytes: int, prefault: bool) -> mmap.mmap:

@@ -26,7 +26,7 @@ largest rank in the batch (ranks are sliced to it), not the slot capacity.
 
 With ``native`` (``--cpu-kernels``, fp32 on the CPU), a slot-major step whose batch rows are its
 layout (decode: the step builder orders decode rows by slot) runs
-``lorastream/kernels/cpu_lora.py``'s ``lora_rows`` instead: one C++ op per input that reads each
+``lorastream/kernels/cpu/lora.py``'s ``lora_rows`` instead: one C++ op per input that reads each
 row's A and B once and adds the delta into the output in place (same sums, another order), where
 the bmm path runs 18 ops per layer.
 """
@@ -39,7 +39,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
-from lorastream.kernels.cpu_lora import lora_rows
+from lorastream.kernels.cpu.lora import lora_rows
 from lorastream.worker.device.staging import Arena
 from lorastream.worker.lora.slots import LoraSlots
 
@@ -194,7 +194,8 @@ class TorchLoraBackend:
 
     def __init__(self, dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
         """``native``: the C++ ``lora_rows`` where a step allows (module docstring); the caller
-        has loaded the CPU ops (``device/cpu_kernels.py``) and the model is fp32 on the CPU."""
+        has loaded the CPU ops (``device/cpu/kernel_choice.py``) and the model is fp32 on the
+        CPU."""
         self._dtype = dtype
         self._device = device
         self.native = native

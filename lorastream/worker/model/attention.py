@@ -20,7 +20,7 @@ Nothing here reads a device tensor back to the host: block ranges of prefill chu
 their host-side lengths, those of decode rows are computed on the device from the shapes.
 
 ``native`` (fp32 on the CPU, ``--cpu-kernels``): decode rows run the C++ kernel of
-``lorastream/kernels/cpu_attention.py`` instead, which reads the cache blocks in place (same
+``lorastream/kernels/cpu/attention.py`` instead, which reads the cache blocks in place (same
 semantics and score layout; no gathered copy, no SDPA call); prefill chunks keep SDPA.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorastream.kernels.cpu_attention import decode_attention, score_width
+from lorastream.kernels.cpu.attention import decode_attention, score_width
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
 

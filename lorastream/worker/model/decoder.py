@@ -18,9 +18,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from lorastream.core.native_env import release_freed_memory
-from lorastream.kernels.cpu_norm_rope import rms_norm
-from lorastream.worker.device.cpu_kernels import CpuKernels, use_cpu_kernels
+from lorastream.kernels.cpu.norm_rope import rms_norm
+from lorastream.worker.device.cpu.kernel_choice import CpuKernels, use_cpu_kernels
+from lorastream.worker.device.cpu.native_env import release_freed_memory
 from lorastream.worker.model.attention import paged_attention, write_kv
 from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
@@ -106,7 +106,7 @@ class RMSNorm:
         self.eps = eps
         self.plus_one = plus_one
         self.weight = 1.0 + weight.float() if plus_one else weight  # [D]
-        # the C++ op (lorastream/kernels/cpu_norm_rope.py) for fp32 [T, D] hidden states
+        # the C++ op (lorastream/kernels/cpu/norm_rope.py) for fp32 [T, D] hidden states
         self.native = native and self.weight.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
@@ -145,7 +145,7 @@ class DecoderModel:
     or quantized to int8 once, here (quant_linear.py); norms, embeddings (but a tied lm_head's,
     which is the quantized lm_head), attention and the KV cache keep the model's dtype.
     ``cpu_kernels`` (``--cpu-kernels``): decode attention on the C++ CPU kernel or torch's
-    SDPA path (attention.py; ``device/cpu_kernels.py``).
+    SDPA path (attention.py; ``device/cpu/kernel_choice.py``).
     """
 
     def __init__(

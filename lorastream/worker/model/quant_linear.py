@@ -41,7 +41,7 @@ The model's weight in the checkpoint's basis (what the reference computes with) 
 ``dequant(Wq)``, un-rotated for int8-dynamic: :func:`dequantized_weight`.
 
 **int8 on the CPU's C++ op.** Where the C++ CPU ops are loaded (``--cpu-kernels``; fp32 on the
-CPU), int8 runs ``lorastream/kernels/cpu_int8.py``'s op over the weight packed once at load in
+CPU), int8 runs ``lorastream/kernels/cpu/int8.py``'s op over the weight packed once at load in
 blocks of 16 channels (the only copy): fp32 activations, so its product is the dequantized one to
 fp32 rounding, and faster than the fp32 product at every row count measured. The default model's 30
 layers + lm_head, weights cold, 2 cores of the AVX2 EPYC, ms per pass (op / fp32 prepacked /
@@ -126,9 +126,9 @@ from typing import Literal
 
 import torch
 
-from lorastream.kernels.cpu_int8 import int8_weight_mm, packed_rows
-from lorastream.kernels.cpu_int8 import pack as pack_int8
-from lorastream.kernels.cpu_int8 import unpack as unpack_int8
+from lorastream.kernels.cpu.int8 import int8_weight_mm, packed_rows
+from lorastream.kernels.cpu.int8 import pack as pack_int8
+from lorastream.kernels.cpu.int8 import unpack as unpack_int8
 from lorastream.worker.device.quant_matmul import quant_matmul
 from lorastream.worker.model.rotation import Rotation, rotation
 

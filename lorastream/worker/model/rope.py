@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lorastream.core.errors import InvalidArgument
-from lorastream.kernels.cpu_norm_rope import rotary
+from lorastream.kernels.cpu.norm_rope import rotary
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +361,7 @@ def apply_rotary(
 
     ``q * cos + rotate_half(q) * sin`` on the first ``d`` dims; dims past ``d`` (partial rotary)
     pass through. cos/sin are cast to q's dtype first, as transformers does. ``native``: fp32
-    q and k go through the C++ op (lorastream/kernels/cpu_norm_rope.py), bit for bit this.
+    q and k go through the C++ op (lorastream/kernels/cpu/norm_rope.py), bit for bit this.
     """
     if (native and q.dtype == torch.float32 and k.dtype == torch.float32
             and cos.dtype == torch.float32 and sin.dtype == torch.float32):

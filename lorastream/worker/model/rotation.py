@@ -27,7 +27,7 @@ lm_head's candidates exact, ``QuantLinear.exact_top``); 98.8% in a trial whose `
 Applied as two small products, ``x.view(T, a, b) @ H_b`` and then ``Q_aᵀ`` over the a axis:
 K (a + b) multiply-adds per row instead of K²; or, where the C++ CPU ops run (``native``, as
 ``--cpu-kernels`` decides), as one op with a fast Walsh-Hadamard transform
-(``lorastream/kernels/cpu_rotation.py``).
+(``lorastream/kernels/cpu/rotation.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from lorastream.kernels.cpu_rotation import rotate_rows, rotate_scale_rows
+from lorastream.kernels.cpu.rotation import rotate_rows, rotate_scale_rows
 
 _MAX_HADAMARD = 128  # b: the Hadamard factor's largest order
 

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoTokenizer
 
 from lorastream.core.errors import InvalidArgument
-from lorastream.core.native_env import waits_actively
 from lorastream.core.tls import ClientTLS
+from lorastream.worker.device.cpu.native_env import waits_actively
+from lorastream.worker.device.cpu.priority import starvation_warning
 from lorastream.worker.device.device import Device
-from lorastream.worker.device.priority import starvation_warning
 from lorastream.worker.device.quant_matmul import (
     quantization_slow_here,
     quantization_unsupported,

@@ -16,7 +16,7 @@ from pydantic_settings import CliSuppress, SettingsConfigDict
 from lorastream.core.auth import AccessTokens, read_token_file
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.store_tls_settings import StoreTLSSettings
-from lorastream.worker.device.priority import loader_priority
+from lorastream.worker.device.cpu.priority import loader_priority
 
 
 def _default_model_cache() -> Path:
@@ -144,7 +144,7 @@ class WorkerSettings(StoreTLSSettings):
         description="CPU priority of the adapter loaders (store fetches, CPU copies into the "
         "slots). idle: SCHED_IDLE, they run only on CPU time decoding leaves; nice: at "
         "--loader-nice, for a box whose cores never idle (see "
-        "lorastream/worker/device/priority.py).",
+        "lorastream/worker/device/cpu/priority.py).",
     )
     loader_nice: int = Field(
         10,
@@ -265,8 +265,8 @@ class WorkerSettings(StoreTLSSettings):
 
     @property
     def loader_priority_spec(self) -> str:
-        """``idle`` or ``nice:N``: what :func:`~lorastream.worker.device.priority.lower_priority`
-        takes."""
+        """``idle`` or ``nice:N``: what
+        :func:`~lorastream.worker.device.cpu.priority.lower_priority` takes."""
         return loader_priority(self.loader_priority, self.loader_nice)
 
     @property

@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-from lorastream.kernels import cpu_ops
+from lorastream.kernels.cpu import ops as cpu_ops
 
 PROBE = """
 import json, threading, torch
-from lorastream.kernels import cpu_ops, cpu_norm_rope
+from lorastream.kernels.cpu import norm_rope as cpu_norm_rope
+from lorastream.kernels.cpu import ops as cpu_ops
 from lorastream.worker.device import device
 assert cpu_ops.load() is None
 device.use_intra_op_threads(2)  # the engine's thread

@@ -1,6 +1,6 @@
 """The torch LoRA backend against the fp32 SGMV reference, over the popularities that matter;
 with ``native`` (``--cpu-kernels``) its slot-major steps whose rows are the layout run the C++
-``lora_rows`` (lorastream/kernels/cpu_lora.py), held to the same reference and to the bmm path."""
+``lora_rows`` (lorastream/kernels/cpu/lora.py), held to the same reference and to the bmm path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.kernels import cpu_ops
+from lorastream.kernels.cpu import ops as cpu_ops
 from lorastream.kernels.reference import sgmv_expand_ref, sgmv_shrink_ref
 from lorastream.kernels.workloads import segment_lengths
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
@@ -329,7 +329,7 @@ def test_lora_rows_is_the_fp64_delta_at_any_rank_and_width(
 ) -> None:
     """The op's chunked shrink and 8-row expand against the module docstring's formula in fp64,
     with the lanes past the rank (another group's h, past b's row) never entering a sum."""
-    from lorastream.kernels.cpu_lora import lora_rows
+    from lorastream.kernels.cpu.lora import lora_rows
 
     gen = torch.Generator().manual_seed(r_slot * 100 + k_in + rank)
     slots, rows, group = 3, 5, len(widths)
@@ -355,7 +355,7 @@ def test_lora_rows_is_the_fp64_delta_at_any_rank_and_width(
 
 def test_lora_rows_refuses_columns_outside_the_output() -> None:
     """A B that does not fit where it is added is an error, never a write past the row."""
-    from lorastream.kernels.cpu_lora import lora_rows
+    from lorastream.kernels.cpu.lora import lora_rows
 
     a, b = torch.randn(2, 4, 16), torch.randn(2, 8, 4)
     with pytest.raises(RuntimeError, match="columns 4..12 outside out"):

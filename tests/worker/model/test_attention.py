@@ -7,7 +7,7 @@ wholly before a sequence's window are filled with NaN, so a windowed layer that 
 them would return NaN: the test proves that only the window is read.
 
 Every case runs on both decode paths: torch's (gathered blocks, SDPA) and the native C++ kernel
-(``lorastream/kernels/cpu_attention.py``, fp32 on the CPU), which must build here.
+(``lorastream/kernels/cpu/attention.py``, fp32 on the CPU), which must build here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lorastream.kernels import cpu_attention, cpu_ops
+from lorastream.kernels.cpu import attention as cpu_attention
+from lorastream.kernels.cpu import ops as cpu_ops
 from lorastream.worker.model.attention import paged_attention, window_blocks, write_kv
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE

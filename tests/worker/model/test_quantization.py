@@ -67,7 +67,7 @@ from tests.worker.conftest import EngineFactory
 MODES = ["int8", "int8-dynamic", "fp8"]
 LOGIT_BOUND = LOGIT_TOLERANCE  # max |Δlogit| / max |logit| per token (quant_linear.py)
 MIN_DECISIVE_AGREEMENT = 0.99
-# int8 on the C++ op (lorastream/kernels/cpu_int8.py): fp32 activations, the reference's product
+# int8 on the C++ op (lorastream/kernels/cpu/int8.py): fp32 activations, the reference's product
 # summed in another order (measured worst 1.1e-5, every position equal in every family)
 OP_INT8_BOUND = 1e-4
 OP_INT8_RAW_AGREEMENT = 0.99

@@ -66,9 +66,9 @@ def test_an_outlier_channel_no_longer_sets_the_tokens_int8_step() -> None:
 @pytest.mark.parametrize("k", [576, 1536, 640, 64, 24, 7, 12])  # b 64, 128, 128, 64, 8, 1, 4
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_the_cpu_op_rotates_as_the_torch_path_does(k: int, rows: int) -> None:
-    """``lorastream/kernels/cpu_rotation.py``'s fast Walsh-Hadamard op against the two products,
+    """``lorastream/kernels/cpu/rotation.py``'s fast Walsh-Hadamard op against the two products,
     both ways (b < 8 and b = 1 take the op's scalar path)."""
-    from lorastream.kernels import cpu_ops
+    from lorastream.kernels.cpu import ops as cpu_ops
 
     assert cpu_ops.load() is None, cpu_ops.load()  # the machines here build them
     torch.manual_seed(k)
@@ -82,7 +82,7 @@ def test_the_cpu_op_rotates_as_the_torch_path_does(k: int, rows: int) -> None:
 def test_the_cpu_op_scales_the_rotated_rows_as_the_torch_ops_do(k: int, rows: int) -> None:
     """``rotate_scale_rows``: over its rotated rows, the scaling and the steps are the torch
     ops' bit for bit (so the rounding to int8 is too); a zero row keeps the 1e-12 floor."""
-    from lorastream.kernels import cpu_ops
+    from lorastream.kernels.cpu import ops as cpu_ops
 
     assert cpu_ops.load() is None, cpu_ops.load()
     torch.manual_seed(k + rows)

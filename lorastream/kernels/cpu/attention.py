@@ -21,7 +21,7 @@ which is ``attention.py``'s ``_decode`` (and transformers' eager attention: GQA 
 the soft cap before the mask) with the same score layout, in a different summation order.
 tests/worker/model/test_attention.py holds both paths to a dense fp64 reference.
 
-Built with the other CPU ops by :func:`lorastream.kernels.cpu_ops.load` (``--cpu-kernels``,
+Built with the other CPU ops by :func:`lorastream.kernels.cpu.ops.load` (``--cpu-kernels``,
 docs/worker.md).
 """
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.device.cpu.step_gate import StepGate
 from lorastream.worker.device.device import Device, LoadStream
-from lorastream.worker.device.step_gate import StepGate
 from lorastream.worker.engine.engine import Engine
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, busy, greedy_tokens
 

@@ -1,4 +1,4 @@
-"""``lorastream/kernels/cpu_int8.py``: the C++ int8 weight-only product (fp32 activations)
+"""``lorastream/kernels/cpu/int8.py``: the C++ int8 weight-only product (fp32 activations)
 against the product over the dequantized weight, its packed layout, and ``--quantization int8``
 on it."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.kernels import cpu_ops
-from lorastream.kernels.cpu_int8 import int8_weight_mm, pack, packed_rows, unpack
+from lorastream.kernels.cpu import ops as cpu_ops
+from lorastream.kernels.cpu.int8 import int8_weight_mm, pack, packed_rows, unpack
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.quant_linear import QuantLinear, dequantize, quantize

@@ -51,8 +51,8 @@ def lower_priority(priority: str) -> None:
 
 def starvation_warning(priority: str, openmp_waits_actively: bool) -> str | None:
     """Why idle loaders may starve, or None: OpenMP told to spin without end
-    (:func:`lorastream.core.native_env.waits_actively`) keeps every core busy while the engine
-    decodes, so SCHED_IDLE loaders get no time."""
+    (:func:`lorastream.worker.device.cpu.native_env.waits_actively`) keeps every core busy
+    while the engine decodes, so SCHED_IDLE loaders get no time."""
     if priority == IDLE and openmp_waits_actively:
         return ("OMP_WAIT_POLICY=active keeps the cores busy while decoding, so adapter loads at "
                 "--loader-priority idle may wait until decoding pauses; use --loader-priority "

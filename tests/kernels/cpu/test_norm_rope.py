@@ -1,4 +1,4 @@
-"""``lorastream/kernels/cpu_norm_rope.py``: the C++ RMSNorm and rotary embedding against torch's
+"""``lorastream/kernels/cpu/norm_rope.py``: the C++ RMSNorm and rotary embedding against torch's
 paths in ``worker/model`` (the rotary bit for bit, the norm within an ulp or two of its mean)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorastream.kernels import cpu_ops
-from lorastream.kernels.cpu_norm_rope import rms_norm, rotary
+from lorastream.kernels.cpu import ops as cpu_ops
+from lorastream.kernels.cpu.norm_rope import rms_norm, rotary
 from lorastream.worker.model.decoder import RMSNorm
 from lorastream.worker.model.rope import apply_rotary
 

@@ -1,4 +1,4 @@
-"""``lorastream/kernels/cpu_peak.py``: the cores' multiply-add peak per kind of product, the
+"""``lorastream/kernels/cpu/peak.py``: the cores' multiply-add peak per kind of product, the
 roofline of the quantized-base benchmark (lorastream/bench/roofline.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from lorastream.kernels import cpu_ops
-from lorastream.kernels.cpu_peak import KINDS, multiply_add_peak
+from lorastream.kernels.cpu import ops as cpu_ops
+from lorastream.kernels.cpu.peak import KINDS, multiply_add_peak
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lorastream.core.native_env import (
+from lorastream.worker.device.cpu.native_env import (
     CACHE_VARIABLES,
     ONEDNN_CACHE_ENTRIES,
     SPIN_COUNT,
@@ -19,7 +19,8 @@ from lorastream.core.native_env import (
 )
 
 PROBE = (
-    "import os, sys; from lorastream.core.native_env import tune_openmp_waits; {before}"
+    "import os, sys; "
+    "from lorastream.worker.device.cpu.native_env import tune_openmp_waits; {before}"
     "tune_openmp_waits(); print(os.environ.get('GOMP_SPINCOUNT'))"
 )
 
@@ -64,7 +65,8 @@ def test_an_active_wait_policy_is_recognised_in_any_case(
 
 
 CACHE_PROBE = (
-    "import os, sys; from lorastream.core.native_env import tune_native_libraries; {before}"
+    "import os, sys; "
+    "from lorastream.worker.device.cpu.native_env import tune_native_libraries; {before}"
     "tune_native_libraries(); "
     "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), os.environ.get('LRU_CACHE_CAPACITY'))"
 )
@@ -92,7 +94,7 @@ def test_cache_capacities_are_set_only_before_torch_and_never_over_the_users_cho
 def _growth_mb(bound: bool) -> float:
     code = f"""
 import os
-from lorastream.core.native_env import bound_onednn_caches
+from lorastream.worker.device.cpu.native_env import bound_onednn_caches
 if {bound}:
     bound_onednn_caches()
 import torch
@@ -135,7 +137,7 @@ def torch_has_onednn() -> bool:
 FRAGMENTED_HEAP = """
 import sys
 import torch
-from lorastream.core.native_env import release_freed_memory
+from lorastream.worker.device.cpu.native_env import release_freed_memory
 def rss_mb():
     with open('/proc/self/status') as status:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith('VmRSS'))
@@ -170,7 +172,7 @@ def test_freed_heap_pages_stay_resident_until_released(release: bool) -> None:
 
 RECEIVE_LOOP = """
 import os, resource, sys
-from lorastream.core.native_env import keep_freed_buffers
+from lorastream.worker.device.cpu.native_env import keep_freed_buffers
 if sys.argv[1] == 'keep':
     assert keep_freed_buffers()
 def faults():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.kernels import cpu_ops
-from lorastream.worker.device.cpu_kernels import use_cpu_kernels
+from lorastream.kernels.cpu import ops as cpu_ops
+from lorastream.worker.device.cpu.kernel_choice import use_cpu_kernels
 
 CPU = torch.device("cpu")
 
@@ -40,7 +40,7 @@ def test_auto_keeps_torch_where_the_kernels_do_not_apply_and_native_says_why() -
 BROKEN_BUILD = """
 import json, logging
 import torch
-from lorastream.worker.device.cpu_kernels import use_cpu_kernels
+from lorastream.worker.device.cpu.kernel_choice import use_cpu_kernels
 records = []
 class Keep(logging.Handler):
     def emit(self, record): records.append(record.getMessage())
@@ -73,7 +73,7 @@ def test_kernels_that_cannot_build_leave_auto_on_torch_with_a_warning_and_native
 
 FRESH_BUILD = """
 import json, os
-from lorastream.kernels import cpu_ops
+from lorastream.kernels.cpu import ops as cpu_ops
 before = os.environ["PATH"]
 error = cpu_ops.load()
 print(json.dumps({"error": error, "path_kept": os.environ["PATH"] == before}))

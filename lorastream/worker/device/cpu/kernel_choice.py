@@ -1,5 +1,5 @@
 """``--cpu-kernels``: whether this worker computes with the C++ CPU ops
-(``lorastream/kernels/cpu_ops.py``: decode attention over the paged cache, the LoRA delta of
+(``lorastream/kernels/cpu/ops.py``: decode attention over the paged cache, the LoRA delta of
 slot-major steps, RMSNorm and the rotary embedding, int8-dynamic's input rotation, int8's
 weight-only product) or torch's paths.
 
@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from lorastream.kernels import cpu_ops
+from lorastream.kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,11 @@ import threading
 
 import pytest
 
-from lorastream.worker.device.priority import loader_priority, lower_priority, starvation_warning
+from lorastream.worker.device.cpu.priority import (
+    loader_priority,
+    lower_priority,
+    starvation_warning,
+)
 
 
 def _in_thread(priority: str) -> tuple[int, int, int, int]:

@@ -12,8 +12,8 @@ import time
 import torch
 
 from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.device.cpu.step_gate import StepGate
 from lorastream.worker.device.device import Device, LoadStream
-from lorastream.worker.device.step_gate import StepGate
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, busy, greedy_tokens
 
 Interval = tuple[float, float]
