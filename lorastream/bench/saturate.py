@@ -301,7 +301,7 @@ def engine_child() -> None:
 
     tune_native_libraries()  # before torch loads, as `worker serve` does
     from lorastream.core.generation import PromptInput, SamplingParams
-    from lorastream.worker.device.device import use_one_intra_op_thread
+    from lorastream.worker.device.cpu.threads import use_one_intra_op_thread
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings
     from lorastream.worker.service.operations import WorkerOperations

@@ -19,10 +19,8 @@ On the CPU (every machine here):
 A test hook (:attr:`LoadStream.copy_delay_s`) slows every copy so races become observable.
 
 On the CPU the loader threads compete with the step's matmul threads for the same cores (on a GPU
-they would not: copies are DMA). :func:`loader_thread_init` gives them the loader priority
-(SCHED_IDLE by default, ``cpu/priority.py`` says why), the CPU counterpart of a low-priority CUDA
-stream (decoding keeps the cores, loads use the gaps), and one intra-op thread
-(:func:`use_intra_op_threads` says why that matters, :func:`use_one_intra_op_thread` how).
+they would not: copies are DMA); how they share them is the CPU tuning of ``cpu/`` (thread
+priorities and counts in ``cpu/threads.py``, turns between steps in ``cpu/step_gate.py``).
 """
 
 from __future__ import annotations
@@ -37,63 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorastream.worker.device.cpu.binding import (
-    bind_team,
-    release_thread,
-    set_openmp_threads_here,
-    unbind_team,
-)
-from lorastream.worker.device.cpu.priority import lower_priority
-from lorastream.worker.device.cpu.step_gate import StepGate
+from lorastream.worker.device.cpu.binding import bind_team, unbind_team
+from lorastream.worker.device.cpu.step_gate import CopyTurn, StepGate
+from lorastream.worker.device.cpu.threads import loader_thread_init, use_intra_op_threads
 
 log = logging.getLogger(__name__)
-
-
-def use_intra_op_threads(count: int) -> None:
-    """Make the calling thread the one that computes, on ``count`` intra-op (OpenMP) threads.
-
-    Why the worker cares: GNU OpenMP gives every thread that runs a parallel torch op a pool of
-    its own, and once the process holds more OpenMP threads than there are cores it stops
-    spin-waiting between parallel regions ("throttled" waits). A decode step runs hundreds of
-    small parallel ops (the LoRA matmuls); each then pays a futex wake-up. Measured on the default
-    model with 32 adapters: decode steps ~30% slower once a second thread had used torch with two
-    threads. So one thread of the process, the engine's, computes with several threads and every
-    other thread that touches torch (loaders, request handlers) calls
-    :func:`use_one_intra_op_thread`.
-
-    ``torch.set_num_threads`` also sets torch's process-wide count, which every thread adopts
-    lazily at its first parallel op -- and which every C++ extension adopts again on its own
-    (``at::parallel_for`` is inline: each shared object keeps its own per-thread "adopted" flag).
-    Only the computing thread may set it. ``get_num_threads`` makes this thread's adoption in
-    libtorch happen now, before the count is set.
-    """
-    torch.get_num_threads()
-    torch.set_num_threads(count)
-
-
-def use_one_intra_op_thread() -> None:
-    """Run the calling thread's torch CPU ops on one thread, leaving the engine's count alone.
-
-    Only this thread's OpenMP setting changes (``cpu/binding.py``: ``set_openmp_threads_here``),
-    never
-    torch's process-wide count: a request thread that lowered that to 1 with
-    ``torch.set_num_threads(1)`` took the engine's second core away at the engine's first C++ op
-    (``lorastream/kernels/cpu/csrc``): the extension adopted the process-wide count on the engine's
-    thread (previous paragraph), and every later step ran on one thread with the other core idle.
-    """
-    torch.get_num_threads()  # libtorch's adoption first: it would undo the setting below
-    if not set_openmp_threads_here(1):
-        log.debug("no GNU OpenMP runtime: %s keeps torch's thread count",
-                  threading.current_thread().name)
-
-
-def loader_thread_init(priority: str) -> None:
-    """Thread initializer of loader threads (store fetch, CPU copies): ``priority`` (``idle`` or
-    ``nice:N``), every CPU of the process (an engine thread bound to one core may start it), and
-    torch on one intra-op thread so that decoding keeps the only multi-threaded OpenMP pool."""
-    release_thread()
-    lower_priority(priority)
-    use_one_intra_op_thread()
 
 
 class Event:
@@ -159,33 +105,6 @@ class _Job:
     done: HostEvent = field(default_factory=HostEvent)
 
 
-class _Turn:
-    """The copy thread's turns of the step gate (``cpu/step_gate.py``): one begins before an
-    operation when none is open, and one that has copied for ``turn_s`` ends before the next
-    operation, whichever job that belongs to; so consecutive small jobs (an adapter copied layer
-    by layer as its layers land) share a turn instead of taking one gap between steps each."""
-
-    def __init__(self, gate: StepGate) -> None:
-        self.gate = gate
-        self._began: float | None = None
-
-    @property
-    def open(self) -> bool:
-        return self._began is not None
-
-    def before_op(self) -> None:
-        if self._began is not None and time.perf_counter() - self._began >= self.gate.turn_s:
-            self.end()
-        if self._began is None:
-            self.gate.begin_turn()
-            self._began = time.perf_counter()
-
-    def end(self) -> None:
-        if self._began is not None:
-            self.gate.end_turn()
-            self._began = None
-
-
 class LoadStream:
     """Runs adapter copies off the compute path, in submission order.
 
@@ -231,7 +150,7 @@ class LoadStream:
 
     def _run(self) -> None:
         loader_thread_init(self.loader_priority)
-        turn = _Turn(self.gate)
+        turn = CopyTurn(self.gate)
         while True:
             try:  # a job queued behind the one just copied goes on in the same turn
                 job = self._jobs.get_nowait() if turn.open else self._jobs.get()

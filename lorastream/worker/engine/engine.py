@@ -10,7 +10,7 @@ The loop runs either on a thread of its own (:meth:`Engine.start`) or on the cal
 (:meth:`Engine.run`, :meth:`Engine.run_while`). The worker process and ``bench engine`` use the
 latter on the main thread, the one that loaded the model: on the CPU, torch's OpenMP pool of
 that thread is then the only multi-threaded one in the process (see
-:func:`~lorastream.worker.device.device.use_intra_op_threads`).
+:func:`~lorastream.worker.device.cpu.threads.use_intra_op_threads`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 
 from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
-from lorastream.worker.device.device import Device, use_one_intra_op_thread
+from lorastream.worker.device.cpu.threads import use_one_intra_op_thread
+from lorastream.worker.device.device import Device
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.intake import RequestIntake

@@ -55,7 +55,8 @@ from lorastream.core.errors import (
     LorastreamError,
     SourceUnavailable,
 )
-from lorastream.worker.device.device import Device, Event, loader_thread_init
+from lorastream.worker.device.cpu.threads import loader_thread_init
+from lorastream.worker.device.device import Device, Event
 from lorastream.worker.loading.adapter_weights import AdapterWeights
 from lorastream.worker.loading.catalogue import StoreCatalogue
 from lorastream.worker.loading.cost_model import AdmissionCostModel

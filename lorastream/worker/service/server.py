@@ -14,7 +14,7 @@ from lorastream.core.auth import refuse_open_bind
 from lorastream.core.grpc_service import create_grpc_server, serve_until_signalled
 from lorastream.core.grpc_status import BearerTokenInterceptor, ErrorMappingInterceptor
 from lorastream.core.tls import ServerTLS
-from lorastream.worker.device.device import use_one_intra_op_thread
+from lorastream.worker.device.cpu.threads import use_one_intra_op_thread
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
@@ -100,7 +100,7 @@ def serve(settings: WorkerSettings) -> None:
     left with UNAVAILABLE and return.
 
     The engine loop runs on the main thread, which loaded the model, so that on the CPU its
-    OpenMP pool is the process's only multi-threaded one (``device.use_intra_op_threads``)."""
+    OpenMP pool is the process's only multi-threaded one (``device/cpu/threads.py``)."""
     built = build_server(settings, start_engine=False)
     server, port, engine = built.server, built.port, built.engine
     log.debug("%d startup objects frozen out of garbage collection", freeze_startup_heap())

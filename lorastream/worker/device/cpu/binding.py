@@ -24,7 +24,7 @@ workers sharing a bigger box, binding would stack them on the same first cores, 
 When the engine's loop ends, :func:`unbind_team` frees the threads again.
 
 Threads started later by a bound thread inherit its one-CPU mask: the adapter loaders, started
-on demand, call :func:`release_thread` first (``device.loader_thread_init``).
+on demand, call :func:`release_thread` first (``threads.loader_thread_init``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def release_thread() -> None:
 def set_openmp_threads_here(count: int) -> bool:
     """Make the calling thread's own parallel regions use ``count`` threads (OpenMP's per-thread
     ``nthreads`` setting), leaving torch's process-wide count alone; False where there is no
-    GNU OpenMP runtime here (nothing changed). ``device.use_one_intra_op_thread`` says why."""
+    GNU OpenMP runtime here (nothing changed). ``threads.use_one_intra_op_thread`` says why."""
     gomp = _libgomp()
     if gomp is None:
         return False

@@ -157,3 +157,30 @@ class StepGate:
             return False
         idle = time.monotonic() - self._last_step_end >= self.idle_s
         return self._turn_gap != self._gap or idle
+
+
+class CopyTurn:
+    """The copy thread's turns of the step gate (:class:`StepGate`): one begins before an
+    operation when none is open, and one that has copied for ``turn_s`` ends before the next
+    operation, whichever job that belongs to; so consecutive small jobs (an adapter copied layer
+    by layer as its layers land) share a turn instead of taking one gap between steps each."""
+
+    def __init__(self, gate: StepGate) -> None:
+        self.gate = gate
+        self._began: float | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._began is not None
+
+    def before_op(self) -> None:
+        if self._began is not None and time.perf_counter() - self._began >= self.gate.turn_s:
+            self.end()
+        if self._began is None:
+            self.gate.begin_turn()
+            self._began = time.perf_counter()
+
+    def end(self) -> None:
+        if self._began is not None:
+            self.gate.end_turn()
+            self._began = None

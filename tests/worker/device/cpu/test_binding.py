@@ -15,7 +15,7 @@ import torch
 
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.device.cpu.binding import bind_team, release_thread, unbind_team
-from lorastream.worker.device.device import loader_thread_init
+from lorastream.worker.device.cpu.threads import loader_thread_init
 from tests.worker.conftest import PROMPTS, EngineFactory
 
 T = TypeVar("T")

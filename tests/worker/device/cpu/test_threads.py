@@ -19,12 +19,12 @@ PROBE = """
 import json, threading, torch
 from lorastream.kernels.cpu import norm_rope as cpu_norm_rope
 from lorastream.kernels.cpu import ops as cpu_ops
-from lorastream.worker.device import device
+from lorastream.worker.device.cpu import threads
 assert cpu_ops.load() is None
-device.use_intra_op_threads(2)  # the engine's thread
+threads.use_intra_op_threads(2)  # the engine's thread
 seen = {}
 def side():
-    getattr(device, SIDE)(*ARGS)
+    getattr(threads, SIDE)(*ARGS)
     seen["side"] = torch.get_num_threads()
 t = threading.Thread(target=side)
 t.start()
