@@ -24,7 +24,7 @@ import torch
 from lorastream.bench.synthetic import BaseShape, make_synthetic_adapter
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig

@@ -40,8 +40,8 @@ from lorastream.bench.machine import command_line
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.adapter_weights import adapter_weights
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.adapter import adapter_weights
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.service.operations import WorkerOperations
 

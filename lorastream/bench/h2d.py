@@ -58,8 +58,8 @@ def run_h2d_bench(rank: int = 16, repeats: int = 20) -> dict[str, object]:
                            "it is unmeasured on this project's CPU-only machines")
     from lorastream.bench.machine import command_line
     from lorastream.worker.device.device import Device
-    from lorastream.worker.loading.adapter_weights import adapter_weights
-    from lorastream.worker.loading.fetcher import AdapterFetcher
+    from lorastream.worker.loading.adapter import adapter_weights
+    from lorastream.worker.loading.fetch import AdapterFetcher
     from lorastream.worker.lora.slots import LoraSlots
     from lorastream.worker.model.config import ModelConfig
 

@@ -1,7 +1,7 @@
 """Whether an adapter fits a base model, from the store's manifest alone (no tensor bytes).
 
 A worker refuses, at load, an adapter trained for another base (docs/design.md rule 6,
-``lorastream/worker/loading/adapter_weights.py``). The gateway asks the same question earlier,
+``lorastream/worker/loading/adapter.py``). The gateway asks the same question earlier,
 of every adapter in the store, to list in ``/v1/models`` only those the workers can serve (as
 vLLM lists only what it loaded): the store is shared, and its cache
 (``~/.cache/lorastream/store``) by every stack on the machine, so it may hold adapters of other

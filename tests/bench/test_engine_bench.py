@@ -59,8 +59,8 @@ def test_synthetic_adapters_fit_a_base_of_another_family(family: str, tmp_path: 
     (Phi-3's fused qkv_proj / gate_up_proj, Gemma's head_dim); the store and worker take them."""
     from lorastream.core.adapter_validation import validate_adapter_dir
     from lorastream.worker.device.device import Device
-    from lorastream.worker.loading.adapter_weights import adapter_weights
-    from lorastream.worker.loading.fetcher import AdapterFetcher
+    from lorastream.worker.loading.adapter import adapter_weights
+    from lorastream.worker.loading.fetch import AdapterFetcher
     from tests.support.models import FAMILY_TARGETS, make_tiny_family
 
     checkpoint = make_tiny_family(family, tmp_path / "model")

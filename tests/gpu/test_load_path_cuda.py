@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.device.device import Device, Event
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.fetch import AdapterFetcher
 from tests.worker.conftest import EngineFactory, StoreStack
 from tests.worker.loading import test_overlap_loading as overlap
 

@@ -21,8 +21,8 @@ from lorastream.core.generation import PromptInput
 from lorastream.worker.device.device import Device
 from lorastream.worker.device.quant_matmul import FP8_MIN_CAPABILITY
 from lorastream.worker.engine.sampling import SamplingParams
-from lorastream.worker.loading.adapter_weights import adapter_weights
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.adapter import adapter_weights
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig

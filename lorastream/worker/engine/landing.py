@@ -3,7 +3,7 @@ docs/design.md, "Layer-ordered admission").
 
 A request admitted that way sits in ``Scheduler.landing``: it holds its KV blocks, and its
 adapter a slot that fills layer by layer as the store's stream lands them
-(``loading/layered_admission.py``). After each scheduling round the engine runs its prompt but
+(``loading/layered.py``). After each scheduling round the engine runs its prompt but
 the last token through the layers whose copies have completed, and keeps the hidden states on
 the sequence for the next round. Example, 30 layers, a prompt of 40 tokens: rounds that find 4,
 4, 11 and 30 layers ready run layers 0-3, none, 4-10 and 11-29 over tokens 0-38. Then the cache

@@ -10,7 +10,7 @@ Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequenc
    A request that does not fit the KV cache stops admission, so big requests are not starved
    by small ones behind them. When a load the next waiting requests need will land sooner than
    the extra prefill step it would otherwise cost, new prefills are held for it (briefly; see
-   ``cost_model.py``), so they are prefilled together.
+   ``device_tier.py``), so they are prefilled together.
 
 With ``layered`` (``--layered-admission``), a request whose adapter is still landing is
 admitted once its first layers are in a slot: it takes its KV blocks and waits in ``landing``

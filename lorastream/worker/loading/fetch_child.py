@@ -1,6 +1,6 @@
 """The fetch process: streams adapters from the store into the worker's shared host memory.
 
-Started by :class:`~lorastream.worker.loading.fetch_process.FetchProcess` as
+Started by :class:`~lorastream.worker.loading.fetch.FetchProcess` as
 ``python -m lorastream.worker.loading.fetch_child --memory-fd M --conn-fd C --priority P``.
 It lowers its own CPU priority first, before anything starts a thread, so that every thread of
 it -- gRPC's included -- runs at that priority, and has glibc keep freed message buffers

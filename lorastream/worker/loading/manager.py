@@ -12,13 +12,13 @@ once, when the request arrives, as in SGLang's lora registry) and asks through t
 - the engine, once per step (as vLLM's ``set_active_adapters``): :meth:`prepare_step` gives the
   step its slots and the copies to wait on, :meth:`mark_read` records its compute event,
   :meth:`observe_step` its cost;
-- operator calls (``operator_calls.py``, mixed in): :meth:`load` (blocking: it waits on the
+- operator threads (below): :meth:`load` (blocking: it waits on the
   fetch's end and the copy's event), :meth:`unload`, :meth:`status`, :meth:`statuses`,
   :meth:`usage`.
 
 Each adapter counts the queued and running requests that need it (references); only unpinned
 adapters at zero references are evicted, from the host tier (LRU within ``host_budget``,
-``host_tier.py``) or from a slot (LRU, ``device_tier.py``).
+``host.py``) or from a slot (LRU, ``device_tier.py``).
 
 Thread model: request threads resolve names and take references, fetch threads land host buffers
 (or wait while the fetch process lands them), the engine loop places adapters into slots and
@@ -35,6 +35,12 @@ The rules of docs/design.md kept here (1 and 2 in ``device_tier.py``):
 4. references, not guesses, decide eviction;
 5. an adapter that cannot be loaded fails its requests with its error (:meth:`place` raises it);
 6. an adapter is checked against the base model on the host (``adapter_weights``) before a slot.
+
+Operator calls (:meth:`AdapterManager.load`, :meth:`AdapterManager.unload`, the status reads):
+an operator thread (a ``LoadAdapter`` RPC, ``lorastream up``'s registrations, a test) asks for an
+adapter by name and blocks until it is in host memory and, when a slot is free, on the device:
+it waits on the fetch's end and on the copy's event, never polls. The reads answer from the
+records.
 """
 
 from __future__ import annotations
@@ -46,29 +52,32 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
+    InvalidArgument,
     LorastreamError,
     SourceUnavailable,
 )
+from lorastream.core.generation import AdapterStatus
 from lorastream.worker.device.cpu.threads import loader_thread_init
 from lorastream.worker.device.device import Device, Event
-from lorastream.worker.loading.adapter_weights import AdapterWeights
-from lorastream.worker.loading.catalogue import StoreCatalogue
-from lorastream.worker.loading.cost_model import AdmissionCostModel
-from lorastream.worker.loading.device_tier import DeviceTier, StepAdapters
-from lorastream.worker.loading.entry import AdapterEntry
-from lorastream.worker.loading.fetcher import AdapterFetcher
-from lorastream.worker.loading.host_loader import HostLoader
-from lorastream.worker.loading.host_tier import HostTier
-from lorastream.worker.loading.layered_admission import follow_landing, landing_weights
-from lorastream.worker.loading.names import NameResolver
-from lorastream.worker.loading.operator_calls import OperatorCalls
-from lorastream.worker.loading.records import AdapterRecords
+from lorastream.worker.loading.adapter import (
+    AdapterEntry,
+    AdapterSnapshot,
+    AdapterWeights,
+    TierUsage,
+    adapter_status,
+)
+from lorastream.worker.loading.device_tier import AdmissionCostModel, DeviceTier, StepAdapters
+from lorastream.worker.loading.fetch import AdapterFetcher, HostLoader
+from lorastream.worker.loading.host import HostTier
+from lorastream.worker.loading.layered import follow_landing, landing_weights
+from lorastream.worker.loading.names import AdapterRecords, NameResolver, StoreCatalogue
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
@@ -76,7 +85,7 @@ from lorastream.worker.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-class AdapterManager(OperatorCalls):
+class AdapterManager:
     def __init__(
         self,
         config: ModelConfig,
@@ -206,7 +215,7 @@ class AdapterManager(OperatorCalls):
 
     def place_layered(self, adapter_id: str) -> int:
         """For an adapter :meth:`place` found not ready yet: if it is still landing, a slot
-        filled layer by layer (``layered_admission.py``); the leading layers a prefill may run
+        filled layer by layer (``layered.py``); the leading layers a prefill may run
         now. Raises InvalidAdapter when its manifest does not fit the base model."""
         with self._lock:
             entry = self._entry(adapter_id)
@@ -247,7 +256,7 @@ class AdapterManager(OperatorCalls):
 
     def hold_for_loads(self, adapter_ids: Iterable[str]) -> bool:
         """Hold new prefills this step for loads about to land? ``adapter_ids``: the adapters
-        of the next waiting requests; ``cost_model.py`` decides."""
+        of the next waiting requests; ``device_tier.py`` decides."""
         now = time.perf_counter()
         with self._lock:
             entries = [self._records.get(adapter_id) for adapter_id in adapter_ids]
@@ -347,6 +356,102 @@ class AdapterManager(OperatorCalls):
         with self._changed:
             self._loader.fail(entry, err)
             self._changed.notify_all()
+
+    # -- operator calls: load --------------------------------------------------------------
+    def load(
+        self, name: str, local_path: Path | None, pin: bool, timeout_s: float
+    ) -> AdapterStatus:
+        """Bring ``name`` into host memory and, if a slot is free, onto the device; its status.
+
+        Blocks the calling (operator) thread: it waits for the fetch to end and for the copy's
+        event, never polls. When every slot is held by adapters in use, the host tier is enough.
+        """
+        if local_path is not None:
+            entry = self._register_local(name, local_path, pin)
+        else:
+            entry = self._resolver.resolve(name)
+            if pin:
+                with self._lock:
+                    entry.pin()
+        entry = self._acquire(entry.adapter_id)  # keep it from being evicted while we wait
+        try:
+            deadline = time.monotonic() + timeout_s
+            self._wait_on_host(entry, deadline, f"loading {name} took over {timeout_s:.0f}s")
+            while not self._place(entry):
+                with self._lock:
+                    self._raise_error(entry)
+                    copy = entry.slot_event if entry.slot is not None else None
+                remaining = deadline - time.monotonic()
+                if copy is None or remaining <= 0:
+                    break  # every slot is held by adapters in use: the host tier is enough
+                copy.wait(remaining)
+        finally:
+            self.release(entry.adapter_id)
+        with self._lock:
+            return adapter_status(name, entry)
+
+    def _register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:
+        """Read, check and keep a local PEFT directory under ``name`` (blocking)."""
+        weights, manifest = self._loader.read_local(name, path)
+        with self._lock:
+            entry = self._records.get(weights.adapter_id) or AdapterEntry(
+                weights.adapter_id, name, manifest, local_path=path
+            )
+            self._loader.keep_local(self._records.entries(), entry, weights)
+            self._records.keep(name, entry)
+            entry.register_local(path, pin)
+            return entry
+
+    def _wait_on_host(self, entry: AdapterEntry, deadline: float, timeout_message: str) -> None:
+        """Block until ``entry`` is in host memory: start its fetch, and again whenever a fetch
+        ended or a reference dropped (the budget may have room now). Raises the adapter's
+        error, or :class:`SourceUnavailable` at ``deadline`` (``time.monotonic``)."""
+        while True:
+            self._ensure(entry)  # without overlap the fetch runs here
+            with self._changed:
+                if entry.weights is not None:
+                    return
+                if entry.error is not None:
+                    raise entry.error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SourceUnavailable(timeout_message)
+                self._changed.wait(remaining)
+
+    # -- unload and reads ---------------------------------------------------------------------
+    def unload(self, name: str) -> None:
+        with self._lock:
+            entry = self._records.named(name)
+            if entry is None:
+                raise AdapterNotFound(f"adapter {name!r} is not loaded on this worker")
+            if entry.refs:
+                raise InvalidArgument(
+                    f"adapter {name} is used by {entry.refs} queued or running requests; retry "
+                    "once they finish"
+                )
+            if entry.copying or entry.fetching:
+                raise InvalidArgument(
+                    f"adapter {name} is being loaded on this worker; retry once it is resident"
+                )
+            self._device_tier.evict(entry)
+            self.host.drop(entry)
+            entry.unpin()
+            self._records.unname(name)
+            self._changed.notify_all()
+
+    def status(self, name: str) -> AdapterStatus:
+        return self._records.status(name)
+
+    def statuses(self) -> list[AdapterStatus]:
+        """One status per name (an adapter known under two names is listed twice)."""
+        return self._records.statuses()
+
+    def usage(self) -> TierUsage:
+        return self._records.usage(self.host_budget)
+
+    def inspect(self, name: str) -> AdapterSnapshot | None:
+        """The internal state of the adapter ``name`` stands for, as plain values (tests)."""
+        return self._records.inspect(name)
 
     # -- helpers ------------------------------------------------------------------------------
     def _entry(self, adapter_id: str) -> AdapterEntry:

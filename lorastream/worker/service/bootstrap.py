@@ -19,8 +19,7 @@ from lorastream.worker.device.quant_matmul import (
     quantization_unsupported,
 )
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.fetch import AdapterFetcher, FetchProcess, SharedHostMemory
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots

@@ -10,8 +10,8 @@ import torch
 from lorastream.core.generation import FinishReason, PromptInput
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.sampling import SamplingParams
-from lorastream.worker.loading.adapter_weights import adapter_weights
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.adapter import adapter_weights
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig

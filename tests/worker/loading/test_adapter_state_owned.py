@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lorastream.worker.device.device import HostEvent
-from lorastream.worker.loading.entry import AdapterEntry
-from lorastream.worker.loading.host_loader import HostLoader
+from lorastream.worker.loading.adapter import AdapterEntry
+from lorastream.worker.loading.fetch import HostLoader
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.loading.names import NameResolver
 from lorastream.worker.lora.slots import SlotInfo
@@ -60,8 +60,9 @@ def entry_accesses(source: str) -> list[str]:
     """Every place in ``source`` that reaches into adapter records (line: what)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module == "lorastream.worker.loading.entry":
-            found.append(f"{node.lineno}: imports {node.module}")
+        if isinstance(node, ast.ImportFrom) and node.module == "lorastream.worker.loading.adapter":
+            found.extend(f"{node.lineno}: imports {alias.name}" for alias in node.names
+                         if alias.name in {"AdapterEntry", "Residency"})
         elif isinstance(node, ast.Name) and node.id in {"AdapterEntry", "Residency"}:
             found.append(f"{node.lineno}: names {node.id}")
         elif isinstance(node, ast.Attribute):
@@ -75,7 +76,8 @@ def entry_accesses(source: str) -> list[str]:
 @pytest.mark.parametrize(
     ("source", "flagged"),
     [
-        ("from lorastream.worker.loading.entry import AdapterEntry", True),
+        ("from lorastream.worker.loading.adapter import AdapterEntry", True),
+        ("from lorastream.worker.loading.adapter import adapter_weights", False),
         ("x: AdapterEntry | None = None", True),
         ("if entry.slot_event is not None: pass", True),
         ("n = sum(e.refs for e in manager.entries())", True),
@@ -216,10 +218,22 @@ def _sources(root: Path, *, but: Path) -> dict[str, str]:
     }
 
 
+def _without_class(source: str, name: str) -> str:
+    """``source`` with the body of ``class name`` blanked: the owner's own methods are left out."""
+    lines = source.splitlines(keepends=True)
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            assert node.end_lineno is not None
+            lines[node.lineno - 1:node.end_lineno] = ["\n"] * (node.end_lineno - node.lineno + 1)
+    return "".join(lines)
+
+
 def test_only_an_entry_assigns_its_fields() -> None:
-    sources = _sources(OWNER, but=OWNER / "entry.py")
+    sources = _sources(OWNER, but=OWNER / "adapter.py")
+    sources["lorastream/worker/loading/adapter.py"] = _without_class(
+        (OWNER / "adapter.py").read_text(), "AdapterEntry")
     assert {"lorastream/worker/loading/manager.py", "lorastream/worker/loading/device_tier.py",
-            "lorastream/worker/loading/host_tier.py"} <= set(sources)
+            "lorastream/worker/loading/host.py"} <= set(sources)
     found = {path: hits for path, source in sources.items()
              if (hits := entry_field_writes(source))}
     assert not found, f"entry fields assigned outside AdapterEntry's methods: {found}"
@@ -235,7 +249,9 @@ def test_only_the_slots_write_their_table() -> None:
 
 
 def test_only_the_records_hold_the_entries_and_names() -> None:
-    sources = _sources(OWNER, but=OWNER / "records.py")
+    sources = _sources(OWNER, but=OWNER / "names.py")
+    sources["lorastream/worker/loading/names.py"] = _without_class(
+        (OWNER / "names.py").read_text(), "AdapterRecords")
     found = {path: hits for path, source in sources.items() if (hits := record_map_uses(source))}
     assert not found, f"AdapterRecords' maps named outside it: {found}"
 
@@ -264,7 +280,7 @@ def test_the_managers_api_neither_takes_nor_returns_an_entry() -> None:
 
 
 def test_loads_never_sleep_to_wait() -> None:
-    waiters = ("manager.py", "host_loader.py", "device_tier.py")
+    waiters = ("manager.py", "fetch.py", "device_tier.py")
     for path in (WORKER / "service" / "operations.py", *(OWNER / name for name in waiters)):
         calls = [
             node.lineno for node in ast.walk(ast.parse(path.read_text()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorastream.worker.loading.cost_model import AdmissionCostModel
+from lorastream.worker.loading.device_tier import AdmissionCostModel
 
 
 def _fitted(fixed: float = 0.040, per_token: float = 0.0005) -> AdmissionCostModel:

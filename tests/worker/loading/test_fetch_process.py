@@ -16,8 +16,8 @@ from lorastream.bench.synthetic import make_synthetic_adapter
 from lorastream.core import errors
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.device.device import Device
-from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
-from lorastream.worker.loading.host_buffer import HostAdapterBuffer
+from lorastream.worker.loading.fetch import FetchProcess, SharedHostMemory
+from lorastream.worker.loading.host import HostAdapterBuffer
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens, staged_store
 
 

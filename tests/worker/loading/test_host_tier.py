@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from lorastream.worker.device.device import Device, HostEvent
-from lorastream.worker.loading.entry import AdapterEntry
-from lorastream.worker.loading.host_arena import ALIGN, HostArena
-from lorastream.worker.loading.host_tier import HostTier
+from lorastream.worker.loading.adapter import AdapterEntry
+from lorastream.worker.loading.host import ALIGN, HostArena, HostTier
 from lorastream.worker.metrics import WorkerMetrics
 
 U = ALIGN  # one arena unit

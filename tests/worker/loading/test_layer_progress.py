@@ -22,16 +22,16 @@ from lorastream.core.adapter_format import WEIGHTS_FILE, parse_lora_key
 from lorastream.core.errors import InvalidAdapter, LorastreamError
 from lorastream.core.manifest import AdapterManifest, TensorInfo
 from lorastream.worker.device.device import Device
-from lorastream.worker.loading.adapter_weights import AdapterWeights
-from lorastream.worker.loading.cost_model import AdmissionCostModel
-from lorastream.worker.loading.entry import AdapterEntry
-from lorastream.worker.loading.fetch_process import FetchProcess, SharedHostMemory
-from lorastream.worker.loading.fetcher import AdapterFetcher
-from lorastream.worker.loading.host_buffer import HostAdapterBuffer
-from lorastream.worker.loading.host_loader import HostLoader
-from lorastream.worker.loading.host_tier import HostTier
-from lorastream.worker.loading.landing import host_nbytes
-from lorastream.worker.loading.layer_progress import LayerProgress, manifest_layers
+from lorastream.worker.loading.adapter import AdapterEntry, AdapterWeights
+from lorastream.worker.loading.device_tier import AdmissionCostModel
+from lorastream.worker.loading.fetch import (
+    AdapterFetcher,
+    FetchProcess,
+    HostLoader,
+    SharedHostMemory,
+)
+from lorastream.worker.loading.host import HostAdapterBuffer, HostTier
+from lorastream.worker.loading.landing import LayerProgress, host_nbytes, manifest_layers
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
 from tests.store.test_fast_verify import _flip_byte

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from lorastream.worker.device.device import Device, HostEvent
-from lorastream.worker.loading.adapter_weights import AdapterWeights, adapter_weights
-from lorastream.worker.loading.cost_model import AdmissionCostModel
-from lorastream.worker.loading.device_tier import DeviceTier
-from lorastream.worker.loading.entry import AdapterEntry, Residency
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.adapter import (
+    AdapterEntry,
+    AdapterWeights,
+    Residency,
+    adapter_weights,
+)
+from lorastream.worker.loading.device_tier import AdmissionCostModel, DeviceTier
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig

@@ -13,7 +13,7 @@ import pytest
 from lorastream.core import errors
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.host_buffer import HostAdapterBuffer
+from lorastream.worker.loading.host import HostAdapterBuffer
 from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
 

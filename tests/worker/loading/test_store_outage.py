@@ -17,7 +17,7 @@ import pytest
 from lorastream.core.errors import SourceUnavailable
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.catalogue import CatalogueState
+from lorastream.worker.loading.names import CatalogueState
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
 
 

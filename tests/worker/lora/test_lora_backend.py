@@ -174,7 +174,7 @@ def test_an_adapter_reaches_its_slot_in_one_copy_per_module_and_matrix(
     tiny_adapters: dict[str, Path],
 ) -> None:
     from lorastream.worker.device.device import Device
-    from lorastream.worker.loading.fetcher import AdapterFetcher
+    from lorastream.worker.loading.fetch import AdapterFetcher
 
     buffer = AdapterFetcher(Device("cpu"), None).read_local("all", tiny_adapters["all-r64"])
     groups = buffer.groups()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lorastream.worker.device.device import Device
-from lorastream.worker.loading.adapter_weights import adapter_weights
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.adapter import adapter_weights
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
 

@@ -29,8 +29,8 @@ from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server as create_store
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.adapter_weights import adapter_weights
-from lorastream.worker.loading.fetcher import AdapterFetcher
+from lorastream.worker.loading.adapter import adapter_weights
+from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig

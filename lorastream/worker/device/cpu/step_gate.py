@@ -28,7 +28,7 @@ copy thread runs its copy operations inside turns (:meth:`StepGate.begin_turn` /
 On CUDA the gate is off (:class:`~lorastream.worker.device.device.Device` gives it ``turn_s == 0``).
 
 Fetches get turns too (:meth:`StepGate.hold_gap`), if asked for. A store fetch runs in the
-fetch process at SCHED_IDLE (``loading/fetch_process.py``), so it only gets the CPU time that
+fetch process at SCHED_IDLE (``loading/fetch.py``), so it only gets the CPU time that
 decoding leaves, and an engine that steps back to back leaves almost none: with 4 streams
 decoding on 2 cores, the cores were 99% busy and a rank-64 adapter that lands in 0.62 s on an
 idle worker (its link time) took 2.5-3.2 s, though the fetch and the store need only ~0.15 s of
