@@ -83,7 +83,7 @@ def _rss_bytes() -> int:
     return 0
 
 
-def _model_resident(checkpoint: str, quantization: str, out: "multiprocessing.Queue[object]"
+def _model_resident(checkpoint: str, quantization: str, out: multiprocessing.Queue[object]
                     ) -> None:
     """In a fresh process: RSS before and after building the model (weights loaded, quantized)."""
     import gc

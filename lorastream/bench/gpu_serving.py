@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import statistics
 import sys
@@ -116,7 +117,7 @@ def _itl_phase(engine: Engine, residents: list[str], prompts: _Prompts, new_toke
         requests += 1
     for thread in threads:
         thread.join()
-    gaps = [(b - a) * 1000 for t in times for a, b in zip(t, t[1:], strict=False)
+    gaps = [(b - a) * 1000 for t in times for a, b in itertools.pairwise(t)
             if a >= window_start]
     if not gaps:
         raise RuntimeError("no inter-token gap in the window: raise new_tokens")

@@ -171,7 +171,7 @@ def stream(worker: str, model: str, prompt: PromptInput, params: SamplingParams,
                     result.token_times.append(now)
                 if result.first_token is None and event.token_ids:
                     result.first_token = now
-    except Exception as err:  # noqa: BLE001 - recorded, reported as an error count
+    except Exception as err:
         result.error = f"{type(err).__name__}: {err}"
     result.end = time.perf_counter()
 

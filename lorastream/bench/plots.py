@@ -13,12 +13,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402 -- after matplotlib.use("Agg")
-from matplotlib.axes import Axes  # noqa: E402 -- after matplotlib.use("Agg")
-from matplotlib.figure import Figure  # noqa: E402 -- after matplotlib.use("Agg")
-from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402 -- after matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator
 
-from lorastream.bench.report_format import as_number, get  # noqa: E402 -- after matplotlib.use("Agg")
+from lorastream.bench.report_format import as_number, get
 
 _SIZE = (9.0, 6.0)  # inches at 100 dpi: 900 x 600 pixels
 _DPI = 100

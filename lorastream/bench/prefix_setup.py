@@ -62,7 +62,7 @@ def run_clients(count: int, body: Callable[[int], None]) -> float:
     def run(i: int) -> None:
         try:
             body(i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:
             failures.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,), name=f"client-{i}") for i in range(count)]

@@ -137,7 +137,7 @@ class CpuWindow:
         self.threads_of = threads_of
         self.cpus = len(os.sched_getaffinity(0))
 
-    def __enter__(self) -> "CpuWindow":
+    def __enter__(self) -> CpuWindow:
         # the benchmark's own CPU (its HTTP client), unless it is one of the measured processes
         measured = {p.pid for p in self.processes.values()}
         self._me = None if os.getpid() in measured else psutil.Process()

@@ -99,7 +99,7 @@ def checked_chunk_sizes(sizes: Sequence[int]) -> list[int]:
     return sorted(set(sizes))
 
 
-def _run_bare_server(payload_bytes: int, ports: "mp.Queue[int]") -> None:
+def _run_bare_server(payload_bytes: int, ports: mp.Queue[int]) -> None:
     from concurrent import futures
 
     payload = bytes(payload_bytes)
@@ -121,7 +121,7 @@ def _run_bare_server(payload_bytes: int, ports: "mp.Queue[int]") -> None:
     server.wait_for_termination()
 
 
-def _run_store_server(cache_dir: str, digest: str, ports: "mp.Queue[int]") -> None:
+def _run_store_server(cache_dir: str, digest: str, ports: mp.Queue[int]) -> None:
     from lorastream.store.config import StoreSettings
     from lorastream.store.server import create_server
 

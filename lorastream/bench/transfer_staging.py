@@ -36,7 +36,7 @@ _FILES = ("adapter_config.json", "adapter_model.safetensors")
 PHASES = ("resolve", "download", "validate", "stage")
 
 
-def _run_moto(ports: "mp.Queue[int]") -> None:
+def _run_moto(ports: mp.Queue[int]) -> None:
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -49,7 +49,7 @@ def _run_moto(ports: "mp.Queue[int]") -> None:
         time.sleep(3600)
 
 
-def _run_store(cache_dir: str, endpoint: str, ports: "mp.Queue[int]") -> None:
+def _run_store(cache_dir: str, endpoint: str, ports: mp.Queue[int]) -> None:
     from lorastream.store.config import StoreSettings
     from lorastream.store.server import create_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -207,7 +207,7 @@ def history(
     table.add_column("state", no_wrap=True)
     table.add_column("source", overflow="fold", ratio=1)
     for v in versions:
-        when = datetime.fromtimestamp(v.created_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        when = datetime.fromtimestamp(v.created_at, UTC).strftime("%Y-%m-%d %H:%M:%S")
         state = "current" if v.current else ("staged" if v.staged else "evicted")
         table.add_row(f"v{v.version}", v.adapter_id[:12], when,
                       f"{v.total_bytes / 1e6:.1f}" if v.staged else "", state, v.source_uri)

@@ -69,7 +69,7 @@ def reported_by_server(err: grpc.RpcError) -> bool:
         # grpc's stubs name the entries _Metadatum (.key, .value); at run time they are (key, value)
         # namedtuples, and a grpc.aio error's metadata is (key, value) pairs too
         pairs = cast("Iterable[tuple[str, str | bytes]]", metadata or ())
-    except Exception:  # noqa: BLE001 - a call that never reached a server has none
+    except Exception:
         return False
     return any(key == DOMAIN_ERROR_KEY for key, _ in pairs)
 
@@ -91,7 +91,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
                 try:
                     return inner_uu(request, context)
-                except Exception as exc:  # noqa: BLE001 - unknown ones map to INTERNAL, logged
+                except Exception as exc:
                     _abort(context, exc)
 
             return handler._replace(unary_unary=unary_unary)
@@ -101,7 +101,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 try:
                     yield from inner_us(request, context)
-                except Exception as exc:  # noqa: BLE001 - unknown ones map to INTERNAL, logged
+                except Exception as exc:
                     _abort(context, exc)
 
             return handler._replace(unary_stream=unary_stream)
@@ -111,7 +111,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
                 try:
                     return inner_su(requests, context)
-                except Exception as exc:  # noqa: BLE001 - unknown ones map to INTERNAL, logged
+                except Exception as exc:
                     _abort(context, exc)
 
             return handler._replace(stream_unary=stream_unary)

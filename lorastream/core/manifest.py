@@ -55,7 +55,7 @@ class AdapterManifest:
         """alpha / r, or alpha / sqrt(r) with rsLoRA (as PEFT computes it)."""
         return self.alpha / (self.rank**0.5) if self.use_rslora else self.alpha / self.rank
 
-    def replace(self, **changes: Any) -> "AdapterManifest":
+    def replace(self, **changes: Any) -> AdapterManifest:
         return dataclasses.replace(self, **changes)
 
 

@@ -148,7 +148,7 @@ class StoreClient:
         self._channel.close()
         self._data_channel.close()
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

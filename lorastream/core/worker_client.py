@@ -37,7 +37,7 @@ class WorkerClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "WorkerClient":
+    def __enter__(self) -> WorkerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

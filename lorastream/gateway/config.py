@@ -214,7 +214,7 @@ class GatewaySettings(StoreTLSSettings):
         return value
 
     @model_validator(mode="after")
-    def _tokens_from_files(self) -> "GatewaySettings":
+    def _tokens_from_files(self) -> GatewaySettings:
         """``token`` and ``api_keys`` from their files when the variables leave them unset."""
         try:
             if not self.token and self.token_file is not None:

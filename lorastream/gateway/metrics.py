@@ -26,6 +26,7 @@ its series.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -136,10 +137,8 @@ class GatewayMetrics:
     def _drop_model(self, model: str) -> None:
         """``model`` lost its label: remove its series (from now on it counts as ``other``)."""
         for metric in (self.ttft, self.itl, self.e2e, self.tokens, self.model_requests):
-            try:
+            with contextlib.suppress(KeyError):
                 metric.remove(model)
-            except KeyError:
-                pass
 
     # -- routing ----------------------------------------------------------------------------
     def routed(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -98,9 +99,7 @@ def serve(settings: GatewaySettings) -> None:
         **tls,
     )
     server = DrainingServer(config, app.state.drain, settings.drain_seconds)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C, raised again once stopped
         server.run()
-    except KeyboardInterrupt:  # a second Ctrl-C, raised again once uvicorn has stopped
-        pass
     if not server.started:
         sys.exit(STARTUP_FAILURE)

@@ -224,7 +224,7 @@ class WorkerPool:
                 reason = "the worker ended its health stream"
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - any failure of the stream means "down"
+            except Exception as exc:
                 details = getattr(exc, "details", None)  # a grpc.RpcError's text
                 reason = (details() if callable(details) else str(exc)) or type(exc).__name__
             if worker.healthy:
@@ -262,7 +262,7 @@ class WorkerPool:
                     await self.refresh_targets()
                 await self.poll_once()
                 await self._close_retired()
-            except Exception:  # noqa: BLE001 - a poll bug must not stop health checking
+            except Exception:
                 log.exception("worker poll failed")
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
@@ -281,7 +281,7 @@ class WorkerPool:
             (adapters, base_model, base_shape), stats = await asyncio.gather(
                 client.list_adapters(), client.stats()
             )
-        except Exception as exc:  # noqa: BLE001 - keep the last picture; the stream owns health
+        except Exception as exc:
             log.info("worker %s: poll failed (%s); keeping its last picture", worker.target, exc)
             return
         worker.adapters, worker.base_model, worker.stats = adapters, base_model, stats

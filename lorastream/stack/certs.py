@@ -61,7 +61,7 @@ def make_ca(directory: Path, name: str = "lorastream local CA",
     """A new self-signed CA named ``name``; its certificate is written to
     ``directory/file_name``."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(name))
@@ -93,7 +93,7 @@ def issue(
     ``client``, a client's) and its key, written to ``directory/<name>.pem`` and
     ``directory/<name>-key.pem`` (0600); returns their paths."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
     builder = (
         x509.CertificateBuilder()

@@ -39,7 +39,7 @@ class StreamDigests:
         self._broken = False
         self._tensors: dict[int, tuple[int, TensorDigests]] = {}  # file offset -> (nbytes, digests)
 
-    def writer(self, name: str, size: int, target: Path) -> "DigestingWriter":
+    def writer(self, name: str, size: int, target: Path) -> DigestingWriter:
         """A writer of ``target`` (file ``name`` of ``size`` bytes, as listed by the source); the
         files must be written in STAGED_FILES order, each to its end, one at a time."""
         if self._next_file >= len(STAGED_FILES) or STAGED_FILES[self._next_file] != name:

@@ -192,7 +192,7 @@ class StreamLease:
             self._closed = True
         self._release()
 
-    def __enter__(self) -> "StreamLease":
+    def __enter__(self) -> StreamLease:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -71,7 +71,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
                     progress=events.put,
                 )
                 events.put(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the RPC thread
+            except BaseException as exc:
                 events.put(exc)
 
         threading.Thread(target=run, name=f"preload-{request.name}", daemon=True).start()

@@ -125,9 +125,9 @@ class StagedContents:
 
     def collect(self, adapter_id: str) -> None:
         """Remove content no name refers to and no lease holds (lock held)."""
-        if adapter_id in self._staged and not self._leases.get(adapter_id):
-            if not self._registry.is_referenced(adapter_id):
-                self._drop_files(adapter_id)
+        if (adapter_id in self._staged and not self._leases.get(adapter_id)
+                and not self._registry.is_referenced(adapter_id)):
+            self._drop_files(adapter_id)
 
     # -- staging ----------------------------------------------------------------------------
     def stage(

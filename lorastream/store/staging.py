@@ -349,5 +349,5 @@ class SharedDownload:
 def _call(listener: ProgressFn, event: PreloadProgress) -> None:
     try:
         listener(event)
-    except Exception:  # noqa: BLE001 - a broken listener must not break the download
+    except Exception:
         log.exception("progress listener failed")

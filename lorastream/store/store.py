@@ -322,7 +322,7 @@ class AdapterStore:
                     self._registry.touch_version(entry.name, entry.adapter_id, entry.last_used_at)
                 else:
                     self._registry.touch(name, entry.last_used_at)
-            except Exception:  # noqa: BLE001 - a stale last-use time must not fail a stream
+            except Exception:
                 log.warning("could not record the last use of %s", name, exc_info=True)
             manifest = self._manifest_of(entry)
         return StreamLease(

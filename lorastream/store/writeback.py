@@ -90,7 +90,7 @@ class Writeback:
                 target = self._requested
             try:
                 _datasync(self._fd)
-            except Exception as err:  # noqa: BLE001 - kept, raised by close()
+            except Exception as err:
                 log.warning("background fdatasync failed: %s", err)
                 with self._cond:
                     self._error = err

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no
 
 
 def test_run_raises_without_cuda() -> None:
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*unmeasured"):
+    with pytest.raises(RuntimeError, match=r"needs a CUDA GPU.*unmeasured"):
         run_h2d_bench(repeats=1)
 
 

@@ -30,9 +30,9 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         assert result[mode]["interference"]["rounds"] == 2
         probe = result[mode]["cold_probe"]
         assert len(probe["samples"]["cold_ttft_ms"]) == probe["probes"] == 3
-        assert 0 < probe["warm_ttft_ms"] and 0 < probe["load_ms"]
+        assert probe["warm_ttft_ms"] > 0 and probe["load_ms"] > 0
         # a tiny adapter's load costs less CPU than the kernel's 10 ms accounting tick
-        assert 0 < probe["link_ms"] and probe["loader_cpu_ms_per_load"] >= 0
+        assert probe["link_ms"] > 0 and probe["loader_cpu_ms_per_load"] >= 0
         # the figures are rounded to 0.1 ms, the ratio computed before
         assert probe["cold_vs_link_plus_warm"] == pytest.approx(
             probe["cold_ttft_ms"] / (probe["link_ms"] + probe["warm_ttft_ms"]), rel=0.02)
@@ -46,7 +46,7 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
     for name, flags in CPU_VARIANTS.items():
         assert result[name]["worker_flags"] == " ".join(flags)
         assert result[name]["interference"]["loads"] >= 2
-        assert 0 < result[name]["cold_probe"]["cold_ttft_ms"]
+        assert result[name]["cold_probe"]["cold_ttft_ms"] > 0
 
 
 def test_ttft_is_split_by_the_first_request_for_each_adapter() -> None:

@@ -28,16 +28,16 @@ def test_parse_size(text: str, size: int) -> None:
 
 @pytest.mark.parametrize("text", ["", "0", "-1K", "1.5M", "64Q", "K", "1 M B x"])
 def test_parse_size_rejects_with_a_clear_error(text: str) -> None:
-    with pytest.raises(ValueError, match="e.g. 64K, 1M, 1048576"):
+    with pytest.raises(ValueError, match=r"e.g. 64K, 1M, 1048576"):
         parse_size(text)
 
 
 def test_parse_sizes_and_range_check() -> None:
     assert parse_sizes("1M,64K,") == [1 << 20, 64 << 10]
     assert checked_chunk_sizes([1 << 20, 64 << 10, 1 << 20]) == [64 << 10, 1 << 20]
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match=r"out of range"):
         checked_chunk_sizes([16 << 20])
-    with pytest.raises(ValueError, match="separated by commas"):
+    with pytest.raises(ValueError, match=r"separated by commas"):
         parse_sizes(",")
 
 

@@ -299,7 +299,7 @@ def http_server() -> Iterator[str]:
     """http://127.0.0.1:PORT serving /health (200) and /sick (503)."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        def do_GET(self) -> None:
             self.send_response(200 if self.path == "/health" else 503)
             self.end_headers()
 

@@ -230,7 +230,7 @@ def test_loraxs_adapter_id_is_honoured_like_model(cluster: Cluster, model: str) 
         model=model, prompt="The capital of France is", max_tokens=12, temperature=0,
         extra_body={"adapter_id": "attn-r4"},
     )
-    text, tokens = worker_greedy(cluster.workers[0].target, "attn-r4",
+    text, _tokens = worker_greedy(cluster.workers[0].target, "attn-r4",
                                  PromptInput(text="The capital of France is"), 12)
     base_text, _ = worker_greedy(cluster.workers[0].target, BASE,
                                  PromptInput(text="The capital of France is"), 12)

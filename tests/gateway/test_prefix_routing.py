@@ -150,7 +150,7 @@ def test_a_turn_shares_every_key_of_the_last_turn_and_another_conversation_only_
     assert not set(keys1) & set(prefix_keys(elsewhere))
     ids = tuple(range(600))
     assert prefix_keys(PromptInput(token_ids=ids)) == prefix_keys(
-        PromptInput(token_ids=ids + (7,)))
+        PromptInput(token_ids=(*ids, 7)))
     assert prefix_keys(PromptInput(token_ids=ids[:CHUNK_TOKENS - 1])) == ()  # no whole chunk
     assert prefix_keys(PromptInput(text="s" * (CHUNK_CHARS - 1))) == ()
     assert len(prefix_keys(PromptInput(text="s" * 10**6))) == MAX_CHUNKS

@@ -137,7 +137,7 @@ ENGINE_TESTS: dict[str, Callable[..., None]] = {
     "running streams keep decoding during a slow load":
         overlap.test_running_streams_keep_decoding_while_a_slow_load_is_in_progress,
     "rule 2: churn with more adapters than slots stays exact":
-        overlap.test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_leaks_nothing,  # noqa: E501 -- a test's name, unsplittable
+        overlap.test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_leaks_nothing,
 }
 
 

@@ -34,7 +34,10 @@ DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "lorastream" / "test-models"
 # Held out from both training sets (lorastream/samples/dataset_templates.json "held_out").
 QUESTIONS = ("What is the capital of Italy?", "Tell me about dogs.", "How do I make pancakes?")
 NEW_TOKENS = 24
-FRENCH_WORDS = frozenset("le la les est je de du des bonjour merci et un une pour vous".split())
+FRENCH_WORDS = frozenset([
+    "le", "la", "les", "est", "je", "de", "du", "des", "bonjour", "merci", "et", "un", "une",
+    "pour", "vous",
+])
 MAX_ADAPTER_BYTES = 5 << 20
 
 

@@ -91,9 +91,8 @@ def test_store_reads_need_a_read_or_operate_token(
 def test_store_operator_calls_refuse_all_but_the_operate_token(
     store: str, call: str, token: str | None
 ) -> None:
-    with StoreClient(store, token) as client:
-        with pytest.raises(errors.Unauthenticated) as refused:
-            OPERATIONS[call](client)
+    with StoreClient(store, token) as client, pytest.raises(errors.Unauthenticated) as refused:
+        OPERATIONS[call](client)
     if token == READ:
         assert "read-only" in str(refused.value)
     with StoreClient(store, OPERATE) as operator:  # nothing changed

@@ -22,7 +22,7 @@ _EVERY_CONTENT = (
 
 def _recomputed(registry: Registry) -> tuple[list[str], int]:
     """(evictable staged ids, LRU first; bytes staged) from every row."""
-    rows = registry._db.execute(_EVERY_CONTENT).fetchall()  # noqa: SLF001 - the reference
+    rows = registry._db.execute(_EVERY_CONTENT).fetchall()
     use = {aid: (used, bool(pinned)) for aid, used, pinned in rows}
     staged = dict(registry.sizes)
     evictable = [aid for aid in staged if not use.get(aid, (0.0, False))[1]]

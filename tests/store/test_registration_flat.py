@@ -121,7 +121,7 @@ def _one_preload(client: StoreClient, store: AdapterStore, watch: _WatchTap,
     """The work of preloading distinct adapter ``i`` through the RPC."""
     source = adapters.write(i, root / "src" / f"a{i:07d}")  # written before counting
     work = Work()
-    db = store._registry._db  # noqa: SLF001 - the registry's own connection, counted in place
+    db = store._registry._db
     watched = watch.bytes
 
     def step() -> int:
@@ -153,7 +153,7 @@ def _work_at(names: int, root: Path, adapters: DistinctAdapters, full: bool) -> 
     with served_store(root, cache_bytes=1 << 40) as (client, store):
         fill(store, adapters, 0, names)
         if full:  # room for what is staged, and less than one more adapter
-            store._contents.budget = store.bytes_used + store.bytes_used // names // 2  # noqa: SLF001 -- the budget set in place
+            store._contents.budget = store.bytes_used + store.bytes_used // names // 2
         with StoreClient(client.target) as watcher:
             watch = _WatchTap(watcher)
             try:

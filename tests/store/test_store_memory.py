@@ -40,7 +40,7 @@ def test_ten_concurrent_streams_of_100mb_raise_rss_by_far_less_than_100mb(tmp_pa
                 try:
                     client.list()
                     break
-                except Exception:  # noqa: BLE001 - not up yet
+                except Exception:
                     time.sleep(0.1)
             manifest = None
             for event in client.preload(str(adapter), "big"):

@@ -119,11 +119,11 @@ def test_rollback_refuses_what_it_cannot_do(
 ) -> None:
     store = store_factory()
     store.preload(str(variants[0]), "x")
-    with pytest.raises(errors.InvalidArgument, match="no earlier content"):
+    with pytest.raises(errors.InvalidArgument, match=r"no earlier content"):
         store.rollback("x")
-    with pytest.raises(errors.AdapterNotFound, match="no version v7 .* v1 to v1"):
+    with pytest.raises(errors.AdapterNotFound, match=r"no version v7 .* v1 to v1"):
         store.rollback("x", VersionSelector(number=7))
-    with pytest.raises(errors.AdapterNotFound, match="no adapter named 'y'"):
+    with pytest.raises(errors.AdapterNotFound, match=r"no adapter named 'y'"):
         store.rollback("y")
 
 
@@ -153,14 +153,14 @@ def test_old_versions_are_evicted_by_the_budget_but_never_while_streamed(
     lease = store.open_stream(f"x@{old.adapter_id[:8]}")  # a worker streams the old version
     store.preload(str(variants[2]), "y", pin=True)  # fits beside them: 3 of 3.5
     newcomer = copy_adapter(variants[2], tmp_path / "w", lora_alpha=99)
-    with pytest.raises(errors.CapacityExhausted, match="cannot fit"):
+    with pytest.raises(errors.CapacityExhausted, match=r"cannot fit"):
         store.preload(str(newcomer), "w")
     assert [v.staged for v in store.history("x")] == [True, True]
     lease.close()
     store.preload(str(newcomer), "w")  # now the old version is what goes
     assert [(v.version, v.staged, v.total_bytes > 0) for v in store.history("x")] == [
         (2, True, True), (1, False, False)]
-    with pytest.raises(errors.AdapterNotFound, match="evicted"):
+    with pytest.raises(errors.AdapterNotFound, match=r"evicted"):
         store.describe(f"x@{old.adapter_id[:8]}")
     assert_cache_clean(store, tmp_path / "cache")
 
@@ -260,5 +260,5 @@ def test_history_reads_and_rollback_operates_through_the_cli(
 def test_parse_ref_splits_at_the_at_sign() -> None:
     assert (parse_ref("org/a").name, parse_ref("org/a").pinned) == ("org/a", False)
     assert (parse_ref("org/a@3f2").name, parse_ref("org/a@3f2").prefix) == ("org/a", "3f2")
-    with pytest.raises(errors.InvalidArgument, match="lowercase hex"):
+    with pytest.raises(errors.InvalidArgument, match=r"lowercase hex"):
         parse_ref("org/a@")

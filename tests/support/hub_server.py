@@ -205,7 +205,7 @@ def _handler_for(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             self._serve()
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
         def _serve(self) -> None:

@@ -125,7 +125,7 @@ class _FailingHandler(BaseHTTPRequestHandler):
 
     do_GET = do_HEAD = do_PUT = do_POST = _answer
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

@@ -167,7 +167,7 @@ class HubSource(AdapterSource):
                     repo_id, path_in_repo=subfolder or None, revision=sha, token=self._token
                 )
             )
-        except Exception as err:  # noqa: BLE001 - mapped to a domain error
+        except Exception as err:
             self._raise_mapped(err, uri, revision)
         prefix = f"{subfolder}/" if subfolder else ""
         listing: dict[str, int] = {}
@@ -208,7 +208,7 @@ class HubSource(AdapterSource):
                         cache_dir=cache,
                         tqdm_class=relay,  # type: ignore[call-overload]  # any bar maker will do
                     )
-                except Exception as err:  # noqa: BLE001 - mapped to a domain error
+                except Exception as err:
                     self._raise_mapped(err, resolved.uri, sha)
                 self._place(Path(cached), dest / remote.path)
                 if remote.size > counter.total:  # served from a persistent cache
@@ -233,9 +233,9 @@ class HubSource(AdapterSource):
         """Raise the domain error for a huggingface_hub failure; local disk errors pass through."""
         if isinstance(err, LorastreamError):
             raise err
-        if isinstance(err, OSError) and not isinstance(err, HfHubHTTPError):
-            if err.errno is not None and not isinstance(err, LocalEntryNotFoundError):
-                raise err  # local disk trouble (e.g. ENOSPC): the stager reports it
+        if (isinstance(err, OSError) and not isinstance(err, HfHubHTTPError)
+                and err.errno is not None and not isinstance(err, LocalEntryNotFoundError)):
+            raise err  # local disk trouble (e.g. ENOSPC): the stager reports it
         raise self._mapped(err, uri, revision) from err
 
     def _mapped(self, err: Exception, uri: str, revision: str) -> LorastreamError:

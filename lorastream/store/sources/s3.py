@@ -16,7 +16,7 @@ import logging
 import re
 import threading
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -115,7 +115,8 @@ class _PinnedTransferManager(TransferManager):
     download done in one GET; allowing the argument pins both paths to the resolved ETag.
     """
 
-    ALLOWED_DOWNLOAD_ARGS = [*TransferManager.ALLOWED_DOWNLOAD_ARGS, "IfMatch"]
+    ALLOWED_DOWNLOAD_ARGS: ClassVar[list[str]] = [
+        *TransferManager.ALLOWED_DOWNLOAD_ARGS, "IfMatch"]
 
 
 class _Known(BaseSubscriber):
@@ -203,7 +204,7 @@ class S3Source(AdapterSource):
         directory = f"{prefix}/" if prefix else ""
         try:
             listing, etags, sub_prefixes = self._list(uri, bucket, directory)
-        except Exception as err:  # noqa: BLE001 - mapped to a domain error
+        except Exception as err:
             self._raise_mapped(err, uri, "the listing")
         if not listing and not sub_prefixes:
             raise AdapterNotFound(
@@ -223,7 +224,7 @@ class S3Source(AdapterSource):
         key = directory + WEIGHTS_FILE
         try:
             head = self._s3().head_object(Bucket=bucket, Key=key, IfMatch=etags[WEIGHTS_FILE])
-        except Exception as err:  # noqa: BLE001 - mapped to a domain error
+        except Exception as err:
             self._raise_mapped(err, uri, key)
         revision = format_revision(head["ETag"], head.get("VersionId"))
         log.debug("resolved %s to revision %s", uri, revision)
@@ -317,7 +318,7 @@ class S3Source(AdapterSource):
     def _wait(self, future: Any, uri: str, key: str) -> None:
         try:
             future.result()
-        except Exception as err:  # noqa: BLE001 - mapped to a domain error
+        except Exception as err:
             self._raise_mapped(err, uri, key)
 
     # -- errors (s3_errors.py) ---------------------------------------------------------------

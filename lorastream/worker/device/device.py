@@ -73,13 +73,13 @@ class HostEvent(Event):
 
 
 class CudaEvent(Event):  # pragma: no cover - needs a GPU
-    def __init__(self, stream: "torch.cuda.Stream") -> None:
+    def __init__(self, stream: torch.cuda.Stream) -> None:
         self._event = torch.cuda.Event()
         self._event.record(stream)
         self.error: BaseException | None = None
 
     @property
-    def raw(self) -> "torch.cuda.Event":
+    def raw(self) -> torch.cuda.Event:
         return self._event
 
     def query(self) -> bool:
@@ -170,7 +170,7 @@ class LoadStream:
                     turn.before_op()
                     op()
                 job.done.set()  # inside the turn: an engine waiting for it sees the copy done
-            except BaseException as exc:  # noqa: BLE001 - reported through the event
+            except BaseException as exc:
                 log.exception("copy on the load stream failed")
                 job.done.set(exc)
         turn.end()

@@ -130,7 +130,7 @@ class Engine:
         self._wound_down = False
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         """Run the loop on a thread of its own."""
         self._thread.start()
         return self
@@ -151,7 +151,7 @@ class Engine:
             try:
                 use_one_intra_op_thread()  # the loop's thread keeps the one multi-threaded pool
                 outcome.append(work())
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            except BaseException as exc:
                 failure.append(exc)
             finally:
                 self.stop()
@@ -279,7 +279,7 @@ class Engine:
                     continue
                 with self.device.step():  # on the CPU, slot copies wait for its end
                     self._step(plan)
-            except Exception:  # noqa: BLE001 - a bug must not kill the loop silently
+            except Exception:
                 log.exception("engine step failed; failing the running requests")
                 for seq in [*self.scheduler.running, *self.scheduler.landing]:
                     self._fail(seq, LorastreamError("internal error in the engine step"))

@@ -69,7 +69,7 @@ class GrammarMatcher:
                 f"({self._matcher.get_error() or 'rejected'})"
             )
 
-    def fork(self) -> "GrammarMatcher":
+    def fork(self) -> GrammarMatcher:
         """An independent matcher at the same position (another choice of the request)."""
         return GrammarMatcher(self._matcher.deep_copy(), self._param)
 

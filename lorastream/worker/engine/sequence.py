@@ -37,7 +37,7 @@ class RequestStream:
         """Ask the engine to drop the request (the client went away)."""
         self.cancelled.set()
 
-    def __iter__(self) -> "RequestStream":
+    def __iter__(self) -> RequestStream:
         return self
 
     def __next__(self) -> GenerationEvent:
@@ -59,10 +59,10 @@ class ChoiceGroup:
 
     n: int
     reserve_tokens: int  # KV tokens reserved at admission for all n choices
-    members: list["Sequence"] = field(default_factory=list)
+    members: list[Sequence] = field(default_factory=list)
     forked: bool = False
 
-    def retire(self, seq: "Sequence") -> bool:
+    def retire(self, seq: Sequence) -> bool:
         """``seq`` finished; True when it was the group's last live sequence."""
         seq.finished = True
         return all(m.finished for m in self.members)

@@ -265,9 +265,7 @@ class AdmissionCostModel:
             return False
         if self._holding_since is None:
             self._holding_since = now
-        if now - self._holding_since > self.max_hold_s:
-            return False  # waited long enough: admit what is ready
-        return True
+        return now - self._holding_since <= self.max_hold_s  # past it: admit what is ready
 
     def released(self) -> None:
         """The held requests were admitted: the next hold starts afresh."""

@@ -45,6 +45,7 @@ a new one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -174,7 +175,7 @@ class HostLoader:
             return adapter_weights(buffer, self.config, self.max_rank)
         except LorastreamError:
             raise
-        except Exception as err:  # noqa: BLE001 - any failure fails the adapter, never the worker
+        except Exception as err:
             log.exception("fetching %s failed", entry.name)
             raise SourceUnavailable(f"fetching adapter {entry.name} failed: {err!r}") from err
 
@@ -340,7 +341,7 @@ class SharedHostMemory:
     def offset_of(self, view: torch.Tensor) -> int | None:
         """Where ``view`` starts in this memory; None if it lies (partly) outside."""
         start = view.data_ptr() - self.tensor.data_ptr()
-        return start if 0 <= start and start + view.numel() <= self.nbytes else None
+        return start if start >= 0 and start + view.numel() <= self.nbytes else None
 
     def holds(self, view: torch.Tensor) -> bool:
         return self.offset_of(view) is not None
@@ -420,16 +421,14 @@ class _Child:
             return
         try:
             callback(count)
-        except Exception:  # noqa: BLE001 - the reader serves every job: it must go on
+        except Exception:
             log.exception("layers callback of fetch job %d failed", job)
 
     def close(self) -> None:
         with self.lock:
             self.alive = False
-        try:
+        with contextlib.suppress(OSError):  # already gone
             self._socket.shutdown(socket.SHUT_RDWR)  # the child sees EOF, and exits
-        except OSError:
-            pass  # already gone
         self._socket.close()
         self.reader.join(timeout=5)
         self.conn.close()

@@ -72,7 +72,7 @@ def serve(memory_fd: int, memory_bytes: int, conn_fd: int, prefault: bool = Fals
             reply(("done", job, manifest, buffer.landing_seconds))
         except LorastreamError as err:
             reply(("error", job, err))
-        except Exception as err:  # noqa: BLE001 - reported to the worker, which fails the adapter
+        except Exception as err:
             log.exception("fetching %s failed", name)
             reply(("error", job, SourceUnavailable(f"fetching adapter {name} failed: {err!r}")))
 

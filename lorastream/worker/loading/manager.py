@@ -199,9 +199,9 @@ class AdapterManager:
         self._ensure(entry)
         with self._lock:
             weights = entry.weights
-            if entry.error is None and weights is not None and entry.slot is None:
-                if not self._device_tier.claim(self._records.entries(), entry, weights):
-                    return False
+            if (entry.error is None and weights is not None and entry.slot is None
+                    and not self._device_tier.claim(self._records.entries(), entry, weights)):
+                return False
             event = entry.slot_event
         if event is not None and not self.overlap:
             event.wait()

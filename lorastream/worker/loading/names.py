@@ -411,7 +411,7 @@ class StoreCatalogue:
         for name, adapter_id in changes:
             try:
                 self._on_change(name, adapter_id)
-            except Exception:  # noqa: BLE001 - one bad callback must not stop the watch
+            except Exception:
                 log.exception("catalogue change callback failed for %s", name)
 
     def _ack(self, message: WatchMessage) -> None:

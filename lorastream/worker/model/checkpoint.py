@@ -135,7 +135,7 @@ def download_hub_checkpoint(
             token=auth,
             allow_patterns=HUB_PATTERNS,
         )
-    except Exception as err:  # noqa: BLE001 - mapped to a domain error
+    except Exception as err:
         mapped = _hub_error(err, where, endpoint, token)
         if mapped is err:
             raise
@@ -161,7 +161,7 @@ def _cached_snapshot(repo_id: str, revision: str, hub_cache: Path) -> Path | Non
             local_files_only=True,
             allow_patterns=HUB_PATTERNS,
         )
-    except Exception:  # noqa: BLE001 - nothing usable cached
+    except Exception:
         return None
     return Path(str(snapshot))
 

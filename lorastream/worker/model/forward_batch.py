@@ -47,7 +47,7 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def to(self, device: torch.device) -> "ForwardBatch":
+    def to(self, device: torch.device) -> ForwardBatch:
         if device.type == "cpu":
             return self
 

@@ -73,7 +73,7 @@ def gguf_tensor_types(path: Path) -> Counter[str]:
 
     try:
         reader = GGUFReader(path)
-    except Exception as err:  # noqa: BLE001 - any parse failure of a user's file: one clear error
+    except Exception as err:
         raise InvalidArgument(f"--model {path}: not a GGUF file this worker can read ({err})"
                               ) from err
     return Counter(t.tensor_type.name for t in reader.tensors)
@@ -112,7 +112,7 @@ def convert_gguf_file(cache_dir: Path, gguf: Path, convert: Converter | None = N
             (convert or convert_gguf)(gguf, out)
         except InvalidArgument:
             raise
-        except Exception as err:  # noqa: BLE001 - transformers' loader on a user's file
+        except Exception as err:
             raise InvalidArgument(
                 f"--model {gguf}: transformers could not convert this GGUF file ({err}); its "
                 "architecture must be one transformers' GGUF loader reads and this worker serves"

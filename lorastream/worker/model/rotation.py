@@ -102,7 +102,7 @@ class Rotation:
         return self._apply(x, self._q, native)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rotation(k: int, device: torch.device) -> Rotation:
     """The rotation of inputs of size ``k`` on ``device`` (one per size and device)."""
     return Rotation(k, device)

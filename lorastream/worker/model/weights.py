@@ -41,7 +41,7 @@ def load_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for shard in _shards(checkpoint):
         with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle is no mapping: not iterable
                 state[key] = f.get_tensor(key)
     return state
 

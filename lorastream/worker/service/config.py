@@ -254,7 +254,7 @@ class WorkerSettings(StoreTLSSettings):
         return AccessTokens(operate=operate)
 
     @model_validator(mode="after")
-    def _store_token_from_file(self) -> "WorkerSettings":
+    def _store_token_from_file(self) -> WorkerSettings:
         """``store_token`` from ``store_token_file`` when the variable is unset."""
         if not self.store_token and self.store_token_file is not None:
             try:

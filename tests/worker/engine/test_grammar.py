@@ -161,4 +161,4 @@ def test_compiled_grammars_are_cached_and_bounded(tokenizer) -> None:
     compiler = GrammarCompiler(tokenizer, vocab_size=len(tokenizer), cache_size=2)
     for pattern in ("a+", "b+", "c+", "a+"):
         compiler.matcher(StructuredOutput(StructuredKind.REGEX, pattern))
-    assert len(compiler._cache) == 2  # noqa: SLF001 - the bound is the behaviour under test
+    assert len(compiler._cache) == 2

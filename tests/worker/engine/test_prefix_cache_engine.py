@@ -24,14 +24,14 @@ BASE = "base"
 ADAPTERS = ("attn-r4", "all-r16-rslora")
 MODELS = (BASE, *ADAPTERS)
 SYSTEM = [(i * 37 + 11) % 250 + 3 for i in range(40)]  # blocks 0, 1 full; 8 tokens of block 2
-WARM = SYSTEM + [201, 202]
+WARM = [*SYSTEM, 201, 202]
 # name -> (prompt, prompt tokens the cache must give it after WARM ran)
 PREFIXES: dict[str, tuple[list[int], int]] = {
     "same-prompt": (WARM, 32),
-    "whole-blocks": (SYSTEM[:32] + [50, 51, 52], 32),
+    "whole-blocks": ([*SYSTEM[:32], 50, 51, 52], 32),
     "exactly-two-blocks+1": (SYSTEM[:33], 32),
     "exactly-two-blocks": (SYSTEM[:32], 16),  # its last token is computed: block 1 is not taken
-    "partial-block": (SYSTEM[:24] + [9, 8, 7, 6, 5, 4, 3, 2], 16),
+    "partial-block": ([*SYSTEM[:24], 9, 8, 7, 6, 5, 4, 3, 2], 16),
     "no-shared-block": (SYSTEM[:10] + [4] * 20, 0),
 }
 NEW_TOKENS = 6
@@ -113,7 +113,7 @@ def assert_same(on: list[Outcome], off: list[Outcome], labels: list[str]) -> Non
 def test_greedy_tokens_and_logprobs_equal_with_the_cache_on_and_off(
     case: Case, engines: dict[bool, Engine]
 ) -> None:
-    assert len(SYSTEM) > WINDOW and 24 < len(WARM)  # windows and chunked prefill are in play
+    assert len(SYSTEM) > WINDOW and len(WARM) > 24  # windows and chunked prefill are in play
     warm = [(m, WARM) for m in MODELS]
     later = [(m, prompt) for name, (prompt, _) in PREFIXES.items() for m in MODELS]
     labels = [f"{case.family} {m} {name}" for name in PREFIXES for m in MODELS]
@@ -136,7 +136,7 @@ def test_greedy_tokens_and_logprobs_equal_with_the_cache_on_and_off(
 def test_n_choices_share_cached_prompt_blocks_and_match_the_cache_off(
     case: Case, engines: dict[bool, Engine]
 ) -> None:
-    prompt = SYSTEM + [11, 12, 13]
+    prompt = [*SYSTEM, 11, 12, 13]
     results = {}
     for on, engine in engines.items():
         run_batch(engine, [(m, prompt) for m in MODELS])

@@ -59,8 +59,8 @@ def test_resident_adapters_serve_through_a_store_outage_and_cold_ones_fail_clear
     assert catalogue is not None and catalogue.wait_state(CatalogueState.DOWN, 5)
     for i in range(len(PROMPTS)):
         assert greedy_tokens(engine, "attn-r4", i) == reference[("attn-r4", i)]
-    with pytest.raises(SourceUnavailable, match="mlp-r8 is not held on this worker .* "
-                       "unreachable since .* keep serving"):
+    with pytest.raises(SourceUnavailable, match=r"mlp-r8 is not held on this worker .* "
+                       r"unreachable since .* keep serving"):
         greedy_tokens(engine, "mlp-r8", 0)
 
     store.restart()

@@ -358,5 +358,5 @@ def test_lora_rows_refuses_columns_outside_the_output() -> None:
     from lorastream.kernels.cpu.lora import lora_rows
 
     a, b = torch.randn(2, 4, 16), torch.randn(2, 8, 4)
-    with pytest.raises(RuntimeError, match="columns 4..12 outside out"):
+    with pytest.raises(RuntimeError, match=r"columns 4..12 outside out"):
         lora_rows(torch.randn(2, 16), a, [b], [4], torch.ones(2), 0, 1, 4, torch.zeros(2, 10))

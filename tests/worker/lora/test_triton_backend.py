@@ -7,13 +7,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first launched
 
-from pathlib import Path  # noqa: E402 -- after TRITON_INTERPRET is set
+from pathlib import Path
 
-import pytest  # noqa: E402 -- after TRITON_INTERPRET is set
+import pytest
 
-from lorastream.core.generation import PromptInput, SamplingParams  # noqa: E402 -- after TRITON_INTERPRET is set
-from lorastream.worker.service.operations import WorkerOperations  # noqa: E402 -- after TRITON_INTERPRET is set
-from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory  # noqa: E402 -- after TRITON_INTERPRET is set
+from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.worker.service.operations import WorkerOperations
+from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory
 
 NEW_TOKENS = 6
 

@@ -128,7 +128,7 @@ def test_a_failed_assembly_names_the_fix_and_leaves_nothing_behind(
 ) -> None:
     write_fake_package(fake_package, sha256="0" * 64, fail=True)
     cache = tmp_path / "cache"
-    with pytest.raises(InvalidArgument, match="sha256 did not match.*reinstall: pip install"):
+    with pytest.raises(InvalidArgument, match=r"sha256 did not match.*reinstall: pip install"):
         convert_gemma3_270m(cache, FAKE_PACKAGE, CopyConverter(tiny_gemma))
     assert entries(cache) == []
 
@@ -206,7 +206,7 @@ def test_the_engine_serves_gemma3_270m_completions_as_transformers_does() -> Non
             for prompt in (FRANCE, LONG)
         }
         tokens = {p: [t for event in s for t in event.token_ids] for p, s in streams.items()}
-        with pytest.raises(InvalidArgument, match="no chat template.*use completions"):
+        with pytest.raises(InvalidArgument, match=r"no chat template.*use completions"):
             chat = PromptInput(messages=(("user", FRANCE),))
             engine.submit(GEMMA3_270M, chat, SamplingParams())
     finally:

@@ -29,6 +29,7 @@ on demand, call :func:`release_thread` first (``threads.loader_thread_init``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -85,7 +86,7 @@ def bind_team(threads: int) -> dict[int, int] | None:
             cpu = cpus[gomp.omp_get_thread_num()]
             os.sched_setaffinity(0, {cpu})
             bound[threading.get_native_id()] = cpu
-        except BaseException as err:  # noqa: BLE001 - raised below, on the calling thread
+        except BaseException as err:
             errors.append(err)
 
     _process_cpus = _process_cpus or frozenset(cpus)
@@ -104,10 +105,8 @@ def unbind_team(bound: dict[int, int]) -> None:
     (the engine's loop ends; its thread may go on to other work)."""
     assert _process_cpus is not None, "no team was bound"
     for tid in bound:
-        try:
+        with contextlib.suppress(OSError):  # the thread has exited
             os.sched_setaffinity(tid, _process_cpus)
-        except OSError:  # the thread has exited
-            pass
 
 
 def release_thread() -> None:

@@ -153,7 +153,7 @@ class StepGate:
             self._cond.notify_all()
 
     def _may_turn(self) -> bool:
-        if self._stepping or self._step_waiting and self._turn_gap == self._gap:
+        if self._stepping or (self._step_waiting and self._turn_gap == self._gap):
             return False
         idle = time.monotonic() - self._last_step_end >= self.idle_s
         return self._turn_gap != self._gap or idle

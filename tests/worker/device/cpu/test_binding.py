@@ -32,7 +32,7 @@ def on_new_thread(work: Callable[[], T]) -> T:
     def run() -> None:
         try:
             result.append(work())
-        except BaseException as err:  # noqa: BLE001 - re-raised on the test's thread
+        except BaseException as err:
             failure.append(err)
 
     thread = threading.Thread(target=run)
