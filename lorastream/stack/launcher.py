@@ -316,6 +316,7 @@ class Stack:
                 ["worker", "serve", "--model", c.model, "--port", str(c.worker_port + i),
                  "--store", self.store, "--drain-seconds", str(c.drain_seconds),
                  "--metrics-port", str(self.worker_metrics_port(i)),
+                 *(["--insecure-no-auth"] if not operate else []),
                  *tls_args(self.certs, mutual=True, peers=("store",))],
                 present({"LORASTREAM_WORKER_TOKEN": operate,
                           "LORASTREAM_WORKER_STORE_TOKEN": read or operate}),

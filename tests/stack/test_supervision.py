@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 
 from lorastream.cli.main import app
 from lorastream.core.store_client import StoreClient
+from lorastream.core.worker_client import WorkerClient
 from lorastream.stack.launcher import Stack, StackConfig
 from lorastream.stack.supervision import Event, Happened, RestartPolicy, Supervisor
-from tests.support.models import make_tiny_checkpoint
+from tests.support.models import make_peft_adapter, make_tiny_checkpoint
 from tests.support.ports import free_ports
 
 
@@ -113,7 +114,9 @@ def test_a_killed_worker_under_up_is_restarted_while_gateway_and_store_keep_serv
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the parts' caches, not the user's
+    monkeypatch.delenv("LORASTREAM_WORKER_INSECURE_NO_AUTH")  # as up sets it: see below
     model = make_tiny_checkpoint(tmp_path / "model")
+    adapter = make_peft_adapter(model, tmp_path / "adapter", rank=4, targets=["q_proj"])
     store_port, worker_port, gateway_port, metrics_port = free_ports(4)
     policy = RestartPolicy(max_restarts=2, window_s=3600, backoff_s=0.5, max_backoff_s=1)
     stack = Stack(StackConfig(
@@ -147,6 +150,9 @@ def test_a_killed_worker_under_up_is_restarted_while_gateway_and_store_keep_serv
             threading.Event().wait(0.2)
         (restarted,) = [p for name, p in stack.processes if name == "worker 0"]
         assert restarted.pid != worker.pid and restarted.poll() is None
+        # up --insecure-no-auth opened its worker to anonymous loads, the restarted one too
+        with WorkerClient(stack.workers[0]) as anyone:
+            assert anyone.load_adapter("mine", local_path=str(adapter)).name == "mine"
         assert _kinds(stack.supervisor.events) == [
             Happened.EXITED, Happened.RESTART_SCHEDULED, Happened.RESTARTED]
         assert stack.supervisor.events[0].detail == -signal.SIGKILL
