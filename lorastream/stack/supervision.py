@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +91,17 @@ class Part:
     due: float | None = None  # when a scheduled restart starts it again; None: none scheduled
 
 
-@dataclass
 class Supervisor:
     """Starts the stack's parts, restarts a dead restartable one under :class:`RestartPolicy`,
     and stops them all; :attr:`events` records what it saw and did (the log says the same)."""
 
-    policy: RestartPolicy = field(default_factory=RestartPolicy)
-    tick_s: float = 0.5  # how often the processes are checked
-    parts: list[Part] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    _lock: threading.RLock = field(default_factory=threading.RLock)
-    _stopped: bool = False  # stop_all began: nothing is started again
+    def __init__(self, policy: RestartPolicy | None = None, tick_s: float = 0.5) -> None:
+        self.policy = policy or RestartPolicy()
+        self.tick_s = tick_s  # how often the processes are checked
+        self.parts: list[Part] = []  # in start order
+        self.events: list[Event] = []
+        self._lock = threading.RLock()
+        self._stopped = False  # stop_all began: nothing is started again
 
     def spawn(self, name: str, command: Sequence[str], env: dict[str, str],
               restartable: bool = False) -> subprocess.Popen[bytes]:
