@@ -92,15 +92,9 @@ fi
 docker image inspect "$BASE_IMAGE" --format "$BASE_IMAGE: {{.Size}} bytes"
 
 step "5. docker/local: CA bundle and local wheels"
-mkdir -p "$LOCAL_DIR/wheels"
-if [ -s /etc/ssl/certs/ca-certificates.crt ]; then
-    cp /etc/ssl/certs/ca-certificates.crt "$LOCAL_DIR/ca-certificates.crt"
-fi
-# Every torch wheel in pip's find-links folders (the CPU build lies there on these machines).
-for dir in $(pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u); do
-    for wheel in "$dir"/torch-*.whl; do
-        [ -e "$wheel" ] && cp -u "$wheel" "$LOCAL_DIR/wheels/"
-    done
-done
+# The host's CA bundle and every torch wheel in pip's find-links folders (the CPU build lies
+# there on these machines); `make test-compose` does the same in each clone.
+. "$REPO_ROOT/scripts/docker_local.sh"
+fill_docker_local "$LOCAL_DIR"
 ls -l "$LOCAL_DIR" "$LOCAL_DIR/wheels"
 step "done: LORASTREAM_PYTHON_IMAGE=$BASE_IMAGE docker compose --profile cpu up -d --build"

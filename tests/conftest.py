@@ -13,6 +13,10 @@ Stores built or started by tests may stage local adapters from the temporary dir
 the tests make them); a store allows no local path unless given roots. Tests of the roots
 themselves pass ``allowed_local_roots`` explicitly.
 
+Workers built or started by tests take LoadAdapter and UnloadAdapter without a token, as they did
+before a worker with no token refused them; ``tests/worker/service/test_worker_auth.py`` checks
+the refusal with ``insecure_no_auth=False``.
+
 Workers and stores started by tests as processes serve their metrics on a free port: on the
 defaults (9452, 9451) two at once on this machine would refuse to start.
 """
@@ -24,6 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LORASTREAM_WORKER_HOST_MEMORY_PREFAULT", "false")
 os.environ.setdefault("LORASTREAM_STORE_ALLOWED_LOCAL_ROOTS", tempfile.gettempdir())
 os.environ.setdefault("LORASTREAM_WORKER_METRICS_PORT", "0")
+os.environ.setdefault("LORASTREAM_WORKER_INSECURE_NO_AUTH", "true")
 os.environ.setdefault("LORASTREAM_STORE_METRICS_PORT", "0")
 
 

@@ -319,6 +319,7 @@ def _worker_args(config: ServeConfig, overlap: str, store: str, port: int) -> li
         "--lora-overlap-loading" if overlap == "on" else "--no-lora-overlap-loading",
         "--host-cache-bytes", str(config.host_cache_bytes),
         "--kv-cache-bytes", str(config.kv_cache_bytes),
+        "--insecure-no-auth",  # the bench loads and unloads with no token, on loopback
     ]
 
 

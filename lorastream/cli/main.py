@@ -12,6 +12,7 @@ from lorastream.cli.common import LOG_LEVEL_OPTION
 from lorastream.stack.launcher import StackConfig
 
 STACK = StackConfig()  # the defaults of `up`, declared once (lorastream/stack/launcher.py)
+RESTART = STACK.restart  # and of its worker restarts (lorastream/stack/supervision.py)
 
 app = typer.Typer(
     name="lorastream",
@@ -93,12 +94,32 @@ def up(
         help="Make a throwaway CA and certificates (removed on stop): mutual TLS between the "
         "store, the workers and the gateway, HTTPS at the gateway.",
     ),
+    worker_restarts: int = typer.Option(
+        RESTART.max_restarts, min=0, metavar="N",
+        help="A worker that dies is started again, at most this many times within "
+        "--worker-restart-window; one more exit stops the stack (0: the first one does). The "
+        "gateway and the store keep serving meanwhile.",
+    ),
+    worker_restart_window: float = typer.Option(
+        RESTART.window_s, min=0, metavar="SECONDS",
+        help="The window --worker-restarts counts in; an older restart no longer counts.",
+    ),
+    worker_restart_delay: float = typer.Option(
+        RESTART.backoff_s, min=0, metavar="SECONDS",
+        help="Delay before a worker's first restart; it doubles with each restart counted in "
+        "the window, up to --worker-restart-max-delay.",
+    ),
+    worker_restart_max_delay: float = typer.Option(
+        RESTART.max_backoff_s, min=0, metavar="SECONDS",
+        help="Bound of the delay before a worker's restart.",
+    ),
     log_level: str = LOG_LEVEL_OPTION,
 ) -> None:
     """Start the stack on this machine (the store, the workers, the gateway) until Ctrl-C."""
     from lorastream.cli.common import reported_errors, setup_logging
     from lorastream.stack.examples import examples
     from lorastream.stack.launcher import Stack, StackConfig, stack_adapters
+    from lorastream.stack.supervision import RestartPolicy
 
     setup_logging(log_level)
     with reported_errors():
@@ -109,14 +130,19 @@ def up(
             allowed_local_roots=allowed_local_root,
             log_level=log_level, token=token, tls=tls, token_file=token_file,
             insecure_no_auth=insecure_no_auth,
+            restart=RestartPolicy(worker_restarts, worker_restart_window, worker_restart_delay,
+                                  worker_restart_max_delay),
         )
         stack = Stack(config)
         try:
             stack.start()
             typer.echo(examples(stack, "default" if model == "default" else model))
-            stack.wait()
+            why = stack.wait()
         finally:
             stack.stop()
+    if why is not None:
+        typer.echo(f"lorastream up stopped: {why}", err=True)
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

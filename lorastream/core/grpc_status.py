@@ -158,17 +158,26 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     ``required`` maps full method names
     (``/lorastream.adapter_store.v1.AdapterStoreService/PinAdapter``) to the scope they need;
     other methods (health, reflection, generation) pass. With no token configured, every call
-    passes. Tokens are compared in constant time and never logged.
+    passes, unless ``refuse_without_token`` is given: then every listed call is refused with that
+    message (a server whose listed calls must never be open by accident). Tokens are compared in
+    constant time and never logged.
     """
 
-    def __init__(self, tokens: AccessTokens, required: Mapping[str, Scope]) -> None:
+    def __init__(self, tokens: AccessTokens, required: Mapping[str, Scope],
+                 refuse_without_token: str | None = None) -> None:
         self._tokens = tokens
         self._required = dict(required)
+        self._refuse_without_token = refuse_without_token
 
     def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
         scope = self._required.get(details.method)
-        if scope is None or not self._tokens.enabled:
+        if scope is None:
             return continuation(details)
+        if not self._tokens.enabled:
+            if self._refuse_without_token is None:
+                return continuation(details)
+            log.info("refused %s: %s", details.method, self._refuse_without_token)
+            return _denied(continuation(details), self._refuse_without_token)
         metadata = dict(details.invocation_metadata or ())
         presented = bearer_of(metadata.get("authorization"))
         if self._tokens.allows(presented, scope):
@@ -186,19 +195,24 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         else:
             message = "the bearer token is wrong: use the one the server was started with"
         log.info("refused %s: %s", details.method, message)
+        return _denied(handler, message)
 
-        def deny_unary(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        def deny_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # pragma: no cover - abort raises
+def _denied(handler: Any, message: str) -> Any:
+    """``handler`` with its behaviour replaced by an UNAUTHENTICATED abort saying ``message``."""
 
-        def deny_upload(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    def deny_unary(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        if handler.unary_stream:
-            return handler._replace(unary_stream=deny_stream)
-        if handler.stream_unary:
-            return handler._replace(stream_unary=deny_upload)
-        return handler._replace(unary_unary=deny_unary)
+    def deny_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    def deny_upload(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.unary_stream:
+        return handler._replace(unary_stream=deny_stream)
+    if handler.stream_unary:
+        return handler._replace(stream_unary=deny_upload)
+    return handler._replace(unary_unary=deny_unary)

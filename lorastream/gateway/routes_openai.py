@@ -164,8 +164,10 @@ async def _stream(
     """SSE body: chunks as tokens arrive, then usage (if asked) and ``[DONE]``.
 
     An error after the first token can no longer change the status code: it is sent as an
-    ``{"error": ...}`` event, which OpenAI's clients raise as an APIError. A stream still open
-    when the gateway's drain period ends gets a ``shutting_down`` error event, then ``[DONE]``.
+    ``{"error": ...}`` event, which OpenAI's clients raise as an APIError, then ``[DONE]`` (a
+    stream always ends with it, as vLLM's do: clients that read up to ``[DONE]`` would otherwise
+    see a cut connection). A stream still open when the gateway's drain period ends gets a
+    ``shutting_down`` error event, then ``[DONE]``.
     """
     done = Completed()
     cut = False
@@ -204,5 +206,6 @@ async def _stream(
     except LorastreamError as exc:
         log.warning("request %s failed mid-stream on %s: %s", builder.id, generation.target, exc)
         yield sse(api_error(exc).body())
+        yield SSE_DONE
     finally:
         await generation.aclose()

@@ -37,6 +37,7 @@ from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS, https_context, open_channel
 from lorastream.stack.access import DEFAULT_TOKEN_FILE, local_roots, present, stack_tokens
 from lorastream.stack.certs import LocalCerts, make_local_certs
+from lorastream.stack.supervision import RestartPolicy, Supervisor
 from lorastream.store.config import StoreSettings
 
 # The store's default metrics port (StoreSettings.metrics_port); the workers' follow it, worker i
@@ -65,6 +66,7 @@ class StackConfig:
     insecure_no_auth: bool = False  # no generated tokens: the stack answers anyone on loopback
     tls: bool = False  # mutual TLS between the parts, HTTPS at the gateway (a throwaway CA)
     drain_seconds: float = 5.0  # on stop, what the gateway and workers give requests in flight
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # of a worker that died
 
 
 # Trained on the default model by scripts/train_sample_adapters.py (see samples/README.md).
@@ -203,10 +205,16 @@ def tls_args(certs: LocalCerts | None, *, mutual: bool, peers: Sequence[str] = (
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.supervisor = Supervisor(config.restart)
         self._stopping = threading.Event()
         self.certs: LocalCerts | None = None  # made by start() with config.tls
         self.tokens = AccessTokens()  # chosen by start()
+
+    @property
+    def processes(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        """(name, process) of each part started, in start order (a restarted worker: its
+        current process)."""
+        return [(part.name, part.process) for part in self.supervisor.parts]
 
     @property
     def token_file(self) -> Path:
@@ -248,19 +256,17 @@ class Stack:
         return f"{scheme}://localhost:{self.config.gateway_port}"
 
     def _spawn(
-        self, name: str, args: list[str], secrets: dict[str, str] | None = None
+        self, name: str, args: list[str], secrets: dict[str, str] | None = None,
+        restartable: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start ``lorastream ARGS``; ``secrets`` (tokens) go in its environment, not its argv,
-        which any user of the machine can read in the process list."""
+        which any user of the machine can read in the process list; ``restartable``: started
+        again when it dies (see lorastream/stack/supervision.py)."""
         command = [sys.executable, "-m", "lorastream.cli.main", *args,
                    "--log-level", self.config.log_level]
         log.info("starting %s: %s", name, " ".join(command[2:]))
-        # A process group of its own: a Ctrl-C in the terminal reaches only this supervisor, which
-        # stops the parts one by one with one signal each (a second one would cut their drain).
-        process = subprocess.Popen(command, env={**os.environ, **(secrets or {})},
-                                   process_group=0)
-        self.processes.append((name, process))
-        return process
+        return self.supervisor.spawn(name, command, {**os.environ, **(secrets or {})},
+                                     restartable)
 
     def check_ports_free(self) -> None:
         """InvalidArgument naming the first port something already listens on: a second
@@ -310,9 +316,11 @@ class Stack:
                 ["worker", "serve", "--model", c.model, "--port", str(c.worker_port + i),
                  "--store", self.store, "--drain-seconds", str(c.drain_seconds),
                  "--metrics-port", str(self.worker_metrics_port(i)),
+                 *(["--insecure-no-auth"] if not operate else []),
                  *tls_args(self.certs, mutual=True, peers=("store",))],
                 present({"LORASTREAM_WORKER_TOKEN": operate,
                           "LORASTREAM_WORKER_STORE_TOKEN": read or operate}),
+                restartable=True,
             )
             wait_serving(target, worker, c.ready_timeout_s, self.client_tls)
         worker_args = [arg for target in self.workers for arg in ("--worker", target)]
@@ -333,31 +341,25 @@ class Stack:
                     pass
                 log.info("registered adapter %s from %s", name, uri)
 
-    def wait(self) -> None:
-        """Block until a signal, or until a child dies (then stop the rest)."""
+    def wait(self) -> str | None:
+        """Block until a signal (None), or until the stack must stop: a part other than a worker
+        died, or a worker died more often than its restart policy allows (why, as a sentence).
+        A worker that died is restarted meanwhile (lorastream/stack/supervision.py)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self._stopping.set())
-        while not self._stopping.wait(0.5):
-            for name, process in self.processes:
-                if process.poll() is not None:
-                    log.error("%s exited with status %s; stopping the stack", name,
-                              process.returncode)
-                    self._stopping.set()
+        return self.supervise()
+
+    def supervise(self) -> str | None:
+        """:meth:`wait` without the signal handlers (which only the main thread may set)."""
+        return self.supervisor.run(self._stopping)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop the parts, gateway first, each with SIGINT (it drains for up to
         ``drain_seconds``), killing one still running after ``grace_s`` [default: the drain
         plus STOP_MARGIN_S]."""
+        self._stopping.set()
         if grace_s is None:
             grace_s = self.config.drain_seconds + STOP_MARGIN_S
-        for name, process in reversed(self.processes):  # gateway, workers, the store last
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
-                    process.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop in %.0f s; killing it", name, grace_s)
-                    process.kill()
-                    process.wait()
+        self.supervisor.stop_all(grace_s)  # gateway, workers, the store last
         if self.certs is not None:
             shutil.rmtree(self.certs.ca.parent, ignore_errors=True)

@@ -5,6 +5,7 @@ healthy; a worker restarted empty takes its share of the requests again."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +120,32 @@ def test_a_killed_worker_fails_only_its_in_flight_requests_and_comes_back_when_h
     with cluster.gateway.http() as http:
         metrics = http.get("/metrics").text
     assert f'lorastream_gateway_worker_healthy{{worker="{home.target}"}} 1.0' in metrics
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_a_stream_cut_by_a_killed_worker_ends_with_an_error_event_then_done(
+    cluster_factory: ClusterFactory, path: str, body: dict[str, object]
+) -> None:
+    cluster = cluster_factory(workers=1)
+    (worker,) = cluster.workers
+    request = {"model": "attn-r4", "max_tokens": 1500, "temperature": 0, "stream": True,
+               "ignore_eos": True, **body}
+    lines: list[str] = []
+    with cluster.gateway.http() as http, http.stream("POST", path, json=request) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line)
+            if len(lines) == 2:  # tokens are flowing (chat's first chunk is only the role)
+                worker.kill()
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2].removeprefix("data: "))
+    assert error["error"]["code"] == "worker_unavailable", error
+    assert all("error" not in json.loads(line.removeprefix("data: ")) for line in lines[:-2])
 
 
 def test_health_is_503_and_requests_get_503_while_no_worker_is_healthy(

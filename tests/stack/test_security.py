@@ -188,8 +188,9 @@ def _start_store(**settings: Any) -> None:
 
 
 def _start_worker(**settings: Any) -> None:
-    # the check comes before the engine is built: no model is needed to see it refuse
-    create_worker(WorkerSettings(port=0, **settings))
+    # the check comes before the engine is built: no model is needed to see it refuse; explicit
+    # insecure_no_auth, as tests/conftest.py opens test workers
+    create_worker(WorkerSettings(port=0, **{"insecure_no_auth": False, **settings}))
 
 
 def _start_gateway(**settings: Any) -> None:

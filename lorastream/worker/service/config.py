@@ -84,8 +84,10 @@ class WorkerSettings(StoreTLSSettings):
     )
     insecure_no_auth: bool = Field(
         False,
-        description="Serve a non-loopback --host with no token (anyone reaching the port may "
-        "load and unload adapters). Off: such a worker refuses to start.",
+        description="Serve with no operate token: anyone who reaches the port may load "
+        "adapters (from any directory on this host, with local_path) and unload them. Off: a "
+        "worker with no token refuses LoadAdapter, UnloadAdapter and ResetPrefixCache, and "
+        "refuses to start on a non-loopback --host.",
     )
     hf_endpoint: str | None = Field(
         None,

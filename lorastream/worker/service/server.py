@@ -23,6 +23,15 @@ from lorastream.worker.service.servicer import REQUIRED_SCOPES, SERVICE, GpuWork
 
 log = logging.getLogger(__name__)
 
+# What LoadAdapter, UnloadAdapter and ResetPrefixCache answer on a worker with no operate token
+# and no --insecure-no-auth: with ``local_path`` a load takes any directory on this host, so an
+# open worker would let any local user swap the weights served under a name (docs/security.md).
+NO_TOKEN_REFUSAL = (
+    "this worker has no operate token, so it changes no adapters for anyone: start it with "
+    "LORASTREAM_WORKER_TOKEN (or --token-file) and call with that token, or pass "
+    "--insecure-no-auth to let anyone who reaches its port load and unload adapters"
+)
+
 # After the drain and the engine's stop: how long the requests it ended get to send their error.
 STOP_GRACE_S = 2.0
 
@@ -59,7 +68,14 @@ def build_server(
         settings.host, tokens.enabled, settings.insecure_no_auth, "GPU worker",
         "LORASTREAM_WORKER_TOKEN (or --token-file)",
     )
-    log.info("gpu worker auth (load, unload): %s", tokens.describe())
+    closed = None if tokens.enabled or settings.insecure_no_auth else NO_TOKEN_REFUSAL
+    if closed is not None:
+        log.warning("gpu worker has no operate token: LoadAdapter, UnloadAdapter and "
+                    "ResetPrefixCache are refused (set LORASTREAM_WORKER_TOKEN or --token-file "
+                    "to allow them with it, or pass --insecure-no-auth to open them to anyone); "
+                    "generation is served")
+    else:
+        log.info("gpu worker auth (load, unload): %s", tokens.describe())
     tls = ServerTLS.from_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     engine = engine or build_engine(settings)
     health_servicer = health.HealthServicer()
@@ -72,7 +88,8 @@ def build_server(
             initializer=use_one_intra_op_thread,  # request threads leave the cores to the engine
         ),
         interceptors=[
-            BearerTokenInterceptor(tokens, REQUIRED_SCOPES), ErrorMappingInterceptor()
+            BearerTokenInterceptor(tokens, REQUIRED_SCOPES, refuse_without_token=closed),
+            ErrorMappingInterceptor(),
         ],
         tls=tls,
         health_servicer=health_servicer,

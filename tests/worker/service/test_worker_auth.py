@@ -105,3 +105,52 @@ def test_a_worker_without_the_stores_read_token_cannot_fetch(
     finally:
         server.stop(None).wait()
         engine.stop()
+
+
+# -- issue 55: a worker started alone, with no token, is closed unless told otherwise -----------
+@pytest.mark.parametrize("insecure_no_auth", [False, True], ids=["default", "insecure-no-auth"])
+def test_a_worker_with_no_token_loads_for_no_one_unless_opened_explicitly(
+    tiny_model: Path, tiny_adapters: dict[str, Path], tmp_path: Path, insecure_no_auth: bool,
+    reference: dict[tuple[str, int], list[int]],
+) -> None:
+    """What `lorastream worker serve` does without tokens; generation is served either way."""
+    settings = WorkerSettings(
+        model=str(tiny_model), served_model_name="tiny", port=0, max_loras=2,
+        kv_cache_bytes=8 << 20, model_cache_dir=tmp_path / "models",
+        insecure_no_auth=insecure_no_auth,  # tests/conftest.py opens test workers by default
+    )
+    server, port, engine = create_worker(settings, build_engine(settings, checkpoint=tiny_model))
+    server.start()
+    worker = f"127.0.0.1:{port}"
+    try:
+        with WorkerClient(worker) as anyone:
+            if insecure_no_auth:
+                loaded = anyone.load_adapter("local", local_path=str(tiny_adapters["attn-r4"]))
+                assert loaded.name == "local"
+                assert _greedy(worker, "local") == reference[("attn-r4", 0)]
+                anyone.unload_adapter("local")
+            else:
+                for call in (
+                    lambda: anyone.load_adapter("local",
+                                                local_path=str(tiny_adapters["attn-r4"])),
+                    lambda: anyone.unload_adapter("local"),
+                ):
+                    with pytest.raises(errors.Unauthenticated,
+                                       match="LORASTREAM_WORKER_TOKEN.*--insecure-no-auth"):
+                        call()
+                assert "local" not in {a.name for a in anyone.list_adapters()[0]}
+        assert len(_greedy(worker, "tiny")) == NEW_TOKENS
+    finally:
+        server.stop(None).wait()
+        engine.stop()
+
+
+def test_worker_serve_help_says_how_to_open_loading_to_anyone() -> None:
+    from typer.testing import CliRunner
+
+    from lorastream.cli.main import app
+
+    result = CliRunner().invoke(app, ["worker", "serve", "--help"], terminal_width=200)
+    text = " ".join(result.output.split())
+    assert "--insecure-no-auth / --no-insecure-no-auth Serve with no operate token" in text
+    assert "a worker with no token refuses LoadAdapter, UnloadAdapter" in text
