@@ -7,10 +7,21 @@ job). Requests waiting on a load, and queue gauges, also at scrape time.
 
 A *hit* at a tier means a request found its adapter already there when it arrived: ``device``
 hit, else ``host`` hit (a device miss), else a miss at both tiers (a fetch from the store).
+
+Beside its own ``lorastream_worker_*`` names, the worker exports the vLLM-named gauges that
+Kubernetes' endpoint picker (llm-d-router, ``docs/plugin-metric-protocol.md``) reads, from the
+same state at the same scrape: ``vllm:lora_requests_info`` (one series; labels
+``running_lora_adapters`` = adapters in device slots, ready, whether or not a request uses them
+now; ``waiting_lora_adapters`` = adapters that queued requests (or an operator's load) need and
+that are not ready in a slot; ``max_lora`` = slots; value = the scrape's unix time),
+``vllm:num_requests_waiting``, ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (a
+fraction, as vLLM's) and ``vllm:cache_config_info{block_size,num_gpu_blocks}``. docs/metrics.md
+says why "running" means resident here.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -36,6 +47,45 @@ class TierState:
     kv_tokens_used: int
     prefix_cached_blocks: int = 0  # KV blocks holding a cached prefix (held or idle)
     prefix_hit_rate: float = 0.0  # prompt tokens taken from the prefix cache / looked up
+    # The endpoint picker's view (the vllm:* gauges): adapter names, sorted.
+    ready_adapters: tuple[str, ...] = ()  # in a device slot, copy complete
+    wanted_adapters: tuple[str, ...] = ()  # needed by queued requests, not ready in a slot
+    adapter_slots: int = 0
+    kv_blocks: int = 0  # KV cache blocks in all
+    kv_blocks_used: int = 0  # held by some sequence
+    kv_block_size: int = 0  # tokens per block
+
+
+def vllm_families(state: TierState, now: float) -> Iterator[GaugeMetricFamily]:
+    """The vLLM-named gauges the endpoint picker reads, for ``state`` read at unix time ``now``."""
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Adapters ready in device slots (running), needed by queued requests and not ready "
+        "(waiting), slots (max_lora); value: when this was read (unix seconds).",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    lora.add_metric(
+        [",".join(state.ready_adapters), ",".join(state.wanted_adapters),
+         str(state.adapter_slots)],
+        now,
+    )
+    yield lora
+    yield GaugeMetricFamily(
+        "vllm:num_requests_waiting", "Requests in the waiting queue.", value=state.waiting
+    )
+    yield GaugeMetricFamily(
+        "vllm:num_requests_running", "Requests in the running batch.", value=state.running
+    )
+    yield GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "Share of KV cache blocks held by sequences (0 to 1).",
+        value=state.kv_blocks_used / state.kv_blocks if state.kv_blocks else 0.0,
+    )
+    config = GaugeMetricFamily(
+        "vllm:cache_config_info", "KV cache configuration (value 1).",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    config.add_metric([str(state.kv_block_size), str(state.kv_blocks)], 1)
+    yield config
 
 
 class _StateCollector(Collector):
@@ -44,6 +94,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         state = self._read()
+        yield from vllm_families(state, time.time())
         resident = GaugeMetricFamily(
             "lorastream_worker_adapters_resident", "Adapters resident per tier.", labels=["tier"]
         )

@@ -393,6 +393,7 @@ class Engine:
     def metrics_state(self) -> TierState:
         """What the Prometheus collector reports at scrape time."""
         usage = self.adapters.usage()
+        statuses = self.adapters.statuses()  # one per name: the names requests ask by
         return TierState(
             resident=usage.resident,
             resident_bytes=usage.resident_bytes,
@@ -402,6 +403,14 @@ class Engine:
             kv_tokens_used=self.kv.allocator.used_blocks * BLOCK_SIZE,
             prefix_cached_blocks=self.kv.allocator.cached_blocks,
             prefix_hit_rate=self.prefix.stats.hit_rate,
+            ready_adapters=tuple(sorted({s.name for s in statuses if s.residency == "device"})),
+            wanted_adapters=tuple(sorted({
+                s.name for s in statuses if s.references > 0 and s.residency != "device"
+            })),
+            adapter_slots=self.slots.num_slots,
+            kv_blocks=self.kv.num_blocks,
+            kv_blocks_used=self.kv.allocator.used_blocks,
+            kv_block_size=BLOCK_SIZE,
         )
 
     @property
