@@ -136,7 +136,7 @@ def test_a_worker_with_no_token_loads_for_no_one_unless_opened_explicitly(
                     lambda: anyone.unload_adapter("local"),
                 ):
                     with pytest.raises(errors.Unauthenticated,
-                                       match="LORASTREAM_WORKER_TOKEN.*--insecure-no-auth"):
+                                       match=r"LORASTREAM_WORKER_TOKEN.*--insecure-no-auth"):
                         call()
                 assert "local" not in {a.name for a in anyone.list_adapters()[0]}
         assert len(_greedy(worker, "tiny")) == NEW_TOKENS
