@@ -161,7 +161,8 @@ class ModelConfig:
     def shared_input_groups(self) -> tuple[tuple[str, ...], ...]:
         """Projections that read the same input (sites with more than one module)."""
         groups = (self.qkv_modules, self.gate_up_modules)
-        return tuple(g for g in groups if len(g) > 1)
+        targets = {t.module for t in self.lora_targets()}
+        return tuple(g for g in groups if len(g) > 1 and set(g) <= targets)
 
     def describe(self) -> str:
         """``tiny (model_type 'qwen3')``: the base model and its family, for error messages."""
