@@ -147,9 +147,9 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
             f"{label}: peft_type is {peft_type!r}; lorastream serves only LoRA adapters "
             "(peft_type 'LORA')"
         )
+    listed = [config.get(field) for field in ("target_parameters", "target_modules")]
     experts = [
-        str(t) for field in ("target_parameters", "target_modules")
-        for t in (config.get(field) if isinstance(config.get(field), list) else ())
+        str(t) for targets in listed if isinstance(targets, list) for t in targets
         if targets_moe_experts(str(t))
     ]
     if experts:
