@@ -121,3 +121,19 @@ def test_lora_on_the_experts_is_refused_by_name_before_a_slot(
         assert engine.adapters.usage().slots_used == 0
     finally:
         engine.stop()
+
+
+def test_a_local_moe_checkpoint_starts_a_worker_as_up_model_does(
+    case: MoeCase, tmp_path: Path
+) -> None:
+    """``--model <dir>`` (``lorastream up``, ``worker serve``): resolved, checked, served."""
+    checkpoint = case.checkpoints["per-expert"]
+    engine = build_engine(WorkerSettings(
+        model=str(checkpoint), served_model_name=BASE, kv_cache_bytes=1 << 20,
+        model_cache_dir=tmp_path / "models",
+    ))
+    try:
+        assert engine.model.config.family == case.family
+        assert _run(engine, [(BASE, 0)])[(BASE, 0)] == case.reference[(BASE, 0)]
+    finally:
+        engine.stop()
