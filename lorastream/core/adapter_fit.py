@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lorastream.core.adapter_format import parse_lora_key
+from lorastream.core.adapter_format import MOE_NOT_YET, parse_lora_key, targets_moe_experts
 from lorastream.core.manifest import AdapterManifest
 
 
@@ -40,6 +40,8 @@ def misfit(manifest: AdapterManifest, base: BaseShape) -> str | None:
     """Why ``manifest`` does not fit ``base`` (the first tensor that does not), or None when
     every tensor names a layer ``base`` has and a projection of its sizes."""
     for info in manifest.tensors:
+        if targets_moe_experts(info.name):
+            return f"tensor {info.name}: {MOE_NOT_YET}"
         key = parse_lora_key(info.name)
         if key is None or key.module not in base.modules:
             module = key.module if key is not None else info.name

@@ -23,6 +23,15 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "gate_up_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + FUSED_MODULES
 
+# A mixture-of-experts block's routed or shared experts, or its router, in a module path or a
+# tensor key: ``mlp.experts.3.gate_proj``, ``mlp.experts.gate_up_proj``, ``mlp.experts.lora_A``,
+# ``block_sparse_moe.experts.0.w1``, ``mlp.shared_expert.up_proj``, ``mlp.shared_expert_gate``.
+_MOE_PART = re.compile(r"(^|\.)(experts|shared_expert|shared_expert_gate|block_sparse_moe)(\.|$)")
+MOE_NOT_YET = (
+    "LoRA on mixture-of-experts experts (routed or shared) is not supported yet; train the "
+    "adapter on the attention projections only (q_proj, k_proj, v_proj, o_proj)"
+)
+
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\."
     r"(?:self_attn|mlp)\.(?P<module>[a-z_]+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
@@ -49,6 +58,12 @@ def parse_lora_key(key: str) -> LoraKey | None:
     if m is None:
         return None
     return LoraKey(layer=int(m.group("layer")), module=m.group("module"), ab=m.group("ab"))
+
+
+def targets_moe_experts(name: str) -> bool:
+    """True when a target module, target parameter or tensor key lies in a MoE block's experts
+    (see ``MOE_NOT_YET``), e.g. ``model.layers.0.mlp.experts.3.gate_proj``."""
+    return _MOE_PART.search(name) is not None
 
 
 def short_module_name(target: str) -> str:

@@ -36,10 +36,12 @@ from typing import Any
 
 from lorastream.core.adapter_format import (
     CONFIG_FILE,
+    MOE_NOT_YET,
     SUPPORTED_MODULES,
     WEIGHTS_FILE,
     parse_lora_key,
     short_module_name,
+    targets_moe_experts,
 )
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TensorDigests
 from lorastream.core.errors import InvalidAdapter
@@ -145,6 +147,13 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
             f"{label}: peft_type is {peft_type!r}; lorastream serves only LoRA adapters "
             "(peft_type 'LORA')"
         )
+    listed = [config.get(field) for field in ("target_parameters", "target_modules")]
+    experts = [
+        str(t) for targets in listed if isinstance(targets, list) for t in targets
+        if targets_moe_experts(str(t))
+    ]
+    if experts:
+        raise InvalidAdapter(f"{label}: {MOE_NOT_YET} ({CONFIG_FILE} targets {', '.join(experts)})")
     for key, switched_on, message in _UNSUPPORTED:
         if switched_on(config.get(key)):
             raise InvalidAdapter(f"{label}: {message} ({key}={config[key]!r} in {CONFIG_FILE})")
@@ -276,6 +285,8 @@ def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tup
     """Every key a LoRA A/B of a supported module, pairs complete, ranks equal to ``rank``."""
     pairs: dict[tuple[int, str], dict[str, _HeaderEntry]] = {}
     for e in entries:
+        if targets_moe_experts(e.key):
+            raise InvalidAdapter(f"{label}: {MOE_NOT_YET} (tensor {e.key})")
         key = parse_lora_key(e.key)
         if key is None or key.module not in SUPPORTED_MODULES:
             module = key.module if key else e.key.split(".lora_")[0].rsplit(".", 1)[-1]

@@ -142,17 +142,34 @@ FAMILY_TARGETS: dict[str, tuple[list[str], list[str]]] = {
 }
 FAMILY_TARGETS["phi3"] = (["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"])
 
+# Mixture-of-experts families: 4 experts, top-2, each with a sliding window in play and what the
+# family routes differently (Qwen3-MoE: renormalised top-k and a dense layer; Qwen2-MoE: raw
+# top-k probabilities and a shared expert; Mixtral: fp32 routing weights).
+MOE_CONFIGS: dict[str, dict[str, object]] = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=32, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1],
+                      use_sliding_window=True, sliding_window=WINDOW, tie_word_embeddings=False),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=WINDOW, tie_word_embeddings=False),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False,
+                      use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
+                      tie_word_embeddings=True),
+}
+
 
 def make_tiny_family(family: str, out_dir: Path, seed: int = 0, **overrides: object) -> Path:
     """Save a random ``family`` CausalLM with a tokenizer (a complete checkpoint) to ``out_dir``.
 
     Norm weights and biases are randomised too (HF initialises them to 1 / 0, or 0 for Gemma's
-    ``1 + w``), so a norm or bias applied wrongly, or not at all, changes the output.
+    ``1 + w``), so a norm or bias applied wrongly, or not at all, changes the output; so are a
+    MoE model's router and shared-expert gate, so that tokens spread over the experts.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **{**_FAMILY_BASE, **FAMILY_CONFIGS[family], **overrides})
+    family_config = {**FAMILY_CONFIGS, **MOE_CONFIGS}[family]
+    config = AutoConfig.for_model(family, **{**_FAMILY_BASE, **family_config, **overrides})
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -160,6 +177,8 @@ def make_tiny_family(family: str, out_dir: Path, seed: int = 0, **overrides: obj
                 param.add_(torch.randn_like(param) * 0.2)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                param.normal_(0.0, 0.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return save_tiny_tokenizer(out_dir, int(config.vocab_size))
@@ -191,4 +210,38 @@ def make_family_adapter(
             if "lora_B" in name:
                 param.normal_(0.0, b_std)
     model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def split_experts(checkpoint: Path, out_dir: Path) -> Path:
+    """A copy of the MoE ``checkpoint`` with its fused experts (``mlp.experts.gate_up_proj``
+    [E, 2 I, H], ``mlp.experts.down_proj`` [E, H, I]) stored one by one, as older checkpoints
+    do: ``mlp.experts.{e}.{gate,up,down}_proj.weight``, or Mixtral's
+    ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (with ``block_sparse_moe.gate``)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out_dir)
+    mixtral = json.loads((checkpoint / "config.json").read_text())["model_type"] == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    state = load_file(str(checkpoint / "model.safetensors"))
+    split: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        prefix, _, name = key.rpartition(".experts.")
+        if mixtral and ".mlp." in key:
+            prefix = prefix.replace(".mlp", ".block_sparse_moe")
+            key = key.replace(".mlp.", ".block_sparse_moe.")
+        if name == "gate_up_proj":
+            inter = tensor.shape[1] // 2
+            for e, expert in enumerate(tensor):  # [2 I, H]
+                split[f"{prefix}.experts.{e}.{gate}.weight"] = expert[:inter].clone()
+                split[f"{prefix}.experts.{e}.{up}.weight"] = expert[inter:].clone()
+        elif name == "down_proj":
+            for e, expert in enumerate(tensor):  # [H, I]
+                split[f"{prefix}.experts.{e}.{down}.weight"] = expert.clone()
+        else:
+            split[key] = tensor
+    save_file(split, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

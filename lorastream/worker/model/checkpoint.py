@@ -18,7 +18,8 @@
 
 Pickle checkpoints (``pytorch_model.bin``, ``*.pt``) are refused, never unpickled. The
 ``model_type`` (or, failing that, ``architectures``) must name a family of ``model/families/``:
-llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3; any other is refused with that list.
+llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, qwen3_moe, mixtral, qwen2_moe; any
+other is refused with that list.
 Whether the weights agree with config.json is checked when they load (``weights.py``).
 """
 

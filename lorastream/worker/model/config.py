@@ -14,6 +14,11 @@ Adaptable projections sit at four *sites* of a layer, each one fused matmul of t
 
 A LoRA target is a checkpoint module name at a site, with the column its output starts at.
 Modules that share a site read the same input, so the slots keep their A side by side.
+
+A mixture-of-experts model (``num_experts > 0``) replaces the gate_up and down sites of its
+sparse layers by a routed block (``model/moe.py``): a router ``[E, H]``, E experts of width
+``moe_intermediate_size`` of which each token visits ``experts_per_token``, and (Qwen2-MoE) a
+shared expert with a sigmoid gate. Its LoRA targets are the attention sites only, for now.
 """
 
 from __future__ import annotations
@@ -76,6 +81,18 @@ class ModelConfig:
     # RoPE of the sliding layers when it differs from the global one (Gemma 3).
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
+    # Mixture of experts (num_experts 0: a dense model).
+    num_experts: int = 0  # routed experts of each sparse layer
+    experts_per_token: int = 0  # top-k of the router
+    moe_intermediate_size: int = 0  # width of one routed expert
+    norm_topk_prob: bool = False  # top-k probabilities renormalised to sum to 1
+    routing_weights_fp32: bool = False  # Mixtral: top-k weights stay fp32 (not cast to dtype)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert of this width (0: none)
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP
+    # Checkpoint names: the MoE block's prefixes in a layer, newest first, and one expert's
+    # gate, up and down projections when stored one by one (Mixtral's older w1, w3, w2).
+    moe_prefixes: tuple[str, ...] = ("mlp",)
+    expert_modules: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
@@ -100,13 +117,28 @@ class ModelConfig:
         """True when ``layer`` uses the sliding layers' RoPE (it has a window and one is set)."""
         return self.local_rope_theta is not None and self.window(layer) is not None
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when ``layer``'s MLP is a routed block of experts (not a dense MLP)."""
+        return self.is_moe and layer not in self.dense_layers
+
     def site_width(self, site: str) -> int:
         """Output features of a site's fused matmul."""
         h, i = self.hidden_size, self.intermediate_size
         return {"qkv": self.q_size + 2 * self.kv_size, "o": h, "gate_up": 2 * i, "down": h}[site]
 
     def lora_targets(self) -> tuple[LoraTarget, ...]:
-        """Every adaptable projection, in site order."""
+        """Every adaptable projection, in site order: :meth:`projections`, but only the
+        attention's in a MoE model (LoRA on experts is not served yet)."""
+        if self.is_moe:
+            return tuple(t for t in self.projections() if t.site in ("qkv", "o"))
+        return self.projections()
+
+    def projections(self) -> tuple[LoraTarget, ...]:
+        """Every projection of a dense layer, in site order, as its checkpoint names it."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         parts = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
         targets: list[LoraTarget] = []
@@ -129,7 +161,8 @@ class ModelConfig:
     def shared_input_groups(self) -> tuple[tuple[str, ...], ...]:
         """Projections that read the same input (sites with more than one module)."""
         groups = (self.qkv_modules, self.gate_up_modules)
-        return tuple(g for g in groups if len(g) > 1)
+        targets = {t.module for t in self.lora_targets()}
+        return tuple(g for g in groups if len(g) > 1 and set(g) <= targets)
 
     def describe(self) -> str:
         """``tiny (model_type 'qwen3')``: the base model and its family, for error messages."""

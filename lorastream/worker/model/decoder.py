@@ -5,7 +5,8 @@ adapted projection's delta into its slice of the fused output, for every token o
 once (``lora.add``), so the base model and all adapters of a mixed batch run in one pass.
 What a family changes is in :class:`ModelConfig` (see ``families/``); numerics follow HF
 transformers op for op: RMSNorm in fp32 (Llama ``w * x̂``, Gemma ``x̂ * (1 + w)``), rotate-half
-RoPE, the configured gated activation, soft-capping as ``c * tanh(x / c)``.
+RoPE, the configured gated activation, soft-capping as ``c * tanh(x / c)``. A mixture-of-experts
+layer runs its routed block (moe.py) where a dense layer runs gate/up and down.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.linear import Linear
+from lorastream.worker.model.moe import MoeBlock, MoeWeights
 from lorastream.worker.model.quant_linear import Quantization, QuantLinear
 from lorastream.worker.model.rope import RotaryEmbedding, apply_rotary
 
@@ -62,7 +64,7 @@ class LayerWeights:
     wqkv: torch.Tensor | None  # [q + 2 kv, H]
     wo: torch.Tensor | None  # [H, q]
     mlp_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor | None  # [2 I, H]
+    w_gate_up: torch.Tensor | None  # [2 I, H] (None in a MoE layer)
     w_down: torch.Tensor | None  # [H, I]
     b_qkv: torch.Tensor | None = None  # [q + 2 kv]
     b_o: torch.Tensor | None = None  # [H]
@@ -72,6 +74,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [d]
     post_attn_norm: torch.Tensor | None = None  # [H] (Gemma: on the attention output)
     post_mlp_norm: torch.Tensor | None = None  # [H] (Gemma: on the MLP output)
+    moe: MoeWeights | None = None  # a MoE layer's router and experts, in place of the MLP
 
 
 @dataclass
@@ -136,6 +139,7 @@ class _Layer:
     post_mlp_norm: RMSNorm | None
     local_rope: bool  # the sliding layers' RoPE (Gemma 3)
     window: int | None  # sliding window, None: global attention
+    moe: MoeBlock | None  # the routed block in place of gate_up/down (a MoE layer)
 
 
 class DecoderModel:
@@ -181,19 +185,20 @@ class DecoderModel:
             )
             for site in SITES
         }
-        # The projections, each prepared once for fast products (see linear.py).
-        self.proj: list[tuple[Projection, Projection, Projection, Projection]] = []
+        # The projections, each prepared once for fast products (see linear.py): qkv, o, and
+        # gate_up, down in a dense layer (a MoE layer's experts are in its _Layer.moe).
+        self.proj: list[tuple[Projection, ...]] = []
         self.layers: list[_Layer] = []
         native = self.native_ops
         for i, lw in enumerate(weights.layers):
             assert lw.wqkv is not None and lw.wo is not None
-            assert lw.w_gate_up is not None and lw.w_down is not None
-            self.proj.append((
-                projection(lw.wqkv, lw.b_qkv, quantization, native=native),
-                projection(lw.wo, lw.b_o, quantization, native=native),
-                projection(lw.w_gate_up, lw.b_gate_up, quantization, native=native),
-                projection(lw.w_down, lw.b_down, quantization, native=native),
-            ))
+            proj = [projection(lw.wqkv, lw.b_qkv, quantization, native=native),
+                    projection(lw.wo, lw.b_o, quantization, native=native)]
+            if lw.moe is None:
+                assert lw.w_gate_up is not None and lw.w_down is not None
+                proj += [projection(lw.w_gate_up, lw.b_gate_up, quantization, native=native),
+                         projection(lw.w_down, lw.b_down, quantization, native=native)]
+            self.proj.append(tuple(proj))
             lw.wqkv = lw.wo = lw.w_gate_up = lw.w_down = None  # held by the Linears, if needed
             self.layers.append(self._layer(i, lw))
         self.final_norm = self._norm(weights.norm)
@@ -232,12 +237,26 @@ class DecoderModel:
             post_mlp_norm=self._optional_norm(lw.post_mlp_norm),
             local_rope=c.is_local(i),
             window=c.window(i),
+            moe=None if lw.moe is None else self._moe(lw.moe),
         )
+
+    def _moe(self, mw: MoeWeights) -> MoeBlock:
+        """A layer's routed block; its shared expert's projections as the dense ones (the
+        experts themselves stay in the model's dtype under ``--quantization``)."""
+        shared = None
+        if mw.shared_gate_up is not None and mw.shared_down is not None:
+            q, native = self.quantization, self.native_ops
+            shared = (projection(mw.shared_gate_up, None, q, native=native),
+                      projection(mw.shared_down, None, q, native=native))
+            mw.shared_gate_up = mw.shared_down = None
+        return MoeBlock(mw, self.config, self.activation, shared)
 
     def _lora(
         self, lora: LoraHook, layer: int, site: str, x: torch.Tensor, out: torch.Tensor
     ) -> None:
         modules, cols = self.lora_sites[site]
+        if not modules:  # a site no adapter may target (a MoE model's MLP)
+            return
         if len(modules) == 1:
             lora.add(layer, modules[0], x, out, cols[0])
         else:
@@ -291,7 +310,7 @@ class DecoderModel:
             rope_tables[True] = self._cos_sin(self.local_rope, batch)
         for i in range(start, stop):
             layer = self.layers[i]
-            wqkv, wo, w_gate_up, w_down = self.proj[i]
+            wqkv, wo = self.proj[i][:2]
             h = layer.attn_norm(x)
             qkv = wqkv(h)  # [T, q + 2 kv]
             if lora is not None:
@@ -316,13 +335,17 @@ class DecoderModel:
                 o = layer.post_attn_norm(o)
             x = x + o
             h = layer.mlp_norm(x)
-            gate_up = w_gate_up(h)  # [T, 2 I]
-            if lora is not None:
-                self._lora(lora, i, "gate_up", h, gate_up)
-            act = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
-            down = w_down(act)  # [T, H]
-            if lora is not None:
-                self._lora(lora, i, "down", act, down)
+            if layer.moe is not None:
+                down = layer.moe(h)  # [T, H]
+            else:
+                w_gate_up, w_down = self.proj[i][2:]
+                gate_up = w_gate_up(h)  # [T, 2 I]
+                if lora is not None:
+                    self._lora(lora, i, "gate_up", h, gate_up)
+                act = self.activation(gate_up[:, :inter]) * gate_up[:, inter:]  # [T, I]
+                down = w_down(act)  # [T, H]
+                if lora is not None:
+                    self._lora(lora, i, "down", act, down)
             if layer.post_mlp_norm is not None:
                 down = layer.post_mlp_norm(down)
             x = x + down

@@ -4,6 +4,12 @@ Which tensors a layer has follows from the :class:`ModelConfig` alone (module na
 q/k norms, Gemma's extra norms). The checkpoint must hold exactly those, of the config's shapes:
 a missing tensor, a wrong shape, or a tensor the config does not explain (a bias the family has
 not, a q_norm in a model without one) is refused with the tensor named, before the model exists.
+
+A MoE layer's experts load from either layout found in the wild, into the fused one::
+
+    fused (transformers 5):  mlp.experts.gate_up_proj [E, 2 I, H], mlp.experts.down_proj [E, H, I]
+    per expert (older):      mlp.experts.{e}.{gate,up,down}_proj.weight  [I, H], [I, H], [H, I]
+                             (Mixtral: block_sparse_moe.experts.{e}.{w1,w3,w2}.weight)
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from safetensors import safe_open
 from lorastream.core.errors import InvalidArgument
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderWeights, LayerWeights
+from lorastream.worker.model.moe import MoeWeights
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +89,7 @@ class _Reader:
         """A site's projections fused in column order: weight [N, K], bias [N] or None."""
         prefix = f"model.layers.{layer}.{_SITE_PREFIX[site]}."
         weights, biases = [], []
-        for t in self.config.lora_targets():
+        for t in self.config.projections():
             if t.site != site:
                 continue
             weights.append(self.take(f"{prefix}{t.module}.weight", (t.fan_out, t.fan_in)))
@@ -90,6 +97,37 @@ class _Reader:
                 biases.append(self.take(f"{prefix}{t.module}.bias", (t.fan_out,)))
         weight = weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
         return weight, (torch.cat(biases) if biases else None)
+
+    def experts(self, layer: int) -> MoeWeights:
+        """A MoE layer's router, experts (fused or one by one, see the module docstring) and
+        shared expert, under the first of the family's prefixes that holds a router."""
+        c = self.config
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        base = f"model.layers.{layer}."
+        prefixes = [f"{base}{p}." for p in c.moe_prefixes]
+        p = next((p for p in prefixes if f"{p}gate.weight" in self.state), prefixes[0])
+        router = self.take(f"{p}gate.weight", (e, h))
+        if f"{p}experts.gate_up_proj" in self.state:
+            gate_up = self.take(f"{p}experts.gate_up_proj", (e, 2 * i, h))
+            down = self.take(f"{p}experts.down_proj", (e, h, i))
+        else:
+            gate, up, down_name = (f"{m}.weight" for m in c.expert_modules)
+            gate_up = torch.stack([
+                torch.cat([self.take(f"{p}experts.{n}.{gate}", (i, h)),
+                           self.take(f"{p}experts.{n}.{up}", (i, h))])
+                for n in range(e)
+            ])
+            down = torch.stack([self.take(f"{p}experts.{n}.{down_name}", (h, i)) for n in range(e)])
+        weights = MoeWeights(router=router, gate_up=gate_up, down=down)
+        s = c.shared_expert_intermediate_size
+        if s:
+            weights.shared_gate_up = torch.cat([
+                self.take(f"{p}shared_expert.gate_proj.weight", (s, h)),
+                self.take(f"{p}shared_expert.up_proj.weight", (s, h)),
+            ])
+            weights.shared_down = self.take(f"{p}shared_expert.down_proj.weight", (h, s))
+            weights.shared_gate = self.take(f"{p}shared_expert_gate.weight", (1, h))
+        return weights
 
     def refuse_unexpected(self) -> None:
         unexpected = sorted(
@@ -118,8 +156,11 @@ def load_weights(
         p = f"model.layers.{i}."
         wqkv, b_qkv = reader.site(i, "qkv", c.qkv_bias)
         wo, b_o = reader.site(i, "o", c.o_bias)
-        w_gate_up, b_gate_up = reader.site(i, "gate_up", c.mlp_bias)
-        w_down, b_down = reader.site(i, "down", c.mlp_bias)
+        moe = reader.experts(i) if c.is_moe_layer(i) else None
+        w_gate_up = b_gate_up = w_down = b_down = None
+        if moe is None:
+            w_gate_up, b_gate_up = reader.site(i, "gate_up", c.mlp_bias)
+            w_down, b_down = reader.site(i, "down", c.mlp_bias)
         # Llama's post_attention_layernorm is the MLP's pre-norm; Gemma's is on attention's output.
         sandwich = c.sandwich_norms
         mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
@@ -132,6 +173,7 @@ def load_weights(
             k_norm=maybe(c.qk_norm, p + "self_attn.k_norm.weight", d),
             post_attn_norm=maybe(sandwich, p + "post_attention_layernorm.weight", h),
             post_mlp_norm=maybe(sandwich, p + "post_feedforward_layernorm.weight", h),
+            moe=moe,
         ))
     embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
     if c.tie_word_embeddings:

@@ -141,7 +141,7 @@ BROKEN = {
     "gpt2": (
         Edit(config={"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}),
         "model_type 'gpt2' .*not supported; the worker serves these families: llama, mistral, "
-        "qwen2, qwen3, gemma2, gemma3_text, phi3",
+        "qwen2, qwen3, gemma2, gemma3_text, phi3, qwen3_moe, mixtral, qwen2_moe",
     ),
     "missing-tokenizer": (Edit(remove=("tokenizer.json",)), "no tokenizer; .*tokenizer.json"),
     "sentencepiece-without-config": (

@@ -281,7 +281,7 @@ BROKEN = {
     "unsupported-model-type": (
         "llama", lambda c: _edit_config(c, {"model_type": "falcon", "architectures": None}),
         r"model_type 'falcon' .*not supported; the worker serves these families: llama, mistral, "
-        r"qwen2, qwen3, gemma2, gemma3_text, phi3",
+        r"qwen2, qwen3, gemma2, gemma3_text, phi3, qwen3_moe, mixtral, qwen2_moe",
     ),
     "unsupported-activation": (
         "mistral", lambda c: _edit_config(c, {"hidden_act": "relu2"}),

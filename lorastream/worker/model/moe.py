@@ -1,0 +1,131 @@
+"""The routed block of a mixture-of-experts layer, over a flat batch of tokens.
+
+As transformers computes it (``Qwen2MoeTopKRouter``, ``MixtralTopKRouter``, ``*Experts``)::
+
+    logits  = h @ routerᵀ                                  [T, E]  (model dtype)
+    probs   = softmax(logits, fp32)                        [T, E]
+    w, e    = topk(probs, k)                               [T, k]  (ties: torch.topk's order)
+    w       = w / w.sum(-1)          if norm_topk_prob
+    w       = w.to(dtype)            unless routing_weights_fp32 (Mixtral)
+    out[t]  = Σ_j w[t, j] * down_e(act(gate_e(h[t])) * up_e(h[t]))   for e = e[t, j]
+    out    += sigmoid(h @ shared_gateᵀ) * shared_mlp(h)    (Qwen2-MoE's shared expert)
+
+The experts run batched: the T * k (token, expert) assignments are sorted by expert id (stably,
+so each expert's tokens stay in batch order), the tokens' rows gathered once, and two
+``grouped_mm`` calls with per-expert segment ends compute every expert's gate/up and down
+products; one ``index_add_`` puts the weighted results back at their tokens, in expert order as
+transformers adds them. Example, T = 3, k = 2, E = 4, experts [[2, 0], [0, 3], [2, 1]]::
+
+    flat   = [2, 0, 0, 3, 2, 1]      order = [1, 2, 5, 0, 4, 3]   (argsort, stable)
+    token  = order // k = [0, 1, 2, 0, 2, 1]   ends = [2, 3, 5, 6]   (cumsum of bincount)
+    expert 0: rows 0-1 (tokens 0, 1)   expert 1: row 2 (token 2)   expert 2: rows 3-4   ...
+
+Where ``grouped_mm`` cannot take the weights' strides (a width not a multiple of 16 bytes), the
+same segments run one matmul per expert (a loop over the E experts, each over its gathered
+tokens; it reads the segment ends on the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lorastream.worker.model.config import ModelConfig
+
+
+@dataclass
+class MoeWeights:
+    """One sparse layer's MoE weights as loaded (fused layout, whatever the checkpoint's)."""
+
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2 I, H]: gate rows, then up rows, of each expert
+    down: torch.Tensor  # [E, H, I]
+    shared_gate_up: torch.Tensor | None = None  # [2 Is, H] (Qwen2-MoE)
+    shared_down: torch.Tensor | None = None  # [H, Is]
+    shared_gate: torch.Tensor | None = None  # [1, H]
+
+
+Project = Callable[[torch.Tensor], torch.Tensor]  # x [T, K] -> [T, N] (a base projection)
+
+
+def _grouped_ok(t: torch.Tensor) -> bool:
+    """grouped_mm needs every non-unit stride to be a multiple of 16 bytes."""
+    size = t.element_size()
+    return all(st * size % 16 == 0 for st, n in zip(t.stride(), t.shape, strict=True)
+               if st != 1 and n > 1)
+
+
+class MoeBlock:
+    """``block(h)``: the routed experts (and shared expert) of one layer for h [T, H]."""
+
+    def __init__(
+        self, weights: MoeWeights, config: ModelConfig,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+        shared: tuple[Project, Project] | None = None,
+    ) -> None:
+        """``shared``: the shared expert's gate_up and down projections (Qwen2-MoE)."""
+        self.router = weights.router  # [E, H]
+        self.gate_up_t = weights.gate_up.transpose(1, 2)  # [E, H, 2 I] (a view)
+        self.down_t = weights.down.transpose(1, 2)  # [E, I, H] (a view)
+        self.num_experts, self.top_k = config.num_experts, config.experts_per_token
+        self.inter = config.moe_intermediate_size
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weights_fp32 = config.routing_weights_fp32
+        self.activation = activation
+        self.grouped = _grouped_ok(self.gate_up_t) and _grouped_ok(self.down_t)
+        self.shared = shared
+        self.shared_gate = weights.shared_gate  # [1, H] or None
+        self.shared_inter = config.shared_expert_intermediate_size
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k routing weights [T, k] (fp32 or h's dtype) and expert ids [T, k]."""
+        logits = F.linear(h, self.router)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.weights_fp32:
+            weights = weights.to(h.dtype)
+        return weights, experts
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, experts = self.route(h)
+        out = self.experts(h, weights, experts)
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            gate_up, down = self.shared
+            s = gate_up(h)  # [T, 2 Is]
+            s = down(self.activation(s[:, : self.shared_inter]) * s[:, self.shared_inter :])
+            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * s  # [T, H]
+        return out
+
+    def experts(
+        self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+        """Σ_j weights[t, j] * expert_{experts[t, j]}(h[t]), grouped by expert (module doc)."""
+        flat = experts.reshape(-1)  # [P], P = T * k
+        order = torch.argsort(flat, stable=True)  # [P] assignments grouped by expert
+        token = order // self.top_k  # [P] the token of each sorted assignment
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)  # [E]
+        x = h.index_select(0, token)  # [P, H]
+        if self.grouped:
+            offs = ends.to(torch.int32)
+            gate_up = F.grouped_mm(x, self.gate_up_t, offs=offs)  # [P, 2 I]
+            act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [P, I]
+            y = F.grouped_mm(act, self.down_t, offs=offs)  # [P, H]
+        else:
+            y = torch.empty_like(x)  # [P, H]
+            start = 0
+            for e, end in enumerate(ends.tolist()):  # host sync: the fallback path only
+                if end > start:
+                    gate_up = x[start:end] @ self.gate_up_t[e]  # [n, 2 I]
+                    act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+                    y[start:end] = act @ self.down_t[e]  # [n, H]
+                start = end
+        y = y * weights.reshape(-1)[order, None]  # [P, H] (fp32 with Mixtral's weights)
+        out = torch.zeros_like(h)  # [T, H]
+        out.index_add_(0, token, y.to(h.dtype))
+        return out
