@@ -36,7 +36,7 @@ def complete(
     conn: Connection,
 ) -> None:
     """Generate a completion from a worker. Greedy (temperature 0) stops at end-of-sequence."""
-    from lorastream.core.generation import PromptInput, SamplingParams
+    from lorastream.core.generation import FinishReason, PromptInput, SamplingParams
     from lorastream.core.worker_client import WorkerClient
 
     params = SamplingParams(
@@ -44,7 +44,9 @@ def complete(
         stop=tuple(stop),
     )
     prompt_input = PromptInput(messages=(("user", prompt),)) if chat else PromptInput(text=prompt)
-    text, token_ids, reason = [], [], None
+    text: list[str] = []
+    token_ids: list[int] = []
+    reason: FinishReason | None = None
     with reported_errors(), WorkerClient(conn.target, tls=conn.tls()) as client:
         for event in client.generate(model, prompt_input, params):
             text.append(event.text)

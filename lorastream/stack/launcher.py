@@ -150,8 +150,9 @@ def wait_serving(target: str, process: subprocess.Popen[bytes], timeout_s: float
                     f"{target}: the process exited with status {process.returncode} before "
                     "serving; see its log above"
                 )
-            watch = stub.Watch(health_pb2.HealthCheckRequest(),
-                               timeout=min(WATCH_SLICE_S, left), wait_for_ready=True)
+            watch = stub.Watch(  # type: ignore[attr-defined]  # the health stubs omit client calls
+                health_pb2.HealthCheckRequest(), timeout=min(WATCH_SLICE_S, left),
+                wait_for_ready=True)
             try:
                 for reply in watch:
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
+from lorastream.worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from lorastream.worker.engine.sampling import make_generator
 from lorastream.worker.engine.sequence import ChoiceGroup, Sequence
 from lorastream.worker.model.kv_cache import BLOCK_SIZE, BlockAllocator, KVCache
@@ -44,7 +44,7 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 
 def fork_choices(
-    parent: Sequence, kv: KVCache, tokenizer: object
+    parent: Sequence, kv: KVCache, tokenizer: Tokenizer
 ) -> list[Sequence]:
     """Choices 1 .. n-1 of ``parent`` (choice 0), whose prompt was just prefilled.
 

@@ -31,6 +31,7 @@ from lorastream.worker.device.cpu.threads import use_one_intra_op_thread
 from lorastream.worker.device.device import Device
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.choices import fork_choices
+from lorastream.worker.engine.detokenizer import Tokenizer
 from lorastream.worker.engine.intake import RequestIntake
 from lorastream.worker.engine.landing import LandingPrefills
 from lorastream.worker.engine.logits_processors import token_logprobs
@@ -69,7 +70,7 @@ class Engine:
     def __init__(
         self,
         model: DecoderModel,
-        tokenizer: object,
+        tokenizer: Tokenizer,
         kv: KVCache,
         slots: LoraSlots,
         adapters: AdapterManager,
@@ -324,7 +325,7 @@ class Engine:
         )
         for seq, count in inputs.fed:
             seq.num_computed += count
-        decode = self.tokenizer.decode  # type: ignore[attr-defined]  # a transformers tokenizer, typed object
+        decode = self.tokenizer.decode
         for i, (seq, token) in enumerate(zip(drawn.sequences, drawn.tokens, strict=True)):
             self._emit(seq, int(token), token_logprobs(int(token), drawn.logprobs.get(i), decode))
         self.adapters.observe_step(rows, time.perf_counter() - started)

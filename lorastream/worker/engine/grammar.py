@@ -111,7 +111,7 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        hf_tokenizer: object,
+        hf_tokenizer: Any,  # a transformers tokenizer: llguidance reads its backend
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
         cache_size: int = 256,

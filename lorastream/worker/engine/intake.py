@@ -21,7 +21,7 @@ from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import PromptInput
 from lorastream.worker.engine.chat_template import render_chat
 from lorastream.worker.engine.choices import new_group
-from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
+from lorastream.worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from lorastream.worker.engine.sampling import SamplingParams, make_generator
 from lorastream.worker.engine.sequence import RequestStream, Sequence
 from lorastream.worker.model.config import ModelConfig
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 class RequestIntake:
     def __init__(
-        self, tokenizer: object, config: ModelConfig, *, max_seq_len: int, kv_blocks: int,
+        self, tokenizer: Tokenizer, config: ModelConfig, *, max_seq_len: int, kv_blocks: int,
         default_max_tokens: int,
     ) -> None:
         self.tokenizer = tokenizer

@@ -33,7 +33,7 @@ the bmm path runs 18 ops per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import torch
@@ -153,7 +153,7 @@ def build_meta(
     row_scale = (
         arena.floats(scale) if arena is not None else torch.tensor(scale).to(device)
     ).to(dtype).unsqueeze(1)  # [T, 1]; the cast runs on the device after the flush
-    common = dict(
+    common = LoraStepMeta(
         max_rank=max(table[s].rank for s in active),
         modules=frozenset().union(*(table[s].modules for s in active)),
         row_scale=row_scale,
@@ -161,15 +161,13 @@ def build_meta(
         output_rows=None if identity else longs(output_rows),
     )
     if slot_major:
-        return LoraStepMeta(
-            **common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot
-        )
+        return replace(common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot)
     ends, total = [], 0
     for slot in range(slots.num_slots):
         total += len(by_slot.get(slot, ()))
         ends.append(total)
-    return LoraStepMeta(
-        **common,  # type: ignore[arg-type]  # common: tensors and ints by key, as the fields
+    return replace(
+        common,
         offs=longs(ends).to(torch.int32),
         sorted_slots=longs([s for s in active for _ in by_slot[s]]),
     )

@@ -273,8 +273,10 @@ class QuantLinear:
         if self._exact:
             log.debug("%s weight %s: K or N is not a multiple of %d: dequantize-then-matmul",
                       mode, [self.out_features, self.in_features], _K_MULTIPLE)
-        self._fbgemm = (_fbgemm_prepack(self._held, self.scale)
-                        if mode == "int8-dynamic" and self._plan.fbgemm else None)
+        held = self._held  # int8-dynamic never packs: its weight is still held here
+        self._fbgemm = (_fbgemm_prepack(held, self.scale)
+                        if mode == "int8-dynamic" and self._plan.fbgemm and held is not None
+                        else None)
         if self._fbgemm is not None and not keep_rows:
             self._held = None  # fbgemm's packed copy is the one the product reads
 

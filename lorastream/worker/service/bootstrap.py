@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoTokenizer
@@ -18,6 +19,7 @@ from lorastream.worker.device.quant_matmul import (
     quantization_slow_here,
     quantization_unsupported,
 )
+from lorastream.worker.engine.detokenizer import Tokenizer
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.fetch import AdapterFetcher, FetchProcess, SharedHostMemory
 from lorastream.worker.loading.manager import AdapterManager
@@ -131,7 +133,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     )
     engine = Engine(
         model,
-        tokenizer,
+        cast(Tokenizer, tokenizer),  # decode of a flat id list returns one str
         kv,
         slots,
         adapters,

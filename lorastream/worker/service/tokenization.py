@@ -39,5 +39,5 @@ def detokenize(intake: RequestIntake, tokens: list[int]) -> str:
         raise InvalidArgument(
             f"tokens {bad[:5]} are outside the vocabulary 0..{intake.vocab_size - 1}"
         )
-    text: str = intake.tokenizer.decode(tokens)  # type: ignore[attr-defined]  # a transformers tokenizer, typed object in RequestIntake
+    text: str = intake.tokenizer.decode(tokens)
     return text
