@@ -63,6 +63,7 @@ from lorastream.worker.model.quant_linear import (
 from lorastream.worker.model.rotation import rotation
 from lorastream.worker.model.weights import load_weights
 from tests.support.families import BASE, NEW_TOKENS, PROMPTS, adapter_specs
+from tests.support.logit_agreement import logit_agreement
 from tests.support.models import FAMILY_CONFIGS, make_family_adapter, make_tiny_family
 from tests.worker.conftest import EngineFactory
 
@@ -366,29 +367,19 @@ def test_int8_mixed_batch_agrees_with_peft_over_dequantized_weights(
     ours = _mixed_batch_logits(
         checkpoint, adapters, {key: seq for key, (seq, _) in reference.items()}, mode, cpu_kernels
     )
-    agree = positions = decisive_agree = decisive = 0
-    errors = []
-    for key, (_, expected) in reference.items():
-        got = ours[key]  # [S, V]
-        scale = expected.abs().amax(dim=1)  # [S]
-        errors += ((got - expected).abs().amax(dim=1) / scale).tolist()
-        same = got.argmax(dim=1) == expected.argmax(dim=1)  # [S]
-        top2 = expected.topk(2, dim=1).values  # [S, 2]
-        clear = (top2[:, 0] - top2[:, 1]) > DECISIVE_MARGIN[mode] * scale  # [S] not a near-tie
-        agree += int(same.sum())
-        positions += got.shape[0]
-        decisive_agree += int(same[clear].sum())
-        decisive += int(clear.sum())
-    errors.sort()
-    worst, p95 = errors[-1], errors[int(0.95 * len(errors))]
+    found = logit_agreement(((ours[key], expected) for key, (_, expected) in reference.items()),
+                            DECISIVE_MARGIN[mode])
     op = mode == "int8" and cpu_kernels == "auto"  # fp32 activations: fp32 rounding only
-    assert worst <= (OP_INT8_BOUND if op else LOGIT_BOUND[mode]), (
-        f"max |Δlogit| / max |logit| = {worst:.2e}")
-    assert p95 <= (OP_INT8_BOUND if op else LOGIT_BOUND_P95[mode]), f"95th percentile {p95:.2e}"
-    assert decisive >= MIN_DECISIVE_SHARE * positions, f"{decisive}/{positions} decisive"
-    assert decisive_agree >= MIN_DECISIVE_AGREEMENT * decisive, f"{decisive_agree}/{decisive}"
+    assert found.worst <= (OP_INT8_BOUND if op else LOGIT_BOUND[mode]), (
+        f"max |Δlogit| / max |logit| = {found.worst:.2e}")
+    assert found.p95 <= (OP_INT8_BOUND if op else LOGIT_BOUND_P95[mode]), (
+        f"95th percentile {found.p95:.2e}")
+    assert found.decisive >= MIN_DECISIVE_SHARE * found.positions, (
+        f"{found.decisive}/{found.positions} decisive")
+    assert found.decisive_agree >= MIN_DECISIVE_AGREEMENT * found.decisive, (
+        f"{found.decisive_agree}/{found.decisive}")
     raw = OP_INT8_RAW_AGREEMENT if op else MIN_RAW_AGREEMENT[mode]
-    assert agree >= raw * positions, f"greedy agreement {agree}/{positions}"
+    assert found.agree >= raw * found.positions, f"greedy agreement {found.agree}/{found.positions}"
     n = len(PROMPTS[0])  # the prompt's rows: the same input under every adapter
     for name in adapters:  # the adapters change the logits: the comparison proves something
         assert not torch.allclose(ours[(name, 0)][:n], ours[(BASE, 0)][:n], atol=1e-2)
