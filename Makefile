@@ -2,9 +2,10 @@
 #   make up     create the venv, install the runtime lock, start the stack
 #   make test   add the dev lock (test and benchmark tools), run the test suite (what CI runs)
 #   make bench  run every benchmark and regenerate docs/BENCHMARKS.md
-# requirements.lock pins the runtime; requirements-dev.lock adds pyproject's dev, bench and gpu
-# extras (scripts/write_locks.py writes both): triton (the gpu extra) only for the tests, which run
-# the Triton kernels in its interpreter; `make up` never installs it.
+# requirements.lock pins the runtime; requirements-dev.lock adds pyproject's dev, bench, gpu and
+# models extras (scripts/write_locks.py writes both): triton (the gpu extra) only for the tests,
+# which run the Triton kernels in its interpreter, and the Gemma 3 weights (models, 242 MB) for
+# the suite's real-weights check; `make up` never installs either.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -90,8 +90,8 @@ def rpc_paragraphs(rpc: Mapping[str, object]) -> list[str]:
         f"Across the counts the fastest is {ratio(rpc.get('registrations_per_s_spread'), 3)} "
         f"the slowest (goal: flat within 20%).{sequence} Before, every staging "
         "grouped every name and version in SQLite to order the disk budget's eviction, even "
-        "when the adapter fitted: 2.9× from the first 400 to the last 400 of 2,000; the "
-        "registry now keeps that order as it changes (`lorastream/store/content_use.py`).",
+        "when the adapter fitted, so registrations slowed as names accumulated; the registry "
+        "now keeps that order as it changes (`lorastream/store/content_use.py`).",
     ]
 
 

@@ -159,8 +159,8 @@ def _cpu_measures_explained(r: Result) -> str:
                "cold probe load (ms)"], rows),
         "Loads are back to back in the loading windows, so the loads column is how fast "
         "adapters reach their slots while the batch decodes: the fetch and the store run at "
-        "idle priority on the time the decode leaves. The ITL p99 ratio moves by about ±15% "
-        "from run to run on this machine, the loads column by more.",
+        "idle priority on the time the decode leaves. The ITL p99 ratio moves from run to run "
+        "on this machine (one run per row here), the loads column by more.",
     ])
 
 

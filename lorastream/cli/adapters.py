@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -35,8 +36,9 @@ def _transfer_bar() -> Progress:
 
 
 def _staged(verb: str, manifest: AdapterManifest) -> str:
-    return (f"[green]{verb}[/] {manifest.name} ({manifest.adapter_id[:12]}, rank {manifest.rank}, "
-            f"{manifest.total_bytes / 1e6:.1f} MB, {', '.join(manifest.target_modules)})"
+    return (f"[green]{verb}[/] {escape(manifest.name)} ({manifest.adapter_id[:12]}, rank "
+            f"{manifest.rank}, {manifest.total_bytes / 1e6:.1f} MB, "
+            f"{escape(', '.join(manifest.target_modules))})"
             + (" (pinned)" if manifest.pinned else ""))
 
 
@@ -156,7 +158,7 @@ def rm(
     """Delete an adapter from the store."""
     with reported_errors(), _client(conn) as client:
         client.delete(name)
-    out.print(f"deleted {name}")
+    out.print(f"deleted {name}", markup=False)
 
 
 @app.command("pin")
@@ -169,7 +171,7 @@ def pin(
     """Protect an adapter from cache eviction."""
     with reported_errors(), _client(conn) as client:
         client.pin(name)
-    out.print(f"pinned {name}")
+    out.print(f"pinned {name}", markup=False)
 
 
 @app.command("unpin")
@@ -182,7 +184,7 @@ def unpin(
     """Let an adapter be evicted again."""
     with reported_errors(), _client(conn) as client:
         client.unpin(name)
-    out.print(f"unpinned {name}")
+    out.print(f"unpinned {name}", markup=False)
 
 
 @app.command("history")
@@ -246,4 +248,4 @@ def pull(
         sink = BytesSink()
         manifest = client.stream_tensors(name, sink)
     write_peft_dir(manifest, sink.buffers, out_dir)
-    out.print(f"wrote {name} ({manifest.total_bytes / 1e6:.1f} MB) to {out_dir}")
+    out.print(f"wrote {name} ({manifest.total_bytes / 1e6:.1f} MB) to {out_dir}", markup=False)

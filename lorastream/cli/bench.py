@@ -11,7 +11,7 @@ import typer
 
 from lorastream.cli import bench_serving
 from lorastream.cli.bench_common import OUTPUT_OPTION, print_result, require_bench_extra
-from lorastream.cli.common import console, out, setup_logging
+from lorastream.cli.common import console, out, refuse, setup_logging
 
 app = typer.Typer(
     help="Benchmarks; each prints one JSON document with its comparison.",
@@ -51,11 +51,9 @@ def registry(
     try:
         parsed = tuple(int(c) for c in counts.split(","))
     except ValueError:
-        console.print(f"[red]error[/]: --counts {counts!r}: give integers separated by commas")
-        raise typer.Exit(2) from None
+        refuse([f"--counts {counts!r}: give integers separated by commas"])
     if not parsed or min(parsed) < 1:
-        console.print("[red]error[/]: --counts: every count must be >= 1")
-        raise typer.Exit(2)
+        refuse(["--counts: every count must be >= 1"])
     print_result(run_registry_bench(parsed, registrations, json_registrations,
                                      rpc_sequence=rpc_sequence, rpc=rpc), output)
 
@@ -208,8 +206,7 @@ def kernels(
     from lorastream.kernels.bench import run_kernel_bench
 
     if not torch.cuda.is_available():
-        console.print("[red]error[/]: this benchmark needs a CUDA GPU; none is available here")
-        raise typer.Exit(2)
+        refuse(["this benchmark needs a CUDA GPU; none is available here"])
     result = run_kernel_bench(
         dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float16, repeat=repeat
     )
@@ -242,10 +239,8 @@ def push(
     preload (moto's S3 server on loopback), in the same run; p50s and their ratio."""
     require_bench_extra()
     if importlib.util.find_spec("moto") is None:
-        console.print("[red]error[/]: lorastream bench push needs moto's S3 server; install it "
-                      "with `pip install -r requirements-dev.lock` (or: pip install "
-                      "'moto[server]')")
-        raise typer.Exit(2)
+        refuse(["lorastream bench push needs moto's S3 server; install it with "
+                "`pip install -r requirements-dev.lock` (or: pip install 'moto[server]')"])
     from lorastream.bench.push import PushConfig, run_push_bench
 
     setup_logging(log_level)
@@ -274,6 +269,5 @@ def report(
 
     setup_logging(log_level)
     if not results.is_dir():
-        console.print(f"[red]error[/]: --results {results}: no such directory")
-        raise typer.Exit(2)
-    console.print(f"wrote {write_report(results, out_md, plots)}")
+        refuse([f"--results {results}: no such directory"])
+    console.print(f"wrote {write_report(results, out_md, plots)}", markup=False)

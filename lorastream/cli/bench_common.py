@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from lorastream.cli.common import console, out
+from lorastream.cli.common import out, refuse
 
 OUTPUT_OPTION = typer.Option(
     None, "--output", help="Also write the result JSON to this file (directories are created)."
@@ -24,12 +24,11 @@ def require_bench_extra() -> None:
     """Exit with one clear line when the benchmark dependencies are not installed."""
     missing = [m for m in BENCH_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        console.print(
-            f"[red]error[/]: lorastream bench needs the bench dependencies (missing: "
-            f"{', '.join(missing)}); install them with `make bench` or "
-            "`pip install -r requirements-dev.lock` (or: pip install 'lorastream[bench]')"
-        )
-        raise typer.Exit(2)
+        refuse([
+            f"lorastream bench needs the bench dependencies (missing: {', '.join(missing)}); "
+            "install them with `make bench` or `pip install -r requirements-dev.lock` (or: "
+            "pip install 'lorastream[bench]')"
+        ])
 
 
 def print_result(result: dict[str, object], output: Path | None) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from lorastream.cli.bench_common import OUTPUT_OPTION, print_result, require_bench_extra
-from lorastream.cli.common import console, setup_logging
+from lorastream.cli.common import console, refuse, setup_logging
 
 
 def serve(
@@ -169,8 +169,7 @@ def fleet(
     setup_logging(log_level)
     problem = engine_problem()
     if problem:
-        console.print(f"[red]error[/]: lorastream bench fleet needs Docker: {problem}")
-        raise typer.Exit(2)
+        refuse([f"lorastream bench fleet needs Docker: {problem}"])
     config = FleetConfig(
         adapters=adapters, requests=requests, concurrency=concurrency, zipf_s=zipf_s,
         max_tokens=max_tokens, worker_cpus=worker_cpus, kill_requests=kill_requests,

@@ -189,7 +189,7 @@ def reported_errors() -> Iterator[None]:
         yield
     except LorastreamError as exc:
         console.print(
-            f"[bold red]error[/] ({type(exc).__name__}): {escape(str(exc))}", soft_wrap=True
+            f"[bold red]error[/] ({escape(type(exc).__name__)}): {escape(str(exc))}", soft_wrap=True
         )
         raise typer.Exit(1) from None
 

@@ -61,4 +61,4 @@ def complete(
     else:
         out.print("".join(text), markup=False, highlight=False, soft_wrap=True)
     if reason is not None and not as_json:
-        console.print(f"[dim]finish: {reason.value}, {len(token_ids)} tokens[/]")
+        console.print(f"finish: {reason.value}, {len(token_ids)} tokens", style="dim", markup=False)

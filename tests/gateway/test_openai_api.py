@@ -263,6 +263,7 @@ def test_chat_refuses_non_text_content_and_unsupported_features(cluster: Cluster
 # -- sampling parameters ----------------------------------------------------------------------
 PROMPT = "The capital of France is"
 EOS = 2  # the tiny tokenizer's </s>
+FLOOR = -9999.0  # what vLLM sends for a -inf logprob
 
 
 def _worker_tokens(cluster: Cluster, model: str, prompt: PromptInput,
@@ -401,15 +402,30 @@ def test_chat_logprobs_with_top_logprobs_match_the_workers_and_the_greedy_token_
         assert entry.logprob == max(t.logprob for t in entry.top_logprobs)
 
 
-def test_a_token_masked_by_min_tokens_gets_a_finite_floor_logprob(cluster: Cluster) -> None:
-    """JSON has no -inf: a top logprob of a masked token is sent as -9999.0, as vLLM does."""
-    reply = cluster.gateway.openai().completions.create(
-        model=BASE, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=20,
-        logit_bias={str(EOS): -100}, extra_body={"min_tokens": 3},
-    )
-    assert reply.choices[0].logprobs is not None
-    for top in reply.choices[0].logprobs.top_logprobs:
-        assert all(math.isfinite(v) and v >= -9999.0 for v in top.values())
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_token_masked_by_a_constraint_gets_the_finite_floor_logprob(
+    cluster: Cluster, chat: bool
+) -> None:
+    """JSON has no -inf: a top logprob of a masked token is sent as -9999.0, as vLLM does.
+
+    A choice of "yes" or "no" masks every other token of the 256-token vocabulary, so 18 of the
+    top 20 logprobs of the first token are -inf at the worker and must reach the client floored.
+    """
+    client = cluster.gateway.openai()
+    common: dict[str, Any] = {"model": BASE, "max_tokens": 3, "temperature": 0,
+                              "extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}
+    if chat:
+        reply = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=20,
+                                               **common)
+        content = reply.choices[0].logprobs.content  # type: ignore[union-attr]  # asked for
+        first = {t.token: t.logprob for t in content[0].top_logprobs}  # type: ignore[index]  # asked for
+    else:
+        completion = client.completions.create(prompt=PROMPT, logprobs=20, **common)
+        first = completion.choices[0].logprobs.top_logprobs[0]  # type: ignore[union-attr,index]  # asked for
+    finite = {token for token, lp in first.items() if lp > FLOOR}
+    assert finite == {"y", "n"}  # the tiny tokenizer: one character per token
+    assert len(first) == 20 and all(math.isfinite(lp) for lp in first.values())
+    assert sorted(lp for lp in first.values() if lp <= FLOOR) == [FLOOR] * 18
 
 
 # -- n > 1 --------------------------------------------------------------------------------------

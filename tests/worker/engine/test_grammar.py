@@ -23,6 +23,7 @@ from lorastream.core.structured import (
 )
 from lorastream.worker.engine.grammar import GrammarCompiler, unpack_bitmask
 from lorastream.worker.model.checkpoint import resolve_checkpoint
+from tests.support.json_prefix import is_json_prefix
 from tests.worker.engine.test_default_model import DEFAULT_MODEL_CACHE
 
 PERSON = {
@@ -102,10 +103,32 @@ def test_json_object_output_is_an_object(compiler, tokenizer) -> None:
         compiler, tokenizer, StructuredOutput(StructuredKind.JSON_SCHEMA, JSON_OBJECT_SCHEMA), 0,
         limit=400,
     )
+    assert text.lstrip().startswith("{"), text
     if finished:
         assert isinstance(json.loads(text), dict)
     else:  # random logits may keep an object open; what came so far is an object's prefix
-        assert text.lstrip().startswith("{")
+        assert is_json_prefix(text), text
+
+
+@pytest.mark.parametrize(("text", "prefix"), [
+    ('{"a": [1, -2.5e3, "x\\n\\u00e9", true, null]}', True), ("{}", True), (" [] ", True),
+    ("", True), ("{", True), ('{"a', True), ('{"a": ', True), ('{"a": [1, tr', True),
+    ('{"a": -', True), ('{"a": 1.', True), ('{"a": 1e', True), ('{"a": "\\u00', True),
+    ('{"a": "\\', True), ('{"a": fals', True),
+    ('{"a" 1', False), ('{"a": [1,]', False), ("{}x", False), ("{} {}", False),
+    ('{"a": 01}', False), ('{"a": tru}', False), ('{"a": "\\q"}', False), ("{1: 2}", False),
+    ('{"a": 1,}', False), ('{"a": -x}', False), ('{"a": "\\u00zz"}', False), ("}", False),
+])
+def test_is_json_prefix_tells_a_cut_document_from_a_broken_one(text: str, prefix: bool) -> None:
+    assert is_json_prefix(text) is prefix
+    if prefix:  # cross-check with the json module where it can judge
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return
+    else:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
 
 
 @pytest.mark.parametrize(

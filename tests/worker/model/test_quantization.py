@@ -8,25 +8,28 @@ the kernels' arithmetic: on the CPU ``int8`` runs fp32 activations on the C++ op
 ops load (``OP_INT8_BOUND``), else torch's kernel's bf16 activations with a bf16 output,
 ``int8-dynamic`` (7-bit weights) also rounds each token's activations to int8, ``fp8`` to e4m3
 (torch's reference ``_scaled_mm`` on the CPU: the sums CUDA's kernels compute). Stated
-tolerances, per token:
+tolerances, fixed in this file, per token:
 
-- logits: ``max |Δ| <= LOGIT_BOUND[mode] * max |logit|`` of that token's reference row;
+- logits: ``max |Δ| <= LOGIT_BOUND[mode] * max |logit|`` of that token's reference row, and the
+  95th percentile of that ratio over all rows within ``LOGIT_BOUND_P95[mode]``;
 - greedy tokens, teacher-forced (every position sees the reference's prefix, so one near-tie
   does not derail the rest of a sequence), over ONE mixed batch of the base model and three
   adapters (ranks 4, 8, 16 rsLoRA; attention, MLP and all-linear targets): the argmax equals the
   reference's at >= 99% of the *decisive* positions, those whose reference top-2 margin exceeds
-  the logit bound (measured: all of them, in every family), and at >= MIN_RAW_AGREEMENT of all.
+  ``DECISIVE_MARGIN[mode]`` of the row's largest |logit| (at least ``MIN_DECISIVE_SHARE`` of the
+  positions, so the check is never vacuous), and at >= MIN_RAW_AGREEMENT of all.
 
 Measured on these tiny random models (near-flat logits over 256 tokens: many near-ties), worst
 family per mode: int8 on the C++ op max |Δ| 1.1e-5 of max |logit|, every position equal; on
 torch's kernel 2.4%, raw agreement 97.6% (246/252, qwen2);
 int8-dynamic (7-bit weights, 8-bit activations of the rotated input) 6.0% (qwen2; 22% in llama
 before the rotation), raw 95.6% (241/252, phi3), every one of 107-169 decisive positions per
-family; fp8 (e4m3
-weights and activations: 3 mantissa bits) 54% (llama), raw 86.4% (216/250, llama), no position
-decisive at its bound. ``bench engine --quantization int8`` reports the same two figures on the
-default model against the fp32 engine: all teacher-forced positions, and the decisive ones by
-this criterion (reference logits from transformers + PEFT in fp32).
+family; fp8 (e4m3 weights and activations: 3 mantissa bits) 54% in one llama row but a 95th
+percentile of 8.5-13%, raw 86.4% (216/250, llama), and at a 15% margin every one of 55-114
+decisive positions per family (at 10%, 97/98 in llama). ``bench engine --quantization int8``
+reports the same two figures on the default model against the fp32 engine: all teacher-forced
+positions, and the decisive ones by this criterion (reference logits from transformers + PEFT in
+fp32).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from lorastream.worker.model.kv_cache import KVCache, slot_mapping
 from lorastream.worker.model.linear import Linear
 from lorastream.worker.model.quant_linear import (
     EXACT_TOP,
-    LOGIT_TOLERANCE,
     WEIGHT_QMAX,
     QuantLinear,
     dequantize,
@@ -61,18 +63,26 @@ from lorastream.worker.model.quant_linear import (
 from lorastream.worker.model.rotation import rotation
 from lorastream.worker.model.weights import load_weights
 from tests.support.families import BASE, NEW_TOKENS, PROMPTS, adapter_specs
+from tests.support.logit_agreement import logit_agreement
 from tests.support.models import FAMILY_CONFIGS, make_family_adapter, make_tiny_family
 from tests.worker.conftest import EngineFactory
 
 MODES = ["int8", "int8-dynamic", "fp8"]
-LOGIT_BOUND = LOGIT_TOLERANCE  # max |Δlogit| / max |logit| per token (quant_linear.py)
+# The stated tolerances, fixed here (not read from the code under test, so loosening the product
+# does not loosen the test). Per token, against transformers + PEFT over the dequantized weights:
+# the worst row's max |Δlogit| / max |logit|, and the 95th percentile of that ratio over all rows.
+LOGIT_BOUND = {"int8": 0.03, "int8-dynamic": 0.08, "fp8": 0.6}
+LOGIT_BOUND_P95 = {"int8": 0.03, "int8-dynamic": 0.08, "fp8": 0.15}
+# A position is decisive when its reference top-2 margin exceeds this share of its largest
+# |logit| (above the mode's typical error, so the argmax there must not move).
+DECISIVE_MARGIN = {"int8": 0.03, "int8-dynamic": 0.08, "fp8": 0.15}
 MIN_DECISIVE_AGREEMENT = 0.99
+MIN_DECISIVE_SHARE = 0.15  # the decisive check covers at least this share of the positions
 # int8 on the C++ op (lorastream/kernels/cpu/int8.py): fp32 activations, the reference's product
 # summed in another order (measured worst 1.1e-5, every position equal in every family)
 OP_INT8_BOUND = 1e-4
 OP_INT8_RAW_AGREEMENT = 0.99
-FP8_RAW = 0.85
-MIN_RAW_AGREEMENT = {"int8": 0.97, "int8-dynamic": 0.94, "fp8": FP8_RAW}
+MIN_RAW_AGREEMENT = {"int8": 0.97, "int8-dynamic": 0.94, "fp8": 0.85}
 
 
 # -- the quantizer and the projection ----------------------------------------------------------
@@ -357,25 +367,19 @@ def test_int8_mixed_batch_agrees_with_peft_over_dequantized_weights(
     ours = _mixed_batch_logits(
         checkpoint, adapters, {key: seq for key, (seq, _) in reference.items()}, mode, cpu_kernels
     )
-    agree = positions = decisive_agree = decisive = 0
-    worst = 0.0
-    for key, (_, expected) in reference.items():
-        got = ours[key]  # [S, V]
-        scale = expected.abs().amax(dim=1)  # [S]
-        worst = max(worst, float(((got - expected).abs().amax(dim=1) / scale).max()))
-        same = got.argmax(dim=1) == expected.argmax(dim=1)  # [S]
-        top2 = expected.topk(2, dim=1).values  # [S, 2]
-        clear = (top2[:, 0] - top2[:, 1]) > LOGIT_BOUND[mode] * scale  # [S] not a near-tie
-        agree += int(same.sum())
-        positions += got.shape[0]
-        decisive_agree += int(same[clear].sum())
-        decisive += int(clear.sum())
+    found = logit_agreement(((ours[key], expected) for key, (_, expected) in reference.items()),
+                            DECISIVE_MARGIN[mode])
     op = mode == "int8" and cpu_kernels == "auto"  # fp32 activations: fp32 rounding only
-    assert worst <= (OP_INT8_BOUND if op else LOGIT_BOUND[mode]), (
-        f"max |Δlogit| / max |logit| = {worst:.2e}")
-    assert decisive_agree >= MIN_DECISIVE_AGREEMENT * decisive, f"{decisive_agree}/{decisive}"
+    assert found.worst <= (OP_INT8_BOUND if op else LOGIT_BOUND[mode]), (
+        f"max |Δlogit| / max |logit| = {found.worst:.2e}")
+    assert found.p95 <= (OP_INT8_BOUND if op else LOGIT_BOUND_P95[mode]), (
+        f"95th percentile {found.p95:.2e}")
+    assert found.decisive >= MIN_DECISIVE_SHARE * found.positions, (
+        f"{found.decisive}/{found.positions} decisive")
+    assert found.decisive_agree >= MIN_DECISIVE_AGREEMENT * found.decisive, (
+        f"{found.decisive_agree}/{found.decisive}")
     raw = OP_INT8_RAW_AGREEMENT if op else MIN_RAW_AGREEMENT[mode]
-    assert agree >= raw * positions, f"greedy agreement {agree}/{positions}"
+    assert found.agree >= raw * found.positions, f"greedy agreement {found.agree}/{found.positions}"
     n = len(PROMPTS[0])  # the prompt's rows: the same input under every adapter
     for name in adapters:  # the adapters change the logits: the comparison proves something
         assert not torch.allclose(ours[(name, 0)][:n], ours[(BASE, 0)][:n], atol=1e-2)
