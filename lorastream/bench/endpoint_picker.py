@@ -106,7 +106,7 @@ def extract(text: str, previous: EndpointView | None = None) -> EndpointView:
         values["block_size"] = int(cache.labels.get("block_size") or 0)
         if cache.labels.get("num_gpu_blocks"):
             values["num_gpu_blocks"] = int(cache.labels["num_gpu_blocks"])
-    return replace(view, **values)
+    return replace(view, **values)  # type: ignore[arg-type]  # values: fields by name, typed as them
 
 
 def lora_affinity(view: EndpointView, model: str) -> float:

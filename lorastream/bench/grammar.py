@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _walk_llguidance(tokenizer: object, vocab: int) -> Callable[[Case, list[int]], dict]:
+def _walk_llguidance(tokenizer: Any, vocab: int) -> Callable[[Case, list[int]], dict]:
     import llguidance
     import llguidance.hf
 
@@ -102,7 +103,7 @@ def _walk_llguidance(tokenizer: object, vocab: int) -> Callable[[Case, list[int]
     return walk
 
 
-def _walk_xgrammar(tokenizer: object, vocab: int) -> Callable[[Case, list[int]], dict]:
+def _walk_xgrammar(tokenizer: Any, vocab: int) -> Callable[[Case, list[int]], dict]:
     import xgrammar
 
     started = time.perf_counter()
@@ -136,14 +137,14 @@ def _walk_xgrammar(tokenizer: object, vocab: int) -> Callable[[Case, list[int]],
 ENGINES = {"llguidance": _walk_llguidance, "xgrammar": _walk_xgrammar}
 
 
-def _tokenizers(models: tuple[str, ...]) -> list[tuple[str, object, int]]:
+def _tokenizers(models: tuple[str, ...]) -> list[tuple[str, Any, int]]:
     from transformers import AutoTokenizer
 
     from lorastream.worker.model.checkpoint import resolve_checkpoint
     from lorastream.worker.service.config import WorkerSettings
 
     cache_dir = WorkerSettings().model_cache_dir
-    found = []
+    found: list[tuple[str, Any, int]] = []
     for model in models:
         path: Path = resolve_checkpoint(model, cache_dir=cache_dir)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -82,10 +82,10 @@ def _prompt_ids(checkpoint: Path) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     return [
-        list(tokenizer.apply_chat_template(
+        list(cast(list[int], tokenizer.apply_chat_template(
             [{"role": r, "content": c} for r, c in prompt.messages or ()],
             add_generation_prompt=True, tokenize=True, return_dict=False,
-        ))
+        )))
         for prompt in PROMPTS
     ]
 

@@ -108,7 +108,7 @@ class RunningGateway:
 
         table = {} if affinity_entries is None else {"prefix_affinity_entries": affinity_entries}
         settings = GatewaySettings(
-            workers=workers, token=token, **table,
+            workers=workers, token=token, **table,  # type: ignore[arg-type]  # a field by name
             store="127.0.0.1:1",  # no store runs: completions never ask it
         )
         self.server: uvicorn.Server
@@ -244,7 +244,7 @@ def run_routing(c: PrefixConfig, checkpoint: Path, dirs: list[Path]) -> dict[str
             servers.append(server)
             workers.append(f"127.0.0.1:{port}")
         token = secrets.token_urlsafe(16)  # the gateway's operate token, used as the API key
-        decode = engines[0].tokenizer.decode  # type: ignore[attr-defined]  # a transformers tokenizer
+        decode = engines[0].tokenizer.decode
         vocab = engines[0].model.config.vocab_size
         for side, entries in SIDES.items():
             for engine in engines:

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from lorastream.bench.machine import command_line, machine_info
@@ -40,6 +41,10 @@ def _entry(i: int) -> RegistryEntry:
     name = f"customer-{i:07d}/adapter"
     now = time.time()
     return RegistryEntry(name, f"{i:064x}", f"s3://adapters/{name}", "etag", now, now, False)
+
+
+def _put(registry: Registry, i: int) -> None:
+    registry.put(_entry(i))
 
 
 def _timed(register: Callable[[int], None], first: int, count: int) -> list[float]:
@@ -119,8 +124,7 @@ def run_registry_bench(
         sqlite: dict[int, list[float]] = {n: [] for n in counts}
         for done in range(0, registrations, ROUND):
             for n in counts:
-                put = registries[n].put  # bound now: the lambda runs before the loop moves on
-                sqlite[n] += _timed(lambda i, put=put: put(_entry(i)), n + done,
+                sqlite[n] += _timed(partial(_put, registries[n]), n + done,
                                     min(ROUND, registrations - done))
         pages = {n: _page_ms(registries[n], n) for n in counts}
         for registry in registries.values():

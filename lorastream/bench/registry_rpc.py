@@ -79,7 +79,7 @@ class DistinctAdapters:
         items = upload_items(name, self.files(i))
         header = next(items)
         assert isinstance(header, UploadHeader)
-        store.push(header, items)  # type: ignore[arg-type] - the rest are chunks
+        store.push(header, items)  # type: ignore[arg-type]  # the rest are chunks
 
 
 def name_of(i: int) -> str:

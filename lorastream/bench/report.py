@@ -142,7 +142,9 @@ def write_report(results_dir: Path, out_md: Path, plots_dir: Path | None = None)
     links: dict[str, str] = {}
     for bench in BENCHES:
         result = results[bench.name]
-        for key, draw in bench.plots if result is not None else ():
+        if result is None:
+            continue
+        for key, draw in bench.plots:
             try:
                 drawn = draw(result, plots_dir / f"{key}.png")
             except Exception:  # a plot must not cost the page; the section says it is missing

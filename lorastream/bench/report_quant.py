@@ -209,7 +209,7 @@ def _roofline(r: Result) -> str:
               "of the peak the goals need: base-only", "mixed",
               "weights read at the memory's bandwidth, ms")
     kinds = {"fp32": "fp32 FMA", "int8": "int8 × int8"}  # roofline.PEAK_KIND's kinds
-    rows = [[_SHOWN.get(mode, mode), kinds.get(PEAK_KIND.get(mode, ""), mode),
+    rows = [[_SHOWN.get(str(mode), str(mode)), kinds.get(PEAK_KIND.get(str(mode), ""), str(mode)),
              number(_modes(r).get(mode, {}).get("projections_ms_per_step_median")),
              number(f.get("at_peak_ms")), pct(f.get("of_peak")), pct(f.get("of_peak_best")),
              number(f.get("base_only_rest_ms")), ratio(f.get("base_only_ceiling_vs_fp32")),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from lorastream.bench.report_format import Result, goal_row, ms, number, paragraphs, ratio, table
 
@@ -24,12 +24,16 @@ def registry_goals(r: Result) -> list[list[str]]:
 
 
 def _span(r: Mapping[str, object]) -> str:
-    counts = [p.get("names") for p in r.get("points") or []]
+    counts = [_mapping(p).get("names") for p in _sequence(r.get("points"))]
     return f", {number(counts[0], 0)} → {number(counts[-1], 0)} names" if counts else ""
 
 
 def _mapping(value: object) -> Mapping[str, object]:
     return value if isinstance(value, Mapping) else {}
+
+
+def _sequence(value: object) -> Sequence[object]:
+    return value if isinstance(value, Sequence) and not isinstance(value, str) else ()
 
 
 def _rpc(r: Result) -> Mapping[str, object]:
@@ -70,7 +74,7 @@ def rpc_paragraphs(rpc: Mapping[str, object]) -> list[str]:
         return []
     rows = [[number(p.get("names"), 0), number(p.get("registrations_per_s"), 1),
              ms_3(p, "rpc", "p50_ms"), ms_3(p, "rpc", "p99_ms"), number(p.get("fill_s"), 1)]
-            for p in rpc.get("points") or []]
+            for p in map(_mapping, _sequence(rpc.get("points")))]
     seq = _mapping(rpc.get("sequence"))
     sequence = (
         f" One after another into an empty store, {number(seq.get('adapters'), 0)} preloads: "

@@ -97,7 +97,8 @@ def _bandwidth_ceiling(r: Result) -> str:
     multi_tok_s = as_number(r.get("engine_multi_adapter_decode_tok_s"))
     adapter_mb = as_number(r.get("adapter_bytes_per_step_mb"))
     bandwidth = as_number(r.get("memory_bandwidth_gbs"))
-    reads = r.get("slot_read_ms") if isinstance(r.get("slot_read_ms"), Mapping) else {}
+    found = r.get("slot_read_ms")
+    reads: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
     read_median, read_best = as_number(reads.get("median")), as_number(reads.get("best"))
     if not (prompts and base_tok_s and multi_tok_s and adapter_mb and (read_median or bandwidth)):
         return ("*The bandwidth ceiling cannot be computed: this result lacks the adapter bytes "
@@ -116,6 +117,7 @@ def _bandwidth_ceiling(r: Result) -> str:
         best = base_ms / (base_ms + read_best)
         fastest = f" ({ratio(best)} at the fastest read)"
     else:
+        assert bandwidth, "checked above: a read speed or a bandwidth"
         read_ms = adapter_mb / bandwidth  # MB / (GB/s) = ms
         how = (f"At this machine's measured read bandwidth of {number(bandwidth)} GB/s that read "
                f"alone takes {ms(read_ms)} ms")

@@ -130,7 +130,7 @@ def _hash_table(r: Result) -> str | None:
               "xxh3_128": "xxh3-128",
               "crc32c": "CRC-32C (each end, per chunk, when the receiver checks chunks only)"}
     return table(["check, tensor by tensor over the adapter", "GB/s alone"],
-                 [[labels.get(k, k), number(v, 2)] for k, v in rates.items()])
+                 [[labels.get(k) or str(k), number(v, 2)] for k, v in rates.items()])
 
 
 def _blake3_vs_sha256(r: Result) -> str:

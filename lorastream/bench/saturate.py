@@ -235,6 +235,13 @@ def summarise(requests: list[Request], wall: float, new_tokens: int) -> dict[str
     }
 
 
+def _rate(run: dict[str, object]) -> float:
+    """A run's output tokens per second."""
+    rate = run["output_tok_s"]
+    assert isinstance(rate, int | float), rate
+    return float(rate)
+
+
 def run_served(config: SaturateConfig, adapter_dirs: dict[str, Path]) -> dict[str, object]:
     """One stack as ``lorastream up`` starts it; the workload of ``adapter_dirs`` (empty: base)."""
     from lorastream.stack.launcher import Stack, StackConfig
@@ -372,7 +379,7 @@ def run_saturate_bench(config: SaturateConfig,
             dirs = _adapter_dirs(config, count, Path(tmp))
             served = run_served(config, dirs)
             engine = run_engine(config, dirs) if config.engine else None
-            ratio = (round(served["output_tok_s"] / engine["output_tok_s"], 3)
+            ratio = (round(_rate(served) / _rate(engine), 3)
                      if engine and engine["output_tok_s"] else None)
             workloads.append({"adapters": count, "served": served, "engine": engine,
                               "served_over_engine": ratio})

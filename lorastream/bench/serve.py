@@ -120,7 +120,8 @@ def ttft_by_first_use(trace: list[TraceEntry], results: list[RequestResult]) -> 
     fetch in either mode) and of the rest (adapter asked for before: in a slot, in host
     memory, or still on its way), in trace order."""
     seen: set[int] = set()
-    first, repeat = [], []
+    first: list[float] = []
+    repeat: list[float] = []
     for (_, adapter, _), result in zip(trace, results, strict=True):
         if result.error is None and result.first_token is not None:
             ttft = result.first_token - result.arrival

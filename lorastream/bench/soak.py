@@ -166,7 +166,9 @@ def make_soak_requests(config: SoakConfig, rate: float) -> tuple[list[SoakReques
     c = config
     rng = random.Random(c.seed)
     pick = adapter_picker(c.adapters, c.popularity, random.Random(f"{c.seed}/adapters"))
-    requests, offsets, t = [], [], 0.0
+    requests: list[SoakRequest] = []
+    offsets: list[float] = []
+    t = 0.0
     while (t := t + rng.expovariate(rate)) < c.duration_s:
         cancel = rng.randint(1, max(1, c.max_tokens // 2)) if rng.random() < c.cancel_fraction \
             else None
@@ -176,7 +178,7 @@ def make_soak_requests(config: SoakConfig, rate: float) -> tuple[list[SoakReques
     return requests, offsets
 
 
-def settled_counters(target: str) -> dict[str, int]:
+def settled_counters(target: str) -> dict[str, float]:
     """A worker's queue, KV and reference counters (all 0 when idle) and its slots in use."""
     with WorkerClient(target) as client:
         stats = client.stats()

@@ -77,7 +77,7 @@ class Workers:
         self.lifetimes[i][-1] = (begin, gone)
         self.processes[i] = None
 
-    def restart(self, i: int, how: str) -> dict[str, float]:
+    def restart(self, i: int, how: str) -> dict[str, float | str]:
         began = time.perf_counter()
         self.stop(i, how)
         stopped = time.perf_counter()

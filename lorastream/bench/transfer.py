@@ -141,7 +141,7 @@ def _run_client(kind: str, target: str, conn: Connection) -> None:
     if kind in BARE:
         # the store client's stream options (single-threaded unary-stream): the same gRPC path
         channel = open_channel(target, None, STREAM_GRPC_OPTIONS)
-        call = channel.unary_stream(_BARE_METHOD)
+        call: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(_BARE_METHOD)
 
         def run(chunk_bytes: int) -> int:
             return sum(len(chunk) for chunk in call(str(chunk_bytes).encode()))
@@ -194,8 +194,10 @@ def _measure(
     rank = rank_for(adapter_mb)
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
-    rates = {size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
-    cpu = {size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
+    rates: dict[int, dict[str, list[float]]] = {
+        size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
+    cpu: dict[int, dict[str, list[float]]] = {
+        size: {kind: [] for kind in CLIENTS} for size in chunk_sizes}
     with tempfile.TemporaryDirectory(prefix="lorastream-bench-") as tmp:
         adapter_dir = make_synthetic_adapter(Path(tmp) / "adapter", rank=rank)
         hash_rates = measure_hash_rates(adapter_dir)
@@ -217,11 +219,11 @@ def _measure(
                 digest = VERIFIED.get(kind, DEFAULT_TENSOR_DIGEST)
                 port = bare_port if kind in BARE else store_ports[digest]
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(
+                client_proc = ctx.Process(
                     target=_run_client, args=(kind, f"127.0.0.1:{port}", child), daemon=True
                 )
-                proc.start()
-                procs.append(proc)
+                client_proc.start()
+                procs.append(client_proc)
                 conns[kind] = parent
             for size in chunk_sizes:
                 for round_ in range(repeats + 1):  # round 0 warms up this chunk size

@@ -20,7 +20,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -106,7 +106,8 @@ def _run_preload_client(target: str, uri: str, conn: Connection) -> None:
             conn.send(times)
 
 
-def _start(ctx: mp.context.BaseContext, target: object, *args: object) -> tuple[object, int]:
+def _start(ctx: mp.context.SpawnContext, target: Callable[..., object], *args: object
+           ) -> tuple[object, int]:
     ports = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, ports), daemon=True)
     proc.start()
