@@ -97,9 +97,10 @@ class DeviceTier:
         slot = self._take_slot(entries, entry)
         if slot is None:
             return False
-        jobs = self.slots.layer_write_ops(
+        plan = self.slots.copy_plan(
             slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
         )
+        jobs = [[plan.record], *(plan.layers(layer, layer + 1) for layer in range(plan.num_layers))]
         copy = LayeredCopy(self.device.load_stream, jobs, after=self._slot_read[slot])
         copy.land(landed)
         entry.copy_submitted(copy)

@@ -75,8 +75,8 @@ Job = Sequence[Callable[[], None]]
 
 class LayeredCopy(Event):
     def __init__(self, stream: LoadStream, jobs: Sequence[Job], after: Event | None) -> None:
-        """``jobs``: the slot's record, then one job per layer (``LoraSlots.layer_write_ops``);
-        job 0 is submitted now, after ``after``."""
+        """``jobs``: the slot's record, then one job per layer (``SlotCopy.record``,
+        ``SlotCopy.layers``); job 0 is submitted now, after ``after``."""
         assert len(jobs) >= 2, "a record job and at least one layer"
         self._stream = stream
         self._jobs = list(jobs)
