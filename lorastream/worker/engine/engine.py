@@ -32,7 +32,7 @@ from lorastream.worker.device.device import Device
 from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.intake import RequestIntake
-from lorastream.worker.engine.landing import LandingPrefills
+from lorastream.worker.engine.layered_prefill import LandingPrefills
 from lorastream.worker.engine.logits_processors import token_logprobs
 from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sampling import Sampler, SamplingParams

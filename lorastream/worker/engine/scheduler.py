@@ -14,8 +14,9 @@ Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequenc
 
 With ``layered`` (``--layered-admission``), a request whose adapter is still landing is
 admitted once its first layers are in a slot: it takes its KV blocks and waits in ``landing``
-while the engine runs its prompt through the layers as they arrive (``landing.py``); when the
-last one ran it joins ``running`` with one prompt token left, which the next step prefills.
+while the engine runs its prompt through the layers as they arrive (``layered_prefill.py``);
+when the last one ran it joins ``running`` with one prompt token left, which the next step
+prefills.
 
 Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
 adapters fetched and placed in free (or idle) slots while the batch keeps decoding.

@@ -15,7 +15,7 @@ from lorastream.core import errors
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.engine.landing import round_stop
+from lorastream.worker.engine.layered_prefill import round_stop
 from lorastream.worker.loading.device_tier import DeviceTier
 from tests.store.test_fast_verify import _flip_byte
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
