@@ -36,9 +36,9 @@ from lorastream.worker.engine.layered_prefill import LandingPrefills
 from lorastream.worker.engine.logits_processors import token_logprobs
 from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sampling import Sampler, SamplingParams
-from lorastream.worker.engine.scheduler import Scheduler, StepPlan
+from lorastream.worker.engine.scheduler import Scheduler
 from lorastream.worker.engine.sequence import RequestStream, Sequence
-from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
 from lorastream.worker.engine.step_sampling import sample_step
 from lorastream.worker.engine.token_outcome import take_token
 from lorastream.worker.loading.manager import AdapterManager

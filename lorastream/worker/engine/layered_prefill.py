@@ -23,9 +23,8 @@ from __future__ import annotations
 import logging
 
 from lorastream.core.errors import LorastreamError
-from lorastream.worker.engine.scheduler import StepPlan
 from lorastream.worker.engine.sequence import Sequence
-from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, LoraStep
 from lorastream.worker.lora.slots import LoraSlots

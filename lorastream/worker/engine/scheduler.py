@@ -34,30 +34,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from lorastream.core.errors import LorastreamError
 from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sequence import Sequence
+from lorastream.worker.engine.step_inputs import StepPlan
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.model.kv_cache import BlockAllocator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepPlan:
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk)
-    failed: list[tuple[Sequence, LorastreamError]] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    @property
-    def sequences(self) -> list[Sequence]:
-        return self.decode + [seq for seq, _ in self.prefill]
 
 
 class Scheduler:
