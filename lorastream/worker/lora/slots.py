@@ -45,6 +45,10 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source, non_blocking=True)
 
 
+def _zero(target: torch.Tensor) -> None:
+    target.zero_()
+
+
 def _runs(first: int, stop: int, covered: set[int]) -> list[tuple[int, int, bool]]:
     """Layers ``first .. stop - 1`` as runs of consecutive layers in or out of ``covered``:
     ``(start, end, in covered)``. Example: 0..5 with {1, 2} -> (0, 1, F), (1, 3, T), (3, 5, F)."""
@@ -108,10 +112,10 @@ class SlotCopy:
             for ab, rows in (("A", a), ("B", b)):
                 for start, end, inside in _runs(first, stop, covered.get((module, ab), set())):
                     if not inside:
-                        ops.append(rows[start:end].zero_)
+                        ops.append(partial(_zero, rows[start:end]))
                     elif rank < slots.storage_rank:  # the ranks beyond the adapter's
                         tail = rows[start:end, rank:] if ab == "A" else rows[start:end, :, rank:]
-                        ops.append(tail.zero_)
+                        ops.append(partial(_zero, tail))
         for layer, module, ab, block in self.blocks:
             lo, hi = max(first, layer), min(stop, layer + block.shape[0])
             if lo >= hi:
