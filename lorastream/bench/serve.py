@@ -335,7 +335,7 @@ CPU_VARIANTS = {
     # default: faster loads beside decoding, at the running streams' expense)
     "fetch_turns_2ms": ("--fetch-turn-ms", "2"),
     # not a CPU measure: a cold request admitted once its adapter's first layers are in a slot,
-    # its prefill run layer by layer as they land (engine/landing.py; off by default)
+    # its prefill run layer by layer as they land (engine/layered_prefill.py; off by default)
     "layered_admission": ("--layered-admission",),
 }
 

@@ -33,13 +33,13 @@ from lorastream.worker.device.staging import StepStaging
 from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.detokenizer import Tokenizer
 from lorastream.worker.engine.intake import RequestIntake
-from lorastream.worker.engine.landing import LandingPrefills
+from lorastream.worker.engine.layered_prefill import LayeredPrefills
 from lorastream.worker.engine.logits_processors import token_logprobs
 from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sampling import Sampler, SamplingParams
-from lorastream.worker.engine.scheduler import Scheduler, StepPlan
+from lorastream.worker.engine.scheduler import Scheduler
 from lorastream.worker.engine.sequence import RequestStream, Sequence
-from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
 from lorastream.worker.engine.step_sampling import sample_step
 from lorastream.worker.engine.token_outcome import take_token
 from lorastream.worker.loading.manager import AdapterManager
@@ -83,7 +83,6 @@ class Engine:
         max_seq_len: int,
         default_max_tokens: int,
         prefetch_depth: int = 8,
-        layered_admission: bool = False,
         prefix_caching: bool = True,
     ) -> None:
         self.model = model
@@ -99,16 +98,20 @@ class Engine:
             quantization=model.quantization,
         )
         self._reset_prefix = threading.Event()  # the operator asked; the loop does it
+        # layer-ordered admission (--layered-admission): held only when the adapters fill
+        # slots layer by layer, else None
+        self.layered = LayeredPrefills(
+            model, kv, slots, backend, adapters, max_num_tokens
+        ) if adapters.layered else None
         self.scheduler = Scheduler(
             kv.allocator,
             adapters,
             max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens,
             prefetch_depth=prefetch_depth if adapters.overlap else 0,
-            layered=layered_admission and adapters.overlap,
+            layered=self.layered,
             prefix=self.prefix,
         )
-        self.landing = LandingPrefills(model, kv, slots, backend, adapters, max_num_tokens)
         self.sampler = Sampler()
         self.staging = StepStaging(device, capacity=16 * max_num_tokens + 4096)
         self.intake = RequestIntake(
@@ -268,9 +271,10 @@ class Engine:
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)
-                if self.scheduler.landing:  # prefills whose adapter still lands: landed layers
+                # layered admission: prefills whose adapter still lands run its landed layers
+                if self.layered is not None and self.layered.sequences:
                     with self.device.step():
-                        for seq, err in self.landing.advance(self.scheduler.landing):
+                        for seq, err in self.layered.advance():
                             self._fail(seq, err)
                 if plan.empty:
                     # Idle, or waiting on loads: poll loads every millisecond, else sleep.

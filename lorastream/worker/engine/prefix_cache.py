@@ -22,7 +22,7 @@ Rules (the allocator, ``kv_cache.BlockAllocator``, keeps the blocks):
 - a block is registered once every token of it is computed (prompt or generated), by the
   sequence that holds it; a request that finishes leaves its registered blocks idle, evicted
   least recently used only when a new block is needed;
-- sequences admitted layer by layer while their adapter lands (``landing.py``) reuse nothing
+- sequences admitted layer by layer while their adapter lands (``layered_prefill.py``) reuse nothing
   (they write their whole prompt layer by layer) but register what they computed;
 - the sliding-window layers (Mistral, Gemma) need nothing special: a block's K/V are the same
   whatever the window, and attention over a cached past masks the same keys as over a computed

@@ -12,10 +12,11 @@ Each step takes, within ``max_num_tokens`` tokens and ``max_batch_size`` sequenc
    the extra prefill step it would otherwise cost, new prefills are held for it (briefly; see
    ``device_tier.py``), so they are prefilled together.
 
-With ``layered`` (``--layered-admission``), a request whose adapter is still landing is
-admitted once its first layers are in a slot: it takes its KV blocks and waits in ``landing``
-while the engine runs its prompt through the layers as they arrive (``landing.py``); when the
-last one ran it joins ``running`` with one prompt token left, which the next step prefills.
+With layer-ordered admission (``--layered-admission``, off by default), the scheduler holds a
+``LayeredPrefills`` (``layered_prefill.py``) and asks it about a request whose adapter is still
+landing: once its first layers are in a slot it takes its KV blocks and waits there while the
+engine runs its prompt through the layers as they arrive; when the last one ran it joins
+``running`` with one prompt token left, which the next step prefills. Off, ``layered`` is None.
 
 Loads are started ahead of need: the first ``prefetch_depth`` waiting requests get their
 adapters fetched and placed in free (or idle) slots while the batch keeps decoding.
@@ -33,30 +34,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from lorastream.core.errors import LorastreamError
+from lorastream.worker.engine.layered_prefill import LayeredPrefills
 from lorastream.worker.engine.prefix_cache import PrefixCache
 from lorastream.worker.engine.sequence import Sequence
+from lorastream.worker.engine.step_inputs import StepPlan
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.model.kv_cache import BlockAllocator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepPlan:
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk)
-    failed: list[tuple[Sequence, LorastreamError]] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    @property
-    def sequences(self) -> list[Sequence]:
-        return self.decode + [seq for seq, _ in self.prefill]
 
 
 class Scheduler:
@@ -68,7 +55,7 @@ class Scheduler:
         max_batch_size: int,
         max_num_tokens: int,
         prefetch_depth: int,
-        layered: bool = False,
+        layered: LayeredPrefills | None = None,
         prefix: PrefixCache | None = None,
     ) -> None:
         self.allocator = allocator
@@ -77,13 +64,17 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefetch_depth = prefetch_depth
-        self.layered = layered
+        self.layered = layered  # layer-ordered admission, None when off
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.landing: list[Sequence] = []  # admitted, prefilled layer by layer as they land
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    @property
+    def landing(self) -> list[Sequence]:
+        """Admitted while their adapter lands, prefilled layer by layer (layered admission)."""
+        return [] if self.layered is None else self.layered.sequences
 
     @property
     def has_work(self) -> bool:
@@ -97,10 +88,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        landed = [seq for seq in self.landing if seq.num_computed >= len(seq.prompt_ids) - 1]
-        for seq in landed:  # its prompt is cached but the last token: the batch takes it on
-            self.landing.remove(seq)
-            self.running.append(seq)
+        if self.layered is not None:  # prompts cached but the last token: the batch takes them
+            self.running.extend(self.layered.landed())
         if self.prefix is not None:  # the blocks computed by the last step are cached now
             for seq in self.running:
                 self.prefix.commit(seq)
@@ -130,27 +119,28 @@ class Scheduler:
             taken = len(self.running) + len(self.landing) + len(admitted)
             if budget <= 0 or taken >= self.max_batch_size:
                 break
-            layered = False
+            lands: LayeredPrefills | None = None  # admitted while its adapter lands
             if seq.adapter_id is not None:
                 try:
                     placed = self.adapters.place(seq.adapter_id)
-                    layered = not placed and self._lands_layered(seq)
+                    if not placed and self.layered is not None and self.layered.admits(seq):
+                        lands = self.layered
                 except LorastreamError as err:  # its adapter cannot be loaded (rule 5)
                     plan.failed.append((seq, err))
                     self.waiting.remove(seq)
                     continue
-                if not placed and not layered:
+                if not placed and lands is None:
                     continue  # still loading: keep its place, look at the next one
             # cached prefix blocks (none for a layered landing: it writes its whole prompt)
-            reused = self.prefix.match(seq) if self.prefix is not None and not layered else []
+            reused = self.prefix.match(seq) if self.prefix is not None and lands is None else []
             if not self.allocator.can_allocate(seq.reserve_tokens, reused):
                 break  # wait for finishing sequences to free blocks
             # n > 1: every choice's blocks
             seq.blocks = self.allocator.allocate(seq.reserve_tokens, reused)
             if self.prefix is not None:
                 self.prefix.admitted(seq, len(reused))
-            if layered:
-                self.landing.append(seq)
+            if lands is not None:
+                lands.take(seq)
                 self.waiting.remove(seq)
                 continue
             chunk = min(seq.remaining_prompt, budget)
@@ -159,13 +149,6 @@ class Scheduler:
             admitted.append(seq)
             self.waiting.remove(seq)
         self.running.extend(admitted)
-
-    def _lands_layered(self, seq: Sequence) -> bool:
-        """Admit ``seq``, whose adapter :meth:`AdapterManager.place` found not ready, while it
-        still lands? With ``layered``, once its first layers are in a slot, for a prompt of more
-        than one token (the last one is prefilled in the batch, which samples the first token)."""
-        return (self.layered and len(seq.prompt_ids) > 1 and seq.adapter_id is not None
-                and self.adapters.place_layered(seq.adapter_id) > 0)
 
     def _prefetch(self) -> None:
         """Start loads for the adapters of the next waiting requests (bounded by slots)."""
@@ -179,10 +162,10 @@ class Scheduler:
         """Take ``seq`` out (running or waiting) and free its blocks. The engine releases refs."""
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.landing:
-            self.landing.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif self.layered is not None:
+            self.layered.drop(seq)
         if seq.blocks:
             if self.prefix is not None:  # what its last step computed stays cached
                 self.prefix.commit(seq)

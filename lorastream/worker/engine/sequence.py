@@ -97,10 +97,6 @@ class Sequence:
     group: ChoiceGroup | None = None  # n > 1 only
     finished: bool = False  # retired or failed (the engine puts nothing more on its stream)
     matcher: GrammarMatcher | None = None  # structured outputs: its own place in the grammar
-    # admitted while its adapter lands (engine/landing.py): layers of its prompt run so far,
-    # and their output, [len(prompt) - 1, H], until the last layer ran
-    landing_layers: int = 0
-    landing_hidden: torch.Tensor | None = None
 
     @property
     def reserve_tokens(self) -> int:

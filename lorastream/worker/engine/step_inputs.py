@@ -1,4 +1,5 @@
-"""Turn a :class:`StepPlan` into the step's tensors, all built on the host.
+"""What one step runs (:class:`StepPlan`, the scheduler's answer) and the step's tensors it
+turns into, all built on the host.
 
 Nothing here reads a device tensor (docs/design.md rule 3): token ids, positions, cache slots, block
 tables and LoRA slots come from the sequences' host-side state. With a :class:`StepStaging`
@@ -8,15 +9,30 @@ in one non-blocking copy; without one (tests), plain host tensors are made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from lorastream.core.errors import LorastreamError
 from lorastream.worker.device.staging import Arena, StepStaging
-from lorastream.worker.engine.scheduler import StepPlan
 from lorastream.worker.engine.sequence import Sequence
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk)
+    failed: list[tuple[Sequence, LorastreamError]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decode + [seq for seq, _ in self.prefill]
 
 
 @dataclass(frozen=True)

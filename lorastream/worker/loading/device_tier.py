@@ -38,7 +38,6 @@ import numpy as np
 
 from lorastream.worker.device.device import COMPLETED, Device, Event
 from lorastream.worker.loading.adapter import AdapterEntry, AdapterWeights
-from lorastream.worker.loading.layered import LayeredCopy
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 
@@ -79,47 +78,14 @@ class DeviceTier:
         """Take a free slot, or the least recently used idle one, for ``entry`` and submit the
         copy of ``weights`` into it on the load stream, after the last step that read the slot.
         False when every slot holds an adapter in use or pinned."""
-        slot = self._take_slot(entries, entry)
-        if slot is None:
+        taken = self.take_slot(entries, entry)
+        if taken is None:
             return False
-        entry.copy_submitted(self.device.load_stream.submit(
-            self._copy_ops(slot, weights), after=self._slot_read[slot]
-        ))
-        return True
-
-    def claim_layers(self, entries: Iterable[AdapterEntry], entry: AdapterEntry,
-                     weights: AdapterWeights, landed: int) -> bool:
-        """:meth:`claim` for an adapter whose layers are still landing (``landed`` of them so
-        far): the copy goes layer by layer (:class:`LayeredCopy`), each layer's once it landed
-        (:meth:`land_layers`). ``weights`` maps the host buffer, landed or not: only the copies
-        of landed layers read it. Not timed for the cost model: a layered copy's span includes
-        the wait for its bytes."""
-        slot = self._take_slot(entries, entry)
-        if slot is None:
-            return False
-        jobs = self.slots.layer_write_ops(
-            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
+        slot, last_read = taken
+        entry.copy_submitted(
+            self.device.load_stream.submit(self._copy_ops(slot, weights), after=last_read)
         )
-        copy = LayeredCopy(self.device.load_stream, jobs, after=self._slot_read[slot])
-        copy.land(landed)
-        entry.copy_submitted(copy)
         return True
-
-    @staticmethod
-    def land_layers(entry: AdapterEntry, landed: int) -> None:
-        """Layers ``0 .. landed - 1`` of ``entry`` are in host memory: copy those not yet on
-        their way (a no-op unless its copy is a :class:`LayeredCopy`)."""
-        if isinstance(entry.slot_event, LayeredCopy):
-            entry.slot_event.land(landed)
-
-    def layers_ready(self, entry: AdapterEntry) -> int:
-        """Leading layers of ``entry`` in its slot (never blocks): all of them once
-        :meth:`ready`, some while a layered copy runs, else 0."""
-        if self.ready(entry):
-            return self.slots.num_layers
-        if entry.slot is not None and isinstance(entry.slot_event, LayeredCopy):
-            return entry.slot_event.layers_ready()
-        return 0
 
     def evict(self, entry: AdapterEntry) -> None:
         if entry.slot is not None:
@@ -189,13 +155,17 @@ class DeviceTier:
         )
         return [start, *ops, observe]
 
-    def _take_slot(self, entries: Iterable[AdapterEntry], entry: AdapterEntry) -> int | None:
-        """:meth:`_free_slot`, recorded as ``entry``'s (its copy not submitted yet)."""
+    def take_slot(self, entries: Iterable[AdapterEntry],
+                  entry: AdapterEntry) -> tuple[int, Event] | None:
+        """:meth:`_free_slot`, recorded as ``entry``'s (its copy not submitted yet), and the
+        event of the last step that read it: the copy goes on the load stream after that (rule
+        2). None when every slot holds an adapter in use or pinned."""
         slot = self._free_slot(entries)
-        if slot is not None:
-            entry.take_slot(slot)
-            self.slots.claim(slot, entry.adapter_id)
-        return slot
+        if slot is None:
+            return None
+        entry.take_slot(slot)
+        self.slots.claim(slot, entry.adapter_id)
+        return slot, self._slot_read[slot]
 
     def _free_slot(self, entries: Iterable[AdapterEntry]) -> int | None:
         """An empty slot, or the LRU slot of an idle unpinned adapter (evicted)."""

@@ -12,6 +12,8 @@ once, when the request arrives, as in SGLang's lora registry) and asks through t
 - the engine, once per step (as vLLM's ``set_active_adapters``): :meth:`prepare_step` gives the
   step its slots and the copies to wait on, :meth:`mark_read` records its compute event,
   :meth:`observe_step` its cost;
+- the engine's layered prefills, only with ``layered`` (``--layered-admission``; the slots'
+  side is ``layered.py``): :meth:`place_layered`, :meth:`layers_ready`, :meth:`landing_step`;
 - operator threads (below): :meth:`load` (blocking: it waits on the
   fetch's end and the copy's event), :meth:`unload`, :meth:`status`, :meth:`statuses`,
   :meth:`usage`.
@@ -76,7 +78,7 @@ from lorastream.worker.loading.adapter import (
 from lorastream.worker.loading.device_tier import AdmissionCostModel, DeviceTier, StepAdapters
 from lorastream.worker.loading.fetch import AdapterFetcher, HostLoader
 from lorastream.worker.loading.host import HostTier
-from lorastream.worker.loading.layered import follow_landing, landing_weights
+from lorastream.worker.loading.layered import LayeredSlots, landing_weights
 from lorastream.worker.loading.names import AdapterRecords, NameResolver, StoreCatalogue
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
@@ -95,9 +97,12 @@ class AdapterManager:
         host_budget: int,
         *,
         overlap: bool = True,
+        layered: bool = False,
         fetch_threads: int = 1,
         metrics: WorkerMetrics | None = None,
     ) -> None:
+        """``layered``: layer-ordered admission (``--layered-admission``; with ``overlap``
+        only): slots filled layer by layer for requests admitted while their adapter lands."""
         self.config = config
         self.slots = slots
         self.fetcher = fetcher
@@ -108,6 +113,7 @@ class AdapterManager:
         self._cost_model = AdmissionCostModel()
         self._device = device
         self._device_tier = DeviceTier(slots, device, self.metrics, self._cost_model)
+        self._layered = LayeredSlots(self._device_tier) if layered and overlap else None
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # a fetch ended, a reference dropped
         self._records = AdapterRecords(self._lock)
@@ -213,31 +219,6 @@ class AdapterManager:
         with self._lock:
             return self._device_tier.ready(entry) and entry.error is None
 
-    def place_layered(self, adapter_id: str) -> int:
-        """For an adapter :meth:`place` found not ready yet: if it is still landing, a slot
-        filled layer by layer (``layered.py``); the leading layers a prefill may run
-        now. Raises InvalidAdapter when its manifest does not fit the base model."""
-        with self._lock:
-            entry = self._entry(adapter_id)
-            if entry.slot is None and entry.fetching and entry.layers_landed and self.overlap:
-                try:
-                    weights = landing_weights(entry, self.host, self._device, self.config,
-                                              self.slots.max_rank)
-                except InvalidAdapter as err:  # it does not fit this base model (rule 6)
-                    self._fail(entry, err)
-                    raise
-                if weights is not None:
-                    self._device_tier.claim_layers(self._records.entries(), entry, weights,
-                                                   entry.layers_landed)
-            return self._device_tier.layers_ready(entry)
-
-    def layers_ready(self, adapter_id: str) -> int:
-        """Leading layers of the adapter in its slot (never blocks); raises its error."""
-        entry = self._entry(adapter_id)
-        self._raise_error(entry)
-        with self._lock:
-            return self._device_tier.layers_ready(entry)
-
     def prefetch(self, adapter_ids: Iterable[str], limit: int) -> None:
         """Start loads for the first ``limit`` distinct adapters of ``adapter_ids`` (the next
         waiting requests') that are not failed, into free or idle slots."""
@@ -284,12 +265,55 @@ class AdapterManager:
         with self._lock:
             self._device_tier.mark_read(step.read, event)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A step of ``tokens`` took ``seconds``: the cost model's step cost."""
+        self._cost_model.observe_step(tokens, seconds)
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
+        return self._loader.fetching
+
+    # -- layer-ordered admission (only with ``layered``; the engine's layered_prefill.py) ---
+    @property
+    def layered(self) -> bool:
+        """Whether slots fill layer by layer for requests admitted while their adapter lands."""
+        return self._layered is not None
+
+    def place_layered(self, adapter_id: str) -> int:
+        """For an adapter :meth:`place` found not ready yet: if it is still landing, a slot
+        filled layer by layer (``layered.py``); the leading layers a prefill may run
+        now. Raises InvalidAdapter when its manifest does not fit the base model."""
+        layered = self._layered
+        assert layered is not None, "layer-ordered admission is off"
+        with self._lock:
+            entry = self._entry(adapter_id)
+            if entry.slot is None and entry.fetching and entry.layers_landed:
+                try:
+                    weights = landing_weights(entry, self.host, self._device, self.config,
+                                              self.slots.max_rank)
+                except InvalidAdapter as err:  # it does not fit this base model (rule 6)
+                    self._fail(entry, err)
+                    raise
+                if weights is not None:
+                    layered.claim(self._records.entries(), entry, weights, entry.layers_landed)
+            return layered.layers_ready(entry)
+
+    def layers_ready(self, adapter_id: str) -> int:
+        """Leading layers of the adapter in its slot (never blocks); raises its error."""
+        layered = self._layered
+        assert layered is not None, "layer-ordered admission is off"
+        entry = self._entry(adapter_id)
+        self._raise_error(entry)
+        with self._lock:
+            return layered.layers_ready(entry)
+
     @contextmanager
     def landing_step(self, adapter_id: str) -> Iterator[StepAdapters]:
         """:meth:`prepare_step` for a layer span of a request whose adapter still lands, then
         :meth:`mark_read` with the compute stream's event, however the span ends.
 
-        The adapter's fetch may fail meanwhile and take its slot back (``follow_landing``, on
+        The adapter's fetch may fail meanwhile and take its slot back (``LayeredSlots.follow``, on
         the thread that reads the fetch's reports); until the span's read is recorded the slot
         is handed to no other adapter, whose copy would otherwise not wait for the span's
         kernels (rule 2; on a CPU the span has run by then, on CUDA it may still be queued)."""
@@ -302,15 +326,6 @@ class AdapterManager:
             event = self._device.record_compute()
             with self._lock:
                 self._device_tier.release(step.slots, event)
-
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A step of ``tokens`` took ``seconds``: the cost model's step cost."""
-        self._cost_model.observe_step(tokens, seconds)
-
-    @property
-    def fetching(self) -> bool:
-        """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
-        return self._loader.fetching
 
     # -- the host tier ----------------------------------------------------------------------
     def _ensure(self, entry: AdapterEntry) -> None:
@@ -338,7 +353,8 @@ class AdapterManager:
         finally:  # however the fetch ended, it ends here (anything else still propagates)
             with self._changed:
                 self._loader.end(entry, landed)
-                follow_landing(self._device_tier, entry)
+                if self._layered is not None:
+                    self._layered.follow(entry)
                 waited_for = entry.refs > 0 and entry.error is None
                 self._changed.notify_all()
         if self.overlap and waited_for:
@@ -349,7 +365,8 @@ class AdapterManager:
         layer-ordered admission copies them on."""
         with self._changed:
             if entry.land_layers(count):
-                follow_landing(self._device_tier, entry)
+                if self._layered is not None:
+                    self._layered.follow(entry)
                 self._changed.notify_all()
 
     def _fail(self, entry: AdapterEntry, err: LorastreamError) -> None:

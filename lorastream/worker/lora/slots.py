@@ -37,11 +37,99 @@ class SlotInfo:
     modules: frozenset[str] = field(default_factory=frozenset)
 
 
+Op = Callable[[], None]  # one load-stream operation
+Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B", block)
+
+
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source, non_blocking=True)
 
 
-Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B", block)
+def _zero(target: torch.Tensor) -> None:
+    target.zero_()
+
+
+def _runs(first: int, stop: int, covered: set[int]) -> list[tuple[int, int, bool]]:
+    """Layers ``first .. stop - 1`` as runs of consecutive layers in or out of ``covered``:
+    ``(start, end, in covered)``. Example: 0..5 with {1, 2} -> (0, 1, F), (1, 3, T), (3, 5, F)."""
+    runs: list[tuple[int, int, bool]] = []
+    for layer in range(first, stop):
+        inside = layer in covered
+        if runs and runs[-1][2] == inside:
+            runs[-1] = (runs[-1][0], layer + 1, inside)
+        else:
+            runs.append((layer, layer + 1, inside))
+    return runs
+
+
+@dataclass(frozen=True, eq=False)
+class SlotCopy:
+    """The copy of one adapter into one slot, as operations for the load stream to run in order.
+
+    :meth:`layers` makes layers ``first .. stop - 1`` of the slot the adapter's: it zeroes what
+    the blocks leave alone there (ranks beyond ``rank``, the layers and modules the adapter does
+    not adapt: the batched ops read them) and copies the blocks' layers in, a few layers at a
+    time (at most ``piece_bytes``, or one layer). :meth:`record` writes the slot's table entry
+    (adapter, rank, scaling). Two ways to run it:
+
+    - whole (:meth:`whole`, an adapter landed whole): ``layers(0, L)``, then the record;
+    - layer by layer (layer-ordered admission): the record first (a prefill over the first
+      layers reads its rank and scaling), then ``layers(l, l + 1)`` as layer ``l`` lands.
+
+    Either way the slot ends the same. Example, 3 layers, q_proj adapted in layers 0 and 1
+    only: ``layers(0, 1)`` zeroes L0 of every other module and copies L0 of q.A and q.B;
+    ``layers(2, 3)`` zeroes L2 of every module; ``layers(0, 3)`` zeroes L0-2 of every other
+    module and L2 of q_proj in one operation each, and copies L0-1 of q.A and of q.B in one.
+    What the blocks overwrite is not zeroed first. Small operations let the CPU load stream copy
+    in the gaps between decode steps (``device/cpu/step_gate.py``); copies are non-blocking
+    (pinned host memory on CUDA).
+    """
+
+    slots: LoraSlots
+    slot: int
+    info: SlotInfo
+    blocks: Blocks
+    covered: dict[tuple[str, str], set[int]]  # (module, "A"|"B") -> the layers blocks write
+    piece_bytes: int = PIECE_BYTES
+
+    @property
+    def num_layers(self) -> int:
+        return self.slots.num_layers
+
+    def record(self) -> None:
+        self.slots.table[self.slot] = self.info
+
+    def whole(self) -> list[Op]:
+        """Every layer's operations, then the record."""
+        return [*self.layers(0, self.num_layers), self.record]
+
+    def layers(self, first: int, stop: int) -> list[Op]:
+        """The operations that make layers ``first .. stop - 1`` of the slot the adapter's."""
+        ops: list[Op] = []
+        slots, slot, rank, covered = self.slots, self.slot, self.info.rank, self.covered
+        for module in slots.a:
+            a, b = slots.a[module][:, slot], slots.b[module][:, slot]  # [L, R, in], [L, out, R]
+            for ab, rows in (("A", a), ("B", b)):
+                for start, end, inside in _runs(first, stop, covered.get((module, ab), set())):
+                    if not inside:
+                        ops.append(partial(_zero, rows[start:end]))
+                    elif rank < slots.storage_rank:  # the ranks beyond the adapter's
+                        tail = rows[start:end, rank:] if ab == "A" else rows[start:end, :, rank:]
+                        ops.append(partial(_zero, tail))
+        for layer, module, ab, block in self.blocks:
+            lo, hi = max(first, layer), min(stop, layer + block.shape[0])
+            if lo >= hi:
+                continue
+            if ab == "A":
+                target = slots.a[module][:, slot, :rank]  # [L, r, in]
+            else:
+                target = slots.b[module][:, slot, :, :rank]  # [L, out, r]
+            layer_bytes = block[0].numel() * block.element_size()
+            step = max(1, self.piece_bytes // max(layer_bytes, 1))
+            for start in range(lo, hi, step):
+                end = min(start + step, hi)
+                ops.append(partial(_copy, target[start:end], block[start - layer : end - layer]))
+        return ops
 
 
 def _covered(blocks: Blocks) -> dict[tuple[str, str], set[int]]:
@@ -50,10 +138,6 @@ def _covered(blocks: Blocks) -> dict[tuple[str, str], set[int]]:
     for layer, module, ab, block in blocks:
         covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
     return covered
-
-
-def _slot_info(adapter_id: str, rank: int, scaling: float, blocks: Blocks) -> SlotInfo:
-    return SlotInfo(adapter_id, rank, scaling, frozenset(module for _, module, _, _ in blocks))
 
 
 class LoraSlots:
@@ -105,101 +189,24 @@ class LoraSlots:
                 return index
         return None
 
-    def write(
-        self,
-        slot: int,
-        adapter_id: str,
-        rank: int,
-        scaling: float,
-        blocks: list[tuple[int, str, str, torch.Tensor]],
-    ) -> None:
+    def write(self, slot: int, adapter_id: str, rank: int, scaling: float,
+              blocks: Blocks) -> None:
         """Copy an adapter into ``slot`` at once (:meth:`write_ops`, run in order)."""
         for op in self.write_ops(slot, adapter_id, rank, scaling, blocks):
             op()
 
-    def write_ops(
-        self,
-        slot: int,
-        adapter_id: str,
-        rank: int,
-        scaling: float,
-        blocks: list[tuple[int, str, str, torch.Tensor]],
-        piece_bytes: int = PIECE_BYTES,
-    ) -> list[Callable[[], None]]:
-        """The operations that copy ``(first layer, module, "A"|"B", block)`` into ``slot``, to
-        run in order on the load stream: zero what the blocks leave alone (ranks beyond ``rank``,
-        the layers and modules the adapter does not adapt: the batched ops read them), copy each
-        block of ``n`` consecutive layers (``[n, r, in]`` for A, ``[n, out, r]`` for B) a few
-        layers at a time (at most ``piece_bytes``, or one layer), and finally record the slot's
-        adapter. What the blocks overwrite is not zeroed first.
+    def copy_plan(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,
+                  piece_bytes: int = PIECE_BYTES) -> SlotCopy:
+        """The copy of ``(first layer, module, "A"|"B", block)`` (``[n, r, in]`` for A,
+        ``[n, out, r]`` for B, ``n`` consecutive layers) into ``slot``: :class:`SlotCopy`."""
+        info = SlotInfo(adapter_id, rank, scaling, frozenset(m for _, m, _, _ in blocks))
+        return SlotCopy(self, slot, info, blocks, _covered(blocks), piece_bytes)
 
-        Small operations let the CPU load stream copy in the gaps between decode steps
-        (``step_gate.py``). Copies are non-blocking (pinned host memory on CUDA).
-        """
-        ops: list[Callable[[], None]] = []
-        covered = _covered(blocks)
-        for module in self.a:
-            a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
-            for ab, rows in (("A", a), ("B", b)):
-                layers = covered.get((module, ab), set())
-                if not layers:
-                    ops.append(rows.zero_)
-                    continue
-                if rank < self.storage_rank:
-                    ops.append((rows[:, rank:] if ab == "A" else rows[:, :, rank:]).zero_)
-                ops.extend(rows[layer].zero_ for layer in set(range(rows.shape[0])) - layers)
-        for layer, module, ab, block in blocks:
-            if ab == "A":
-                target = self.a[module][layer : layer + block.shape[0], slot, :rank]
-            else:
-                target = self.b[module][layer : layer + block.shape[0], slot, :, :rank]
-            layer_bytes = block[0].numel() * block.element_size()
-            step = max(1, piece_bytes // max(layer_bytes, 1))
-            for first in range(0, block.shape[0], step):
-                part = slice(first, first + step)
-                ops.append(partial(_copy, target[part], block[part]))
-        info = _slot_info(adapter_id, rank, scaling, blocks)
-        ops.append(partial(self.table.__setitem__, slot, info))
-        return ops
-
-    def layer_write_ops(
-        self,
-        slot: int,
-        adapter_id: str,
-        rank: int,
-        scaling: float,
-        blocks: list[tuple[int, str, str, torch.Tensor]],
-    ) -> list[list[Callable[[], None]]]:
-        """:meth:`write_ops` split by layer, for an adapter whose layers land one after another:
-        job 0 records the slot's adapter (a prefill that runs the first layers reads its rank and
-        scaling), job ``1 + l`` zeroes what layer ``l`` of the slot must not keep and copies the
-        adapter's layer ``l`` in. Run in order, the jobs write what :meth:`write_ops` writes;
-        after jobs ``0 .. l`` ran, layers ``0 .. l - 1`` of the slot are final.
-
-        Example, 3 layers, q_proj adapted in layers 0 and 1 only: job 1 copies L0 q.A and q.B
-        and zeroes L0 of every other module; job 3 zeroes L2 of every module.
-        """
-        num_layers = self.num_layers
-        by_layer: list[list[Callable[[], None]]] = [[] for _ in range(num_layers)]
-        covered = _covered(blocks)
-        for module in self.a:
-            a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
-            for ab, rows in (("A", a), ("B", b)):
-                layers = covered.get((module, ab), set())
-                for layer in range(num_layers):
-                    if layer not in layers:
-                        by_layer[layer].append(rows[layer].zero_)
-                    elif rank < self.storage_rank:
-                        tail = rows[layer, rank:] if ab == "A" else rows[layer, :, rank:]
-                        by_layer[layer].append(tail.zero_)
-        for first, module, ab, block in blocks:
-            rows = self.a[module] if ab == "A" else self.b[module]
-            for i in range(block.shape[0]):
-                target = (rows[first + i, slot, :rank] if ab == "A"
-                          else rows[first + i, slot, :, :rank])
-                by_layer[first + i].append(partial(_copy, target, block[i]))
-        info = _slot_info(adapter_id, rank, scaling, blocks)
-        return [[partial(self.table.__setitem__, slot, info)], *by_layer]
+    def write_ops(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,
+                  piece_bytes: int = PIECE_BYTES) -> list[Op]:
+        """The whole copy's operations (:meth:`SlotCopy.whole`), to run in order on the load
+        stream."""
+        return self.copy_plan(slot, adapter_id, rank, scaling, blocks, piece_bytes).whole()
 
     def claim(self, slot: int, adapter_id: str) -> None:
         """Record ``slot`` as ``adapter_id``'s before its copy runs (the copy's last operation

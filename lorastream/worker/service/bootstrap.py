@@ -129,7 +129,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     )
     adapters = AdapterManager(
         config, slots, device, fetcher, settings.host_cache_bytes,
-        overlap=settings.lora_overlap_loading, fetch_threads=settings.fetch_threads,
+        overlap=settings.lora_overlap_loading, layered=settings.layered_admission,
+        fetch_threads=settings.fetch_threads,
     )
     engine = Engine(
         model,
@@ -145,7 +146,6 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         max_seq_len=settings.max_seq_len,
         default_max_tokens=settings.default_max_tokens,
         prefetch_depth=settings.prefetch_depth,
-        layered_admission=settings.layered_admission,
         prefix_caching=settings.prefix_caching,
     )
     log.info(

@@ -15,7 +15,7 @@ from lorastream.core import errors
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.engine.landing import round_stop
+from lorastream.worker.engine.layered_prefill import round_stop
 from lorastream.worker.loading.device_tier import DeviceTier
 from tests.store.test_fast_verify import _flip_byte
 from tests.worker.conftest import PROMPTS, EngineFactory, StoreStack, greedy_tokens
@@ -39,10 +39,11 @@ def test_a_cold_request_runs_its_landed_layers_early_and_gives_peft_tokens(
     assert greedy_tokens(engine, "all-r64", 1) == reference[("all-r64", 1)]
     layers = engine.slots.num_layers
     if layered:  # all of its prefill's layers ran before its last token's step; some early
-        assert engine.landing.layers_run == layers
-        assert 0 < engine.landing.early_layers < layers
-    else:
-        assert engine.landing.layers_run == 0
+        assert engine.layered is not None
+        assert engine.layered.layers_run == layers
+        assert 0 < engine.layered.early_layers < layers
+    else:  # nothing of it is there: no layered prefill in the engine or its scheduler
+        assert engine.layered is None and engine.scheduler.layered is None
 
 
 @pytest.mark.parametrize(("done", "ready", "tokens", "budget", "stop"), [
@@ -65,7 +66,7 @@ def test_a_long_prompt_goes_over_several_rounds_and_stays_exact(
     engine = engine_factory(store=store.target, layered_admission=True, max_num_tokens=8)
     _slow(engine)
     assert greedy_tokens(engine, "all-r64", 1) == reference[("all-r64", 1)]
-    assert engine.landing.layers_run == engine.landing.spans == engine.slots.num_layers
+    assert engine.layered.layers_run == engine.layered.spans == engine.slots.num_layers
 
 
 def test_streams_decoding_meanwhile_and_a_resident_adapter_stay_exact(
@@ -92,7 +93,7 @@ def test_streams_decoding_meanwhile_and_a_resident_adapter_stay_exact(
         "all-r16-rslora/1": reference[("all-r16-rslora", 1)],
         "mlp-r8/0": reference[("mlp-r8", 0)],
     }
-    assert engine.landing.early_layers > 0
+    assert engine.layered.early_layers > 0
     # two choices of one cold request: forked after the last prompt token, as for any request
     stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[1])),
                            SamplingParams(max_tokens=6, n=2))
@@ -127,8 +128,8 @@ def test_a_damaged_later_layer_fails_the_request_after_its_early_layers_ran(
         monkeypatch.setattr(DeviceTier, name, spy)
     with pytest.raises(errors.InvalidAdapter, match="mismatch"):
         greedy_tokens(engine, "all-r64", 1)
-    assert engine.landing.early_layers >= 1
-    assert len(calls) == 2 * engine.landing.spans
+    assert engine.layered.early_layers >= 1
+    assert len(calls) == 2 * engine.layered.spans
     assert all(calls[i][0] == "hold" and calls[i + 1] == ("release", calls[i][1])
                for i in range(0, len(calls), 2))
     state = engine.adapters.inspect("all-r64")
@@ -144,10 +145,27 @@ def test_a_request_cancelled_while_its_adapter_lands_leaves_nothing_behind(
     stream = engine.submit("all-r64", PromptInput(token_ids=tuple(PROMPTS[1])),
                            SamplingParams(max_tokens=12))
     deadline = time.monotonic() + 30
-    while not engine.landing.layers_run and time.monotonic() < deadline:
+    while not engine.layered.layers_run and time.monotonic() < deadline:
         time.sleep(0.005)
     assert engine.scheduler.landing  # admitted, prefilling layer by layer
     stream.cancel()
     events = list(stream)
     assert events and events[-1].finish_reason is not None
     assert not engine.scheduler.landing
+
+
+@pytest.mark.parametrize(("overrides", "on"), [
+    ({}, False),  # the default
+    ({"layered_admission": True, "lora_overlap_loading": False}, False),  # it needs overlap
+    ({"layered_admission": True}, True),
+], ids=["default", "no-overlap", "on"])
+def test_the_engine_holds_a_layered_prefill_only_with_the_setting_on(
+    engine_factory: EngineFactory, overrides: dict[str, object], on: bool
+) -> None:
+    """Off, the engine, its scheduler and the adapter manager hold nothing of layer-ordered
+    admission: the step loop's one ``if self.layered is not None`` is all that is left of it."""
+    engine = engine_factory(start=False, **overrides)
+    assert (engine.layered is not None) is on
+    assert engine.scheduler.layered is engine.layered
+    assert engine.adapters.layered is on
+    assert engine.scheduler.landing == []

@@ -1,4 +1,4 @@
-"""A slot filled layer by layer as an adapter's layers land (``DeviceTier.claim_layers``): each
+"""A slot filled layer by layer as an adapter's layers land (``LayeredSlots.claim``): each
 layer's copy goes on the load stream once that layer landed, a prefill may read the leading
 layers whose copies completed, and the slot counts as ready (rule 1) only after the last.
 Runs the CPU load stream for real."""
@@ -21,6 +21,7 @@ from lorastream.worker.loading.adapter import (
 )
 from lorastream.worker.loading.device_tier import AdmissionCostModel, DeviceTier
 from lorastream.worker.loading.fetch import AdapterFetcher
+from lorastream.worker.loading.layered import LayeredSlots
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
@@ -64,6 +65,7 @@ def test_a_slot_fills_layer_by_layer_as_layers_land(
     slots = LoraSlots(config, 2, 64, torch.float32, CPU)
     whole = LoraSlots(config, 2, 64, torch.float32, CPU)
     tier = DeviceTier(slots, device, WorkerMetrics(), AdmissionCostModel())
+    layered = LayeredSlots(tier)
     old, old_weights = _adapter(device, config, tiny_adapters["all-r64"])
     for target in (slots, whole):  # the slot held another adapter: every layer gets replaced
         target.write(0, old.adapter_id, old_weights.rank, old_weights.scaling,
@@ -73,21 +75,21 @@ def test_a_slot_fills_layer_by_layer_as_layers_land(
     reading = HostEvent()  # a step still reads slot 0 (rule 2)
     tier.mark_read([0], reading)
 
-    assert tier.claim_layers([entry], entry, weights, landed=1)
+    assert layered.claim([entry], entry, weights, landed=1)
     assert entry.slot == 0
     time.sleep(0.05)
-    assert tier.layers_ready(entry) == 0  # nothing is written while the step may read
+    assert layered.layers_ready(entry) == 0  # nothing is written while the step may read
     assert not tier.ready(entry) and entry.residency is Residency.LOADING
     reading.set()
-    _until(lambda: tier.layers_ready(entry) == 1)
+    _until(lambda: layered.layers_ready(entry) == 1)
     assert _layer_equal(slots, whole, 0, 0)
     assert not _layer_equal(slots, whole, 1, 0)  # layer 1 has not landed: still the old one
     assert not tier.ready(entry) and entry.copying
     assert slots.table[0].adapter_id == entry.adapter_id and slots.table[0].rank == 4
 
-    tier.land_layers(entry, layers)
+    layered.land(entry, layers)
     assert entry.slot_event is not None and entry.slot_event.wait(5)
-    assert tier.ready(entry) and tier.layers_ready(entry) == layers
+    assert tier.ready(entry) and layered.layers_ready(entry) == layers
     assert entry.residency is Residency.DEVICE
     for layer in range(layers):
         assert _layer_equal(slots, whole, layer, 0), layer
@@ -101,18 +103,19 @@ def test_a_layered_copy_waits_for_its_layers_whatever_the_stream_runs(
     config = ModelConfig.from_dir(tiny_model)
     slots = LoraSlots(config, 2, 64, torch.float32, CPU)
     tier = DeviceTier(slots, device, WorkerMetrics(), AdmissionCostModel())
+    layered = LayeredSlots(tier)
     entry, weights = _adapter(device, config, tiny_adapters["mlp-r8"])
     other, other_weights = _adapter(device, config, tiny_adapters["attn-r4"])
-    assert tier.claim_layers([entry], entry, weights, landed=0)
+    assert layered.claim([entry], entry, weights, landed=0)
     assert tier.claim([entry, other], other, other_weights)
     assert other.slot_event is not None and other.slot_event.wait(5)
     assert tier.ready(other)
-    assert tier.layers_ready(entry) == 0 and not tier.ready(entry)
+    assert layered.layers_ready(entry) == 0 and not tier.ready(entry)
     assert entry.slot_event is not None and not entry.slot_event.wait(0.05)
     assert all(slots.a[m][:, entry.slot].abs().sum() == 0 for m in slots.a)  # nothing copied
     for landed in range(1, config.num_layers + 1):
-        tier.land_layers(entry, landed)
-        _until(lambda landed=landed: tier.layers_ready(entry) == landed)
+        layered.land(entry, landed)
+        _until(lambda landed=landed: layered.layers_ready(entry) == landed)
     assert tier.ready(entry)
 
 
@@ -126,10 +129,11 @@ def test_a_slot_a_span_reads_goes_to_no_other_adapter_until_the_read_is_recorded
     config = ModelConfig.from_dir(tiny_model)
     slots = LoraSlots(config, 2, 64, torch.float32, CPU)
     tier = DeviceTier(slots, device, WorkerMetrics(), AdmissionCostModel())
+    layered = LayeredSlots(tier)
     landing, landing_weights = _adapter(device, config, tiny_adapters["all-r64"])
     busy, busy_weights = _adapter(device, config, tiny_adapters["mlp-r8"])
     late, late_weights = _adapter(device, config, tiny_adapters["attn-r4"])
-    assert tier.claim_layers([landing], landing, landing_weights, landed=1)
+    assert layered.claim([landing], landing, landing_weights, landed=1)
     slot = landing.slot
     assert slot is not None
     tier.hold([slot])  # a span looked the slot up and runs

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.worker.engine.scheduler import StepPlan
-from lorastream.worker.engine.step_inputs import build_step_inputs
+from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots, SlotInfo
 from lorastream.worker.model.config import ModelConfig
