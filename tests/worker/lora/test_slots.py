@@ -3,6 +3,7 @@ new blocks do not cover (ranks beyond its own, modules and layers it leaves alon
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,7 @@ def test_the_whole_copy_is_the_per_layer_plan_run_for_every_layer(
     plan = by_layer.copy_plan(1, "new", rank, scaling, blocks)
     cuts = list(range(layers + 1)) if spans == "each layer" else [0, 1, layers]
     plan.record()
-    for first, stop in zip(cuts, cuts[1:], strict=False):
+    for first, stop in itertools.pairwise(cuts):
         for op in plan.layers(first, stop):
             op()
     assert by_layer.table[1] == whole.table[1]
