@@ -70,10 +70,12 @@ def synthetic_lora(
     seed: int = 0,
     std: float = 0.02,
     base_model: str | None = None,
+    dora: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """A PEFT LoRA in memory: its state dict (PEFT's saved key form) with random A and B (B
     non-zero) of the base's real shapes, and its ``adapter_config.json`` as a dict; ``targets``
-    defaults to every adaptable projection of ``shape``."""
+    defaults to every adaptable projection of ``shape``. ``dora``: a DoRA adapter, the same A
+    and B (same ``seed``) plus a magnitude vector ``[out]`` per module, each near 1."""
     targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -87,6 +89,9 @@ def synthetic_lora(
             b = torch.randn(fan_out, rank, generator=gen) * std  # [out, r]
             tensors[f"{prefix}.lora_A.weight"] = a.to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = b.to(dtype)
+            if dora:  # drawn from its own generator: A and B stay the plain LoRA's
+                m = 1 + 0.1 * torch.rand(fan_out, generator=torch.Generator().manual_seed(layer))
+                tensors[f"{prefix}.lora_magnitude_vector"] = m.to(dtype)  # [out]
     config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -97,7 +102,7 @@ def synthetic_lora(
         "target_modules": list(targets),
         "lora_dropout": 0.0,
         "bias": "none",
-        "use_dora": False,
+        "use_dora": dora,
         "rank_pattern": {},
         "alpha_pattern": {},
     }
@@ -115,11 +120,12 @@ def make_synthetic_adapter(
     seed: int = 0,
     std: float = 0.02,
     base_model: str | None = None,
+    dora: bool = False,
 ) -> Path:
     """Write :func:`synthetic_lora` as a PEFT LoRA directory."""
     tensors, config = synthetic_lora(
         shape, rank=rank, alpha=alpha, targets=targets, dtype=dtype, seed=seed, std=std,
-        base_model=base_model,
+        base_model=base_model, dora=dora,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})

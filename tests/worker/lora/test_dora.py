@@ -25,7 +25,7 @@ from lorastream.worker.loading.adapter import adapter_weights
 from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
-from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.config import SITES, ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
@@ -139,6 +139,38 @@ def test_the_slot_factor_is_peft_magnitude_over_its_weight_norm(case: FamilyCase
             assert not torch.allclose(got, torch.ones_like(got), atol=1e-2), path
             checked += 1
         assert checked > 0, name
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic"])
+def test_on_int8_the_norm_is_over_the_dequantized_weights(case: FamilyCase, mode: str) -> None:
+    """Quantized bases: ``m / ||dequant(W) + s B A||`` (the weight the mode computes with), which
+    is not the factor over the checkpoint's weights."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    model, slots, slot_of = _model_and_slots(case, mode)
+    name = "dora-all-r8-rslora"
+    peft = reference_model(case.checkpoint, case.adapters[name])
+    checked = 0
+    for path, layer in peft.named_modules():
+        if not isinstance(layer, LoraLayer) or "default" not in layer.lora_magnitude_vector:
+            continue
+        index, module = int(path.split(".layers.")[1].split(".")[0]), path.rsplit(".", 1)[1]
+        site = next(s for s, (mods, _) in model.lora_sites.items() if module in mods)
+        modules, cols = model.lora_sites[site]
+        proj = model.proj[index][SITES.index(site)]
+        col, width = cols[modules.index(module)], layer.get_base_layer().weight.shape[0]
+        with torch.no_grad():
+            held = proj.dequantized()[col : col + width]  # type: ignore[union-attr]  # QuantLinear
+            delta = layer.scaling["default"] * (
+                layer.lora_B["default"].weight @ layer.lora_A["default"].weight)  # [N, K]
+            magnitude = layer.lora_magnitude_vector["default"].weight  # [N]
+            expected = magnitude / (held + delta).norm(dim=1)
+            unquantized = magnitude / (layer.get_base_layer().weight + delta).norm(dim=1)
+        got = slots.dora_scale[module][index, slot_of[name]]  # [N]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=path)
+        assert not torch.allclose(got, unquantized, rtol=1e-5, atol=1e-6), path
+        checked += 1
+    assert checked > 0
 
 
 def test_a_plain_lora_written_over_a_dora_slot_is_served_as_plain_lora(
