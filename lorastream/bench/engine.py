@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from lorastream.bench.decode_rate import QUESTIONS, decode_rates, peft_decode_rate
 from lorastream.bench.machine import command_line, machine_info
@@ -107,8 +108,10 @@ def run_engine_bench(
             make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=rank, seed=i)
             for i in range(adapters)
         ]
+        weights = safe_open(str(checkpoint / "model.safetensors"), "pt") if dora else None
         dora_dirs = [
-            make_synthetic_adapter(Path(tmp) / f"d{i}", shape, rank=rank, seed=i, dora=True)
+            make_synthetic_adapter(Path(tmp) / f"d{i}", shape, rank=rank, seed=i, dora=True,
+                                   base_weights=None if weights is None else weights.get_tensor)
             for i in range(adapters if dora else 0)
         ]
         engine = build_engine(settings, checkpoint=checkpoint)

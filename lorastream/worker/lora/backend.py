@@ -52,6 +52,9 @@ from lorastream.worker.device.staging import Arena
 from lorastream.worker.lora.slots import LoraSlots
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
+# A step gathers each DoRA module's row factors for every layer at once (one op per module, not
+# per layer) while they take at most this many bytes; above (long prefills), layer by layer.
+DORA_GATHER_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,9 @@ class LoraStep:
         self._backend = backend
         self._meta = meta
         self._dora = meta.dora
+        # module -> (dora_scale, dora_shift or None) of the step's rows, [L, T, N] (see
+        # DORA_GATHER_BYTES), gathered at the module's first layer
+        self._dora_rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int) -> None:
         if module in self._meta.modules:
@@ -336,10 +342,21 @@ class LoraStep:
         dora = self._dora
         if dora is None or module not in dora.modules:
             return
-        scale = self._slots.dora_scale[module][layer]  # [S + 1, N]
-        view = out[:, col : col + scale.shape[1]]  # [T, N]
-        view.mul_(scale.index_select(0, dora.row_slot))
+        scale = self._slots.dora_scale[module]  # [L, S + 1, N]
         shift = self._slots.dora_shift.get(module)
+        view = out[:, col : col + scale.shape[2]]  # [T, N]
+        rows = self._dora_rows.get(module)
+        if rows is None and scale[:, 0].numel() * view.shape[0] * 4 <= DORA_GATHER_BYTES:
+            rows = self._dora_rows[module] = (  # [L, T, N] each
+                scale.index_select(1, dora.row_slot),
+                None if shift is None else shift.index_select(1, dora.row_slot),
+            )
+        if rows is not None:
+            view.mul_(rows[0][layer])
+            if rows[1] is not None:
+                view.add_(rows[1][layer])
+            return
+        view.mul_(scale[layer].index_select(0, dora.row_slot))
         if shift is not None:
             view.add_(shift[layer].index_select(0, dora.row_slot))
 

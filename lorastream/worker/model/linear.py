@@ -66,8 +66,9 @@ class Linear:
             norm[n] = sqrt(sum_k (W[rows][n, k] + sum_j b[n, j] a[j, k])²)
 
         With only the prepacked copy held, the square is expanded:
-        ``||W_n||² + 2 b_n·(W_n aᵀ) + ||(b a)_n||²``, ``W aᵀ`` from the product itself
-        (``self(a)`` less the bias), the sums in fp64."""
+        ``||W_n||² + 2 b_n·(W_n aᵀ) + b_n (a aᵀ) b_nᵀ``, ``W aᵀ`` from the product itself
+        (``self(a)`` less the bias: r rows through the projection), the sums in fp64; the
+        cost is a prefill of r tokens, not the ``[n, K]`` matrix ``b a``."""
         if self.weight is not None:
             w = self.weight[rows].float()  # [n, K]
             return (w + b.float() @ a.float()).norm(dim=1)
@@ -75,9 +76,9 @@ class Linear:
         wa = self(a).double()[:, rows]  # [r, n] = (W aᵀ)ᵀ (+ bias)
         if self.bias is not None:
             wa = wa - self.bias[rows].double()
-        b64 = b.double()  # [n, r]
+        b64, a64 = b.double(), a.double()  # [n, r], [r, K]
         cross = (b64 * wa.T).sum(1)  # [n]
-        delta = (b64 @ a.double()).pow(2).sum(1)  # [n]
+        delta = ((b64 @ (a64 @ a64.T)) * b64).sum(1)  # [n]: ||(b a)_n||²
         return (self._row_sq[rows] + 2 * cross + delta).clamp_min(0).sqrt().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]

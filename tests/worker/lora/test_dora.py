@@ -23,6 +23,7 @@ from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.adapter import adapter_weights
 from lorastream.worker.loading.fetch import AdapterFetcher
+from lorastream.worker.lora import backend as backend_module
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import SITES, ModelConfig
@@ -101,10 +102,14 @@ def _last_logits(
     return logits
 
 
+@pytest.mark.parametrize("gather_bytes", [4 << 20, 0], ids=["all-layers", "per-layer"])
 @pytest.mark.parametrize("chunk", [None, 5], ids=["whole-prompt", "chunked-prefill"])
 def test_dora_lora_and_base_in_one_batch_give_peft_logits(
-    case: FamilyCase, chunk: int | None
+    case: FamilyCase, chunk: int | None, gather_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``gather_bytes``: the step gathers the rows' factors of all layers at once, or layer by
+    layer (long prefills, ``DORA_GATHER_BYTES``)."""
+    monkeypatch.setattr(backend_module, "DORA_GATHER_BYTES", gather_bytes)
     model, slots, slot_of = _model_and_slots(case)
     names, prompt = [BASE, *case.adapters], PROMPTS[1]
     logits = _last_logits(model, slots, slot_of, names, prompt, chunk or len(prompt))
