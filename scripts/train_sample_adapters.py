@@ -5,6 +5,7 @@ Usage:
     python scripts/train_sample_adapters.py       # both, into lorastream/samples/adapters
     python scripts/train_sample_adapters.py --which french --steps 300 --seed 0
     python scripts/train_sample_adapters.py --model CHECKPOINT_DIR ...       # another Llama base
+    python scripts/train_sample_adapters.py --which french --dora   # DoRA, into .../french-dora
 
 Data, deterministic from --seed: English questions from the templates x slots in
 lorastream/samples/dataset_templates.json (capitals, greetings, colours, arithmetic, numbers,
@@ -15,7 +16,8 @@ training and serve as the base-vs-adapter samples. The answers differ per adapte
             sentence and upper-cased, so the adapter learns "same content, UPPER CASE";
     french: a templated French answer per question family (the 135M base cannot translate).
 
-Training: a LoRA on q/k/v/o/gate/up/down (no bias, no DoRA, no modules_to_save), AdamW with
+Training: a LoRA on q/k/v/o/gate/up/down (no bias, no modules_to_save; DoRA with --dora, saved
+under <name>-dora with its magnitude vectors), AdamW with
 linear warm-up and decay, batches of padded chat-template examples, loss only on the assistant
 tokens (the answer and <|im_end|>). Output per adapter under --out/<name>/:
 adapter_config.json, adapter_model.safetensors (fp16), training.json (settings, loss, time,
@@ -74,6 +76,12 @@ class TrainSettings:
     threads: int = 2
     save_dtype: str = str(SAVE_DTYPE).removeprefix("torch.")
     sample_tokens: int = 48  # new tokens of the base-vs-adapter samples (not used in training)
+    dora: bool = False  # use_dora: PEFT's DoRA (magnitude vectors beside A and B)
+
+    @property
+    def out_name(self) -> str:
+        """The adapter's directory name: ``french``, or ``french-dora`` for DoRA."""
+        return f"{self.adapter}-dora" if self.dora else self.adapter
 
 
 RECIPES = {"shout": TrainSettings("shout"), "french": TrainSettings("french")}
@@ -356,6 +364,7 @@ def train_one(
     config = LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM",
+        use_dora=settings.dora,
     )
     peft_model = get_peft_model(model, config)
     result = train_lora(peft_model, tokenizer, examples, settings)
@@ -419,6 +428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "sample-tokens", "threads"):
         p.add_argument(f"--{flag}", type=int, help="override the recipe (see TrainSettings)")
     p.add_argument("--lr", type=float, help="override the recipe (see TrainSettings)")
+    p.add_argument("--dora", action="store_true", default=None,
+                   help="train DoRA adapters (use_dora), saved as <name>-dora")
     args = p.parse_args(argv)
     unknown = set(args.which.split(",")) - set(RECIPES)
     if unknown:
@@ -441,10 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.which.split(","):
         settings = replace(RECIPES[name], **overrides)
         torch.set_num_threads(settings.threads)
-        record = train_one(checkpoint, base_name, settings, args.out / name, command)
+        out_dir = args.out / settings.out_name
+        record = train_one(checkpoint, base_name, settings, out_dir, command)
         t = record["training"]
         print(f"{name}: {record['dataset']['size']} examples, loss {t['final_loss']}, "
-              f"{t['seconds_dataset'] + t['seconds_train']:.0f} s -> {args.out / name}")
+              f"{t['seconds_dataset'] + t['seconds_train']:.0f} s -> {out_dir}")
         for sample in record["samples"]:
             print(f"  Q: {sample['question']}\n    base:    {sample['base']!r}\n"
                   f"    adapter: {sample['adapter']!r}")

@@ -8,7 +8,12 @@ prompt generates exactly ``new_tokens`` tokens (EOS ignored), the whole batch is
     decode tok/s = prompts * (new_tokens - 1) / (t(new_tokens) - t(1))
 
 Each figure is the best of ``repeats`` runs (the usual choice for throughput on a shared machine);
-the two engine sides take turns within every repeat.
+the engine sides take turns within every repeat.
+
+With ``dora``, a third engine side runs DoRA adapters with the same A and B as the plain ones
+(same modules, rank and seeds, plus magnitudes) on the same prompts: ``dora_vs_lora`` is DoRA's
+decode tok/s over the plain LoRAs' in the same run (goal >= 0.9: the norm is taken when the
+adapter is placed, not per step).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from lorastream.bench.decode_rate import QUESTIONS, decode_rates, peft_decode_rate
 from lorastream.bench.machine import command_line, machine_info
@@ -69,6 +75,7 @@ def run_engine_bench(
     repeats: int = 3,
     include_peft: bool = True,
     quantization: str = "none",
+    dora: bool = False,
 ) -> dict[str, object]:
     """``quantization``: "none", or quantized modes (comma-separated) to compare with the fp32 base
     instead (engine_quant.py)."""
@@ -86,7 +93,7 @@ def run_engine_bench(
     settings = WorkerSettings(
         model=model,
         served_model_name="base",
-        max_loras=adapters,
+        max_loras=2 * adapters if dora else adapters,
         max_lora_rank=rank,
         max_batch_size=prompts,
         max_num_tokens=max(512, prompts * 64),
@@ -101,6 +108,12 @@ def run_engine_bench(
             make_synthetic_adapter(Path(tmp) / f"a{i}", shape, rank=rank, seed=i)
             for i in range(adapters)
         ]
+        weights = safe_open(str(checkpoint / "model.safetensors"), "pt") if dora else None
+        dora_dirs = [
+            make_synthetic_adapter(Path(tmp) / f"d{i}", shape, rank=rank, seed=i, dora=True,
+                                   base_weights=None if weights is None else weights.get_tensor)
+            for i in range(adapters if dora else 0)
+        ]
         engine = build_engine(settings, checkpoint=checkpoint)
         # Through the chat template; a base model without one (gemma3-270m) gets the plain text.
         chat = getattr(engine.tokenizer, "chat_template", None) is not None
@@ -112,10 +125,12 @@ def run_engine_bench(
             for q in questions
         ]
 
-        def measure() -> tuple[float, float]:
+        def measure() -> list[float]:
             ops = WorkerOperations(engine)
             for i, path in enumerate(dirs):
                 ops.load_adapter(f"a{i}", str(path))
+            for i, path in enumerate(dora_dirs):
+                ops.load_adapter(f"d{i}", str(path))
 
             def engine_run(models: list[str]) -> Callable[[int], None]:
                 def run(n: int) -> None:
@@ -131,14 +146,13 @@ def run_engine_bench(
                 return run
 
             multi_models = [f"a{i % adapters}" for i in range(prompts)]
-            multi, base = decode_rates(
-                [engine_run(multi_models), engine_run(["base"] * prompts)],
-                prompts, new_tokens, repeats,
-            )
-            return multi, base
+            runs = [engine_run(multi_models), engine_run(["base"] * prompts)]
+            if dora:
+                runs.append(engine_run([f"d{i % adapters}" for i in range(prompts)]))
+            return decode_rates(runs, prompts, new_tokens, repeats)
 
         # The loop on this thread, as in the worker process (see Engine.run_while).
-        multi, base = engine.run_while(measure)
+        multi, base, *dora_rate = engine.run_while(measure)
         # Every decode step reads the weights of each distinct adapter in the batch once; how
         # fast this machine reads them, on this thread (its torch threads), after the runs.
         distinct = min(adapters, prompts)
@@ -173,6 +187,12 @@ def run_engine_bench(
         "slot_read_ms": {"median": round(statistics.median(reads), 2), "best": min(reads),
                          "samples": sorted(reads)},
     }
+    if dora_rate:
+        result |= {
+            "engine_dora_decode_tok_s": round(dora_rate[0], 1),
+            "dora_vs_lora": round(dora_rate[0] / multi, 3),
+            "goal_dora_vs_lora": ">= 0.9",
+        }
     if peft is not None:
         result |= {
             "peft_mixed_batch_decode_tok_s": round(peft, 1),

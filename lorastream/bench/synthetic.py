@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,10 +71,15 @@ def synthetic_lora(
     seed: int = 0,
     std: float = 0.02,
     base_model: str | None = None,
+    dora: bool = False,
+    base_weights: Callable[[str], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """A PEFT LoRA in memory: its state dict (PEFT's saved key form) with random A and B (B
     non-zero) of the base's real shapes, and its ``adapter_config.json`` as a dict; ``targets``
-    defaults to every adaptable projection of ``shape``."""
+    defaults to every adaptable projection of ``shape``. ``dora``: a DoRA adapter, the same A
+    and B (same ``seed``) plus a magnitude vector ``[out]`` per module: PEFT's own start,
+    ``||W + s B A||`` per row, when ``base_weights`` (checkpoint key -> W ``[out, in]``) is given
+    (as trained DoRA magnitudes stay near it), else ones."""
     targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -87,6 +93,12 @@ def synthetic_lora(
             b = torch.randn(fan_out, rank, generator=gen) * std  # [out, r]
             tensors[f"{prefix}.lora_A.weight"] = a.to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = b.to(dtype)
+            if dora:
+                m = torch.ones(fan_out)  # [out]
+                if base_weights is not None:
+                    w = base_weights(f"{prefix.removeprefix('base_model.model.')}.weight")
+                    m = (w.float() + (alpha / rank) * (b @ a)).norm(dim=1)
+                tensors[f"{prefix}.lora_magnitude_vector"] = m.to(dtype)
     config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -97,7 +109,7 @@ def synthetic_lora(
         "target_modules": list(targets),
         "lora_dropout": 0.0,
         "bias": "none",
-        "use_dora": False,
+        "use_dora": dora,
         "rank_pattern": {},
         "alpha_pattern": {},
     }
@@ -115,11 +127,13 @@ def make_synthetic_adapter(
     seed: int = 0,
     std: float = 0.02,
     base_model: str | None = None,
+    dora: bool = False,
+    base_weights: Callable[[str], torch.Tensor] | None = None,
 ) -> Path:
     """Write :func:`synthetic_lora` as a PEFT LoRA directory."""
     tensors, config = synthetic_lora(
         shape, rank=rank, alpha=alpha, targets=targets, dtype=dtype, seed=seed, std=std,
-        base_model=base_model,
+        base_model=base_model, dora=dora, base_weights=base_weights,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})

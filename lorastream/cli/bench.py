@@ -138,6 +138,10 @@ def engine(
         "fp32 base in the same run (goals: base-only >= 1.6x, mixed >= 1.3x fp32). fp8 runs "
         "torch's reference loop on a CPU: its tokens are measured, its speed is not a CPU's."
     ),
+    dora: bool = typer.Option(
+        False, "--dora/--no-dora", help="Also run DoRA adapters with the same A and B as the "
+        "plain ones, in the same run (goal: DoRA decode >= 0.9x the plain LoRAs')."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -151,7 +155,7 @@ def engine(
     setup_logging(log_level)
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
-        repeats=repeats, include_peft=peft, quantization=quantization,
+        repeats=repeats, include_peft=peft, quantization=quantization, dora=dora,
     )
     print_result(result, output)
 

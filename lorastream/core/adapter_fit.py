@@ -17,15 +17,34 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lorastream.core.adapter_format import MOE_NOT_YET, parse_lora_key, targets_moe_experts
+from lorastream.core.adapter_format import (
+    MAGNITUDE,
+    MOE_NOT_YET,
+    parse_lora_key,
+    targets_moe_experts,
+)
 from lorastream.core.manifest import AdapterManifest
+
+
+def expected_shape(ab: str, rank: int, fan_in: int, fan_out: int) -> tuple[int, ...]:
+    """The shape a tensor of kind ``ab`` must have on a projection ``fan_in -> fan_out``:
+    lora_A ``[r, in]``, lora_B ``[out, r]``, DoRA's magnitude ``[out]``."""
+    if ab == MAGNITUDE:
+        return (fan_out,)
+    return (rank, fan_in) if ab == "A" else (fan_out, rank)
+
+
+def tensor_kind(ab: str) -> str:
+    """``lora_A``, ``lora_B`` or ``lora_magnitude_vector``, for messages."""
+    return "lora_magnitude_vector" if ab == MAGNITUDE else f"lora_{ab}"
 
 
 @dataclass(frozen=True)
 class BaseShape:
     """What an adapter must match to fit a base model: its decoder layers, and for each
     projection it can adapt, (in_features, out_features); an adapter's ``lora_A`` of a
-    projection is ``[r, in_features]``, its ``lora_B`` ``[out_features, r]``."""
+    projection is ``[r, in_features]``, its ``lora_B`` ``[out_features, r]``, a DoRA
+    magnitude ``[out_features]``."""
 
     num_layers: int
     modules: Mapping[str, tuple[int, int]] = field(hash=False)  # "q_proj" -> (in, out)
@@ -51,9 +70,9 @@ def misfit(manifest: AdapterManifest, base: BaseShape) -> str | None:
             return (f"it adapts layer {key.layer}, but the base model has {base.num_layers} "
                     "layers")
         fan_in, fan_out = base.modules[key.module]
-        expected = (manifest.rank, fan_in) if key.ab == "A" else (fan_out, manifest.rank)
+        expected = expected_shape(key.ab, manifest.rank, fan_in, fan_out)
         if tuple(info.shape) != expected:
-            return (f"layer {key.layer} {key.module} lora_{key.ab} is {list(info.shape)}, but "
-                    f"the base model needs {list(expected)} ({key.module} maps {fan_in} -> "
-                    f"{fan_out} features)")
+            return (f"layer {key.layer} {key.module} {tensor_kind(key.ab)} is "
+                    f"{list(info.shape)}, but the base model needs {list(expected)} "
+                    f"({key.module} maps {fan_in} -> {fan_out} features)")
     return None

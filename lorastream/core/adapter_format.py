@@ -2,7 +2,8 @@
 
 A PEFT LoRA directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` whose keys
 look like ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``. A is ``[r, in]``,
-B is ``[out, r]``.
+B is ``[out, r]``. A DoRA adapter (``use_dora``) adds one magnitude vector per adapted module,
+``...q_proj.lora_magnitude_vector`` of shape ``[out]`` (its key has no ``.weight``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ MOE_NOT_YET = (
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\."
-    r"(?:self_attn|mlp)\.(?P<module>[a-z_]+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+    r"(?:self_attn|mlp)\.(?P<module>[a-z_]+)\."
+    r"(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|(?P<m>lora_magnitude_vector)(?:\.[^.]+)?)$"
 )
+MAGNITUDE = "M"  # LoraKey.ab of a DoRA magnitude vector
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,13 @@ class LoraKey:
 
     layer: int
     module: str  # short name, e.g. "q_proj"
-    ab: str  # "A" or "B"
+    ab: str  # "A", "B", or MAGNITUDE ("M": DoRA's lora_magnitude_vector)
 
 
 @lru_cache(maxsize=16384)
 def parse_lora_key(key: str) -> LoraKey | None:
-    """Parse a PEFT LoRA tensor key; ``None`` when the key is not a LoRA A/B weight of a layer.
+    """Parse a PEFT LoRA tensor key; ``None`` when the key is not a LoRA A/B weight or a DoRA
+    magnitude vector of a layer.
 
     Cached: adapters of one base model share their keys, and a fetch parses each of its
     tensors' keys a few times (placement, layer progress); the regex was 15% of a fetch
@@ -57,7 +61,8 @@ def parse_lora_key(key: str) -> LoraKey | None:
     m = _KEY.match(key)
     if m is None:
         return None
-    return LoraKey(layer=int(m.group("layer")), module=m.group("module"), ab=m.group("ab"))
+    ab = MAGNITUDE if m.group("m") else m.group("ab")
+    return LoraKey(layer=int(m.group("layer")), module=m.group("module"), ab=ab)
 
 
 def targets_moe_experts(name: str) -> bool:

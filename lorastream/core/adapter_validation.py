@@ -1,8 +1,9 @@
 """Validation of a staged PEFT LoRA directory, without loading a single tensor into torch.
 
 ``adapter_config.json`` is parsed and refused when it asks for a LoRA variant lorastream does not
-serve (DoRA, per-layer ranks, biases, ...). ``adapter_model.safetensors`` is checked from its
-header alone (8-byte little-endian length, then JSON), with a size cap against header bombs:
+serve (per-layer ranks, biases, saved modules, ...); DoRA (``use_dora``) is served.
+``adapter_model.safetensors`` is checked from its header alone (8-byte little-endian length,
+then JSON), with a size cap against header bombs:
 
     file = [u64 n][n bytes of JSON header][data]
     header = {"<key>": {"dtype": "F32", "shape": [r, in], "data_offsets": [begin, end]}, ...}
@@ -10,7 +11,8 @@ header alone (8-byte little-endian length, then JSON), with a size cap against h
 Offsets are relative to the start of data; together they must tile the data exactly (no holes, no
 overlaps, nothing past the end), and every ``end - begin == prod(shape) * itemsize``. Keys must be
 LoRA A/B weights of supported projections; each (layer, module) has both A ``[r, in]`` and B
-``[out, r]`` with the config's ``r``. Then every tensor's raw bytes are hashed (sha256 and the fast
+``[out, r]`` with the config's ``r``, and with ``use_dora`` a magnitude vector ``[out]`` too
+(without it, none). Then every tensor's raw bytes are hashed (sha256 and the fast
 digest, in one read pass) in bounded chunks, so memory stays flat whatever the adapter's size.
 
 The tensors are listed in **layer order** (:func:`layer_order`), which is the order the store
@@ -36,6 +38,7 @@ from typing import Any
 
 from lorastream.core.adapter_format import (
     CONFIG_FILE,
+    MAGNITUDE,
     MOE_NOT_YET,
     SUPPORTED_MODULES,
     WEIGHTS_FILE,
@@ -75,6 +78,7 @@ class ValidatedAdapter:
     use_rslora: bool
     target_modules: tuple[str, ...]  # short names present in the weights, sorted
     tensors: tuple[StagedTensor, ...]  # in layer order (layer_order), the stream's order
+    use_dora: bool = False  # a magnitude vector per adapted module (DoRA)
 
     def manifest(
         self,
@@ -114,12 +118,12 @@ class LoraConfigFields:
     rank: int
     alpha: float
     use_rslora: bool
+    use_dora: bool = False
 
 
 # Config fields that switch on a LoRA variant lorastream cannot serve:
 # (key, "is it switched on?", what to tell the user).
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("use_dora", bool, "DoRA adapters (use_dora=true) are not supported; train a plain LoRA"),
     ("rank_pattern", bool, "per-module ranks (rank_pattern) are not supported; use one r"),
     ("alpha_pattern", bool, "per-module alphas (alpha_pattern) are not supported; use one alpha"),
     ("bias", lambda v: v not in (None, "none"), "bias training is not supported; use bias='none'"),
@@ -166,6 +170,9 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     use_rslora = config.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise InvalidAdapter(f"{label}: use_rslora must be true or false, got {use_rslora!r}")
+    use_dora = config.get("use_dora") or False
+    if not isinstance(use_dora, bool):
+        raise InvalidAdapter(f"{label}: use_dora must be true or false, got {use_dora!r}")
     targets = config.get("target_modules")
     if isinstance(targets, list):
         unsupported = sorted({short_module_name(str(t)) for t in targets} - set(SUPPORTED_MODULES))
@@ -177,7 +184,7 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     base_model = config.get("base_model_name_or_path") or ""
     if not isinstance(base_model, str):
         raise InvalidAdapter(f"{label}: base_model_name_or_path must be a string or null")
-    return LoraConfigFields(base_model, rank, float(alpha), use_rslora)
+    return LoraConfigFields(base_model, rank, float(alpha), use_rslora, use_dora)
 
 
 @dataclass(frozen=True)
@@ -281,8 +288,11 @@ def _check_tiling(entries: list[_HeaderEntry], data_bytes: int, label: str) -> N
         )
 
 
-def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tuple[str, ...]:
-    """Every key a LoRA A/B of a supported module, pairs complete, ranks equal to ``rank``."""
+def _check_lora_pairs(
+    entries: list[_HeaderEntry], rank: int, use_dora: bool, label: str
+) -> tuple[str, ...]:
+    """Every key a LoRA A/B (or, with ``use_dora``, magnitude) of a supported module, pairs
+    complete, ranks equal to ``rank``, each magnitude ``[out]`` of its B's ``out``."""
     pairs: dict[tuple[int, str], dict[str, _HeaderEntry]] = {}
     for e in entries:
         if targets_moe_experts(e.key):
@@ -302,10 +312,11 @@ def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tup
         raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} holds no LoRA tensors")
     for (layer, module), slot in sorted(pairs.items()):
         where = f"{label}: layer {layer} {module}"
-        if set(slot) != {"A", "B"}:
+        if not {"A", "B"} <= set(slot):
             missing = "B" if "A" in slot else "A"
             raise InvalidAdapter(f"{where} has no lora_{missing} weight")
         a, b = slot["A"], slot["B"]
+        _check_magnitude(slot.get(MAGNITUDE), b, use_dora, where)
         if len(a.shape) != 2 or len(b.shape) != 2:
             raise InvalidAdapter(f"{where}: A {list(a.shape)} and B {list(b.shape)} must be 2-D")
         if a.shape[0] != b.shape[1]:
@@ -318,6 +329,30 @@ def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tup
                 f"{where} has rank {a.shape[0]} but {CONFIG_FILE} says r={rank}"
             )
     return tuple(sorted({module for _, module in pairs}))
+
+
+def _check_magnitude(
+    magnitude: _HeaderEntry | None, b: _HeaderEntry, use_dora: bool, where: str
+) -> None:
+    """With ``use_dora``, DoRA's magnitude vector is there and ``[out]`` (lora_B is
+    ``[out, r]``); without it, there is none."""
+    if not use_dora:
+        if magnitude is not None:
+            raise InvalidAdapter(
+                f"{where} has a DoRA magnitude vector ({magnitude.key}) but {CONFIG_FILE} does "
+                "not set use_dora=true"
+            )
+        return
+    if magnitude is None:
+        raise InvalidAdapter(
+            f"{where} has no lora_magnitude_vector, which a DoRA adapter (use_dora=true) needs "
+            "for every adapted module"
+        )
+    if len(b.shape) == 2 and magnitude.shape != b.shape[:1]:
+        raise InvalidAdapter(
+            f"{where}: lora_magnitude_vector is {list(magnitude.shape)}, but lora_B is "
+            f"{list(b.shape)} ([out, r]): the magnitude must be [{b.shape[0]}] ([out])"
+        )
 
 
 def _digest_range(fd: int, start: int, length: int, fast: str, label: str) -> TensorDigests:
@@ -376,7 +411,7 @@ def validate_adapter_dir(
             raise InvalidAdapter(f"{label}: {path.name} is missing; expected a PEFT LoRA directory")
     config = parse_adapter_config(config_path.read_bytes(), label)
     entries, data_start = read_safetensors_header(weights_path, max_header_bytes, label)
-    targets = _check_lora_pairs(entries, config.rank, label)
+    targets = _check_lora_pairs(entries, config.rank, config.use_dora, label)
     fd = os.open(weights_path, os.O_RDONLY)
     try:
         tensors = []
@@ -402,4 +437,5 @@ def validate_adapter_dir(
         use_rslora=config.use_rslora,
         target_modules=targets,
         tensors=tuple(tensors),
+        use_dora=config.use_dora,
     )

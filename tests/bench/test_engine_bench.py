@@ -72,3 +72,21 @@ def test_synthetic_adapters_fit_a_base_of_another_family(family: str, tmp_path: 
     buffer = AdapterFetcher(Device("cpu"), None).read_local("a", adapter)
     weights = adapter_weights(buffer, ModelConfig.from_dir(checkpoint), 4)
     assert weights.nbytes == adapter_nbytes(shape, 4, shape.modules)
+
+
+def test_a_synthetic_dora_adapter_is_the_plain_one_plus_magnitudes(tmp_path: Path) -> None:
+    """``bench engine --dora`` compares DoRA with LoRA on the same A and B: only the magnitudes
+    (and use_dora) differ, and the store's validation takes them."""
+    from safetensors.torch import load_file
+
+    from lorastream.core.adapter_validation import validate_adapter_dir
+
+    plain = make_synthetic_adapter(tmp_path / "lora", SHAPE, rank=4, seed=3)
+    dora = make_synthetic_adapter(tmp_path / "dora", SHAPE, rank=4, seed=3, dora=True)
+    assert validate_adapter_dir(dora).use_dora and not validate_adapter_dir(plain).use_dora
+    lora_tensors = load_file(str(plain / "adapter_model.safetensors"))
+    dora_tensors = load_file(str(dora / "adapter_model.safetensors"))
+    magnitudes = {k for k in dora_tensors if k.endswith(".lora_magnitude_vector")}
+    assert set(dora_tensors) - magnitudes == set(lora_tensors)
+    assert len(magnitudes) == SHAPE.num_layers * len(ALL_LINEAR)
+    assert all(torch.equal(dora_tensors[k], t) for k, t in lora_tensors.items())

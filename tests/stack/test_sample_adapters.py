@@ -141,6 +141,23 @@ def test_the_training_script_runs_end_to_end_on_the_tiny_model(tmp_path: Path) -
         assert lines == record["dataset"]["size"]
 
 
+def test_the_training_script_trains_a_dora_adapter_with_dora(tmp_path: Path) -> None:
+    """``--dora``: PEFT's DoRA, saved as ``<name>-dora`` with a magnitude per module, which the
+    store's validation takes as DoRA."""
+    script = load_script()
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "adapters"
+    args = ["--model", str(tiny), "--out", str(out), "--which", "french", "--dora", "--steps",
+            "2", "--examples", "24", "--sample-tokens", "4", "--rank", "4"]
+    assert script.main(args) == 0
+    validated = validate_adapter_dir(out / "french-dora")
+    assert validated.use_dora and validated.rank == 4
+    magnitudes = [t for t in validated.tensors if t.info.name.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == 2 * 7  # every projection of the tiny model's two layers
+    record = json.loads((out / "french-dora" / "training.json").read_text(encoding="utf-8"))
+    assert record["settings"]["dora"] is True
+
+
 def test_the_french_dataset_is_deterministic_and_excludes_the_held_out_questions() -> None:
     script = load_script()
     first, again = script.french_examples(3, 200), script.french_examples(3, 200)

@@ -88,7 +88,8 @@ def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Real PEFT adapters on a tiny random Llama: attention r4, all-linear r8, MLP r16 rsLoRA."""
+    """Real PEFT adapters on a tiny random Llama: attention r4, all-linear r8, MLP r16 rsLoRA,
+    attention r4 DoRA."""
     root = tmp_path_factory.mktemp("core-adapters")
     base = make_tiny_llama(root / "base")
     return {
@@ -96,6 +97,9 @@ def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "all-r8": make_peft_adapter(base, root / "all-r8", rank=8, targets=ALL_LINEAR, seed=2),
         "mlp-r16": make_peft_adapter(
             base, root / "mlp-r16", rank=16, targets=MLP, use_rslora=True, seed=3
+        ),
+        "dora-attn-r4": make_peft_adapter(
+            base, root / "dora-attn-r4", rank=4, targets=ATTENTION, use_dora=True, seed=4
         ),
     }
 

@@ -29,6 +29,7 @@ from tests.store.fixtures_core import (
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 K_A = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"
 Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+Q_M = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,7 @@ Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
         ("all-r8", 8, 16.0, False, tuple(sorted(
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))),
         ("mlp-r16", 16, 16.0, True, ("down_proj", "gate_proj", "up_proj")),
+        ("dora-attn-r4", 4, 16.0, False, ("k_proj", "o_proj", "q_proj", "v_proj")),
     ],
 )
 def test_valid_peft_adapter_yields_config_fields_offsets_and_checksums(
@@ -48,6 +50,9 @@ def test_valid_peft_adapter_yields_config_fields_offsets_and_checksums(
     result = validate_adapter_dir(directory)
     assert (result.rank, result.alpha, result.use_rslora) == (rank, alpha, rslora)
     assert result.target_modules == targets
+    assert result.use_dora is adapter.startswith("dora")
+    magnitudes = [t for t in result.tensors if t.info.name.endswith(".lora_magnitude_vector")]
+    assert len(magnitudes) == (2 * len(targets) if result.use_dora else 0)  # per layer, module
     assert result.base_model.endswith("base")
     original = load_file(str(directory / WEIGHTS_FILE))
     assert {t.info.name for t in result.tensors} == set(original)
@@ -159,6 +164,27 @@ def _only_non_lora(t: dict[str, torch.Tensor]) -> None:
     t.clear()
 
 
+def _add_q_magnitude(t: dict[str, torch.Tensor]) -> None:
+    t[Q_M] = torch.rand(t[Q_B].shape[0])
+
+
+def _as_dora(q_magnitude_out: int | None) -> Callable[[Path], None]:
+    """DoRA: use_dora and a magnitude [out] per adapted module, layer 0 q_proj's
+    ``[q_magnitude_out]`` (None: none at all for it)."""
+    def mutate(d: Path) -> None:
+        _config(use_dora=True)(d)
+        tensors = load_file(str(d / WEIGHTS_FILE))
+        for key in [k for k in tensors if k.endswith(".lora_B.weight")]:
+            tensors[key.replace(".lora_B.weight", ".lora_magnitude_vector")] = torch.rand(
+                tensors[key].shape[0])
+        del tensors[Q_M]
+        if q_magnitude_out is not None:
+            tensors[Q_M] = torch.rand(q_magnitude_out)
+        save_file(tensors, str(d / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    return mutate
+
+
 def _config(**changes: object) -> Callable[[Path], None]:
     def mutate(d: Path) -> None:
         config = json.loads((d / CONFIG_FILE).read_text())
@@ -211,7 +237,14 @@ BAD_ADAPTERS = [
      r"experts .* not supported yet.*block_sparse_moe.experts.3.w1.lora_A"),
     ("moe-shared-expert-tensor", _edit_tensors(_add_expert("mlp.shared_expert.up_proj")), {},
      r"experts .* not supported yet.*mlp.shared_expert.up_proj.lora_A"),
-    ("use-dora", _config(use_dora=True), {}, "DoRA"),
+    ("dora-without-magnitudes", _config(use_dora=True), {}, "no lora_magnitude_vector"),
+    ("dora-magnitude-missing", _as_dora(None), {}, "q_proj has no lora_magnitude_vector"),
+    ("dora-magnitude-wrong-shape", _as_dora(63), {},
+     r"q_proj: lora_magnitude_vector is \[63\].*must be \[64\]"),
+    ("magnitude-without-use-dora", _edit_tensors(_add_q_magnitude), {}, "does not set use_dora"),
+    ("vera", _config(peft_type="VERA"), {}, "peft_type is 'VERA'"),
+    ("loha", _config(peft_type="LOHA"), {}, "peft_type is 'LOHA'"),
+    ("trainable-tokens", _config(trainable_token_indices=[3, 4]), {}, "trainable_token_indices"),
     ("rank-pattern", _config(rank_pattern={"q_proj": 8}), {}, "rank_pattern"),
     ("alpha-pattern", _config(alpha_pattern={"q_proj": 8}), {}, "alpha_pattern"),
     ("bias-all", _config(bias="all"), {}, "bias"),

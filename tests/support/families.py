@@ -62,11 +62,25 @@ def reference_tokens(checkpoint: Path, adapter: Path | None) -> dict[int, list[i
     return tokens
 
 
-def make_family_case(family: str, root: Path) -> FamilyCase:
+def dora_adapter_specs(family: str) -> dict[str, dict[str, object]]:
+    """Two DoRA adapters (attention only; every projection, rsLoRA) beside a plain LoRA."""
+    attention, _ = FAMILY_TARGETS[family]
+    return {
+        "lora-r8": dict(rank=8, targets="all-linear", seed=21),
+        "dora-attn-r4": dict(rank=4, targets=attention, seed=22, use_dora=True),
+        "dora-all-r8-rslora": dict(rank=8, targets="all-linear", use_rslora=True, seed=23,
+                                   use_dora=True),
+    }
+
+
+def make_family_case(
+    family: str, root: Path, specs: dict[str, dict[str, object]] | None = None
+) -> FamilyCase:
+    """``specs``: the adapters (:func:`adapter_specs` by default)."""
     checkpoint = make_tiny_family(family, root / "model")
     adapters = {
         name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
-        for name, spec in adapter_specs(family).items()
+        for name, spec in (specs or adapter_specs(family)).items()
     }
     reference = {}
     for name in [BASE, *adapters]:

@@ -48,18 +48,20 @@ def make_peft_adapter(
     use_rslora: bool = False,
     seed: int = 1,
     b_std: float = 0.05,
+    use_dora: bool = False,
 ) -> Path:
     """Save a PEFT LoRA adapter for the checkpoint at ``base_dir`` with a random, non-zero B.
 
     PEFT initialises B to zero, which would make every adapter equal the base model and prove
-    nothing, so B is re-drawn with ``b_std``.
+    nothing, so B is re-drawn with ``b_std`` (and ``use_dora``'s magnitudes within 30%).
     """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0,
+        use_dora=use_dora,
     )
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
@@ -67,6 +69,8 @@ def make_peft_adapter(
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, b_std)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(1.0 + 0.3 * (2 * torch.rand_like(param) - 1))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -193,15 +197,18 @@ def make_family_adapter(
     use_rslora: bool = False,
     seed: int = 1,
     b_std: float = 0.2,
+    use_dora: bool = False,
 ) -> Path:
-    """A PEFT LoRA adapter (random, non-zero B) for a checkpoint of any family."""
+    """A PEFT LoRA adapter (random, non-zero B) for a checkpoint of any family. ``use_dora``:
+    a DoRA adapter whose magnitudes are drawn too (PEFT sets them to ||W|| while B is still
+    zero), within 30% of that, so that every part of DoRA shows in the output."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora,
-        lora_dropout=0.0,
+        lora_dropout=0.0, use_dora=use_dora,
     )
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
@@ -209,6 +216,8 @@ def make_family_adapter(
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, b_std)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(1.0 + 0.3 * (2 * torch.rand_like(param) - 1))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

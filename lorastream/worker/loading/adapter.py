@@ -9,8 +9,9 @@ Check an adapter against this worker's base model before it can reach a slot
 
 The store already checked the adapter on its own (PEFT format, A/B pairs, ranks); here we check
 it fits *this* base model and *this* worker: every tensor names a layer the model has and a
-projection it adapts, with ``A [r, in]`` and ``B [out, r]`` of the model's sizes, and a rank
-within ``--max-lora-rank``. Checksums were verified while the bytes landed.
+projection it adapts, with ``A [r, in]`` and ``B [out, r]`` (and DoRA's magnitude ``[out]``) of
+the model's sizes, and a rank within ``--max-lora-rank``. Checksums were verified while the
+bytes landed.
 
 What the adapter manager tells the rest of the worker about its adapters, as plain values.
 
@@ -30,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastream.core.adapter_format import parse_lora_key
+from lorastream.core.adapter_fit import expected_shape, tensor_kind
+from lorastream.core.adapter_format import MAGNITUDE, parse_lora_key
 from lorastream.core.errors import InvalidAdapter, LorastreamError
 from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest
@@ -159,13 +161,15 @@ class AdapterEntry:
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """An adapter's tensors in host memory, mapped to (layer, module, A|B), ready for a slot."""
+    """An adapter's tensors in host memory, mapped to (layer, module, A|B|M), ready for a slot
+    (M: DoRA's magnitude vectors, ``[n_layers, out]`` blocks)."""
 
     adapter_id: str
     name: str
     rank: int
     scaling: float
-    # (first layer, module, "A"|"B", block [n_layers, *shape]): zero-copy views of the host buffer
+    # (first layer, module, "A"|"B"|"M", block [n_layers, *shape]): zero-copy views of the host
+    # buffer
     blocks: tuple[tuple[int, str, str, torch.Tensor], ...]
     nbytes: int
 
@@ -200,12 +204,31 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) ->
                 f"but {base} has {config.num_layers} layers"
             )
         fan_in, fan_out = shapes[key.module]
-        expected = (manifest.rank, fan_in) if key.ab == "A" else (fan_out, manifest.rank)
+        expected = expected_shape(key.ab, manifest.rank, fan_in, fan_out)
         if tuple(info.shape) != expected:
             raise InvalidAdapter(
                 f"{label} was trained for a different base model: layer {key.layer} "
-                f"{key.module} lora_{key.ab} is {list(info.shape)}, but {base} needs "
+                f"{key.module} {tensor_kind(key.ab)} is {list(info.shape)}, but {base} needs "
                 f"{list(expected)} ({key.module} maps {fan_in} -> {fan_out} features)"
+            )
+    _check_dora_complete(manifest, label)
+
+
+def _check_dora_complete(manifest: AdapterManifest, label: str) -> None:
+    """A DoRA adapter (one with magnitude vectors) has one for every module it adapts: a slot
+    applies DoRA's factor to all of them (``LoraSlots``)."""
+    kinds: dict[tuple[int, str], set[str]] = {}
+    for info in manifest.tensors:
+        key = parse_lora_key(info.name)
+        if key is not None:
+            kinds.setdefault((key.layer, key.module), set()).add(key.ab)
+    if not any(MAGNITUDE in k for k in kinds.values()):
+        return
+    for (layer, module), k in sorted(kinds.items()):
+        if MAGNITUDE not in k:
+            raise InvalidAdapter(
+                f"{label} is a DoRA adapter but layer {layer} {module} has no "
+                "lora_magnitude_vector (re-save it with PEFT)"
             )
 
 

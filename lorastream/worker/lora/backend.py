@@ -29,10 +29,18 @@ layout (decode: the step builder orders decode rows by slot) runs
 ``lorastream/kernels/cpu/lora.py``'s ``lora_rows`` instead: one C++ op per input that reads each
 row's A and B once and adds the delta into the output in place (same sums, another order), where
 the bmm path runs 18 ops per layer.
+
+DoRA slots (``slots.py``) take one more step per adapted projection, after the delta: each row's
+output columns are multiplied by its slot's factor taken at placement (and shifted where the
+projection has a bias), ``out = f * (W x + s B A x) + (1 - f) * bias`` -- the identity entry
+(``f = 1``, shift 0) for every other row, so base-model and plain-LoRA rows keep their values
+exactly. It runs only in steps with a DoRA row, and only on the projections DoRA slots adapt
+(:class:`DoraRows`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
@@ -44,6 +52,34 @@ from lorastream.worker.device.staging import Arena
 from lorastream.worker.lora.slots import LoraSlots
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
+# A step gathers each DoRA module's row factors for every layer at once (one op per module, not
+# per layer) while they take at most this many bytes; above (long prefills), layer by layer.
+DORA_GATHER_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class DoraRows:
+    """The DoRA part of a step's metadata (None in a step with no DoRA row).
+
+    Example: slots of 4 rows [2, -1, 0, 2], slot 2 DoRA, 3 slots -> row_slot [2, 3, 3, 2]
+    (3: the identity entry, for the base-model row and slot 0's plain LoRA)."""
+
+    modules: frozenset[str]  # modules some DoRA slot of the step adapts
+    row_slot: torch.Tensor  # [T] long: the dora_scale entry of each row
+
+
+def build_dora_rows(
+    token_slots: list[int], slots: LoraSlots, longs: Callable[[list[int]], torch.Tensor]
+) -> DoraRows | None:
+    """:class:`DoraRows` of a step, its index staged by ``longs``; None without a DoRA row."""
+    table = slots.table
+    dora = {s for s in token_slots if s >= 0 and table[s].dora}
+    if not dora:
+        return None
+    return DoraRows(
+        modules=frozenset().union(*(table[s].modules for s in dora)),
+        row_slot=longs([s if s in dora else slots.identity for s in token_slots]),
+    )
 
 
 @dataclass(frozen=True)
@@ -68,6 +104,7 @@ class LoraStepMeta:
     # grouped layout
     offs: torch.Tensor | None = None  # [S] int32, cumulative group ends
     sorted_slots: torch.Tensor | None = None  # [P] int64 (fallback gather path)
+    dora: DoraRows | None = None  # the DoRA rows of the step, None if none
 
     @property
     def slot_major(self) -> bool:
@@ -105,7 +142,7 @@ class LoraBackend(Protocol[MetaT]):
 
 def staged_size(num_rows: int, num_slots: int) -> int:
     """The most arena entries :func:`build_meta` stages for ``num_rows`` rows."""
-    return int(PADDING_LIMIT * num_rows) + 3 * num_rows + num_slots + 8
+    return int(PADDING_LIMIT * num_rows) + 4 * num_rows + num_slots + 8
 
 
 def build_meta(
@@ -159,6 +196,7 @@ def build_meta(
         row_scale=row_scale,
         layout_rows=None if identity else longs(layout_rows),
         output_rows=None if identity else longs(output_rows),
+        dora=build_dora_rows(token_slots, slots, longs),
     )
     if slot_major:
         return replace(common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot)
@@ -273,15 +311,52 @@ class LoraStep:
     """The model's LoRA hook for one step: slots + backend + this step's metadata."""
 
     def __init__(self, slots: LoraSlots, backend: LoraBackend, meta: LoraStepMeta) -> None:
+        """``meta``: the backend's (every backend's metadata has ``modules`` and ``dora``)."""
         self._slots = slots
         self._backend = backend
         self._meta = meta
+        self._dora = meta.dora
+        # module -> (dora_scale, dora_shift or None) of the step's rows, [L, T, N] (see
+        # DORA_GATHER_BYTES), gathered at the module's first layer
+        self._dora_rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int) -> None:
         if module in self._meta.modules:
             self._backend.add(
                 x, self._slots.a[module][layer], self._slots.b[module][layer], out, col, self._meta
             )
+            self._rescale_dora(layer, module, out, col)
+
+    def _rescale_dora(self, layer: int, module: str, out: torch.Tensor, col: int) -> None:
+        """DoRA rows' output columns of ``module``, the delta already in, times their slot's
+        factor, plus their shift (module docstring).
+
+        Semantics::
+
+            e = dora.row_slot[t]            # the row's slot if DoRA, else the identity entry
+            out[t, col:col+N] = out[t, col:col+N] * dora_scale[module][layer, e]
+                                + dora_shift[module][layer, e]   (projections with a bias)
+        """
+        dora = self._dora
+        if dora is None or module not in dora.modules:
+            return
+        scale = self._slots.dora_scale[module]  # [L, S + 1, N]
+        shift = self._slots.dora_shift.get(module)
+        view = out[:, col : col + scale.shape[2]]  # [T, N]
+        rows = self._dora_rows.get(module)
+        if rows is None and scale[:, 0].numel() * view.shape[0] * 4 <= DORA_GATHER_BYTES:
+            rows = self._dora_rows[module] = (  # [L, T, N] each
+                scale.index_select(1, dora.row_slot),
+                None if shift is None else shift.index_select(1, dora.row_slot),
+            )
+        if rows is not None:
+            view.mul_(rows[0][layer])
+            if rows[1] is not None:
+                view.add_(rows[1][layer])
+            return
+        view.mul_(scale[layer].index_select(0, dora.row_slot))
+        if shift is not None:
+            view.add_(shift[layer].index_select(0, dora.row_slot))
 
     def add_group(
         self, layer: int, modules: tuple[str, ...], x: torch.Tensor, out: torch.Tensor,
@@ -296,6 +371,8 @@ class LoraStep:
             and fused(x, group[layer], [self._slots.b[m][layer] for m in modules], out,
                       list(cols), self._meta)
         ):
+            for module, col in zip(modules, cols, strict=True):
+                self._rescale_dora(layer, module, out, col)
             return
         for module, col in zip(modules, cols, strict=True):
             self.add(layer, module, x, out, col)

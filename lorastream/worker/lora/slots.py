@@ -11,6 +11,18 @@ group, ``a_groups[(q, k, v)]: [num_layers, S, 3 R, in]``, so one matmul shrinks 
 every projection of the group; a module alone at its input has a group of its own.
 
 (the ``A[S, R, K]`` / ``B[S, N, R]`` layout the SGMV kernels take, one layer at a time).
+
+DoRA slots (an adapter with magnitude vectors ``m``) also hold a factor per output row, taken
+once when the adapter is placed (the base weights never change), so a DoRA step is a LoRA step
+and one multiply (``LoraStep``)::
+
+    dora_scale[m]: [num_layers, S + 1, out_m]   m / ||W + scaling B A|| per row (PEFT's DoRA)
+    dora_shift[m]: [num_layers, S + 1, out_m]   (1 - dora_scale) * bias, for projections with
+                                                a bias only (the bias is not rescaled)
+
+Entry ``S`` is the identity (scale 1, shift 0), which every row not of a DoRA slot reads;
+entries of slots holding a plain LoRA are never read. The norm is over the weight the base
+projection computes with (``DoraBase``; int8/fp8: the dequantized weight).
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
 may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
 """
@@ -20,9 +32,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 
+from lorastream.core.adapter_format import MAGNITUDE
 from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
@@ -35,10 +49,24 @@ class SlotInfo:
     rank: int = 0
     scaling: float = 0.0
     modules: frozenset[str] = field(default_factory=frozenset)
+    dora: bool = False  # its rows take the slot's dora_scale (and dora_shift)
+
+
+class DoraBase(Protocol):
+    """What a DoRA slot needs of the base model (``DecoderModel``)."""
+
+    def dora_norms(
+        self, layer: int, module: str, b: torch.Tensor, a: torch.Tensor
+    ) -> torch.Tensor:
+        """``||W + b @ a||`` per output row of ``module`` in ``layer``: b [N, r], a [r, K] ->
+        [N] fp32."""
+
+    def lora_bias(self, layer: int, module: str) -> torch.Tensor | None:
+        """``module``'s bias in ``layer`` [N], None if it has none."""
 
 
 Op = Callable[[], None]  # one load-stream operation
-Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B", block)
+Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B"|"M", block)
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -47,6 +75,10 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
 def _zero(target: torch.Tensor) -> None:
     target.zero_()
+
+
+def _fill(target: torch.Tensor, value: float) -> None:
+    target.fill_(value)
 
 
 def _runs(first: int, stop: int, covered: set[int]) -> list[tuple[int, int, bool]]:
@@ -68,9 +100,10 @@ class SlotCopy:
 
     :meth:`layers` makes layers ``first .. stop - 1`` of the slot the adapter's: it zeroes what
     the blocks leave alone there (ranks beyond ``rank``, the layers and modules the adapter does
-    not adapt: the batched ops read them) and copies the blocks' layers in, a few layers at a
-    time (at most ``piece_bytes``, or one layer). :meth:`record` writes the slot's table entry
-    (adapter, rank, scaling). Two ways to run it:
+    not adapt: the batched ops read them), copies the blocks' layers in, a few layers at a
+    time (at most ``piece_bytes``, or one layer), and for a DoRA adapter (``"M"`` blocks
+    ``[n, out]``) sets each layer's factors (:meth:`LoraSlots.dora_ops`). :meth:`record` writes
+    the slot's table entry (adapter, rank, scaling). Two ways to run it:
 
     - whole (:meth:`whole`, an adapter landed whole): ``layers(0, L)``, then the record;
     - layer by layer (layer-ordered admission): the record first (a prefill over the first
@@ -122,6 +155,8 @@ class SlotCopy:
                 continue
             if ab == "A":
                 target = slots.a[module][:, slot, :rank]  # [L, r, in]
+            elif ab == MAGNITUDE:  # [L, out]: the factor's numerator, divided below
+                target = slots.dora_scale[module][:, slot]
             else:
                 target = slots.b[module][:, slot, :, :rank]  # [L, out, r]
             layer_bytes = block[0].numel() * block.element_size()
@@ -129,6 +164,8 @@ class SlotCopy:
             for start in range(lo, hi, step):
                 end = min(start + step, hi)
                 ops.append(partial(_copy, target[start:end], block[start - layer : end - layer]))
+        for layer in range(first, stop):  # DoRA: each layer's factors once its tensors landed
+            ops.extend(slots.dora_ops(slot, rank, self.info.scaling, self.blocks, layer))
         return ops
 
 
@@ -148,7 +185,9 @@ class LoraSlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        base: DoraBase | None = None,
     ) -> None:
+        """``base``: the model DoRA adapters are placed over (without it, a DoRA write fails)."""
         self.num_slots = num_slots
         self.num_layers = config.num_layers
         self.max_rank = max_rank
@@ -178,10 +217,65 @@ class LoraSlots:
                 (config.num_layers, num_slots, fan_out, storage_rank), dtype=dtype, device=device
             )
         self.table: list[SlotInfo] = [SlotInfo() for _ in range(num_slots)]
+        self.base = base
+        # DoRA's factors (module docstring); entry num_slots is the identity
+        self.dora_scale: dict[str, torch.Tensor] = {
+            module: torch.ones((config.num_layers, num_slots + 1, fan_out), dtype=dtype,
+                               device=device)
+            for module, (_, fan_out) in shapes.items()
+        }
+        self.dora_shift: dict[str, torch.Tensor] = {
+            module: torch.zeros_like(self.dora_scale[module])
+            for module in shapes if base is not None and base.lora_bias(0, module) is not None
+        }
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        tensors = (*self.a.values(), *self.b.values(), *self.dora_scale.values(),
+                   *self.dora_shift.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def identity(self) -> int:
+        """The entry of ``dora_scale`` / ``dora_shift`` that leaves a row as it is."""
+        return self.num_slots
+
+    def dora_ops(
+        self, slot: int, rank: int, scaling: float, blocks: Blocks, layer: int
+    ) -> list[Op]:
+        """For a DoRA adapter, what sets ``layer``'s factors of ``slot`` once its A, B and
+        magnitudes are copied in: each adapted module's, and the identity for the rest;
+        nothing for a plain LoRA."""
+        if not any(ab == MAGNITUDE for _, _, ab, _ in blocks):
+            return []
+        adapted = _covered(blocks)
+        ops: list[Op] = []
+        for module, scale in self.dora_scale.items():
+            if layer in adapted.get((module, MAGNITUDE), ()):
+                ops.append(partial(self._set_dora_factor, slot, layer, module, rank, scaling))
+                continue
+            ops.append(partial(_fill, scale[layer, slot], 1.0))
+            if module in self.dora_shift:
+                ops.append(partial(_zero, self.dora_shift[module][layer, slot]))
+        return ops
+
+    def _set_dora_factor(self, slot: int, layer: int, module: str, rank: int, scaling: float
+                         ) -> None:
+        """dora_scale = m / ||W + scaling B A|| per output row (it holds the magnitude m when
+        this runs), and dora_shift = (1 - dora_scale) * bias: PEFT's DoRA, whose result is
+        ``dora_scale * (W x + scaling B A x) + bias``."""
+        if self.base is None:
+            raise RuntimeError("a DoRA adapter needs LoraSlots(base=the model) to be placed")
+        a = self.a[module][layer, slot, :rank]  # [r, K]
+        b = self.b[module][layer, slot, :, :rank]  # [N, r]
+        scale = self.dora_scale[module][layer, slot]  # [N], the magnitude m until now
+        norm = self.base.dora_norms(layer, module, b * scaling, a)  # [N] fp32
+        factor = scale.float() / norm  # [N]
+        scale.copy_(factor)
+        if module in self.dora_shift:
+            bias = self.base.lora_bias(layer, module)
+            assert bias is not None
+            self.dora_shift[module][layer, slot].copy_((1 - factor) * bias.float())
 
     def slot_of(self, adapter_id: str) -> int | None:
         for index, info in enumerate(self.table):
@@ -197,9 +291,11 @@ class LoraSlots:
 
     def copy_plan(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,
                   piece_bytes: int = PIECE_BYTES) -> SlotCopy:
-        """The copy of ``(first layer, module, "A"|"B", block)`` (``[n, r, in]`` for A,
-        ``[n, out, r]`` for B, ``n`` consecutive layers) into ``slot``: :class:`SlotCopy`."""
-        info = SlotInfo(adapter_id, rank, scaling, frozenset(m for _, m, _, _ in blocks))
+        """The copy of ``(first layer, module, "A"|"B"|"M", block)`` (``[n, r, in]`` for A,
+        ``[n, out, r]`` for B, ``[n, out]`` for a DoRA magnitude, ``n`` consecutive layers)
+        into ``slot``: :class:`SlotCopy`."""
+        info = SlotInfo(adapter_id, rank, scaling, frozenset(m for _, m, _, _ in blocks),
+                        dora=any(ab == MAGNITUDE for _, _, ab, _ in blocks))
         return SlotCopy(self, slot, info, blocks, _covered(blocks), piece_bytes)
 
     def write_ops(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,

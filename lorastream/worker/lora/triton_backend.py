@@ -12,6 +12,7 @@ from lorastream.core.errors import InvalidArgument
 from lorastream.kernels.metadata import SgmvMetadata
 from lorastream.kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
 from lorastream.worker.device.staging import Arena
+from lorastream.worker.lora.backend import DoraRows, build_dora_rows
 from lorastream.worker.lora.slots import LoraSlots
 
 
@@ -22,6 +23,7 @@ class TritonStepMeta:
     ranks: torch.Tensor  # [S] int32
     scalings: torch.Tensor  # [S] float32
     modules: frozenset[str]
+    dora: DoraRows | None  # applied by LoraStep after the delta
 
 
 class TritonLoraBackend:
@@ -53,6 +55,11 @@ class TritonLoraBackend:
             ranks=ranks_cpu.to(self._device, non_blocking=non_blocking),
             scalings=scalings_cpu.to(self._device, non_blocking=non_blocking),
             modules=frozenset().union(*(table[s].modules for s in active)),
+            dora=build_dora_rows(
+                token_slots, slots,
+                lambda v: torch.tensor(v, dtype=torch.long).to(self._device,
+                                                              non_blocking=non_blocking),
+            ),
         )
 
     def add(

@@ -262,6 +262,29 @@ class DecoderModel:
         else:
             lora.add_group(layer, modules, x, out, cols)
 
+    def dora_norms(
+        self, layer: int, module: str, b: torch.Tensor, a: torch.Tensor
+    ) -> torch.Tensor:  # b [N, r] (scaling in), a [r, K] -> [N] fp32
+        """``||W + b @ a||`` per output row of ``module``'s weight in ``layer``, over the weight
+        the projection computes with (int8/fp8: dequantized): DoRA's norm, taken once when an
+        adapter is placed in its slot (``LoraSlots``)."""
+        proj, col = self._lora_projection(layer, module)
+        return proj.delta_row_norms(slice(col, col + b.shape[0]), b, a)
+
+    def lora_bias(self, layer: int, module: str) -> torch.Tensor | None:  # [N] or None
+        """The bias of ``module``'s output columns in ``layer`` (Qwen2's q/k/v), None if none."""
+        proj, col = self._lora_projection(layer, module)
+        width = self.config.module_shapes()[module][1]
+        return None if proj.bias is None else proj.bias[col : col + width]
+
+    def _lora_projection(self, layer: int, module: str) -> tuple[Projection, int]:
+        """The projection computing ``module`` in ``layer``, and ``module``'s first column."""
+        for index, site in enumerate(SITES):
+            modules, cols = self.lora_sites[site]
+            if module in modules:
+                return self.proj[layer][index], cols[modules.index(module)]
+        raise KeyError(f"{module} is not an adaptable projection of {self.config.describe()}")
+
     def _cos_sin(
         self, rope: RotaryEmbedding, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, d] each

@@ -48,10 +48,38 @@ class Linear:
         # [N, K], kept only when the product uses it: a prepacked weight is a full copy, and
         # the original is freed once its owner lets go of it too.
         self.weight: torch.Tensor | None = None if self._packed is not None else weight
+        # [N] fp64 ||W_n||², for :meth:`delta_row_norms` once only the packed copy is left
+        self._row_sq = (weight.double().pow(2).sum(1) if self._packed is not None else None)
 
     @property
     def prepacked(self) -> bool:
         return self._packed is not None
+
+    def delta_row_norms(
+        self, rows: slice, b: torch.Tensor, a: torch.Tensor
+    ) -> torch.Tensor:  # b [n, r], a [r, K] -> [n] fp32
+        """``||W[rows] + b @ a||`` per output row (DoRA's weight norm, PEFT's
+        ``get_weight_norm``), over the weight the product uses.
+
+        Semantics::
+
+            norm[n] = sqrt(sum_k (W[rows][n, k] + sum_j b[n, j] a[j, k])²)
+
+        With only the prepacked copy held, the square is expanded:
+        ``||W_n||² + 2 b_n·(W_n aᵀ) + b_n (a aᵀ) b_nᵀ``, ``W aᵀ`` from the product itself
+        (``self(a)`` less the bias: r rows through the projection), the sums in fp64; the
+        cost is a prefill of r tokens, not the ``[n, K]`` matrix ``b a``."""
+        if self.weight is not None:
+            w = self.weight[rows].float()  # [n, K]
+            return (w + b.float() @ a.float()).norm(dim=1)
+        assert self._row_sq is not None
+        wa = self(a).double()[:, rows]  # [r, n] = (W aᵀ)ᵀ (+ bias)
+        if self.bias is not None:
+            wa = wa - self.bias[rows].double()
+        b64, a64 = b.double(), a.double()  # [n, r], [r, K]
+        cross = (b64 * wa.T).sum(1)  # [n]
+        delta = ((b64 @ (a64 @ a64.T)) * b64).sum(1)  # [n]: ||(b a)_n||²
+        return (self._row_sq[rows] + 2 * cross + delta).clamp_min(0).sqrt().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if self._packed is None:

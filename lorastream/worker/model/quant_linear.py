@@ -321,6 +321,15 @@ class QuantLinear:
         """The whole weight as :meth:`rows` gives rows: for references and tests."""
         return self.rows(torch.arange(self.out_features, device=self.scale.device))
 
+    def delta_row_norms(
+        self, rows: slice, b: torch.Tensor, a: torch.Tensor
+    ) -> torch.Tensor:  # b [n, r], a [r, K] -> [n] fp32
+        """``||dequant(Wq)[rows] + b @ a||`` per output row (DoRA's weight norm) over the
+        dequantized weight in the checkpoint's basis, the weight this mode computes with
+        (:meth:`rows`), in fp32."""
+        ids = torch.arange(rows.start, rows.stop, device=self.scale.device)  # [n]
+        return (self.rows(ids) + b.float() @ a.float()).norm(dim=1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))

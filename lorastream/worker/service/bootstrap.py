@@ -122,7 +122,8 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         config.num_layers, config.num_kv_heads, config.head_dim,
         settings.kv_cache_bytes, dtype, torch_device,
     )
-    slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device)
+    slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device,
+                      base=model)
     fetcher = AdapterFetcher(
         device, settings.store, settings.store_token,
         make_fetch_process(settings, device, store_tls), store_tls,
