@@ -7,21 +7,39 @@ import os
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 
 from lorastream.bench.harness import free_port, resident_bytes, start_serving, stop
 from lorastream.bench.soak_client import Interval
 
-if TYPE_CHECKING:
-    from lorastream.bench.soak import SoakConfig
+
+class WorkerConfig(Protocol):
+    """What the workers are started with (the soak's ``SoakConfig`` has these fields)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def host_cache_bytes(self) -> int: ...
+    @property
+    def kv_cache_bytes(self) -> int: ...
+    @property
+    def worker_drain_s(self) -> float: ...
+    @property
+    def pin_workers(self) -> bool: ...
 
 
 class Workers:
     """The worker processes by index, each one's serving intervals, and their RSS each second."""
 
-    def __init__(self, config: SoakConfig, store: str) -> None:
+    def __init__(self, config: WorkerConfig, store: str) -> None:
         self.config = config
         self.store = store
         self.ports = [free_port() for _ in range(config.workers)]

@@ -1,4 +1,5 @@
-"""Client of ``GpuWorkerService``, shared by the CLI and the gateway; raises domain errors."""
+"""Blocking client of ``GpuWorkerService`` for the CLI, the stack and the benchmarks; raises
+domain errors. The gateway uses its asyncio counterpart, ``gateway/async_worker_client.py``."""
 
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 
 from lorastream.core.errors import Cancelled, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, SamplingParams
+from lorastream.gateway.async_worker_client import GenerationCall
 from lorastream.gateway.errors import ClientGone, WorkerFailed, WorkerUnavailable
 from lorastream.gateway.metrics import GatewayMetrics
 from lorastream.gateway.prefix_affinity import prefix_keys
 from lorastream.gateway.routing import RouteDecision, Router
-from lorastream.gateway.worker_channel import GenerationCall
 from lorastream.gateway.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)

@@ -36,12 +36,12 @@ from lorastream.core.errors import (
 from lorastream.core.generation import PromptInput
 from lorastream.core.tokenization import TokenizeInput
 from lorastream.gateway.adapter_ops import forget, load_into, run_preload
+from lorastream.gateway.async_worker_client import AsyncWorkerClient
 from lorastream.gateway.auth import require_api_key, require_operate_scope
 from lorastream.gateway.errors import NoHealthyWorker, UpstreamTimeout
 from lorastream.gateway.http_errors import ApiError, api_error
 from lorastream.gateway.openai_schemas import ChatMessage, TokenId, chat_prompt
 from lorastream.gateway.state import GatewayState, gateway_state
-from lorastream.gateway.worker_channel import AsyncWorkerClient
 
 log = logging.getLogger(__name__)
 

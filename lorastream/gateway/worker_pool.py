@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from lorastream.core.adapter_fit import BaseShape
 from lorastream.core.generation import AdapterStatus, WorkerStats
 from lorastream.core.tls import ClientTLS
+from lorastream.gateway.async_worker_client import AsyncWorkerClient, Probe
 from lorastream.gateway.discovery import TargetResolver
 from lorastream.gateway.metrics import GatewayMetrics
 from lorastream.gateway.routing import TIER_OF_RESIDENCY, Tier, WorkerView
-from lorastream.gateway.worker_channel import AsyncWorkerClient, Probe
 
 log = logging.getLogger(__name__)
 

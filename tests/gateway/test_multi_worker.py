@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from lorastream.gateway.worker_channel import AsyncWorkerClient, Probe
+from lorastream.gateway.async_worker_client import AsyncWorkerClient, Probe
 from lorastream.worker.service.bootstrap import build_engine
 from tests.gateway.conftest import (
     BASE,

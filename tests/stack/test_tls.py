@@ -30,10 +30,10 @@ from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS, ServerTLS, https_context, open_aio_channel
 from lorastream.core.worker_client import WorkerClient
 from lorastream.gateway.app import create_app
+from lorastream.gateway.async_worker_client import AsyncWorkerClient
 from lorastream.gateway.config import GatewaySettings
 from lorastream.gateway.discovery import TargetResolver
 from lorastream.gateway.server import https_options
-from lorastream.gateway.worker_channel import AsyncWorkerClient
 from lorastream.stack.certs import LocalCerts, issue, make_ca, make_local_certs
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server as create_store

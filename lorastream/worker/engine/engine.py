@@ -29,7 +29,7 @@ from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnava
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
 from lorastream.worker.device.cpu.threads import use_one_intra_op_thread
 from lorastream.worker.device.device import Device
-from lorastream.worker.device.staging import StepStaging
+from lorastream.worker.device.step_arena import StepStaging
 from lorastream.worker.engine.choices import fork_choices
 from lorastream.worker.engine.detokenizer import Tokenizer
 from lorastream.worker.engine.intake import RequestIntake

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lorastream.core.errors import LorastreamError
-from lorastream.worker.device.staging import Arena, StepStaging
+from lorastream.worker.device.step_arena import Arena, StepStaging
 from lorastream.worker.engine.sequence import Sequence
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from lorastream.kernels.cpu.lora import lora_rows
-from lorastream.worker.device.staging import Arena
+from lorastream.worker.device.step_arena import Arena
 from lorastream.worker.lora.slots import LoraSlots
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows

@@ -11,7 +11,7 @@ import torch
 from lorastream.core.errors import InvalidArgument
 from lorastream.kernels.metadata import SgmvMetadata
 from lorastream.kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
-from lorastream.worker.device.staging import Arena
+from lorastream.worker.device.step_arena import Arena
 from lorastream.worker.lora.backend import DoraRows, build_dora_rows
 from lorastream.worker.lora.slots import LoraSlots
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lorastream.worker.device.device import Device
-from lorastream.worker.device.staging import StepStaging
+from lorastream.worker.device.step_arena import StepStaging
 
 
 def test_staged_values_are_visible_through_the_views_and_arenas_alternate() -> None:
