@@ -11,6 +11,19 @@ group, ``a_groups[(q, k, v)]: [num_layers, S, 3 R, in]``, so one matmul shrinks 
 every projection of the group; a module alone at its input has a group of its own.
 
 (the ``A[S, R, K]`` / ``B[S, N, R]`` layout the SGMV kernels take, one layer at a time).
+
+A mixture-of-experts base also gets expert storage, per routed expert ``e`` (``lora/experts.py``
+computes the deltas)::
+
+    expert_a_gate_up: [num_layers, S, E, 2 R, H]   gate's A in rows :R, up's A in rows R:
+    expert_b_gate_up: [num_layers, S, E, 2 I, R]   gate's B in rows :I, up's B in rows I:
+    expert_a_down:    [num_layers, S, E, R, I]
+    expert_b_down:    [num_layers, S, E, H, R]
+
+An adapter of PEFT's fused form (one A of ``gate_up_proj`` for gate and up) has its A copied
+into both halves; the per-expert form (``experts.N.gate_proj``, ...) fills each on its own.
+Bytes per slot: ``L * E * R * (2 H + 2 I + I + H) * itemsize``, e.g. Qwen3-30B-A3B's shape
+(L 48, E 128, H 2048, I 768) at R 16 in bf16: 48 * 128 * 16 * 8448 * 2 = 1.66 GB.
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
 may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
 """
@@ -23,6 +36,7 @@ from functools import partial
 
 import torch
 
+from lorastream.core.adapter_format import per_expert
 from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
@@ -41,6 +55,10 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source, non_blocking=True)
 
 
+def _zero(target: torch.Tensor) -> None:
+    target.zero_()
+
+
 Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B", block)
 
 
@@ -50,6 +68,11 @@ def _covered(blocks: Blocks) -> dict[tuple[str, str], set[int]]:
     for layer, module, ab, block in blocks:
         covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
     return covered
+
+
+def _dense(blocks: Blocks) -> Blocks:
+    """The blocks of the dense slots (not a routed expert's: ``LoraSlots.expert_ops``)."""
+    return [b for b in blocks if not b[1].startswith("experts.")]
 
 
 def _slot_info(adapter_id: str, rank: int, scaling: float, blocks: Blocks) -> SlotInfo:
@@ -94,10 +117,81 @@ class LoraSlots:
                 (config.num_layers, num_slots, fan_out, storage_rank), dtype=dtype, device=device
             )
         self.table: list[SlotInfo] = [SlotInfo() for _ in range(num_slots)]
+        self._init_experts(config, dtype, device)
+
+    def _init_experts(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """Expert storage (module docstring); ``expert_a[p]``/``expert_b[p]`` are the views of
+        projection ``p`` (gate_proj, up_proj, down_proj) a copy writes, [L, S, E, R, in] and
+        [L, S, E, out, R]."""
+        self.expert_a: dict[str, torch.Tensor] = {}
+        self.expert_b: dict[str, torch.Tensor] = {}
+        if not config.is_moe:
+            return
+        lay, s, e, r = config.num_layers, self.num_slots, config.num_experts, self.storage_rank
+        h, i = config.hidden_size, config.moe_intermediate_size
+        a_gate_up = torch.zeros((lay, s, e, 2, r, h), dtype=dtype, device=device)
+        self.expert_a_gate_up = a_gate_up.view(lay, s, e, 2 * r, h)
+        self.expert_b_gate_up = torch.zeros((lay, s, e, 2 * i, r), dtype=dtype, device=device)
+        self.expert_a_down = torch.zeros((lay, s, e, r, i), dtype=dtype, device=device)
+        self.expert_b_down = torch.zeros((lay, s, e, h, r), dtype=dtype, device=device)
+        self.expert_a = {"gate_proj": a_gate_up[:, :, :, 0], "up_proj": a_gate_up[:, :, :, 1],
+                         "down_proj": self.expert_a_down}
+        self.expert_b = {"gate_proj": self.expert_b_gate_up[:, :, :, :i],
+                         "up_proj": self.expert_b_gate_up[:, :, :, i:],
+                         "down_proj": self.expert_b_down}
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        experts = (self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down,
+                   self.expert_b_down) if self.expert_a else ()
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.a.values(), *self.b.values(), *experts))
+
+    def expert_ops(self, slot: int, rank: int, blocks: Blocks) -> list[list[Callable[[], None]]]:
+        """Per layer, the operations that write ``blocks``' expert tensors into ``slot``: zero
+        the slot's experts in that layer, then copy. Blocks of the fused form (module
+        ``experts.gate_up_proj`` or ``experts.down_proj``): A ``[n, E * r, in]`` -- expert e's
+        rows ``e r .. e r + r - 1`` -- and B ``[n, out, E * r]`` -- expert e's column j at
+        ``j E + e`` (PEFT's ``ParamWrapper`` layout). Per-expert blocks (``experts.{e}.{proj}``):
+        A ``[n, r, in]``, B ``[n, out, r]``."""
+        by_layer: list[list[Callable[[], None]]] = [[] for _ in range(self.num_layers)]
+        if not self.expert_a:
+            return by_layer
+        for layer in range(self.num_layers):
+            for t in (self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down,
+                      self.expert_b_down):
+                by_layer[layer].append(partial(_zero, t[layer, slot]))
+        for first, module, ab, block in blocks:
+            if not module.startswith("experts."):
+                continue
+            one = per_expert(module)
+            for i in range(block.shape[0]):
+                for target, source in self._expert_copies(first + i, slot, rank, module, one,
+                                                          ab, block[i]):
+                    by_layer[first + i].append(partial(_copy, target, source))
+        return by_layer
+
+    def _expert_copies(
+        self, layer: int, slot: int, rank: int, module: str, one: tuple[int, str] | None,
+        ab: str, block: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(target, source) pairs of one layer's expert tensor (:meth:`expert_ops`)."""
+        if one is not None:
+            expert, proj = one
+            if ab == "A":
+                return [(self.expert_a[proj][layer, slot, expert, :rank], block)]
+            return [(self.expert_b[proj][layer, slot, expert, :, :rank], block)]
+        e = self.expert_a_down.shape[2]
+        gate_up = module == "experts.gate_up_proj"
+        if ab == "A":  # [E r, in] -> [E, r, in]
+            a = block.view(e, rank, -1)
+            if gate_up:
+                return [(self.expert_a["gate_proj"][layer, slot, :, :rank], a),
+                        (self.expert_a["up_proj"][layer, slot, :, :rank], a)]
+            return [(self.expert_a_down[layer, slot, :, :rank], a)]
+        b = block.view(block.shape[0], rank, e).permute(2, 0, 1)  # [out, E r] -> [E, out, r]
+        target = self.expert_b_gate_up if gate_up else self.expert_b_down
+        return [(target[layer, slot, :, :, :rank], b)]
 
     def slot_of(self, adapter_id: str) -> int | None:
         for index, info in enumerate(self.table):
@@ -136,7 +230,11 @@ class LoraSlots:
         Small operations let the CPU load stream copy in the gaps between decode steps
         (``step_gate.py``). Copies are non-blocking (pinned host memory on CUDA).
         """
-        ops: list[Callable[[], None]] = []
+        info = _slot_info(adapter_id, rank, scaling, blocks)
+        ops: list[Callable[[], None]] = [
+            op for layer_ops in self.expert_ops(slot, rank, blocks) for op in layer_ops
+        ]
+        blocks = _dense(blocks)
         covered = _covered(blocks)
         for module in self.a:
             a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
@@ -158,7 +256,6 @@ class LoraSlots:
             for first in range(0, block.shape[0], step):
                 part = slice(first, first + step)
                 ops.append(partial(_copy, target[part], block[part]))
-        info = _slot_info(adapter_id, rank, scaling, blocks)
         ops.append(partial(self.table.__setitem__, slot, info))
         return ops
 
@@ -180,7 +277,9 @@ class LoraSlots:
         and zeroes L0 of every other module; job 3 zeroes L2 of every module.
         """
         num_layers = self.num_layers
-        by_layer: list[list[Callable[[], None]]] = [[] for _ in range(num_layers)]
+        by_layer = self.expert_ops(slot, rank, blocks)
+        info = _slot_info(adapter_id, rank, scaling, blocks)
+        blocks = _dense(blocks)
         covered = _covered(blocks)
         for module in self.a:
             a, b = self.a[module][:, slot], self.b[module][:, slot]  # [L, R, in], [L, out, R]
@@ -198,7 +297,6 @@ class LoraSlots:
                 target = (rows[first + i, slot, :rank] if ab == "A"
                           else rows[first + i, slot, :, :rank])
                 by_layer[first + i].append(partial(_copy, target, block[i]))
-        info = _slot_info(adapter_id, rank, scaling, blocks)
         return [[partial(self.table.__setitem__, slot, info)], *by_layer]
 
     def claim(self, slot: int, adapter_id: str) -> None:
