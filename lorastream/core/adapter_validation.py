@@ -302,6 +302,11 @@ def _check_lora_pairs(entries: list[_HeaderEntry], rank: int, label: str) -> tup
         if targets_moe_router(e.key):
             raise InvalidAdapter(f"{label}: {ROUTER_NOT_YET} (tensor {e.key})")
         key = parse_lora_key(e.key)
+        if key is not None and key.module.startswith("shared_expert."):
+            raise InvalidAdapter(
+                f"{label}: LoRA on Qwen2-MoE's shared expert is not supported yet (tensor "
+                f"{e.key}); train the adapter on the attention projections and the routed experts"
+            )
         if key is None or _short(key.module) not in SUPPORTED_MODULES:
             module = key.module if key else e.key.split(".lora_")[0].rsplit(".", 1)[-1]
             raise InvalidAdapter(
