@@ -124,7 +124,7 @@ def test_expert_deltas_match_peft_per_token_and_touch_only_visited_experts(
     for slot, storage in ((0, slots.expert_b_gate_up), (1, slots.expert_b_down)):
         for e in range(config.num_experts):
             visited = (experts == e).any(dim=1) & (rows == slot)  # [T]
-            assert 0 < int(visited.sum()), f"slot {slot} expert {e} visited by none"
+            assert int(visited.sum()) > 0, f"slot {slot} expert {e} visited by none"
             saved = storage[LAYER, slot, e].clone()
             storage[LAYER, slot, e] += 0.5
             changed = (run() != out).any(dim=1)  # [T]: bitwise, the others untouched
