@@ -19,11 +19,77 @@ from dataclasses import dataclass, field
 
 from lorastream.core.adapter_format import (
     MAGNITUDE,
-    MOE_NOT_YET,
+    fused_depth,
     parse_lora_key,
-    targets_moe_experts,
+    per_expert,
+    resolve_fused_experts,
 )
-from lorastream.core.manifest import AdapterManifest
+from lorastream.core.manifest import AdapterManifest, TensorInfo
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """A mixture-of-experts base model's routed experts, as an expert LoRA must match them."""
+
+    num_experts: int
+    hidden: int  # H: gate/up read it, down writes it
+    inter: int  # I: one expert's width
+    layers: frozenset[int]  # the layers with routed experts (the others have a dense MLP)
+
+    def projection(self, name: str) -> tuple[int, int]:
+        """(in, out) of one expert's ``gate_proj``, ``up_proj``, ``down_proj`` or fused
+        ``gate_up_proj``."""
+        h, i = self.hidden, self.inter
+        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+                "gate_up_proj": (h, 2 * i)}[name]
+
+
+def expert_names(manifest: AdapterManifest, experts: ExpertShape) -> dict[str, str]:
+    """Each fused expert module of ``manifest`` (``experts``, ``experts.base_layer``) ->
+    ``experts.gate_up_proj`` | ``experts.down_proj`` (``resolve_fused_experts``)."""
+    found: dict[str, dict[str, tuple[int, ...]]] = {}
+    for info in manifest.tensors:
+        key = parse_lora_key(info.name)
+        if key is not None and fused_depth(key.module) is not None:
+            found.setdefault(key.module, {})[key.ab] = tuple(info.shape)
+    pairs = {m: (ab.get("A", ()), ab.get("B", ())) for m, ab in found.items()}
+    return resolve_fused_experts(pairs, experts.hidden, experts.inter)
+
+
+def expert_misfit(
+    manifest: AdapterManifest, info: TensorInfo, module: str, layer: int, ab: str,
+    experts: ExpertShape | None, names: dict[str, str],
+) -> str | None:
+    """Why the expert tensor ``info`` (of ``module`` in ``layer``) does not fit ``experts``."""
+    if experts is None:
+        return f"tensor {info.name} adapts mixture-of-experts experts, but the base model has none"
+    if layer not in experts.layers:
+        return (f"tensor {info.name} adapts the experts of layer {layer}, which has a dense MLP "
+                f"in the base model (its expert layers are {sorted(experts.layers)})")
+    r, count = manifest.rank, experts.num_experts
+    one = per_expert(module)
+    if one is not None:
+        expert, name = one
+        if expert >= count:
+            return (f"tensor {info.name} adapts expert {expert}, but the base model has {count} "
+                    f"experts per layer")
+        fan_in, fan_out = experts.projection(name)
+        expected = (r, fan_in) if ab == "A" else (fan_out, r)
+        what = f"layer {layer} expert {expert} {name}"
+    else:
+        name = names[module].split(".")[-1]
+        fan_in, fan_out = experts.projection(name)
+        expected = (count * r, fan_in) if ab == "A" else (fan_out, count * r)
+        what = f"layer {layer} experts.{name}"
+        rows = info.shape[0 if ab == "A" else -1] if info.shape else 0
+        if tuple(info.shape) != expected and rows % r == 0 and rows != count * r:
+            return (f"{what} lora_{ab} is {list(info.shape)}: {rows // r} experts of rank {r}, "
+                    f"but the base model has {count} experts per layer")
+    if tuple(info.shape) != expected:
+        return (f"{what} lora_{ab} is {list(info.shape)}, but the base model needs "
+                f"{list(expected)} (rank {r}; {name} maps {fan_in} -> {fan_out} features per "
+                "expert)")
+    return None
 
 
 def expected_shape(ab: str, rank: int, fan_in: int, fan_out: int) -> tuple[int, ...]:
@@ -48,6 +114,9 @@ class BaseShape:
 
     num_layers: int
     modules: Mapping[str, tuple[int, int]] = field(hash=False)  # "q_proj" -> (in, out)
+    # a MoE base's routed experts; None: a dense base, or a worker that did not say (an expert
+    # LoRA is then judged by the worker when it loads)
+    experts: ExpertShape | None = None
 
     @property
     def known(self) -> bool:
@@ -58,10 +127,17 @@ class BaseShape:
 def misfit(manifest: AdapterManifest, base: BaseShape) -> str | None:
     """Why ``manifest`` does not fit ``base`` (the first tensor that does not), or None when
     every tensor names a layer ``base`` has and a projection of its sizes."""
+    names = expert_names(manifest, base.experts) if base.experts is not None else {}
     for info in manifest.tensors:
-        if targets_moe_experts(info.name):
-            return f"tensor {info.name}: {MOE_NOT_YET}"
         key = parse_lora_key(info.name)
+        if key is not None and (per_expert(key.module) or fused_depth(key.module) is not None):
+            if base.experts is None:
+                continue  # not judged here (see BaseShape.experts)
+            reason = expert_misfit(manifest, info, key.module, key.layer, key.ab, base.experts,
+                                   names)
+            if reason is not None:
+                return reason
+            continue
         if key is None or key.module not in base.modules:
             module = key.module if key is not None else info.name
             return (f"tensor {info.name} targets {module}, which the base model does not adapt "

@@ -24,14 +24,34 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "gate_up_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + FUSED_MODULES
 
-# A mixture-of-experts block's routed or shared experts, or its router, in a module path or a
-# tensor key: ``mlp.experts.3.gate_proj``, ``mlp.experts.gate_up_proj``, ``mlp.experts.lora_A``,
-# ``block_sparse_moe.experts.0.w1``, ``mlp.shared_expert.up_proj``, ``mlp.shared_expert_gate``.
-_MOE_PART = re.compile(r"(^|\.)(experts|shared_expert|shared_expert_gate|block_sparse_moe)(\.|$)")
-MOE_NOT_YET = (
-    "LoRA on mixture-of-experts experts (routed or shared) is not supported yet; train the "
-    "adapter on the attention projections only (q_proj, k_proj, v_proj, o_proj)"
+# A mixture-of-experts block's router, in a module path or a tensor key (``mlp.gate``,
+# ``mlp.shared_expert_gate``): LoRA there is refused.
+_ROUTER_PART = re.compile(r"(^|\.)(mlp\.gate|shared_expert_gate|block_sparse_moe\.gate)(\.|$)")
+ROUTER_NOT_YET = (
+    "LoRA on a mixture-of-experts router (mlp.gate, shared_expert_gate) is not supported; "
+    "train the adapter on the attention projections and the experts only"
 )
+
+# LoRA on a MoE layer's experts comes in two forms (docs/worker.md):
+#   PEFT's target_parameters on the fused expert parameters, one A/B pair per parameter for all
+#   experts, ``mlp.experts[.base_layer].lora_A.weight`` [E * r, in] and ``lora_B`` [out, E * r]:
+#   each targeted parameter wraps the module once more, in the order the module registers them
+#   (gate_up_proj, then down_proj), so the innermost (most ``base_layer``) is gate_up_proj;
+#   per-expert target_modules, ``mlp.experts.{e}.{gate,up,down}_proj.lora_A.weight`` [r, in]
+#   (Mixtral's older ``block_sparse_moe.experts.{e}.{w1,w3,w2}``).
+# Module names of expert keys: ``experts.{e}.gate_proj`` (per expert, Mixtral's names mapped),
+# ``experts`` / ``experts.base_layer`` (fused, resolved by ``resolve_fused_experts``), and
+# ``shared_expert.gate_proj`` (Qwen2-MoE's shared expert, a plain MLP).
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+FUSED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the order experts register them
+_MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
+    r"(?:experts\.(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.|"
+    r"(?P<wrap>(?:base_layer\.)*))|shared_expert\.(?P<shared>gate_proj|up_proj|down_proj)\.)"
+    r"lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+FUSED_EXPERTS = "experts"  # module of a fused-parameter key, wrapped "experts.base_layer"...
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\."
@@ -59,16 +79,68 @@ def parse_lora_key(key: str) -> LoraKey | None:
     tensors' keys a few times (placement, layer progress); the regex was 15% of a fetch
     process's CPU for a rank-16 adapter of 420 tensors."""
     m = _KEY.match(key)
+    if m is not None:
+        ab = MAGNITUDE if m.group("m") else m.group("ab")
+        return LoraKey(layer=int(m.group("layer")), module=m.group("module"), ab=ab)
+    m = _EXPERT_KEY.match(key)
     if m is None:
         return None
-    ab = MAGNITUDE if m.group("m") else m.group("ab")
-    return LoraKey(layer=int(m.group("layer")), module=m.group("module"), ab=ab)
+    if m.group("shared") is not None:
+        module = f"shared_expert.{m.group('shared')}"
+    elif m.group("expert") is not None:
+        proj = _MIXTRAL_EXPERTS.get(m.group("proj"), m.group("proj"))
+        module = f"experts.{int(m.group('expert'))}.{proj}"
+    else:
+        module = FUSED_EXPERTS + ".base_layer" * (len(m.group("wrap")) // len("base_layer."))
+    return LoraKey(layer=int(m.group("layer")), module=module, ab=m.group("ab"))
 
 
-def targets_moe_experts(name: str) -> bool:
-    """True when a target module, target parameter or tensor key lies in a MoE block's experts
-    (see ``MOE_NOT_YET``), e.g. ``model.layers.0.mlp.experts.3.gate_proj``."""
-    return _MOE_PART.search(name) is not None
+def per_expert(module: str) -> tuple[int, str] | None:
+    """``experts.3.gate_proj`` -> (3, "gate_proj"); None for any other module."""
+    parts = module.split(".")
+    if len(parts) == 3 and parts[0] == "experts" and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    return None
+
+
+def fused_depth(module: str) -> int | None:
+    """``experts`` -> 0, ``experts.base_layer`` -> 1 (PEFT's ParamWrapper nesting); else None."""
+    parts = module.split(".")
+    if parts[0] == FUSED_EXPERTS and all(p == "base_layer" for p in parts[1:]):
+        return len(parts) - 1
+    return None
+
+
+def is_expert_module(module: str) -> bool:
+    """A routed expert's module (either form); the shared expert is a plain MLP."""
+    return per_expert(module) is not None or fused_depth(module) is not None
+
+
+def resolve_fused_experts(
+    found: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], hidden: int, inter: int
+) -> dict[str, str]:
+    """Fused-parameter module -> ``experts.gate_up_proj`` | ``experts.down_proj``.
+
+    ``found``: module -> (lora_A shape, lora_B shape) of an adapter's fused expert keys (one
+    layer's). With both parameters targeted the innermost wrapper (``experts.base_layer``) is
+    gate_up_proj; one alone is told by its sizes: gate_up maps H -> 2 I, down I -> H (never
+    both, as 2 I = H and I = H cannot hold together).
+    """
+    depths = sorted((fused_depth(m) or 0, m) for m in found)
+    if len(depths) == len(FUSED_EXPERT_PARAMETERS):
+        return {m: f"experts.{p}" for (_, m), p in zip(reversed(depths), FUSED_EXPERT_PARAMETERS,
+                                                        strict=True)}
+    resolved = {}
+    for module, (a, b) in found.items():
+        gate_up = len(a) == 2 and len(b) == 2 and a[1] == hidden and b[0] == 2 * inter
+        resolved[module] = "experts.gate_up_proj" if gate_up else "experts.down_proj"
+    return resolved
+
+
+def targets_moe_router(name: str) -> bool:
+    """True when a target module, target parameter or tensor key lies in a MoE router
+    (see ``ROUTER_NOT_YET``), e.g. ``model.layers.0.mlp.gate``."""
+    return _ROUTER_PART.search(name) is not None
 
 
 def short_module_name(target: str) -> str:

@@ -38,13 +38,17 @@ from typing import Any
 
 from lorastream.core.adapter_format import (
     CONFIG_FILE,
+    EXPERT_PROJECTIONS,
+    FUSED_EXPERT_PARAMETERS,
     MAGNITUDE,
-    MOE_NOT_YET,
+    ROUTER_NOT_YET,
     SUPPORTED_MODULES,
     WEIGHTS_FILE,
+    fused_depth,
     parse_lora_key,
+    per_expert,
     short_module_name,
-    targets_moe_experts,
+    targets_moe_router,
 )
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TensorDigests
 from lorastream.core.errors import InvalidAdapter
@@ -131,7 +135,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("modules_to_save", bool, "modules_to_save (fully trained extra modules) is not supported"),
     ("layer_replication", bool, "layer_replication is not supported"),
     ("trainable_token_indices", bool, "trainable_token_indices is not supported"),
-    ("target_parameters", bool, "target_parameters (LoRA on raw parameters) is not supported"),
     ("use_qalora", bool, "QA-LoRA (use_qalora=true) is not supported"),
     ("alora_invocation_tokens", bool, "activated LoRA (alora_invocation_tokens) is not supported"),
 )
@@ -152,12 +155,22 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
             "(peft_type 'LORA')"
         )
     listed = [config.get(field) for field in ("target_parameters", "target_modules")]
-    experts = [
+    routers = [
         str(t) for targets in listed if isinstance(targets, list) for t in targets
-        if targets_moe_experts(str(t))
+        if targets_moe_router(str(t))
     ]
-    if experts:
-        raise InvalidAdapter(f"{label}: {MOE_NOT_YET} ({CONFIG_FILE} targets {', '.join(experts)})")
+    if routers:
+        raise InvalidAdapter(f"{label}: {ROUTER_NOT_YET} ({CONFIG_FILE} targets "
+                             f"{', '.join(routers)})")
+    parameters = config.get("target_parameters") or []
+    fused = [f"experts.{p}" for p in FUSED_EXPERT_PARAMETERS]
+    raw_parameters = [str(t) for t in parameters if not str(t).endswith(tuple(fused))]
+    if raw_parameters or not isinstance(parameters, list):
+        raise InvalidAdapter(
+            f"{label}: target_parameters (LoRA on raw parameters) is supported only on a "
+            f"mixture-of-experts block's {' and '.join(fused)}, not on "
+            f"{', '.join(raw_parameters) or repr(parameters)} ({CONFIG_FILE})"
+        )
     for key, switched_on, message in _UNSUPPORTED:
         if switched_on(config.get(key)):
             raise InvalidAdapter(f"{label}: {message} ({key}={config[key]!r} in {CONFIG_FILE})")
@@ -175,7 +188,8 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
         raise InvalidAdapter(f"{label}: use_dora must be true or false, got {use_dora!r}")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unsupported = sorted({short_module_name(str(t)) for t in targets} - set(SUPPORTED_MODULES))
+        short = {short_module_name(str(t)) for t in targets}
+        unsupported = sorted(short - set(SUPPORTED_MODULES) - {"w1", "w2", "w3"})
         if unsupported:
             raise InvalidAdapter(
                 f"{label}: target_modules include {', '.join(unsupported)}; lorastream adapts "
@@ -295,10 +309,15 @@ def _check_lora_pairs(
     complete, ranks equal to ``rank``, each magnitude ``[out]`` of its B's ``out``."""
     pairs: dict[tuple[int, str], dict[str, _HeaderEntry]] = {}
     for e in entries:
-        if targets_moe_experts(e.key):
-            raise InvalidAdapter(f"{label}: {MOE_NOT_YET} (tensor {e.key})")
+        if targets_moe_router(e.key):
+            raise InvalidAdapter(f"{label}: {ROUTER_NOT_YET} (tensor {e.key})")
         key = parse_lora_key(e.key)
-        if key is None or key.module not in SUPPORTED_MODULES:
+        if key is not None and key.module.startswith("shared_expert."):
+            raise InvalidAdapter(
+                f"{label}: LoRA on Qwen2-MoE's shared expert is not supported yet (tensor "
+                f"{e.key}); train the adapter on the attention projections and the routed experts"
+            )
+        if key is None or _short(key.module) not in SUPPORTED_MODULES:
             module = key.module if key else e.key.split(".lora_")[0].rsplit(".", 1)[-1]
             raise InvalidAdapter(
                 f"{label}: tensor {e.key} adapts {module!r}, which lorastream does not support; "
@@ -324,11 +343,34 @@ def _check_lora_pairs(
                 f"{where}: rank mismatch: lora_A is {list(a.shape)} ([r, in]) but lora_B is "
                 f"{list(b.shape)} ([out, r])"
             )
-        if a.shape[0] != rank:
+        if fused_depth(module) is not None:  # [E * r, in], [out, E * r]: every expert's r
+            if a.shape[0] % rank:
+                raise InvalidAdapter(
+                    f"{where}: lora_A is {list(a.shape)}, not [experts * r, in] with "
+                    f"r={rank} from {CONFIG_FILE}"
+                )
+        elif a.shape[0] != rank:
             raise InvalidAdapter(
                 f"{where} has rank {a.shape[0]} but {CONFIG_FILE} says r={rank}"
             )
-    return tuple(sorted({module for _, module in pairs}))
+    return tuple(sorted({_target_name(module) for _, module in pairs}))
+
+
+def _short(module: str) -> str:
+    """The projection a (possibly expert) module is: ``experts.3.gate_proj`` -> gate_proj;
+    a fused expert parameter (``experts``, ``experts.base_layer``) -> gate_proj."""
+    one = per_expert(module)
+    if one is not None:
+        return one[1]
+    if fused_depth(module) is not None:
+        return EXPERT_PROJECTIONS[0]
+    return module.rsplit(".", 1)[-1]
+
+
+def _target_name(module: str) -> str:
+    """What ``target_modules`` lists: per-expert modules once (``experts.gate_proj``)."""
+    one = per_expert(module)
+    return module if one is None else f"experts.{one[1]}"
 
 
 def _check_magnitude(

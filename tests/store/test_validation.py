@@ -149,13 +149,14 @@ def _add_embedding(t: dict[str, torch.Tensor]) -> None:
     t["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.randn(4, 256)
 
 
-def _add_expert(part: str) -> Callable[[dict[str, torch.Tensor]], None]:
-    """A LoRA pair on a MoE block's ``part`` of layer 0 (``experts.0.gate_proj``, ...)."""
+def _add_expert(part: str, rows: int = 4) -> Callable[[dict[str, torch.Tensor]], None]:
+    """A LoRA pair on a MoE block's ``part`` of layer 0 (``experts.0.gate_proj``, ...), A of
+    ``rows`` rows (the adapter's rank is 4)."""
 
     def edit(t: dict[str, torch.Tensor]) -> None:
         prefix = f"base_model.model.model.layers.0.{part}"
-        t[f"{prefix}.lora_A.weight"] = torch.randn(4, 64)
-        t[f"{prefix}.lora_B.weight"] = torch.randn(32, 4)
+        t[f"{prefix}.lora_A.weight"] = torch.randn(rows, 64)
+        t[f"{prefix}.lora_B.weight"] = torch.randn(32, rows)
 
     return edit
 
@@ -226,17 +227,18 @@ BAD_ADAPTERS = [
     ("embedding-tensor", _edit_tensors(_add_embedding), {}, "'embed_tokens'"),
     ("no-lora-tensors", _edit_tensors(_only_non_lora), {}, "no LoRA tensors"),
     ("lm-head-in-config", _config(target_modules=["q_proj", "lm_head"]), {}, "lm_head"),
-    ("moe-target-parameters", _config(target_parameters=["mlp.experts.gate_up_proj"]), {},
-     r"LoRA on mixture-of-experts experts .* not supported yet.*targets mlp.experts.gate_up_proj"),
-    ("moe-expert-target-modules",
-     _config(target_modules=["q_proj", "model.layers.0.mlp.experts.0.gate_proj"]), {},
-     r"experts .* not supported yet.*targets model.layers.0.mlp.experts.0.gate_proj"),
-    ("moe-expert-tensor", _edit_tensors(_add_expert("mlp.experts.0.gate_proj")), {},
-     r"experts .* not supported yet.*mlp.experts.0.gate_proj.lora_A"),
-    ("mixtral-expert-tensor", _edit_tensors(_add_expert("block_sparse_moe.experts.3.w1")), {},
-     r"experts .* not supported yet.*block_sparse_moe.experts.3.w1.lora_A"),
+    ("raw-target-parameters", _config(target_parameters=["self_attn.q_proj.weight"]), {},
+     r"target_parameters .* only on a mixture-of-experts block's .* not on self_attn"),
+    ("moe-router-target-modules", _config(target_modules=["q_proj", "mlp.gate"]), {},
+     r"LoRA on a mixture-of-experts router .*targets mlp.gate"),
+    ("moe-expert-rank", _edit_tensors(_add_expert("mlp.experts.0.gate_proj", rows=3)), {},
+     r"layer 0 experts.0.gate_proj has rank 3 but adapter_config.json says r=4"),
+    ("mixtral-expert-rank", _edit_tensors(_add_expert("block_sparse_moe.experts.3.w1", 3)), {},
+     r"layer 0 experts.3.gate_proj has rank 3"),
+    ("fused-experts-rank", _edit_tensors(_add_expert("mlp.experts", rows=6)), {},
+     r"layer 0 experts: lora_A is \[6, 64\], not \[experts \* r, in\] with r=4"),
     ("moe-shared-expert-tensor", _edit_tensors(_add_expert("mlp.shared_expert.up_proj")), {},
-     r"experts .* not supported yet.*mlp.shared_expert.up_proj.lora_A"),
+     r"LoRA on Qwen2-MoE's shared expert is not supported yet.*mlp.shared_expert.up_proj"),
     ("dora-without-magnitudes", _config(use_dora=True), {}, "no lora_magnitude_vector"),
     ("dora-magnitude-missing", _as_dora(None), {}, "q_proj has no lora_magnitude_vector"),
     ("dora-magnitude-wrong-shape", _as_dora(63), {},

@@ -254,3 +254,82 @@ def split_experts(checkpoint: Path, out_dir: Path) -> Path:
             split[key] = tensor
     save_file(split, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def make_expert_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    *,
+    rank: int,
+    targets: list[str],
+    parameters: list[str],
+    use_rslora: bool = False,
+    seed: int = 1,
+    b_std: float = 0.2,
+) -> Path:
+    """A PEFT LoRA on a MoE checkpoint's fused experts (``target_parameters``, as transformers
+    5 trains it) and on ``targets``, with random non-zero B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, target_parameters=parameters,
+        use_rslora=use_rslora, lora_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, b_std)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def per_expert_adapter(adapter: Path, out_dir: Path, mixtral: bool) -> Path:
+    """The fused-parameter ``adapter`` (both expert parameters targeted) rewritten in the older
+    per-expert form, the same LoRA: ``mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight``
+    (Mixtral: ``block_sparse_moe.experts.{e}.{w1,w3,w2}``). PEFT's fused A ``[E r, in]`` holds
+    expert e in rows ``e r ..``; its B ``[out, E r]`` in columns ``j E + e``; gate and up share
+    the fused A and split the fused B's rows."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    rank = int(config["r"])
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    config["target_parameters"] = None
+    config["target_modules"] = sorted({*config["target_modules"], gate, up, down})
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    split: dict[str, torch.Tensor] = {}
+    block = "block_sparse_moe" if mixtral else "mlp"
+    for key, tensor in state.items():
+        if ".mlp.experts." not in key:
+            split[key] = tensor
+            continue
+        prefix = key.split(".mlp.experts.")[0]
+        param = "gate_up" if ".experts.base_layer." in key else "down"
+        ab = "A" if ".lora_A." in key else "B"
+        experts = (tensor.shape[0] if ab == "A" else tensor.shape[1]) // rank
+        for e in range(experts):
+            # A [r, in] in rows e r .., B [out, r] in columns j E + e
+            part = tensor[e * rank : (e + 1) * rank] if ab == "A" else tensor[:, e::experts]
+            names = [gate, up] if param == "gate_up" else [down]
+            for index, name in enumerate(names):
+                piece = part
+                if ab == "B" and param == "gate_up":
+                    inter = part.shape[0] // 2
+                    piece = part[index * inter : (index + 1) * inter]
+                split[f"{prefix}.{block}.experts.{e}.{name}.lora_{ab}.weight"] = (
+                    piece.contiguous().clone())
+    save_file(split, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(adapter / "adapter_config.json", out_dir / "fused_adapter_config.json")
+    return out_dir

@@ -318,10 +318,10 @@ class Engine:
             plan, self.staging, extra=staged_size(rows, self.slots.num_slots)
         )
         batch = inputs.batch
-        meta = self.backend.prepare(inputs.token_slots, self.slots, inputs.arena)
+        lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots, self.model.dtype,
+                                 self.model.device, inputs.arena)
         assert inputs.arena is not None
         inputs.arena.flush()  # rule 3: one non-blocking copy of the step's metadata
-        lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]
         self.adapters.mark_read(adapters, self.device.record_compute())  # rule 2
         drawn = sample_step(

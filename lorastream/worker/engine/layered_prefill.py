@@ -152,8 +152,8 @@ class LayeredPrefills:
             chunk = len(seq.prompt_ids) - 1
             inputs = build_step_inputs(StepPlan(prefill=[(seq, chunk)]), None)
             batch = inputs.batch.to(self.model.device)
-            meta = self.backend.prepare(inputs.token_slots, self.slots)
-            lora = LoraStep(self.slots, self.backend, meta) if meta is not None else None
+            lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots,
+                                     self.model.dtype, self.model.device)
             start = landing.layers
             x = self.model.embed(batch) if start == 0 else landing.hidden  # [n, H]
             assert x is not None

@@ -31,8 +31,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastream.core.adapter_fit import expected_shape, tensor_kind
-from lorastream.core.adapter_format import MAGNITUDE, parse_lora_key
+from lorastream.core.adapter_fit import (
+    expected_shape,
+    expert_misfit,
+    expert_names,
+    tensor_kind,
+)
+from lorastream.core.adapter_format import MAGNITUDE, fused_depth, parse_lora_key, per_expert
 from lorastream.core.errors import InvalidAdapter, LorastreamError
 from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest
@@ -174,12 +179,15 @@ class AdapterWeights:
     nbytes: int
 
 
-def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) -> None:
-    """InvalidAdapter unless ``manifest`` fits the base model and the slot capacity.
+def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) -> dict[str, str]:
+    """InvalidAdapter unless ``manifest`` fits the base model and the slot capacity; returns
+    the names of its fused expert modules (``experts`` -> ``experts.down_proj``, see
+    ``core/adapter_format.py``).
 
     The adaptable modules and their sizes come from the base model's family (e.g. Phi-3 adapts
     the fused qkv_proj and gate_up_proj, not q_proj); a wrong target names the family and what
-    it accepts.
+    it accepts. An expert LoRA must match the experts' count, widths and the adapter's rank
+    (``core/adapter_fit.py``).
     """
     label = f"adapter {manifest.name}"
     if manifest.rank > max_rank:
@@ -189,8 +197,15 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) ->
         )
     shapes = config.module_shapes()
     base = config.describe()
+    experts = config.expert_shape()
+    names = expert_names(manifest, experts) if experts is not None else {}
     for info in manifest.tensors:
         key = parse_lora_key(info.name)
+        if key is not None and (per_expert(key.module) or fused_depth(key.module) is not None):
+            reason = expert_misfit(manifest, info, key.module, key.layer, key.ab, experts, names)
+            if reason is not None:
+                raise InvalidAdapter(f"{label} does not fit {base}: {reason}")
+            continue
         if key is None or key.module not in shapes:
             module = key.module if key is not None else info.name
             raise InvalidAdapter(
@@ -212,6 +227,7 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) ->
                 f"{list(expected)} ({key.module} maps {fan_in} -> {fan_out} features)"
             )
     _check_dora_complete(manifest, label)
+    return names
 
 
 def _check_dora_complete(manifest: AdapterManifest, label: str) -> None:
@@ -220,7 +236,7 @@ def _check_dora_complete(manifest: AdapterManifest, label: str) -> None:
     kinds: dict[tuple[int, str], set[str]] = {}
     for info in manifest.tensors:
         key = parse_lora_key(info.name)
-        if key is not None:
+        if key is not None and not (per_expert(key.module) or fused_depth(key.module) is not None):
             kinds.setdefault((key.layer, key.module), set()).add(key.ab)
     if not any(MAGNITUDE in k for k in kinds.values()):
         return
@@ -239,8 +255,9 @@ def adapter_weights(
     :meth:`LoraSlots.write`."""
     manifest = buffer.manifest
     assert manifest is not None, "the buffer holds no adapter"
-    check_fits(manifest, config, max_rank)
-    blocks = tuple((layer, module, ab, block) for module, ab, layer, block in buffer.groups())
+    names = check_fits(manifest, config, max_rank)
+    blocks = tuple((layer, names.get(module, module), ab, block)
+                   for module, ab, layer, block in buffer.groups())
     return AdapterWeights(
         adapter_id=manifest.adapter_id,
         name=manifest.name,

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from lorastream.kernels.cpu.lora import lora_rows
 from lorastream.worker.device.step_arena import Arena
+from lorastream.worker.lora.experts import ExpertStepMeta, add_expert_lora, build_expert_meta
 from lorastream.worker.lora.slots import LoraSlots
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
@@ -141,8 +142,9 @@ class LoraBackend(Protocol[MetaT]):
 
 
 def staged_size(num_rows: int, num_slots: int) -> int:
-    """The most arena entries :func:`build_meta` stages for ``num_rows`` rows."""
-    return int(PADDING_LIMIT * num_rows) + 4 * num_rows + num_slots + 8
+    """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row) stage
+    for ``num_rows`` rows."""
+    return int(PADDING_LIMIT * num_rows) + 5 * num_rows + num_slots + 8
 
 
 def build_meta(
@@ -308,17 +310,53 @@ class TorchLoraBackend:
 
 
 class LoraStep:
-    """The model's LoRA hook for one step: slots + backend + this step's metadata."""
+    """The model's LoRA hook for one step: slots + backend + this step's metadata (and, on a
+    MoE base with expert adapters in the step, the expert deltas' metadata)."""
 
-    def __init__(self, slots: LoraSlots, backend: LoraBackend, meta: LoraStepMeta) -> None:
-        """``meta``: the backend's (every backend's metadata has ``modules`` and ``dora``)."""
+    def __init__(
+        self, slots: LoraSlots, backend: LoraBackend, meta: LoraStepMeta,
+        experts: ExpertStepMeta | None = None,
+    ) -> None:
+        """``meta``: the backend's (every backend's metadata has ``modules`` and ``dora``);
+        ``experts``: the step's expert-LoRA metadata (MoE bases), None without."""
         self._slots = slots
         self._backend = backend
         self._meta = meta
+        self._experts = experts
         self._dora = meta.dora
         # module -> (dora_scale, dora_shift or None) of the step's rows, [L, T, N] (see
         # DORA_GATHER_BYTES), gathered at the module's first layer
         self._dora_rows: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    @classmethod
+    def for_step(
+        cls, slots: LoraSlots, backend: LoraBackend, token_slots: list[int],
+        dtype: torch.dtype, device: torch.device, arena: Arena | None = None,
+    ) -> LoraStep | None:
+        """The hook of a step whose rows have slots ``token_slots`` (-1: base model); None
+        when no row has an adapter. Metadata staged in ``arena`` when given."""
+        meta = backend.prepare(token_slots, slots, arena)
+        if meta is None:
+            return None
+        return cls(slots, backend, meta,
+                   build_expert_meta(token_slots, slots, dtype, device, arena))
+
+    def add_experts(
+        self, layer: int, part: str, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """A MoE layer's expert deltas for the expert-sorted rows (``lora/experts.py``)."""
+        meta = self._experts
+        if meta is None:
+            return
+        slots = self._slots
+        if part == "gate_up":
+            a, bs = slots.expert_a_gate_up[layer], [slots.expert_b["gate_proj"][layer],
+                                                    slots.expert_b["up_proj"][layer]]
+        else:
+            a, bs = slots.expert_a_down[layer], [slots.expert_b_down[layer]]
+        top_k = x.shape[0] // meta.row_slots.shape[0]
+        add_expert_lora(x, token, expert, a, bs, out, top_k, meta)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int) -> None:
         if module in self._meta.modules:

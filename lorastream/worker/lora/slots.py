@@ -23,6 +23,19 @@ and one multiply (``LoraStep``)::
 Entry ``S`` is the identity (scale 1, shift 0), which every row not of a DoRA slot reads;
 entries of slots holding a plain LoRA are never read. The norm is over the weight the base
 projection computes with (``DoraBase``; int8/fp8: the dequantized weight).
+
+A mixture-of-experts base also gets expert storage, per routed expert ``e`` (``lora/experts.py``
+computes the deltas)::
+
+    expert_a_gate_up: [num_layers, S, E, 2 R, H]   gate's A in rows :R, up's A in rows R:
+    expert_b_gate_up: [num_layers, S, E, 2 I, R]   gate's B in rows :I, up's B in rows I:
+    expert_a_down:    [num_layers, S, E, R, I]
+    expert_b_down:    [num_layers, S, E, H, R]
+
+An adapter of PEFT's fused form (one A of ``gate_up_proj`` for gate and up) has its A copied
+into both halves; the per-expert form (``experts.N.gate_proj``, ...) fills each on its own.
+Bytes per slot: ``L * E * R * (2 H + 2 I + I + H) * itemsize``, e.g. Qwen3-30B-A3B's shape
+(L 48, E 128, H 2048, I 768) at R 16 in bf16: 48 * 128 * 16 * 8448 * 2 = 1.66 GB.
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
 may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
 """
@@ -36,7 +49,7 @@ from typing import Protocol
 
 import torch
 
-from lorastream.core.adapter_format import MAGNITUDE
+from lorastream.core.adapter_format import MAGNITUDE, per_expert
 from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
@@ -140,6 +153,8 @@ class SlotCopy:
         """The operations that make layers ``first .. stop - 1`` of the slot the adapter's."""
         ops: list[Op] = []
         slots, slot, rank, covered = self.slots, self.slot, self.info.rank, self.covered
+        for layer in range(first, stop):  # a MoE base's routed experts (lora/experts.py)
+            ops.extend(slots.expert_ops(slot, rank, self.blocks, layer))
         for module in slots.a:
             a, b = slots.a[module][:, slot], slots.b[module][:, slot]  # [L, R, in], [L, out, R]
             for ab, rows in (("A", a), ("B", b)):
@@ -151,7 +166,7 @@ class SlotCopy:
                         ops.append(partial(_zero, tail))
         for layer, module, ab, block in self.blocks:
             lo, hi = max(first, layer), min(stop, layer + block.shape[0])
-            if lo >= hi:
+            if lo >= hi or module.startswith("experts."):  # experts: above
                 continue
             if ab == "A":
                 target = slots.a[module][:, slot, :rank]  # [L, r, in]
@@ -228,11 +243,14 @@ class LoraSlots:
             module: torch.zeros_like(self.dora_scale[module])
             for module in shapes if base is not None and base.lora_bias(0, module) is not None
         }
+        self._init_experts(config, dtype, device)
 
     @property
     def nbytes(self) -> int:
+        experts = (self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down,
+                   self.expert_b_down) if self.expert_a else ()
         tensors = (*self.a.values(), *self.b.values(), *self.dora_scale.values(),
-                   *self.dora_shift.values())
+                   *self.dora_shift.values(), *experts)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -276,6 +294,70 @@ class LoraSlots:
             bias = self.base.lora_bias(layer, module)
             assert bias is not None
             self.dora_shift[module][layer, slot].copy_((1 - factor) * bias.float())
+
+    def _init_experts(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        """Expert storage (module docstring); ``expert_a[p]``/``expert_b[p]`` are the views of
+        projection ``p`` (gate_proj, up_proj, down_proj) a copy writes, [L, S, E, R, in] and
+        [L, S, E, out, R]."""
+        self.expert_a: dict[str, torch.Tensor] = {}
+        self.expert_b: dict[str, torch.Tensor] = {}
+        if not config.is_moe:
+            return
+        lay, s, e, r = config.num_layers, self.num_slots, config.num_experts, self.storage_rank
+        h, i = config.hidden_size, config.moe_intermediate_size
+        a_gate_up = torch.zeros((lay, s, e, 2, r, h), dtype=dtype, device=device)
+        self.expert_a_gate_up = a_gate_up.view(lay, s, e, 2 * r, h)
+        self.expert_b_gate_up = torch.zeros((lay, s, e, 2 * i, r), dtype=dtype, device=device)
+        self.expert_a_down = torch.zeros((lay, s, e, r, i), dtype=dtype, device=device)
+        self.expert_b_down = torch.zeros((lay, s, e, h, r), dtype=dtype, device=device)
+        self.expert_a = {"gate_proj": a_gate_up[:, :, :, 0], "up_proj": a_gate_up[:, :, :, 1],
+                         "down_proj": self.expert_a_down}
+        self.expert_b = {"gate_proj": self.expert_b_gate_up[:, :, :, :i],
+                         "up_proj": self.expert_b_gate_up[:, :, :, i:],
+                         "down_proj": self.expert_b_down}
+
+
+    def expert_ops(self, slot: int, rank: int, blocks: Blocks, layer: int) -> list[Op]:
+        """The operations that write ``blocks``' expert tensors of ``layer`` into ``slot``: zero
+        the slot's experts in that layer, then copy (none without routed experts). Blocks of
+        the fused form (module
+        ``experts.gate_up_proj`` or ``experts.down_proj``): A ``[n, E * r, in]`` -- expert e's
+        rows ``e r .. e r + r - 1`` -- and B ``[n, out, E * r]`` -- expert e's column j at
+        ``j E + e`` (PEFT's ``ParamWrapper`` layout). Per-expert blocks (``experts.{e}.{proj}``):
+        A ``[n, r, in]``, B ``[n, out, r]``."""
+        if not self.expert_a:
+            return []
+        ops: list[Op] = [partial(_zero, t[layer, slot]) for t in (
+            self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down, self.expert_b_down)]
+        for first, module, ab, block in blocks:
+            if not module.startswith("experts.") or not first <= layer < first + block.shape[0]:
+                continue
+            for target, source in self._expert_copies(layer, slot, rank, module,
+                                                      per_expert(module), ab, block[layer - first]):
+                ops.append(partial(_copy, target, source))
+        return ops
+
+    def _expert_copies(
+        self, layer: int, slot: int, rank: int, module: str, one: tuple[int, str] | None,
+        ab: str, block: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(target, source) pairs of one layer's expert tensor (:meth:`expert_ops`)."""
+        if one is not None:
+            expert, proj = one
+            if ab == "A":
+                return [(self.expert_a[proj][layer, slot, expert, :rank], block)]
+            return [(self.expert_b[proj][layer, slot, expert, :, :rank], block)]
+        e = self.expert_a_down.shape[2]
+        gate_up = module == "experts.gate_up_proj"
+        if ab == "A":  # [E r, in] -> [E, r, in]
+            a = block.view(e, rank, -1)
+            if gate_up:
+                return [(self.expert_a["gate_proj"][layer, slot, :, :rank], a),
+                        (self.expert_a["up_proj"][layer, slot, :, :rank], a)]
+            return [(self.expert_a_down[layer, slot, :, :rank], a)]
+        b = block.view(block.shape[0], rank, e).permute(2, 0, 1)  # [out, E r] -> [E, out, r]
+        target = self.expert_b_gate_up if gate_up else self.expert_b_down
+        return [(target[layer, slot, :, :, :rank], b)]
 
     def slot_of(self, adapter_id: str) -> int | None:
         for index, info in enumerate(self.table):

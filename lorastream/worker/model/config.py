@@ -18,7 +18,8 @@ Modules that share a site read the same input, so the slots keep their A side by
 A mixture-of-experts model (``num_experts > 0``) replaces the gate_up and down sites of its
 sparse layers by a routed block (``model/moe.py``): a router ``[E, H]``, E experts of width
 ``moe_intermediate_size`` of which each token visits ``experts_per_token``, and (Qwen2-MoE) a
-shared expert with a sigmoid gate. Its LoRA targets are the attention sites only, for now.
+shared expert with a sigmoid gate. Its LoRA targets are the attention sites; LoRA on the
+experts has slots of its own (``lora/slots.py``, ``lora/experts.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lorastream.core.adapter_fit import ExpertShape
 from lorastream.core.errors import InvalidArgument
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -125,6 +127,13 @@ class ModelConfig:
         """True when ``layer``'s MLP is a routed block of experts (not a dense MLP)."""
         return self.is_moe and layer not in self.dense_layers
 
+    def expert_shape(self) -> ExpertShape | None:
+        """What an expert LoRA must match (None: a dense model)."""
+        if not self.is_moe:
+            return None
+        layers = frozenset(i for i in range(self.num_layers) if self.is_moe_layer(i))
+        return ExpertShape(self.num_experts, self.hidden_size, self.moe_intermediate_size, layers)
+
     def site_width(self, site: str) -> int:
         """Output features of a site's fused matmul."""
         h, i = self.hidden_size, self.intermediate_size
@@ -132,7 +141,7 @@ class ModelConfig:
 
     def lora_targets(self) -> tuple[LoraTarget, ...]:
         """Every adaptable projection, in site order: :meth:`projections`, but only the
-        attention's in a MoE model (LoRA on experts is not served yet)."""
+        attention's in a MoE model (expert LoRA has storage of its own, ``lora/slots.py``)."""
         if self.is_moe:
             return tuple(t for t in self.projections() if t.site in ("qkv", "o"))
         return self.projections()

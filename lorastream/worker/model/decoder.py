@@ -53,6 +53,13 @@ class LoraHook(Protocol):
     ) -> None:
         """:meth:`add` for each of ``modules`` (which all read ``x``) at its column."""
 
+    def add_experts(
+        self, layer: int, part: str, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """A MoE layer's expert deltas (``lora/experts.py``): ``part`` "gate_up" or "down",
+        x [P, K] the expert-sorted assignments' inputs, token/expert [P], out [P, N]."""
+
 
 @dataclass
 class LayerWeights:
@@ -359,7 +366,7 @@ class DecoderModel:
             x = x + o
             h = layer.mlp_norm(x)
             if layer.moe is not None:
-                down = layer.moe(h)  # [T, H]
+                down = layer.moe(h, None if lora is None else partial(lora.add_experts, i))
             else:
                 w_gate_up, w_down = self.proj[i][2:]
                 gate_up = w_gate_up(h)  # [T, 2 I]

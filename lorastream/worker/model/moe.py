@@ -20,6 +20,10 @@ transformers adds them. Example, T = 3, k = 2, E = 4, experts [[2, 0], [0, 3], [
     token  = order // k = [0, 1, 2, 0, 2, 1]   ends = [2, 3, 5, 6]   (cumsum of bincount)
     expert 0: rows 0-1 (tokens 0, 1)   expert 1: row 2 (token 2)   expert 2: rows 3-4   ...
 
+With an expert-LoRA hook (``lora/experts.py``), the hook adds each adapter's delta to the
+sorted rows after the gate_up and after the down products, before the activation and the
+routing weights, as PEFT's merged expert weights give it.
+
 Where ``grouped_mm`` cannot take the weights' strides (a width not a multiple of 16 bytes), the
 same segments run one matmul per expert (a loop over the E experts, each over its gathered
 tokens; it reads the segment ends on the host).
@@ -49,6 +53,8 @@ class MoeWeights:
 
 
 Project = Callable[[torch.Tensor], torch.Tensor]  # x [T, K] -> [T, N] (a base projection)
+# (part "gate_up" | "down", x [P, K], token [P], expert [P], out [P, N]): adds expert LoRA deltas
+ExpertHook = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def _grouped_ok(t: torch.Tensor) -> bool:
@@ -91,9 +97,11 @@ class MoeBlock:
             weights = weights.to(h.dtype)
         return weights, experts
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def __call__(
+        self, h: torch.Tensor, lora: ExpertHook | None = None
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, experts = self.route(h)
-        out = self.experts(h, weights, experts)
+        out = self.experts(h, weights, experts, lora)
         if self.shared is not None:
             assert self.shared_gate is not None
             gate_up, down = self.shared
@@ -103,7 +111,8 @@ class MoeBlock:
         return out
 
     def experts(
-        self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+        self, h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+        lora: ExpertHook | None = None,
     ) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         """Σ_j weights[t, j] * expert_{experts[t, j]}(h[t]), grouped by expert (module doc)."""
         flat = experts.reshape(-1)  # [P], P = T * k
@@ -111,7 +120,14 @@ class MoeBlock:
         token = order // self.top_k  # [P] the token of each sorted assignment
         ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)  # [E]
         x = h.index_select(0, token)  # [P, H]
-        if self.grouped:
+        if lora is not None:
+            sorted_experts = flat.index_select(0, order)  # [P]
+            gate_up = self._segments(x, self.gate_up_t, ends)  # [P, 2 I]
+            lora("gate_up", x, token, sorted_experts, gate_up)
+            act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [P, I]
+            y = self._segments(act, self.down_t, ends)  # [P, H]
+            lora("down", act, token, sorted_experts, y)
+        elif self.grouped:
             offs = ends.to(torch.int32)
             gate_up = F.grouped_mm(x, self.gate_up_t, offs=offs)  # [P, 2 I]
             act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [P, I]
@@ -129,3 +145,15 @@ class MoeBlock:
         out = torch.zeros_like(h)  # [T, H]
         out.index_add_(0, token, y.to(h.dtype))
         return out
+
+    def _segments(self, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x [P, K] in per-expert segments (``ends`` [E]) times w [E, K, N] -> [P, N]."""
+        if self.grouped:
+            return F.grouped_mm(x, w, offs=ends.to(torch.int32))
+        y = x.new_empty((x.shape[0], w.shape[2]))
+        start = 0
+        for e, end in enumerate(ends.tolist()):  # host sync: the fallback path only
+            if end > start:
+                y[start:end] = x[start:end] @ w[e]
+            start = end
+        return y

@@ -2,16 +2,24 @@
 
 Per MoE family and expert layout (fused, per expert), with prefix caching on and off: the bare
 base model and three attention-only LoRA adapters (ranks 4, 8, 16; one rsLoRA) in ONE batch give
-PEFT's greedy tokens, then again in a second wave that reuses the first's cached prefixes. An
-adapter on the experts is refused by name and never reaches a slot.
+PEFT's greedy tokens, then again in a second wave that reuses the first's cached prefixes.
+
+LoRA on the experts, per adapter form (PEFT's fused ``target_parameters``; the older per-expert
+``target_modules``, the same LoRA rewritten, whose reference is PEFT on the fused form), with
+prefix caching on and off and with chunked prefill: two expert adapters, an attention-only one
+and the base in one batch give PEFT's greedy tokens. An expert LoRA of the wrong expert count,
+width or rank is refused at registration and never reaches a slot.
 """
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorastream.core import errors
 from lorastream.core.generation import PromptInput
@@ -21,12 +29,25 @@ from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.operations import WorkerOperations
 from tests.support.families import BASE, NEW_TOKENS, PROMPTS, reference_tokens
-from tests.support.models import MOE_CONFIGS, make_family_adapter, make_tiny_family, split_experts
+from tests.support.models import (
+    EXPERT_PARAMETERS,
+    MOE_CONFIGS,
+    make_expert_adapter,
+    make_family_adapter,
+    make_tiny_family,
+    per_expert_adapter,
+    split_experts,
+)
 
 ADAPTERS = {  # attention only: the LoRA a MoE base takes today
     "qkvo-r4": dict(rank=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=11),
     "qv-r8-rslora": dict(rank=8, targets=["q_proj", "v_proj"], use_rslora=True, seed=12),
     "ko-r16": dict(rank=16, targets=["k_proj", "o_proj"], seed=13),
+}
+EXPERT_ADAPTERS = {  # name -> LoRA on the experts (and attention), PEFT's fused form
+    "experts-q-r4": dict(rank=4, targets=["q_proj"], parameters=EXPERT_PARAMETERS, seed=21),
+    "down-v-r8-rslora": dict(rank=8, targets=["v_proj"], parameters=["mlp.experts.down_proj"],
+                             use_rslora=True, seed=22),
 }
 
 
@@ -36,6 +57,7 @@ class MoeCase:
     checkpoints: dict[str, Path]  # layout -> checkpoint
     adapters: dict[str, Path]
     reference: dict[tuple[str, int], list[int]]  # (adapter or BASE, prompt) -> tokens
+    expert_adapters: dict[str, dict[str, Path]]  # form -> name -> adapter
 
 
 @pytest.fixture(scope="module", params=list(MOE_CONFIGS))
@@ -46,13 +68,24 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         name: make_family_adapter(fused, root / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
         for name, spec in ADAPTERS.items()
     }
+    parameters = {
+        name: make_expert_adapter(fused, root / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
+        for name, spec in EXPERT_ADAPTERS.items()
+    }
     reference = {
         (name, i): tokens
-        for name in [BASE, *adapters]
-        for i, tokens in reference_tokens(fused, adapters.get(name)).items()
+        for name, path in [(BASE, None), *adapters.items(), *parameters.items()]
+        for i, tokens in reference_tokens(fused, path).items()
+    }
+    mixtral = request.param == "mixtral"
+    per_expert = {  # the same LoRA (down_proj alone is the fused form only: PEFT's own form)
+        "experts-q-r4": per_expert_adapter(parameters["experts-q-r4"], root / "per-expert-q",
+                                           mixtral),
+        "down-v-r8-rslora": parameters["down-v-r8-rslora"],
     }
     checkpoints = {"fused": fused, "per-expert": split_experts(fused, root / "per-expert")}
-    return MoeCase(request.param, checkpoints, adapters, reference)
+    return MoeCase(request.param, checkpoints, adapters, reference,
+                   {"target_parameters": parameters, "per-expert": per_expert})
 
 
 def _engine(checkpoint: Path, tmp_path: Path, **settings: object) -> Engine:
@@ -98,25 +131,81 @@ def test_a_mixed_batch_of_attention_adapters_and_the_base_gives_peft_greedy_toke
         assert any(case.reference[(name, i)] != case.reference[(BASE, i)] for i in range(3))
 
 
-EXPERT_PARAMETERS = r"LoRA on mixture-of-experts experts .* not supported yet"
-
-
-def test_lora_on_the_experts_is_refused_by_name_before_a_slot(
-    case: MoeCase, tmp_path: Path
+@pytest.mark.parametrize("form", ["target_parameters", "per-expert"])
+@pytest.mark.parametrize(("prefix_caching", "chunk"), [(True, None), (False, None), (False, 5)],
+                         ids=["prefix-cache", "no-prefix-cache", "chunked-prefill"])
+def test_a_mixed_batch_of_expert_adapters_and_the_base_gives_peft_greedy_tokens(
+    case: MoeCase, tmp_path: Path, form: str, prefix_caching: bool, chunk: int | None
 ) -> None:
-    """PEFT's LoRA on the fused experts (``target_parameters``, as transformers 5 trains it)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    settings: dict[str, object] = {"prefix_caching": prefix_caching}
+    if chunk is not None:  # a step's token budget below a prompt: prefill runs in chunks
+        settings["max_num_tokens"] = chunk
+    engine = _engine(case.checkpoints["fused"], tmp_path, **settings)
+    adapters = {**case.expert_adapters[form], "qkvo-r4": case.adapters["qkvo-r4"]}
+    try:
+        ops = WorkerOperations(engine)
+        for name, path in adapters.items():
+            ops.load_adapter(name, str(path))
+        keys = [(name, i) for name in [BASE, *adapters] for i in range(len(PROMPTS))]
+        for wave in range(2):  # the second wave hits the first's cached prefixes (when on)
+            results = _run(engine, keys)
+            for key in keys:
+                assert results[key] == case.reference[key], f"{case.family} {form} {key} {wave}"
+        assert (engine.prefix.stats.hit_rate > 0) is prefix_caching
+    finally:
+        engine.stop()
+    for name in EXPERT_ADAPTERS:  # each expert adapter changes the output
+        assert any(case.reference[(name, i)] != case.reference[(BASE, i)] for i in range(3))
 
-    base = AutoModelForCausalLM.from_pretrained(case.checkpoints["fused"])
-    config = LoraConfig(r=4, target_modules=["q_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    path = tmp_path / "adapter"
-    get_peft_model(base, config).save_pretrained(path)
+
+def _rewrite(adapter: Path, out: Path, edit: Callable[[str, torch.Tensor], torch.Tensor]) -> Path:
+    """A copy of ``adapter`` with every tensor passed through ``edit(key, tensor)``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, out)
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k: edit(k, v).contiguous() for k, v in state.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _fewer_experts(key: str, t: torch.Tensor) -> torch.Tensor:
+    """PEFT's fused form for 3 experts of the base's 4 (rank 4)."""
+    if ".experts." not in key:
+        return t
+    return t[:12] if ".lora_A." in key else t.view(t.shape[0], 4, 4)[:, :, :3].reshape(
+        t.shape[0], 12)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("fewer-experts", r"3 experts of rank 4, but the base model has 4 experts per layer"),
+        ("expert-out-of-range", r"adapts expert 7, but the base model has 4 experts"),
+        ("narrow-expert", r"expert 0 (gate_proj|up_proj|down_proj) lora_A is \[4, 63\]"),
+    ],
+)
+def test_an_expert_lora_that_does_not_fit_is_refused_before_a_slot(
+    case: MoeCase, tmp_path: Path, bad: str, message: str
+) -> None:
+    fused = case.expert_adapters["target_parameters"]["experts-q-r4"]
+    per_expert = case.expert_adapters["per-expert"]["experts-q-r4"]
+    if bad == "fewer-experts":
+        path = _rewrite(fused, tmp_path / bad, _fewer_experts)
+    elif bad == "expert-out-of-range":
+        path = _rewrite(per_expert, tmp_path / bad, lambda k, t: t)
+        weights = path / "adapter_model.safetensors"
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(weights))
+        save_file({k.replace(".experts.3.", ".experts.7."): v for k, v in state.items()},
+                  str(weights), metadata={"format": "pt"})
+    else:
+        path = _rewrite(per_expert, tmp_path / bad,
+                        lambda k, t: t[:, :63] if ".experts.0." in k and ".lora_A." in k else t)
     engine = _engine(case.checkpoints["fused"], tmp_path)
     try:
-        with pytest.raises(errors.InvalidAdapter,
-                           match=EXPERT_PARAMETERS + r".*mlp\.experts\.(gate_up|down)_proj"):
+        with pytest.raises(errors.InvalidAdapter, match=message):
             WorkerOperations(engine).load_adapter("bad", str(path))
         assert engine.adapters.usage().slots_used == 0
     finally:

@@ -1,0 +1,123 @@
+"""The LoRA deltas of a mixture-of-experts layer's routed experts, for a mixed batch.
+
+``model/moe.py`` sorts the step's T * k (token, expert) assignments by expert and runs every
+expert's gate_up and down products over its rows. This module adds, to those rows, each
+adapter's delta *for the expert the row was routed to* only::
+
+    for each assignment p (token t, expert e), slot s of t's adapter (none: nothing added):
+        gate_up[p] += scaling_s * (B_gu[s, e] @ (A_gu[s, e] @ x[p]))     gate and up halves
+        down_out[p] += scaling_s * (B_d[s, e] @ (A_d[s, e] @ act[p]))
+
+in a few batched ops: the adapted assignments are sorted again by the key ``s * E + e`` (stably),
+giving S * E segments, and ``grouped_mm`` runs the shrink and the expand of every (slot,
+expert) segment at once; one ``index_add_`` puts the deltas back on the assignments' rows.
+Assignments of rows without an expert adapter sort last (key ``S * E + e``) and are left out:
+their count is known on the host (k per adapted row), so no step reads a device value back.
+Example, S = 2, E = 4, k = 2, rows [t0: slot 1, t1: base, t2: slot 0], experts
+[[2, 0], [0, 3], [2, 1]]::
+
+    sorted by expert:  p = (t0,0) (t1,0) (t2,1) (t0,2) (t2,2) (t1,3)
+    key s * E + e:          4      8+0     1      6      2      8+3
+    adapted, by key:   (t2,1) (t2,2) (t0,0) (t0,2)     ends[0..7] = [0,1,2,2,3,3,4,4]
+
+The gate and up halves read one shrink of ``2 R`` columns (gate's A, then up's: PEFT's fused
+form holds one A for both, copied into each half). Cost follows the slots' rank R, not each
+adapter's: their rows beyond the rank are zero. The Triton kernel (``kernels/moe_lora.py``)
+computes the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lorastream.worker.device.step_arena import Arena
+from lorastream.worker.lora.slots import LoraSlots
+
+
+@dataclass(frozen=True)
+class ExpertStepMeta:
+    """Per step: each batch row's slot for the expert deltas and its scaling."""
+
+    row_slots: torch.Tensor  # [T] int64: the row's slot, or S (no expert adapter)
+    row_scale: torch.Tensor  # [T] float: the slot's scaling, 0 for rows without
+    adapted_rows: int  # rows with an expert adapter (host-known)
+    num_slots: int
+
+
+def build_expert_meta(
+    token_slots: list[int], slots: LoraSlots, dtype: torch.dtype, device: torch.device,
+    arena: Arena | None = None,
+) -> ExpertStepMeta | None:
+    """None when no row's adapter adapts the experts (or the base model has none); staged in
+    ``arena`` when given (2 T entries; the engine flushes it)."""
+    if not slots.expert_a:
+        return None
+    table, none = slots.table, slots.num_slots
+    adapted = {s for s in set(token_slots)
+               if s >= 0 and any(m.startswith("experts.") for m in table[s].modules)}
+    if not adapted:
+        return None
+    row_slots = [s if s in adapted else none for s in token_slots]
+    scale = [table[s].scaling if s in adapted else 0.0 for s in token_slots]
+    if arena is not None:
+        slots_t, scale_t = arena.longs(row_slots), arena.floats(scale)
+    else:
+        slots_t, scale_t = torch.tensor(row_slots).to(device), torch.tensor(scale).to(device)
+    return ExpertStepMeta(
+        row_slots=slots_t,
+        row_scale=scale_t.to(dtype),  # the cast runs on the device after the flush
+        adapted_rows=sum(s in adapted for s in token_slots),
+        num_slots=none,
+    )
+
+
+def _grouped_ok(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return all(st * size % 16 == 0 for st, n in zip(t.stride(), t.shape, strict=True)
+               if st != 1 and n > 1)
+
+
+def _segment_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [P, K] rows in segments (``ends`` [G] cumulative) times w [G, K, N] -> [P, N]."""
+    if _grouped_ok(x) and _grouped_ok(w):
+        return F.grouped_mm(x, w, offs=ends.to(torch.int32))
+    out = x.new_empty((x.shape[0], w.shape[2]))  # strides grouped_mm cannot take: a loop
+    start = 0
+    for g, end in enumerate(ends.tolist()):  # host sync: this fallback only
+        if end > start:
+            out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+def add_expert_lora(
+    x: torch.Tensor,  # [P, K]: the assignments' inputs, sorted by expert
+    token: torch.Tensor,  # [P]: each assignment's batch row
+    expert: torch.Tensor,  # [P]: each assignment's expert
+    a: torch.Tensor,  # [S, E, G * R, K]: the A of G projections that read x
+    bs: list[torch.Tensor],  # G x [S, E, N_g, R]
+    out: torch.Tensor,  # [P, sum N_g]: the projections' outputs, side by side
+    top_k: int,
+    meta: ExpertStepMeta,
+) -> None:
+    """out[p] += scaling * (B[s, e] @ (A[s, e] @ x[p])) per assignment (module docstring)."""
+    num_slots, num_experts, width, k = a.shape
+    groups = num_slots * num_experts
+    rank = width // len(bs)
+    slot = meta.row_slots.index_select(0, token)  # [P]
+    key = slot * num_experts + expert  # [P]: S * E + e for rows without an expert adapter
+    order = torch.argsort(key, stable=True)[: meta.adapted_rows * top_k]  # [Pa]
+    ends = torch.bincount(key, minlength=groups + num_experts)[:groups].cumsum(0)  # [S * E]
+    xs = x.index_select(0, order)  # [Pa, K]
+    h = _segment_mm(xs, a.reshape(groups, width, k).transpose(1, 2), ends)  # [Pa, G * R]
+    h = h * meta.row_scale.index_select(0, token.index_select(0, order)).unsqueeze(1)
+    ys = [
+        _segment_mm(h[:, g * rank : (g + 1) * rank],
+                    b.reshape(groups, b.shape[2], rank).transpose(1, 2), ends)  # [Pa, N_g]
+        for g, b in enumerate(bs)
+    ]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [Pa, N]
+    out.index_add_(0, order, y.to(out.dtype))
