@@ -24,6 +24,9 @@ defaults (9452, 9451) two at once on this machine would refuse to start.
 import os
 import tempfile
 
+# `make test`'s branch coverage per package and its floors (--coverage-floors).
+pytest_plugins = ["tests.support.coverage_floors"]
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LORASTREAM_WORKER_HOST_MEMORY_PREFAULT", "false")
 os.environ.setdefault("LORASTREAM_STORE_ALLOWED_LOCAL_ROOTS", tempfile.gettempdir())
