@@ -46,7 +46,7 @@ gemma: install
 up: install
 	$(VENV)/bin/lorastream up
 
-# ruff over the whole tree, mypy over the packages pyproject.toml's [tool.mypy] names; both must
+# ruff over the whole tree, mypy over the whole package (pyproject.toml's [tool.mypy]); both must
 # report nothing (CI runs it before the tests).
 lint: install-dev
 	$(VENV)/bin/ruff check .
