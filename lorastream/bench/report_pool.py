@@ -49,6 +49,10 @@ def _per_worker(values: object) -> str:
     return " / ".join(str(v) for v in values) if isinstance(values, list) and values else MISSING
 
 
+def _mib(value: object) -> str:
+    return number(value / 2**20, 0, " MiB") if isinstance(value, int) else MISSING
+
+
 def _loads(values: object) -> str:
     return ", ".join(number(v, 2) for v in values) if isinstance(values, list) else MISSING
 
@@ -76,8 +80,8 @@ def pool_section(r: Result, plots: Mapping[str, str]) -> str:
     trace = get(r, "trace") or {}
     return paragraphs([
         f"{text(c.get('workers'))} pod-shaped model servers on loopback (each a worker process "
-        f"with {text(c.get('slots'))} device slots and a {number(c.get('host_cache_bytes'), 0)}"
-        "-byte host cache, its metrics port, and a one-worker gateway as its OpenAI front, as "
+        f"with {text(c.get('slots'))} device slots and a {_mib(c.get('host_cache_bytes'))} "
+        "host cache, its metrics port, and a one-worker gateway as its OpenAI front, as "
         "`deploy/k8s/inference-pool/model-server.yaml` runs them), "
         f"{text(c.get('adapters'))} adapters (rank {text(c.get('rank'))}) in the store: "
         f"{text(trace.get('total_slots'))} slots in all. One trace of "
@@ -105,9 +109,9 @@ def pool_section(r: Result, plots: Mapping[str, str]) -> str:
         "Device share alone (what `vllm:lora_requests_info` shows the picker): the gateway is "
         f"{number(r.get('device_gateway_minus_picker_points'), 1)} points above the picker, the "
         f"picker {number(r.get('device_picker_minus_random_points'), 1)} above random. An "
-        "adapter evicted from a slot to host memory is invisible to the picker (it scores "
-        "every pod alike for it and the queue decides), while the gateway sends it where it "
-        "sits in host memory.",
+        "adapter evicted from a slot to host memory is not listed, so the picker scores the pod "
+        "holding it as one that lacks it, while the gateway sends it where it sits in host "
+        "memory.",
         "**`/metrics` latency**, each scrape timed by the scraper from request to body read: "
         "while pod 0's worker is saturated (more streams than its batch, requests waiting; the "
         "goal's figure), and every scrape of the picker's routing run (three pods loading and "

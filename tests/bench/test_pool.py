@@ -168,7 +168,8 @@ def test_every_pod_is_started_with_the_configs_slots_and_host_cache() -> None:
 
 RESULT = {
     "command": "lorastream bench pool --requests 10",
-    "config": {"workers": 3, "slots": 2, "adapters": 12, "requests": 10, "zipf_s": 1.1},
+    "config": {"workers": 3, "slots": 2, "adapters": 12, "requests": 10, "zipf_s": 1.1,
+               "host_cache_bytes": 16 << 20},
     "runs": {
         "picker": {"held_share": 0.6, "device_share": 0.5, "store_fetches": 4,
                    "requests_per_worker": [3, 3, 4], "output_tok_s": 41.5,
@@ -205,6 +206,7 @@ def test_the_section_shows_each_routings_figures_from_the_result() -> None:
     assert "| random | 20.0%" in section and "| lorastream gateway | 63.0%" in section
     assert "3.0 points above the endpoint picker" in section
     assert "| 40 | 6.0 | 61.5 | 70.1 |" in section  # the saturated pod's scrapes
+    assert "a 16 MiB host cache" in section
     assert "4.50, 3.00, 2.00" in section and "None" not in section
 
 
