@@ -24,14 +24,19 @@ docs/deploy.md, "Under an InferencePool").
    in a device slot or in host memory of the worker that served it. Tokens/s and TTFT p50 are
    context.
 3. **/metrics under saturation**: ``saturate_streams`` long streams at once to pod 0's front
-   (several times its batch), its ``/metrics`` scraped every ``refresh_ms`` meanwhile; latency
-   p50/p99 of the scrapes that saw requests waiting (the worker saturated).
+   (several times its batch), its ``/metrics`` scraped every ``refresh_ms`` meanwhile by a
+   process of its own (``lorastream.bench.pool_scrape``: as the picker is, and away from this
+   process's streaming clients); latency p50/p99 of the scrapes that saw requests waiting (the
+   worker saturated). The same from a thread of this process beside it, for comparison.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -144,6 +149,29 @@ class Scraper:
                 self._stop.wait(max(0.0, next_at - time.perf_counter()))  # followed by a gap
 
 
+class ChildScraper:
+    """:class:`Scraper`'s timing in a process of its own (``lorastream.bench.pool_scrape``),
+    started on enter and stopped on exit, when its samples are read."""
+
+    def __init__(self, url: str, interval_s: float) -> None:
+        self.args = [sys.executable, "-m", "lorastream.bench.pool_scrape", url, str(interval_s)]
+        self.samples: list[tuple[float, bool]] = []
+        self.errors = 0
+
+    def __enter__(self) -> ChildScraper:
+        self._process = subprocess.Popen(self.args, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self._process.communicate(b"", timeout=120)  # stdin closed: it stops, prints
+        if self._process.returncode != 0:
+            raise RuntimeError(f"the scraper exited with status {self._process.returncode}")
+        result = json.loads(out)
+        self.samples = [(float(s), bool(w)) for s, w in result["samples"]]
+        self.errors = int(result["errors"])
+
+
 def scrape_latency(samples: Sequence[tuple[float, bool]]) -> dict[str, Any]:
     """p50/p99 (ms) of every scrape and of those that saw requests waiting."""
     saturated = [s for s, waiting in samples if waiting]
@@ -236,16 +264,20 @@ def run_policy(policy: str, pods: Pods, trace: Sequence[int], c: PoolConfig) -> 
 
 def metrics_under_saturation(pods: Pods, c: PoolConfig) -> dict[str, Any]:
     """``c.saturate_streams`` streams at once at pod 0's front while its /metrics is scraped
-    every ``c.refresh_ms``; the scrapes' latency (module docstring, step 3)."""
+    every ``c.refresh_ms`` from a process of its own; the scrapes' latency (module docstring,
+    step 3)."""
     url = pods.fronts[0].url
     trace = [i % c.slots for i in range(c.saturate_streams)]  # adapters pod 0 holds after a load
     saturating = PoolConfig(**{**asdict(c), "concurrency": c.saturate_streams,
                                "max_tokens": c.saturate_tokens})
-    with pods.http() as client, Scraper(pods.metrics_urls[0], c.refresh_ms / 1000) as scraper:
+    metrics = pods.metrics_urls[0]
+    with pods.http() as client, ChildScraper(metrics, c.refresh_ms / 1000) as scraper, \
+            Scraper(metrics, c.refresh_ms / 1000) as beside:  # the same from a thread here
         results = send(trace, lambda i, model: url, client, saturating)
     return {"streams": c.saturate_streams, "max_tokens": c.saturate_tokens,
             "batch": pods.settings.max_batch_size, "ok": sum(r.ok for r in results),
-            "scrape_errors": scraper.errors, **scrape_latency(scraper.samples)}
+            "scrape_errors": scraper.errors, **scrape_latency(scraper.samples),
+            "from_benchmark_thread": scrape_latency(beside.samples)}
 
 
 def comparison(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:

@@ -13,6 +13,7 @@ import pytest
 
 from lorastream.bench.endpoint_picker import EndpointView
 from lorastream.bench.pool import (
+    ChildScraper,
     PickerRouter,
     PoolConfig,
     Scraper,
@@ -158,6 +159,13 @@ def test_the_scraper_feeds_every_scrape_to_the_picker_and_times_it(metrics_serve
     assert picker.views[0].active_models == {"a"} and picker.views[0].waiting_queue_size == 4
 
 
+def test_the_scraper_in_its_own_process_returns_its_timed_scrapes(metrics_server: str) -> None:
+    with ChildScraper(metrics_server, 0.001) as scraper:
+        pass  # it scrapes at least once before it stops
+    assert scraper.samples and scraper.errors == 0
+    assert all(waiting for _, waiting in scraper.samples)
+
+
 def test_every_pod_is_started_with_the_configs_slots_and_host_cache() -> None:
     args = PoolConfig(slots=3, host_cache_bytes=1 << 20).pod_settings().worker_args(
         5000, 5001, "127.0.0.1:1")
@@ -181,7 +189,10 @@ RESULT = {
     "gateway_minus_picker_points": 3.0,
     "picker_minus_random_points": 40.0,
     "metrics_saturated": {"streams": 24, "batch": 8, "saturated_scrapes": 40,
-                          "saturated_ms": {"p50": 6.0, "p99": 61.5}, "saturated_max_ms": 70.1},
+                          "saturated_ms": {"p50": 6.0, "p99": 61.5}, "saturated_max_ms": 70.1,
+                          "from_benchmark_thread": {"saturated_scrapes": 38,
+                                                    "saturated_ms": {"p50": 9.0, "p99": 95.0},
+                                                    "saturated_max_ms": 99.5}},
     "metrics_p99_ms_saturated": 61.5,
     "load_average_at_start": [4.5, 3.0, 2.0],
     "goal_picker_near_gateway": "gateway_minus_picker_points <= 5",
@@ -206,6 +217,7 @@ def test_the_section_shows_each_routings_figures_from_the_result() -> None:
     assert "| random | 20.0%" in section and "| lorastream gateway | 63.0%" in section
     assert "3.0 points above the endpoint picker" in section
     assert "| 40 | 6.0 | 61.5 | 70.1 |" in section  # the saturated pod's scrapes
+    assert "| 38 | 9.0 | 95.0 | 99.5 |" in section  # the same from the benchmark's thread
     assert "a 16 MiB host cache" in section
     assert "4.50, 3.00, 2.00" in section and "None" not in section
 
