@@ -82,7 +82,7 @@ class PoolConfig:
     max_tokens: int = 8
     refresh_ms: float = 50.0  # the picker's scrape interval
     saturate_streams: int = 24
-    saturate_tokens: int = 48
+    saturate_tokens: int = 160  # long enough for a few hundred scrapes: p99 is not the max
     seed: int = 0
 
     def pod_settings(self) -> PodSettings:
