@@ -108,12 +108,12 @@ def pool_section(r: Result, plots: Mapping[str, str]) -> str:
         "device slots only.",
         table(["routing", "held share", "device share", "store fetches", "requests per worker",
                "tok/s", "TTFT p50 (ms)", "ok"], rows),
-        f"Held share: the lorastream gateway is "
-        f"{number(r.get('gateway_minus_picker_points'), 1)} points above the endpoint picker, "
-        f"the picker {number(r.get('picker_minus_random_points'), 1)} points above random. "
-        "Device share alone (what `vllm:lora_requests_info` shows the picker): the gateway is "
-        f"{number(r.get('device_gateway_minus_picker_points'), 1)} points above the picker, the "
-        f"picker {number(r.get('device_picker_minus_random_points'), 1)} above random. An "
+        "Held share, lorastream gateway minus endpoint picker: "
+        f"{number(r.get('gateway_minus_picker_points'), 1)} points; endpoint picker minus "
+        f"random: {number(r.get('picker_minus_random_points'), 1)} points. Device share alone "
+        "(all that `vllm:lora_requests_info` shows the picker), gateway minus picker: "
+        f"{number(r.get('device_gateway_minus_picker_points'), 1)} points; picker minus random: "
+        f"{number(r.get('device_picker_minus_random_points'), 1)} points. An "
         "adapter evicted from a slot to host memory is not listed, so the picker scores the pod "
         "holding it as one that lacks it, while the gateway sends it where it sits in host "
         "memory.",

@@ -215,7 +215,7 @@ def test_the_section_shows_each_routings_figures_from_the_result() -> None:
     picker_row = next(line for line in section.splitlines() if line.startswith("| endpoint"))
     assert "60.0%" in picker_row and "3 / 3 / 4" in picker_row and "210.0" in picker_row
     assert "| random | 20.0%" in section and "| lorastream gateway | 63.0%" in section
-    assert "3.0 points above the endpoint picker" in section
+    assert "gateway minus endpoint picker: 3.0 points" in section
     assert "| 40 | 6.0 | 61.5 | 70.1 |" in section  # the saturated pod's scrapes
     assert "| 38 | 9.0 | 95.0 | 99.5 |" in section  # the same from the benchmark's thread
     assert "a 16 MiB host cache" in section
