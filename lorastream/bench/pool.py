@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ class PoolConfig:
 
 # -- the picker's side -----------------------------------------------------------------------------
 class PickerRouter:
-    """The endpoint picker over ``len(urls)`` pods: the latest view of each (every scrape
+    """The endpoint picker over ``pods`` pods: the latest view of each (every scrape
     updates it as the extractor does: a family missing from a scrape leaves its part as it
     was), and the choice for a request from those views."""
 
@@ -217,23 +218,22 @@ def run_policy(policy: str, pods: Pods, trace: Sequence[int], c: PoolConfig) -> 
     restart_s = pods.restart()
     assert pods.gateway is not None
     fronts = [front.url for front in pods.fronts]
-    per_pod = [0] * len(fronts)
+    routed: list[int] = []  # the pod of each request, as the picker or random chose it
     scrapers: list[Scraper] = []
     if policy == "picker":
         router = PickerRouter(len(fronts), random.Random(f"{c.seed}/picker"))
-        scrapers = [Scraper(url, c.refresh_ms / 1000,
-                            lambda text, p=p: router.update(p, text))  # type: ignore[misc]  # p bound per pod
+        scrapers = [Scraper(url, c.refresh_ms / 1000, partial(router.update, p))
                     for p, url in enumerate(pods.metrics_urls)]
 
         def url_of(i: int, model: str) -> str:
             pod = router.choose(model)
-            per_pod[pod] += 1
+            routed.append(pod)
             return fronts[pod]
     elif policy == "random":
         targets = random_targets(len(trace), len(fronts), c.seed)
 
         def url_of(i: int, model: str) -> str:
-            per_pod[targets[i]] += 1
+            routed.append(targets[i])
             return fronts[targets[i]]
     else:
         gateway = pods.gateway.url
@@ -256,7 +256,7 @@ def run_policy(policy: str, pods: Pods, trace: Sequence[int], c: PoolConfig) -> 
         **summarise(results),
     }
     if policy == "picker":
-        figures["routed_per_pod"] = per_pod
+        figures["routed_per_pod"] = [routed.count(p) for p in range(len(fronts))]
         figures["metrics"] = scrape_latency([s for sc in scrapers for s in sc.samples])
         figures["scrape_errors"] = sum(sc.errors for sc in scrapers)
     return figures
