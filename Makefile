@@ -116,6 +116,7 @@ bench: install-dev gemma
 	$(LORASTREAM) bench grammar --output $(BENCH_RESULTS)/grammar.json
 	$(LORASTREAM) bench prefix --output $(BENCH_RESULTS)/prefix.json
 	$(LORASTREAM) bench soak --output $(BENCH_RESULTS)/soak.json
+	$(LORASTREAM) bench pool --output $(BENCH_RESULTS)/pool.json
 	# three worker containers (docker compose); skipped without an engine (docs/deploy.md)
 	if docker info >/dev/null 2>&1; then $(LORASTREAM) bench fleet --output $(BENCH_RESULTS)/fleet.json; \
 	else echo "bench fleet skipped: no Docker engine (scripts/docker_host_prepare.sh)"; fi

@@ -19,6 +19,7 @@ from typing import Any
 from lorastream.bench import (
     gpu_report,
     report_grammar,
+    report_pool,
     report_prefix,
     report_push,
     report_quant,
@@ -102,6 +103,10 @@ BENCHES = (
     Bench("fleet", "A fleet in compose: affinity vs random routing, a killed worker (fleet)",
           "lorastream bench fleet --output {results}/fleet.json",
           sections.fleet_section, sections.fleet_goals),
+    Bench("pool", "Routing over pods: the endpoint picker vs random vs lorastream's gateway "
+          "(pool)",
+          "lorastream bench pool --output {results}/pool.json",
+          report_pool.pool_section, report_pool.pool_goals),
     Bench("soak", "Soak: two workers at 2x capacity, cancellations, a restart (soak)",
           "lorastream bench soak --output {results}/soak.json",
           report_soak.soak_section, report_soak.soak_goals,

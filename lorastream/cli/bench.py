@@ -221,6 +221,7 @@ app.command("serve")(bench_serving.serve)
 app.command("saturate")(bench_serving.saturate)
 app.command("scale")(bench_serving.scale)
 app.command("fleet")(bench_serving.fleet)
+app.command("pool")(bench_serving.pool)
 
 
 @app.command("push")

@@ -1,4 +1,4 @@
-"""``lorastream bench serve|saturate|scale|fleet|soak``: the benchmarks of serving through
+"""``lorastream bench serve|saturate|scale|fleet|soak|pool``: the benchmarks of serving through
 processes (a worker, ``lorastream up``, a compose fleet); registered on ``lorastream bench`` by
 ``lorastream/cli/bench.py``."""
 
@@ -225,3 +225,40 @@ def soak(
         settle_s=settle, seed=seed,
     )
     print_result(run_soak_bench(config), output)
+
+
+def pool(
+    model: str = typer.Option("default", help="Base model of the workers."),
+    workers: int = typer.Option(3, min=2, help="Pods (a worker and its OpenAI front each)."),
+    adapters: int = typer.Option(32, min=1, help="Synthetic adapters in the store (more than "
+                                 "the slots of all workers)."),
+    slots: int = typer.Option(2, min=1, help="Device slots of each worker (--max-loras)."),
+    host_cache_bytes: int = typer.Option(16 << 20, min=1, help="Host cache of each worker."),
+    requests: int = typer.Option(200, min=1, help="Requests of the trace run once per policy."),
+    concurrency: int = typer.Option(6, min=1, help="Requests in flight."),
+    zipf_s: float = typer.Option(1.1, min=0.0, help="Zipf exponent of adapter popularity."),
+    max_tokens: int = typer.Option(8, min=1, help="Tokens generated per request (EOS ignored)."),
+    refresh_ms: float = typer.Option(
+        50.0, min=1.0, help="The picker's scrape interval of each pod's /metrics."),
+    saturate_streams: int = typer.Option(
+        24, min=1, help="Streams sent at once to one pod while its /metrics is timed."),
+    seed: int = typer.Option(0, help="Seed of the trace, the adapters and the random routing."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """Pod-shaped workers on loopback, one zipf trace routed by llm-d-router's endpoint picker
+    (re-implemented, scraping /metrics), at random and by lorastream's gateway, each from cold:
+    the share of requests served by a worker already holding the adapter, then /metrics latency
+    on a saturated worker (goals: picker within 5 points of the gateway and 20 over random;
+    p99 <= 50 ms)."""
+    require_bench_extra()
+    from lorastream.bench.pool import PoolConfig, run_pool_bench
+
+    setup_logging(log_level)
+    config = PoolConfig(
+        model=model, workers=workers, adapters=adapters, slots=slots,
+        host_cache_bytes=host_cache_bytes, requests=requests, concurrency=concurrency,
+        zipf_s=zipf_s, max_tokens=max_tokens, refresh_ms=refresh_ms,
+        saturate_streams=saturate_streams, seed=seed,
+    )
+    print_result(run_pool_bench(config), output)
