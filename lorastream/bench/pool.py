@@ -65,7 +65,9 @@ from lorastream.bench.pool_pods import Pods, PodSettings
 from lorastream.bench.scale import ScaleConfig, adapter_name, register_adapters
 from lorastream.bench.synthetic import ATTENTION, checkpoint_shape
 
-POLICIES = ("picker", "random", "gateway")
+# picker: the workers list held adapters (slot or host memory) as running, the default;
+# picker-device: only those ready in a slot (--picker-running device), the protocol's wording
+POLICIES = ("picker", "picker-device", "random", "gateway")
 WEIGHTS = PickerWeights()  # as deploy/k8s/inference-pool/epp-config.yaml weighs the scorers
 
 
@@ -215,12 +217,12 @@ def counted_per_worker(before: dict[str, dict[str, float]],
 
 def run_policy(policy: str, pods: Pods, trace: Sequence[int], c: PoolConfig) -> dict[str, Any]:
     """One cold run of ``trace`` routed by ``policy``; its figures (module docstring)."""
-    restart_s = pods.restart()
+    restart_s = pods.restart("device" if policy == "picker-device" else "held")
     assert pods.gateway is not None
     fronts = [front.url for front in pods.fronts]
     routed: list[int] = []  # the pod of each request, as the picker or random chose it
     scrapers: list[Scraper] = []
-    if policy == "picker":
+    if policy.startswith("picker"):
         router = PickerRouter(len(fronts), random.Random(f"{c.seed}/picker"))
         scrapers = [Scraper(url, c.refresh_ms / 1000, partial(router.update, p))
                     for p, url in enumerate(pods.metrics_urls)]
@@ -255,7 +257,7 @@ def run_policy(policy: str, pods: Pods, trace: Sequence[int], c: PoolConfig) -> 
         "requests_per_worker": counted_per_worker(before, after),
         **summarise(results),
     }
-    if policy == "picker":
+    if policy.startswith("picker"):
         figures["routed_per_pod"] = [routed.count(p) for p in range(len(fronts))]
         figures["metrics"] = scrape_latency([s for sc in scrapers for s in sc.samples])
         figures["scrape_errors"] = sum(sc.errors for sc in scrapers)
@@ -290,6 +292,8 @@ def comparison(runs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         return round(100 * (x - y), 1)
 
     return {"gateway_minus_picker_points": points("held_share", "gateway", "picker"),
+            "gateway_minus_picker_device_points": points("held_share", "gateway",
+                                                         "picker-device"),
             "picker_minus_random_points": points("held_share", "picker", "random"),
             "device_gateway_minus_picker_points": points("device_share", "gateway", "picker"),
             "device_picker_minus_random_points": points("device_share", "picker", "random")}

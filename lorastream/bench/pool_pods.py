@@ -16,7 +16,7 @@ import os
 import secrets
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import httpx
@@ -39,6 +39,7 @@ class PodSettings:
     host_cache_bytes: int = 16 << 20  # a few adapters: residency matters past the slots
     kv_cache_bytes: int = 64 << 20
     start_timeout_s: float = 600.0
+    picker_running: str = "held"  # --picker-running: what vllm:lora_requests_info lists
 
     def worker_args(self, port: int, metrics_port: int, store: str) -> list[str]:
         return ["worker", "serve", "--model", self.model, "--served-model-name", "base",
@@ -46,7 +47,8 @@ class PodSettings:
                 "--max-loras", str(self.slots), "--max-lora-rank", str(self.max_lora_rank),
                 "--max-batch-size", str(self.max_batch_size),
                 "--host-cache-bytes", str(self.host_cache_bytes),
-                "--kv-cache-bytes", str(self.kv_cache_bytes), "--drain-seconds", "0"]
+                "--kv-cache-bytes", str(self.kv_cache_bytes), "--drain-seconds", "0",
+                "--picker-running", self.picker_running]
 
 
 class Front:
@@ -130,9 +132,12 @@ class Pods:
                 stop(process, grace_s=30)
             self._processes[i] = None
 
-    def restart(self) -> float:
-        """Every pod cold again: workers stopped and started, new fronts; seconds it took."""
+    def restart(self, picker_running: str | None = None) -> float:
+        """Every pod cold again: workers stopped and started (with ``--picker-running``
+        ``picker_running`` when given), new fronts; seconds it took."""
         self.stop()
+        if picker_running is not None:
+            self.settings = replace(self.settings, picker_running=picker_running)
         return self.start()
 
     def http(self, timeout_s: float = 600) -> httpx.Client:

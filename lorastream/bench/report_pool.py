@@ -19,7 +19,8 @@ from lorastream.bench.report_format import (
 )
 
 POLICY_LABELS = {
-    "picker": "endpoint picker (llm-d-router's scorers, re-implemented)",
+    "picker": "endpoint picker, running = held (slot or host memory; the default)",
+    "picker-device": "endpoint picker, running = in a slot (--picker-running device)",
     "random": "random",
     "gateway": "lorastream gateway",
 }
@@ -93,7 +94,7 @@ def pool_section(r: Result, plots: Mapping[str, str]) -> str:
         f"{text(c.get('requests'))} streamed completions of {text(c.get('max_tokens'))} tokens, "
         f"zipf s={text(c.get('zipf_s'))} ({text(trace.get('distinct_adapters'))} distinct "
         f"adapters, the most popular {pct(trace.get('top_adapter_share'))} of requests), "
-        f"{text(c.get('concurrency'))} in flight, routed three ways, every worker restarted "
+        f"{text(c.get('concurrency'))} in flight, routed four ways, every worker restarted "
         "before each (cold): **endpoint picker**: llm-d-router's metrics extractor and its "
         "lora-affinity, queue and kv-cache scorers re-implemented "
         "(`lorastream/bench/endpoint_picker.py`, weights "
@@ -104,16 +105,17 @@ def pool_section(r: Result, plots: Mapping[str, str]) -> str:
         "**random**: a pod drawn uniformly; **lorastream gateway**: one gateway over all the "
         "workers (its residency routing, from its own polls). **Held share**: requests served by "
         "a worker that already held the adapter (device slot or host memory), counted by the "
-        "workers themselves (`lorastream_worker_adapter_{hits,misses}_total`); the picker sees "
-        "device slots only.",
+        "workers themselves (`lorastream_worker_adapter_{hits,misses}_total`). The picker runs "
+        "twice: with the workers' default `--picker-running held` (`running_lora_adapters` "
+        "lists the adapters in a slot or in host memory) and with `--picker-running device` "
+        "(only those ready in a slot, the protocol document's wording).",
         table(["routing", "held share", "device share", "store fetches", "requests per worker",
                "tok/s", "TTFT p50 (ms)", "ok"], rows),
-        "Held share, lorastream gateway minus endpoint picker: "
+        "Held share, lorastream gateway minus endpoint picker (held): "
         f"{number(r.get('gateway_minus_picker_points'), 1)} points; endpoint picker minus "
-        f"random: {number(r.get('picker_minus_random_points'), 1)} points. Device share alone "
-        "(all that `vllm:lora_requests_info` shows the picker), gateway minus picker: "
-        f"{number(r.get('device_gateway_minus_picker_points'), 1)} points; picker minus random: "
-        f"{number(r.get('device_picker_minus_random_points'), 1)} points. An "
+        f"random: {number(r.get('picker_minus_random_points'), 1)} points; with "
+        "`--picker-running device`, gateway minus picker: "
+        f"{number(r.get('gateway_minus_picker_device_points'), 1)} points. With `device`, an "
         "adapter evicted from a slot to host memory is not listed, so the picker scores the pod "
         "holding it as one that lacks it, while the gateway sends it where it sits in host "
         "memory.",

@@ -49,6 +49,7 @@ class TierState:
     prefix_hit_rate: float = 0.0  # prompt tokens taken from the prefix cache / looked up
     # The endpoint picker's view (the vllm:* gauges): adapter names, sorted.
     ready_adapters: tuple[str, ...] = ()  # in a device slot, copy complete
+    held_adapters: tuple[str, ...] = ()  # in a device slot or in host memory (no store fetch)
     wanted_adapters: tuple[str, ...] = ()  # needed by queued requests, not ready in a slot
     adapter_slots: int = 0
     kv_blocks: int = 0  # KV cache blocks in all
@@ -56,17 +57,24 @@ class TierState:
     kv_block_size: int = 0  # tokens per block
 
 
-def vllm_families(state: TierState, now: float) -> Iterator[GaugeMetricFamily]:
-    """The vLLM-named gauges the endpoint picker reads, for ``state`` read at unix time ``now``."""
+PICKER_RUNNING = ("held", "device")  # what running_lora_adapters lists (docs/metrics.md)
+
+
+def vllm_families(state: TierState, now: float, running: str = "held"
+                  ) -> Iterator[GaugeMetricFamily]:
+    """The vLLM-named gauges the endpoint picker reads, for ``state`` read at unix time ``now``;
+    ``running``: ``held`` lists the adapters in a slot or in host memory as running (a request
+    for one needs no store fetch), ``device`` those ready in a slot only."""
     lora = GaugeMetricFamily(
         "vllm:lora_requests_info",
-        "Adapters ready in device slots (running), needed by queued requests and not ready "
-        "(waiting), slots (max_lora); value: when this was read (unix seconds).",
+        "Adapters held (running: in a device slot, or in host memory with --picker-running "
+        "held), needed by queued requests and not ready (waiting), slots (max_lora); value: "
+        "when this was read (unix seconds).",
         labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
     )
+    listed = state.held_adapters if running == "held" else state.ready_adapters
     lora.add_metric(
-        [",".join(state.ready_adapters), ",".join(state.wanted_adapters),
-         str(state.adapter_slots)],
+        [",".join(listed), ",".join(state.wanted_adapters), str(state.adapter_slots)],
         now,
     )
     yield lora
@@ -89,12 +97,13 @@ def vllm_families(state: TierState, now: float) -> Iterator[GaugeMetricFamily]:
 
 
 class _StateCollector(Collector):
-    def __init__(self, read: Callable[[], TierState]) -> None:
+    def __init__(self, read: Callable[[], TierState], picker_running: str) -> None:
         self._read = read
+        self._picker_running = picker_running
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         state = self._read()
-        yield from vllm_families(state, time.time())
+        yield from vllm_families(state, time.time(), self._picker_running)
         resident = GaugeMetricFamily(
             "lorastream_worker_adapters_resident", "Adapters resident per tier.", labels=["tier"]
         )
@@ -136,7 +145,10 @@ class _StateCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, picker_running: str = "held") -> None:
+        """``picker_running``: what ``vllm:lora_requests_info`` lists as running
+        (:func:`vllm_families`)."""
+        self.picker_running = picker_running
         self.registry = CollectorRegistry()
         r = self.registry
         self.hits = Counter(
@@ -176,7 +188,7 @@ class WorkerMetrics:
 
     def watch(self, read: Callable[[], TierState]) -> None:
         """Report ``read()`` at every scrape."""
-        self.registry.register(_StateCollector(read))
+        self.registry.register(_StateCollector(read, self.picker_running))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP; returns the bound port (``port`` 0 picks one)."""

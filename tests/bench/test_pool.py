@@ -94,12 +94,12 @@ def test_requests_per_worker_are_its_device_hits_and_misses_between_the_counts()
 
 
 @pytest.mark.parametrize(("held", "device", "expected"), [
-    ({"picker": 0.7, "random": 0.3, "gateway": 0.72},
-     {"picker": 0.5, "random": 0.2, "gateway": 0.4}, (2.0, 40.0, -10.0, 30.0)),
+    ({"picker": 0.7, "picker-device": 0.6, "random": 0.3, "gateway": 0.72},
+     {"picker": 0.5, "random": 0.2, "gateway": 0.4}, (2.0, 12.0, 40.0, -10.0, 30.0)),
     ({"picker": 0.8, "random": 0.35, "gateway": 0.7}, {},
-     (-10.0, 45.0, None, None)),
+     (-10.0, None, 45.0, None, None)),
     ({"picker": None, "random": 0.3, "gateway": 0.7}, {},
-     (None, None, None, None)),
+     (None, None, None, None, None)),
 ])
 def test_the_comparison_is_in_points_of_held_and_of_device_share(
     held: dict[str, float | None], device: dict[str, float], expected: tuple[float | None, ...]
@@ -107,7 +107,8 @@ def test_the_comparison_is_in_points_of_held_and_of_device_share(
     runs = {p: {"held_share": share, "device_share": device.get(p)} for p, share in held.items()}
     assert tuple(comparison(runs).values()) == expected
     assert list(comparison(runs)) == [
-        "gateway_minus_picker_points", "picker_minus_random_points",
+        "gateway_minus_picker_points", "gateway_minus_picker_device_points",
+        "picker_minus_random_points",
         "device_gateway_minus_picker_points", "device_picker_minus_random_points"]
 
 
@@ -215,7 +216,7 @@ def test_the_section_shows_each_routings_figures_from_the_result() -> None:
     picker_row = next(line for line in section.splitlines() if line.startswith("| endpoint"))
     assert "60.0%" in picker_row and "3 / 3 / 4" in picker_row and "210.0" in picker_row
     assert "| random | 20.0%" in section and "| lorastream gateway | 63.0%" in section
-    assert "gateway minus endpoint picker: 3.0 points" in section
+    assert "gateway minus endpoint picker (held): 3.0 points" in section
     assert "| 40 | 6.0 | 61.5 | 70.1 |" in section  # the saturated pod's scrapes
     assert "| 38 | 9.0 | 95.0 | 99.5 |" in section  # the same from the benchmark's thread
     assert "a 16 MiB host cache" in section

@@ -42,6 +42,7 @@ class Pod:
     worker: WorkerHandle
     metrics_port: int
     front: Gateway
+    running: str  # the worker's --picker-running: what running_lora_adapters lists
     streams: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -79,8 +80,9 @@ class Pod:
 
 @dataclass(frozen=True)
 class Truth:
-    """A pod's state read from the engine itself: adapter ids in slots (copy complete), ids of
-    adapters that waiting requests need and no slot holds ready, and the queue."""
+    """A pod's state read from the engine itself: adapter ids in slots (copy complete) -- or,
+    with ``--picker-running held``, in a slot or in host memory --, ids of adapters that waiting
+    requests need and no slot holds ready, and the queue."""
 
     ready: frozenset[str]
     wanted: frozenset[str]
@@ -88,16 +90,19 @@ class Truth:
     running: int
 
 
-def truth(engine: Engine) -> Truth:
+def truth(engine: Engine, running: str) -> Truth:
     in_slots = {info.adapter_id for info in engine.slots.table if info.adapter_id is not None}
     snapshots = [engine.adapters.inspect(name) for name in (A, B, C, COLD)]
     ready = frozenset(  # in the slot table, its copy complete
         s.adapter_id for s in snapshots
         if s is not None and s.adapter_id in in_slots and s.residency == "device"
     )
+    held = ready | frozenset(  # or whole in host memory, its weights checked
+        s.adapter_id for s in snapshots if s is not None and s.residency == "host"
+    )
     waiting = tuple(engine.scheduler.waiting)
     wanted = frozenset(s.adapter_id for s in waiting if s.adapter_id is not None) - ready
-    return Truth(ready, wanted, engine.waiting, engine.running)
+    return Truth(held if running == "held" else ready, wanted, engine.waiting, engine.running)
 
 
 def ids(engine: Engine, names: frozenset[str]) -> frozenset[str]:
@@ -108,15 +113,17 @@ def scraped_at_a_still_moment(pod: Pod) -> tuple[EndpointView, Truth]:
     """The picker's view from one scrape, with the engine's truth read before and after it
     unchanged (so the scrape saw that state); tries again while the state moves."""
     for _ in range(50):
-        before = truth(pod.engine)
+        before = truth(pod.engine, pod.running)
         view = extract(pod.scrape())
-        if truth(pod.engine) == before:
+        if truth(pod.engine, pod.running) == before:
             return view, before
     raise AssertionError("the pod's state never held still across a scrape")
 
 
-@pytest.fixture(scope="module")
-def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Pod]]:
+@pytest.fixture(scope="module", params=["held", "device"])
+def pods(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+         ) -> Iterator[list[Pod]]:
+    """Three pods whose workers list ``request.param`` adapters as running (--picker-running)."""
     root = tmp_path_factory.mktemp("pool")
     model = make_tiny_checkpoint(root / "model", max_position_embeddings=2048)
     adapters = make_tiny_adapters(model, root / "adapters")
@@ -133,6 +140,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Pod]]:
         settings = WorkerSettings(
             model=str(model), served_model_name="tiny", port=0, store=store, max_loras=SLOTS,
             max_lora_rank=64, kv_cache_bytes=16 << 20, model_cache_dir=root / f"models-{i}",
+            picker_running=request.param,
         )
         worker = WorkerHandle(settings, build_engine(settings, checkpoint=model))
         worker.start()
@@ -142,7 +150,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Pod]]:
             workers=[worker.target], store=store, poll_interval_s=0.1, health_timeout_s=0.5,
         ))
         stoppers.append(front.stop)
-        made.append(Pod(worker, metrics_port, front))
+        made.append(Pod(worker, metrics_port, front, request.param))
     yield made
     for stop in reversed(stoppers):
         stop()
@@ -170,11 +178,11 @@ def loaded(pods: list[Pod]) -> Iterator[list[Pod]]:
             thread.join(timeout=60)
 
 
-EXPECTED = [  # (running, waiting, queue waiting, queue running) as built by ``loaded``
-    ({A, B}, {C}, 1, 2),
-    ({B, C}, set(), 0, 1),
-    (set(), set(), 0, 0),
-]
+EXPECTED = {  # (running, waiting, queue waiting, queue running) as built by ``loaded``
+    "device": [({A, B}, {C}, 1, 2), ({B, C}, set(), 0, 1), (set(), set(), 0, 0)],
+    # held: pod 0 holds C in host memory while it waits for a slot, pod 1 holds A evicted there
+    "held": [({A, B, C}, {C}, 1, 2), ({A, B, C}, set(), 0, 1), (set(), set(), 0, 0)],
+}
 
 
 @pytest.mark.parametrize("index", range(3))
@@ -183,7 +191,7 @@ def test_the_pickers_view_of_each_pod_is_its_true_slots_and_queue(
 ) -> None:
     pod = loaded[index]
     view, true = scraped_at_a_still_moment(pod)
-    running, waiting, queued, batch = EXPECTED[index]
+    running, waiting, queued, batch = EXPECTED[pod.running][index]
     # the view against the engine's own state at that moment
     assert ids(pod.engine, view.active_models) == true.ready
     assert ids(pod.engine, view.waiting_models) == true.wanted
@@ -193,8 +201,9 @@ def test_the_pickers_view_of_each_pod_is_its_true_slots_and_queue(
     assert (view.waiting_queue_size, view.running_requests_size) == (queued, batch)
     assert view.max_active_models == SLOTS
     assert COLD not in view.active_models | view.waiting_models
-    if index == 1:  # A was evicted to host memory: not listed, though this worker holds it
+    if index == 1:  # A was evicted to host memory: listed as running only with held
         assert pod.engine.adapters.status(A).residency == "host"
+        assert (A in view.active_models) == (pod.running == "held")
     assert view.num_gpu_blocks == pod.engine.kv.num_blocks and view.block_size > 0
     assert view.kv_cache_usage == pod.engine.kv.allocator.used_blocks / pod.engine.kv.num_blocks \
         or batch > 0  # a running pod's KV use moves with every step; an idle one's is exact
@@ -204,11 +213,19 @@ def test_lora_affinity_scores_follow_residency_and_queue(loaded: list[Pod]) -> N
     views = [scraped_at_a_still_moment(pod)[0] for pod in loaded]
     scores = {m: [lora_affinity(v, m) for v in views] for m in (A, B, C, COLD)}
     assert scores == {
-        A: [1.0, 0.0, 0.8],  # evicted from pod 1, whose slots are both taken
-        B: [1.0, 1.0, 0.8],  # resident on pods 0 and 1 (idle on 1): no load there
-        C: [0.6, 1.0, 0.8],  # waiting on pod 0, running on pod 1
-        COLD: [0.0, 0.0, 0.8],  # only pod 2 has a free slot
-    }
+        "device": {
+            A: [1.0, 0.0, 0.8],  # evicted from pod 1, whose slots are both taken
+            B: [1.0, 1.0, 0.8],  # resident on pods 0 and 1 (idle on 1): no load there
+            C: [0.6, 1.0, 0.8],  # waiting on pod 0, running on pod 1
+            COLD: [0.0, 0.0, 0.8],  # only pod 2 has a free slot
+        },
+        "held": {
+            A: [1.0, 1.0, 0.8],  # pod 1 holds it in host memory: a slot copy away
+            B: [1.0, 1.0, 0.8],
+            C: [1.0, 1.0, 0.8],  # in pod 0's host memory, waiting for a slot there
+            COLD: [0.0, 0.0, 0.8],
+        },
+    }[loaded[0].running]
 
 
 def test_the_front_serves_the_adapter_named_in_model(loaded: list[Pod]) -> None:

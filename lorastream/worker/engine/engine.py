@@ -409,6 +409,9 @@ class Engine:
             prefix_cached_blocks=self.kv.allocator.cached_blocks,
             prefix_hit_rate=self.prefix.stats.hit_rate,
             ready_adapters=tuple(sorted({s.name for s in statuses if s.residency == "device"})),
+            held_adapters=tuple(sorted({
+                s.name for s in statuses if s.residency in ("device", "host")
+            })),
             wanted_adapters=tuple(sorted({
                 s.name for s in statuses if s.references > 0 and s.residency != "device"
             })),

@@ -25,6 +25,7 @@ from lorastream.worker.loading.fetch import AdapterFetcher, FetchProcess, Shared
 from lorastream.worker.loading.manager import AdapterManager
 from lorastream.worker.lora.backend import LoraBackend, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.checkpoint import resolve_checkpoint
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
@@ -132,6 +133,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         config, slots, device, fetcher, settings.host_cache_bytes,
         overlap=settings.lora_overlap_loading, layered=settings.layered_admission,
         fetch_threads=settings.fetch_threads,
+        metrics=WorkerMetrics(picker_running=settings.picker_running),
     )
     engine = Engine(
         model,

@@ -211,6 +211,13 @@ class WorkerSettings(StoreTLSSettings):
         "default until `lorastream bench serve` shows it pays on your hardware "
         "(docs/design.md, 'Layer-ordered admission').",
     )
+    picker_running: Literal["held", "device"] = Field(
+        "held",
+        description="What vllm:lora_requests_info's running_lora_adapters lists for Kubernetes' "
+        "endpoint picker: 'held', the adapters in a device slot or in host memory (a request "
+        "for one needs no store fetch; a slot copy takes a step or two), or 'device', those "
+        "ready in a slot only, as the protocol's text reads (docs/metrics.md).",
+    )
     prefix_caching: bool = Field(
         True,
         description="Automatic prefix caching: a request reuses the cached KV blocks of the "
