@@ -156,10 +156,13 @@ class AdapterEntry:
     def copy_submitted(self, event: Event) -> None:
         self.slot_event = event
 
-    def time_load(self) -> None:
-        """A request found it off the device: time its wait (unless a wait is timed already)."""
+    def time_load(self, requested: float | None = None) -> None:
+        """A request found it off the device: time its wait from ``requested`` (perf_counter,
+        before its name was resolved; default now), unless a wait is timed already."""
         if self.load is None or self.load.copied:  # none yet, or one left unclosed
             self.load = LoadTimeline.now()
+            if requested is not None:
+                self.load.requested, self.load.resolved = requested, self.load.requested
 
     def end_load_timing(self) -> LoadTimeline | None:
         """Its waiting request is admitted (or an operator's load is done): the timeline."""

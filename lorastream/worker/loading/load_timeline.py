@@ -3,7 +3,8 @@ request found off the device, from the request's arrival to its admission.
 
 The phases, in order (they add up to the whole wait)::
 
-    queue      request arrived -> its fetch began on a fetch thread (fetches queue one at a time)
+    resolve    request arrived -> its adapter's name resolved (a cold name may ask the store)
+    queue      resolved -> its fetch began on a fetch thread (fetches queue one at a time)
     stream     the store stream, less landing and checksums: socket reads, message parsing,
                waiting for the link (CPU: the fetch process's, all its threads)
     checksum   each tensor's digest, checked once its last byte landed
@@ -29,12 +30,13 @@ from dataclasses import dataclass
 
 from lorastream.worker.loading.landing import FetchTimes
 
-PHASES = ("queue", "stream", "checksum", "landing", "handoff", "slot_copy", "admission")
+PHASES = ("resolve", "queue", "stream", "checksum", "landing", "handoff", "slot_copy", "admission")
 
 
 @dataclass
 class LoadTimeline:
     requested: float  # perf_counter: the first request that found the adapter off the device
+    resolved: float | None = None  # its name resolved (None: not timed, as good as requested)
     fetch_began: float | None = None
     fetch_ended: float | None = None
     fetch: FetchTimes | None = None  # from the fetch (process), once it landed
@@ -56,11 +58,13 @@ class LoadTimeline:
         """``{phase: (wall seconds, CPU seconds or None)}`` of the phases this load went through
         (see the module's docstring), plus ``total``; call it once admitted."""
         out: dict[str, tuple[float, float | None]] = {}
-        fetched_at = self.requested
+        resolved = self.requested if self.resolved is None else self.resolved
+        out["resolve"] = (resolved - self.requested, None)
+        fetched_at = resolved
         if self.fetch_began is not None and self.fetch_ended is not None and self.fetch:
             f = self.fetch
             fetch_wall = self.fetch_ended - self.fetch_began
-            out["queue"] = (self.fetch_began - self.requested, None)
+            out["queue"] = (max(self.fetch_began - resolved, 0.0), None)
             out["stream"] = (max(fetch_wall - f.landing_s - f.checksum_s, 0.0),
                              max(f.cpu_s - f.landing_cpu_s - f.checksum_cpu_s, 0.0))
             out["checksum"] = (f.checksum_s, f.checksum_cpu_s)

@@ -132,8 +132,14 @@ class AdapterManager:
         """The content id ``name`` (or ``name@<content-id prefix>``) stands for: a local
         registration, else the store's per its watched catalogue (``names.py``): no store call
         for a resident adapter, and resident adapters keep serving while the store is down.
-        Called from request threads."""
-        return self._resolver.resolve(name).adapter_id
+        Called from request threads; a request that finds the adapter off the device has its
+        wait timed from here (``load_timeline.py``)."""
+        began = time.perf_counter()
+        entry = self._resolver.resolve(name)
+        with self._lock:
+            if not self._device_tier.ready(entry):
+                entry.time_load(began)
+        return entry.adapter_id
 
     @property
     def catalogue(self) -> StoreCatalogue | None:
