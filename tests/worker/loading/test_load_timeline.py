@@ -40,7 +40,8 @@ def test_phases_of_a_timeline_follow_each_other_and_add_up_to_the_wait() -> None
     fetch = FetchTimes(wall_s=0.48, cpu_s=0.3, landing_s=0.05, landing_cpu_s=0.04,
                        checksum_s=0.1, checksum_cpu_s=0.09)
     timeline = LoadTimeline(requested=9.9, resolved=10.0, fetch_began=10.1, fetch_ended=10.6,
-                            fetch=fetch, copy_submitted=10.7, copy_ended=10.8, copy_cpu_s=0.01, admitted=10.85)
+                            fetch=fetch, copy_submitted=10.7, copy_ended=10.8, copy_cpu_s=0.01,
+                            admitted=10.85)
     phases = timeline.phases()
     assert list(phases) == [*PHASES, "total"]
     assert phases["stream"] == pytest.approx((0.35, 0.17))
