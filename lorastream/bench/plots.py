@@ -68,9 +68,7 @@ def interference_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
     return _save(fig, out_png)
 
 
-_COLD_MODES = (("overlap_on", "overlap on", "tab:blue"),
-               ("overlap_on_share_0", "overlap on, --load-share 0", "tab:green"),
-               ("overlap_off", "overlap off", "tab:orange"))
+_SHARE_COLORS = ("tab:green", "tab:purple", "tab:red", "tab:brown")
 
 
 def cold_ttft_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
@@ -82,8 +80,13 @@ def cold_ttft_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(drawn), figsize=_SIZE, dpi=_DPI, squeeze=False)
     for ax, (key, title) in zip(axes[0], [p for p in panels if p[0] in drawn], strict=True):
+        shares = [k for k in serve[key] if k.startswith("overlap_on_share_")]
+        cold_modes = [("overlap_on", "overlap on", "tab:blue"),
+                      *((k, f"on, --load-share {k.removeprefix('overlap_on_share_')}",
+                         _SHARE_COLORS[i % len(_SHARE_COLORS)]) for i, k in enumerate(shares)),
+                      ("overlap_off", "overlap off", "tab:orange")]
         series = []
-        for mode, name, color in _COLD_MODES:
+        for mode, name, color in cold_modes:
             values = _floats(get(serve, key, mode, "samples", "cold_ttft_ms"))
             _cdf(ax, values, f"{name} ({_p50_label(values)})", color)
             series.append(values)

@@ -55,7 +55,13 @@ def serve_goals(r: Result) -> list[list[str]]:
     return rows
 
 
-_COLD_MODES = ("overlap_on", "overlap_on_share_0", "overlap_off")
+def _cold_modes(part: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, column label) of the modes a cold workload ran, in the order it ran them."""
+    shares = [key for key in part if key.startswith("overlap_on_share_")]
+    return [("overlap_on", "overlap on"),
+            *((key, f"on, --load-share {key.removeprefix('overlap_on_share_')}")
+              for key in shares),
+            ("overlap_off", "overlap off")]
 _PHASES = ("resolve", "queue", "stream", "checksum", "landing", "handoff", "slot_copy",
            "admission", "total")
 
@@ -66,24 +72,25 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
     burst, link = r.get("cold_burst"), r.get("cold_link")
     if not burst and not link:
         return ""
-    header = ["", "overlap on", "overlap on, --load-share 0", "overlap off"]
+    cold_modes = _cold_modes(burst or link)
+    header = ["", *(label for _, label in cold_modes)]
 
     def row(part: Any, label: str, *keys: str, fmt: Any = ms) -> list[str]:
-        return [label, *(fmt(get(part, mode, *keys)) for mode in _COLD_MODES)]
+        return [label, *(fmt(get(part, mode, *keys)) for mode, _ in cold_modes)]
 
     def phase_rows(part: Any) -> list[list[str]]:
         def cell(mode: str, phase: str) -> str:
             wall, cpu = get(part, mode, "load_phases", phase, "wall_ms"), get(
                 part, mode, "load_phases", phase, "cpu_ms")
             return ms(wall) if cpu is None else f"{ms(wall)} (CPU {ms(cpu)})"
-        return [[f"cold load: {phase} (ms)", *(cell(m, phase) for m in _COLD_MODES)]
+        return [[f"cold load: {phase} (ms)", *(cell(m, phase) for m, _ in cold_modes)]
                 for phase in _PHASES]
 
     parts = [
         "**Cold adapters on a busy CPU worker** (issue 57; `lorastream/bench/serve_cold.py`). "
-        "Each workload runs its worker three times: overlap on with the defaults, overlap on with "
-        "`--load-share 0` (a cold request's fetch gets only what decoding leaves), and overlap "
-        "off. The phase rows are the per-load means of the worker's "
+        "Each workload runs its worker once per mode: overlap on with the defaults, overlap on "
+        "with other `--load-share` values (at 0 a cold request's fetch gets only what decoding "
+        "leaves), and overlap off. The phase rows are the per-load means of the worker's "
         "`lorastream_worker_cold_load_phase_seconds` (docs/loading.md): wall time, and in "
         "brackets the CPU time of what computes in that phase.",
     ]

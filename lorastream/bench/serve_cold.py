@@ -14,12 +14,12 @@ then a request for a new cold adapter and one more for it once resident). Report
 cold request's first token against the adapter's link time plus its resident TTFT (goal p50 <=
 1.25), and the streams' ITL p99 in the loading windows against the quiet ones (goal <= 1.2).
 
-Each workload runs its worker once per mode (:data:`MODES`: overlap on with the worker's
-defaults, overlap on with ``--load-share 0`` -- the share of the cores a cold request's load
-gets, off -- and overlap off), restarted between modes so every adapter starts cold. Each mode
-also reports where its cold loads' time went (``load_phases``: the per-load mean wall and CPU
-time of each phase, from the worker's ``lorastream_worker_cold_load_phase_seconds``,
-``lorastream/worker/loading/load_timeline.py``).
+Each workload runs its worker once per mode (:func:`modes`: overlap on with the worker's
+defaults, overlap on with each ``--load-share`` of ``cold_shares`` -- by default only 0: the
+share of the cores a cold request's load gets, off -- and overlap off), restarted between
+modes so every adapter starts cold. Each mode also reports where its cold loads' time went
+(``load_phases``: the per-load mean wall and CPU time of each phase, from the worker's
+``lorastream_worker_cold_load_phase_seconds``, ``lorastream/worker/loading/load_timeline.py``).
 """
 
 from __future__ import annotations
@@ -59,12 +59,15 @@ from lorastream.core.worker_client import WorkerClient
 if TYPE_CHECKING:
     from lorastream.bench.serve import ServeConfig
 
-# mode -> (overlap, extra worker flags)
-MODES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "overlap_on": ("on", ()),
-    "overlap_on_share_0": ("on", ("--load-share", "0")),
-    "overlap_off": ("off", ()),
-}
+def modes(shares: tuple[float, ...]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """``{mode: (overlap, extra worker flags)}``: overlap on with the worker's defaults, on with
+    each ``--load-share`` of ``shares`` (``overlap_on_share_0``: the share off), and off."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {"overlap_on": ("on", ())}
+    for share in shares:
+        out[f"overlap_on_share_{share:g}"] = ("on", ("--load-share", f"{share:g}"))
+    out["overlap_off"] = ("off", ())
+    return out
+
 RESIDENT = "resident"
 WorkerArgs = Callable[[str, str, int], list[str]]  # (overlap, store, port) -> worker args
 
@@ -89,12 +92,12 @@ def run_burst(config: ServeConfig, root: Path, worker_args: WorkerArgs) -> dict[
     with running_store(root / "burst-store", port, 0.0, "idle"):
         target = f"127.0.0.1:{port}"
         stage_adapters(target, root, config, [RESIDENT, *cold], seed=1000)
-        modes = {mode: _in_worker(worker_args(overlap, target, free_port()), flags,
-                                  lambda worker, _: _burst(worker, config, cold))
-                 for mode, (overlap, flags) in MODES.items()}
-    on, off = modes["overlap_on"], modes["overlap_off"]
+        results = {mode: _in_worker(worker_args(overlap, target, free_port()), flags,
+                                    lambda worker, _: _burst(worker, config, cold))
+                   for mode, (overlap, flags) in modes(config.cold_shares).items()}
+    on, off = results["overlap_on"], results["overlap_off"]
     return {
-        **modes,
+        **results,
         "resident_ttft_p50_on_vs_off": _ratio(on["resident_ttft_ms"]["p50"],
                                               off["resident_ttft_ms"]["p50"]),
         "goal_resident_ttft_p50_on_vs_off": "<= 0.5",
@@ -110,13 +113,13 @@ def run_link(config: ServeConfig, store: str, worker_args: WorkerArgs) -> dict[s
     adapters (``cold{i}``) are staged there already (:func:`link_adapters`)."""
     link_s = (adapter_nbytes(checkpoint_shape(config.model), config.rank, ALL_LINEAR)
               / (config.store_link_mbps * 1e6)) if config.store_link_mbps else 0.0
-    modes = {mode: _in_worker(worker_args(overlap, store, free_port()), flags,
-                              lambda worker, _: _link(worker, config, link_s))
-             for mode, (overlap, flags) in MODES.items()}
-    on = modes["overlap_on"]
+    results = {mode: _in_worker(worker_args(overlap, store, free_port()), flags,
+                                lambda worker, _: _link(worker, config, link_s))
+               for mode, (overlap, flags) in modes(config.cold_shares).items()}
+    on = results["overlap_on"]
     return {
         "link_ms": round(link_s * 1000, 1),
-        **modes,
+        **results,
         "cold_vs_link_plus_resident_p50_on": on["cold_vs_link_plus_resident_p50"],
         "goal_cold_vs_link_plus_resident": "<= 1.25",
         "itl_p99_ratio_on": on["itl_p99_ratio"],

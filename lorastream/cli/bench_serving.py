@@ -40,6 +40,10 @@ def serve(
     burst_cold: int = typer.Option(6, min=1, help="Cold adapters asked for at once (burst)."),
     burst_resident: int = typer.Option(4, min=0, help="Resident-adapter requests in the burst."),
     link_rounds: int = typer.Option(6, min=1, help="Cold adapters asked for one at a time (link)."),
+    load_shares: str = typer.Option(
+        "0", help="--load-share values the burst and link workloads also run, overlap on, "
+        "beside the worker's default (comma-separated; 0: the share off).",
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -57,6 +61,7 @@ def serve(
         store_link_mbps=store_link_mbps, store_link_burst_bytes=store_link_burst_bytes,
         parts=tuple(p.strip() for p in parts.split(",") if p.strip()), burst_cold=burst_cold,
         burst_resident=burst_resident, link_rounds=link_rounds,
+        cold_shares=tuple(float(x) for x in load_shares.split(",") if x.strip()),
     )
     unknown = set(config.parts) - {"trace", "burst", "link"}
     if unknown or not config.parts:
