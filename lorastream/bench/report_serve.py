@@ -107,6 +107,10 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
                 row(burst, "running stream's worst gap before (ms)", "worst_gap_ms_before"),
                 row(burst, "running stream's worst gap during (ms)", "worst_gap_ms_during"),
                 row(burst, "worst gap, during / before", "worst_gap_ratio", fmt=ratio),
+                row(burst, "worst gap, same burst all resident (ms)",
+                    "worst_gap_ms_during_resident_burst"),
+                row(burst, "worst gap, during / same burst all resident",
+                    "worst_gap_during_vs_resident_burst", fmt=ratio),
                 *phase_rows(burst),
             ]),
         ]
