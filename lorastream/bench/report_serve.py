@@ -127,6 +127,10 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
                 row(link, "streams' ITL p99, no loads (ms)", "itl_p99_ms_no_loads"),
                 row(link, "streams' ITL p99, during loads (ms)", "itl_p99_ms_during_loads"),
                 row(link, "ITL p99, during / none", "itl_p99_ratio", fmt=ratio),
+                row(link, "streams' ITL p99, request for a resident adapter (ms)",
+                    "itl_p99_ms_resident_requests"),
+                row(link, "ITL p99, during loads / resident request",
+                    "itl_p99_during_loads_vs_resident_requests", fmt=ratio),
                 *phase_rows(link),
             ]),
         ]
