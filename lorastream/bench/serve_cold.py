@@ -17,8 +17,8 @@ cold request's first token against the adapter's link time plus its resident TTF
 against the windows of the second request (its adapter resident: its prefill alone, no load).
 
 Each workload runs its worker once per mode (:func:`modes`: overlap on with the worker's
-defaults, overlap on with each ``--load-share`` of ``cold_shares`` -- by default only 0: the
-share of the cores a cold request's load gets, off -- and overlap off), restarted between
+defaults, overlap on with each ``--load-share`` of ``cold_shares`` -- by default 0 (the share
+of the cores a cold request's load gets, off) and 0.3 -- and overlap off), restarted between
 modes so every adapter starts cold. Each mode also reports where its cold loads' time went
 (``load_phases``: the per-load mean wall and CPU time of each phase, from the worker's
 ``lorastream_worker_cold_load_phase_seconds``, ``lorastream/worker/loading/load_timeline.py``).
