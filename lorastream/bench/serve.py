@@ -18,6 +18,11 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
    time (store fetch + copy) with the CPU time the loaders (the store and the worker's fetch
    process) spent on it.
 
+Before them, the cold-adapter workloads of issue 57 (``serve_cold.py``): a burst of cold adapters
+beside resident ones, and cold adapters one at a time behind the capped link, each overlap on
+(at the worker's default ``--load-share`` and at ``cold_shares``) and off. ``parts`` picks which
+of ``trace`` (the three parts above and the CPU variants below), ``burst`` and ``link`` run.
+
 The worker's peak resident memory is sampled and reported against its configured budgets. After
 both modes the interference part and the cold probe run once more per variant of the worker's CPU
 measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
