@@ -68,6 +68,34 @@ def interference_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
     return _save(fig, out_png)
 
 
+_SHARE_COLORS = ("tab:green", "tab:purple", "tab:red", "tab:brown")
+
+
+def cold_ttft_cdf(serve: Mapping[str, Any], out_png: Path) -> Path | None:
+    """Cold requests' TTFT CDFs of the burst and the link-limited workloads, per mode."""
+    panels = (("cold_burst", "burst: cold adapters beside resident ones"),
+              ("cold_link", "link-limited store: one cold adapter at a time"))
+    drawn = [key for key, _ in panels if isinstance(serve.get(key), Mapping)]
+    if not drawn:
+        return None
+    fig, axes = plt.subplots(1, len(drawn), figsize=_SIZE, dpi=_DPI, squeeze=False)
+    for ax, (key, title) in zip(axes[0], [p for p in panels if p[0] in drawn], strict=True):
+        shares = [k for k in serve[key] if k.startswith("overlap_on_share_")]
+        cold_modes = [("overlap_on", "overlap on", "tab:blue"),
+                      *((k, f"on, --load-share {k.removeprefix('overlap_on_share_')}",
+                         _SHARE_COLORS[i % len(_SHARE_COLORS)]) for i, k in enumerate(shares)),
+                      ("overlap_off", "overlap off", "tab:orange")]
+        series = []
+        for mode, name, color in cold_modes:
+            values = _floats(get(serve, key, mode, "samples", "cold_ttft_ms"))
+            _cdf(ax, values, f"{name} ({_p50_label(values)})", color)
+            series.append(values)
+        _cdf_axes(ax, "cold request's TTFT (ms)", title, series)
+    fig.suptitle("Cold adapters on a busy CPU worker: TTFT of the cold requests\n"
+                 + _serve_config(serve))
+    return _save(fig, out_png)
+
+
 def scale_plot(scale: Mapping[str, Any], out_png: Path) -> Path | None:
     """Throughput and TTFT p50/p99 against the number of adapters (log x); PEFT as reference."""
     runs = [r for r in scale.get("runs") or [] if as_number(r.get("adapters")) is not None]

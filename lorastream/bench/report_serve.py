@@ -37,7 +37,105 @@ def serve_goals(r: Result) -> list[list[str]]:
         rows.append(goal_row(
             "serve cold TTFT / (link time + resident TTFT), same run as the ITL (overlap on)",
             r.get("cold_ttft_vs_link_plus_resident_overlap_on"), r.get("goal_cold_ttft_ratio")))
+    burst, link = r.get("cold_burst") or {}, r.get("cold_link") or {}
+    for label, part, key, goal in (
+        ("burst: resident TTFT p50, overlap on / off", burst, "resident_ttft_p50_on_vs_off",
+         "goal_resident_ttft_p50_on_vs_off"),
+        ("burst: cold TTFT p50, overlap on / off", burst, "cold_ttft_p50_on_vs_off",
+         "goal_cold_ttft_p50_on_vs_off"),
+        ("burst: running stream's worst gap, during / before (on)", burst,
+         "worst_gap_during_vs_before_on", "goal_worst_gap_ratio"),
+        ("link: cold TTFT / (link + resident TTFT), p50 (on)", link,
+         "cold_vs_link_plus_resident_p50_on", "goal_cold_vs_link_plus_resident"),
+        ("link: streams' ITL p99, during loads / none (on)", link, "itl_p99_ratio_on",
+         "goal_itl_p99_ratio"),
+    ):
+        if part:
+            rows.append(goal_row(label, part.get(key), part.get(goal)))
     return rows
+
+
+def _cold_modes(part: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, column label) of the modes a cold workload ran, in the order it ran them."""
+    shares = [key for key in part if key.startswith("overlap_on_share_")]
+    return [("overlap_on", "overlap on"),
+            *((key, f"on, --load-share {key.removeprefix('overlap_on_share_')}")
+              for key in shares),
+            ("overlap_off", "overlap off")]
+_PHASES = ("resolve", "queue", "stream", "checksum", "landing", "handoff", "slot_copy",
+           "admission", "total")
+
+
+def cold_section(r: Result, plots: Mapping[str, str]) -> str:
+    """The burst and link-limited workloads (``serve_cold.py``): three modes side by side, and
+    where each mode's cold loads spent their time."""
+    burst, link = r.get("cold_burst"), r.get("cold_link")
+    if not burst and not link:
+        return ""
+    cold_modes = _cold_modes(burst or link or {})
+    header = ["", *(label for _, label in cold_modes)]
+
+    def row(part: Any, label: str, *keys: str, fmt: Any = ms) -> list[str]:
+        return [label, *(fmt(get(part, mode, *keys)) for mode, _ in cold_modes)]
+
+    def phase_rows(part: Any) -> list[list[str]]:
+        def cell(mode: str, phase: str) -> str:
+            wall, cpu = get(part, mode, "load_phases", phase, "wall_ms"), get(
+                part, mode, "load_phases", phase, "cpu_ms")
+            return ms(wall) if cpu is None else f"{ms(wall)} (CPU {ms(cpu)})"
+        return [[f"cold load: {phase} (ms)", *(cell(m, phase) for m, _ in cold_modes)]
+                for phase in _PHASES]
+
+    parts = [
+        "**Cold adapters on a busy CPU worker** (issue 57; `lorastream/bench/serve_cold.py`). "
+        "Each workload runs its worker once per mode: overlap on with the defaults, overlap on "
+        "with other `--load-share` values (at 0 a cold request's fetch gets only what decoding "
+        "leaves), and overlap off. The phase rows are the per-load means of the worker's "
+        "`lorastream_worker_cold_load_phase_seconds` (docs/loading.md): wall time, and in "
+        "brackets the CPU time of what computes in that phase.",
+    ]
+    if burst:
+        parts += [
+            "Burst: one stream decodes on a resident adapter; then "
+            f"{text(get(burst, 'overlap_on', 'cold_requests'))} cold adapters and "
+            f"{text(get(burst, 'overlap_on', 'resident_requests'))} requests for the resident "
+            "one arrive at once (store at loopback speed).",
+            table(header, [
+                row(burst, "resident TTFT p50 (ms)", "resident_ttft_ms", "p50"),
+                row(burst, "cold TTFT p50 (ms)", "cold_ttft_ms", "p50"),
+                row(burst, "cold TTFT p90 (ms)", "cold_ttft_ms", "p90"),
+                row(burst, "running stream's worst gap before (ms)", "worst_gap_ms_before"),
+                row(burst, "running stream's worst gap during (ms)", "worst_gap_ms_during"),
+                row(burst, "worst gap, during / before", "worst_gap_ratio", fmt=ratio),
+                row(burst, "worst gap, same burst all resident (ms)",
+                    "worst_gap_ms_during_resident_burst"),
+                row(burst, "worst gap, during / same burst all resident",
+                    "worst_gap_during_vs_resident_burst", fmt=ratio),
+                *phase_rows(burst),
+            ]),
+        ]
+    if link:
+        parts += [
+            f"Link-limited: {text(get(link, 'overlap_on', 'rounds'))} cold adapters, one at a "
+            f"time, from the store behind its capped link ({ms(link.get('link_ms'))} ms per "
+            "adapter), while base-model streams decode.",
+            table(header, [
+                row(link, "cold TTFT p50 (ms)", "cold_ttft_ms", "p50"),
+                row(link, "resident TTFT p50 (ms)", "resident_ttft_ms", "p50"),
+                row(link, "cold / (link + resident TTFT), p50", "cold_vs_link_plus_resident_p50",
+                    fmt=ratio),
+                row(link, "streams' ITL p99, no loads (ms)", "itl_p99_ms_no_loads"),
+                row(link, "streams' ITL p99, during loads (ms)", "itl_p99_ms_during_loads"),
+                row(link, "ITL p99, during / none", "itl_p99_ratio", fmt=ratio),
+                row(link, "streams' ITL p99, request for a resident adapter (ms)",
+                    "itl_p99_ms_resident_requests"),
+                row(link, "ITL p99, during loads / resident request",
+                    "itl_p99_during_loads_vs_resident_requests", fmt=ratio),
+                *phase_rows(link),
+            ]),
+        ]
+    parts.append(plot_image(plots, "serve_cold", "cold requests' TTFT CDFs per mode"))
+    return paragraphs(parts)
 
 
 def serve_section(r: Result, plots: Mapping[str, str]) -> str:
@@ -109,6 +207,7 @@ def serve_section(r: Result, plots: Mapping[str, str]) -> str:
         _first_use_explained(r),
         _cold_probe_explained(r, c),
         _loader_budget_explained(r),
+        cold_section(r, plots),
     ]
     return paragraphs(parts)
 

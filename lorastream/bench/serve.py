@@ -18,6 +18,11 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
    time (store fetch + copy) with the CPU time the loaders (the store and the worker's fetch
    process) spent on it.
 
+Before them, the cold-adapter workloads of issue 57 (``serve_cold.py``): a burst of cold adapters
+beside resident ones, and cold adapters one at a time behind the capped link, each overlap on
+(at the worker's default ``--load-share`` and at ``cold_shares``) and off. ``parts`` picks which
+of ``trace`` (the three parts above and the CPU variants below), ``burst`` and ``link`` run.
+
 The worker's peak resident memory is sampled and reported against its configured budgets. After
 both modes the interference part and the cold probe run once more per variant of the worker's CPU
 measures, overlap on (:data:`CPU_VARIANTS`): the CPU load stream's copies beside the decode steps
@@ -73,14 +78,13 @@ from lorastream.bench.harness import (
 )
 from lorastream.bench.loader_cpu import LoaderCpu
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.serve_cold import link_adapters, run_burst, run_link, stage_adapters
 from lorastream.bench.synthetic import (
     ALL_LINEAR,
     adapter_nbytes,
     checkpoint_shape,
-    make_synthetic_adapter,
 )
 from lorastream.core.generation import PromptInput, SamplingParams
-from lorastream.core.store_client import StoreClient
 from lorastream.core.worker_client import WorkerClient
 
 PROBE_ADAPTERS = 3  # extra adapters in the store that only the cold probe asks for
@@ -105,6 +109,15 @@ class ServeConfig:
     store_link_mbps: float = 125.0  # the store's egress cap: a 1 Gb/s link; 0 = loopback speed
     store_link_burst_bytes: int = 4 << 20  # idle link time it may bank: a TCP send buffer
     seed: int = 0
+    # which parts run: "trace" (the trace, interference and cold probe per mode, and the CPU
+    # variants), "burst" and "link" (the cold-adapter workloads, serve_cold.py)
+    parts: tuple[str, ...] = ("trace", "burst", "link")
+    burst_cold: int = 6  # cold adapters asked for at once in the burst
+    burst_resident: int = 4  # requests for the resident adapter in the same burst
+    burst_quiet_s: float = 3.0  # the running stream decodes this long before the burst
+    link_rounds: int = 6  # cold adapters asked for one at a time from the capped store
+    link_quiet_s: float = 2.0  # no loads this long before each round
+    cold_shares: tuple[float, ...] = (0.0, 0.3)  # --load-share values run beside the default
 
 
 def _run_trace(worker: str, config: ServeConfig) -> dict[str, object]:
@@ -272,31 +285,37 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
         with running_store(root / "store", store_port, config.store_link_mbps, "idle",
                            config.store_link_burst_bytes) as store:
             target = f"127.0.0.1:{store_port}"
-            shape = checkpoint_shape(config.model)
-            with StoreClient(target) as client:
-                names = [f"a{i}" for i in range(config.adapters)]
-                names += [f"probe{i}" for i in range(PROBE_ADAPTERS)]
-                for seed, name in enumerate(names):
-                    path = make_synthetic_adapter(root / name, shape, rank=config.rank,
-                                                  targets=ALL_LINEAR, seed=seed)
-                    for _ in client.preload(str(path), name):
-                        pass
-                    (path / "adapter_model.safetensors").unlink()  # staged: free the disk
+            trace = "trace" in config.parts
+            names = [f"a{i}" for i in range(config.adapters)] if trace else []
+            names += [f"probe{i}" for i in range(PROBE_ADAPTERS)] if trace else []
+            stage_adapters(target, root, config, names, seed=0)
+            if "link" in config.parts:
+                stage_adapters(target, root, config, link_adapters(config), seed=2000)
+
+            def worker_args(overlap: str, store: str, port: int) -> list[str]:
+                return _worker_args(config, overlap, store, port)
+
+            cold: dict[str, object] = {}
+            if "burst" in config.parts:
+                cold["cold_burst"] = run_burst(config, root, worker_args)
+            if "link" in config.parts:
+                cold["cold_link"] = run_link(config, target, worker_args)
             modes = {}
-            for overlap in ("on", "off"):
+            for overlap in ("on", "off") if trace else ():
                 modes[f"overlap_{overlap}"] = _run_mode(config, overlap, target, worker_port,
                                                         store.pid)
             variants = {name: _run_variant(config, target, worker_port, flags, store.pid)
-                        for name, flags in CPU_VARIANTS.items()}
+                        for name, flags in CPU_VARIANTS.items()} if trace else {}
+    head = {"benchmark": "serve", "command": command_line(), "machine": machine_info(),
+            "config": asdict(config)}
+    if not trace:
+        return {**head, **cold}
     on, off = modes["overlap_on"], modes["overlap_off"]
     ttft_on, ttft_off = on["trace"]["ttft_ms"]["p50"], off["trace"]["ttft_ms"]["p50"]
     itl_ratio, cold_ratio = on["interference"]["itl_p99_ratio"], on["cold_probe"][
         "cold_vs_link_plus_warm"]
     return {
-        "benchmark": "serve",
-        "command": command_line(),
-        "machine": machine_info(),
-        "config": asdict(config),
+        **head,
         **modes,
         "ttft_p50_on_vs_off": round(ttft_on / ttft_off, 3) if ttft_on and ttft_off else None,
         "goal_ttft_p50_on_vs_off": "<= 0.5",
@@ -309,6 +328,7 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
             None if itl_ratio is None or cold_ratio is None
             else itl_ratio <= 1.2 and cold_ratio <= 1.25),
         **variants,
+        **cold,
     }
 
 

@@ -32,11 +32,25 @@ def serve(
         "(a socket send buffer draining; 4 MiB is Linux's default TCP maximum).",
     ),
     seed: int = typer.Option(0, help="Seed of the request trace."),
+    parts: str = typer.Option(
+        "trace,burst,link", help="Parts to run, comma-separated: trace (the Poisson trace, "
+        "interference and cold probe, and the CPU variants), burst (cold adapters beside "
+        "resident ones), link (cold adapters one at a time from the capped store).",
+    ),
+    burst_cold: int = typer.Option(6, min=1, help="Cold adapters asked for at once (burst)."),
+    burst_resident: int = typer.Option(4, min=0, help="Resident-adapter requests in the burst."),
+    link_rounds: int = typer.Option(6, min=1, help="Cold adapters asked for one at a time (link)."),
+    load_shares: str = typer.Option(
+        "0,0.3", help="--load-share values the burst and link workloads also run, overlap on, "
+        "beside the worker's default (comma-separated; 0: the share off).",
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
     """Poisson trace over cold adapters with overlapped loading on, then off (goals: TTFT p50
-    on <= 0.5x off; running streams' ITL p99 during loads <= 1.2x without loads)."""
+    on <= 0.5x off; running streams' ITL p99 during loads <= 1.2x without loads); a burst of
+    cold adapters beside resident ones and cold adapters behind a capped link, overlap on (with
+    and without --load-share) and off (lorastream/bench/serve_cold.py has their goals)."""
     require_bench_extra()
     from lorastream.bench.serve import ServeConfig, run_serve_bench
 
@@ -45,7 +59,13 @@ def serve(
         model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
         popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
         store_link_mbps=store_link_mbps, store_link_burst_bytes=store_link_burst_bytes,
+        parts=tuple(p.strip() for p in parts.split(",") if p.strip()), burst_cold=burst_cold,
+        burst_resident=burst_resident, link_rounds=link_rounds,
+        cold_shares=tuple(float(x) for x in load_shares.split(",") if x.strip()),
     )
+    unknown = set(config.parts) - {"trace", "burst", "link"}
+    if unknown or not config.parts:
+        raise typer.BadParameter(f"{parts!r}: use trace, burst and/or link", param_hint="--parts")
     print_result(run_serve_bench(config), output)
 
 

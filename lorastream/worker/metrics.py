@@ -177,6 +177,12 @@ class WorkerMetrics:
             "One adapter's host -> slot copy job on the load stream.",
             buckets=_SECONDS, registry=r,
         )
+        self.cold_load_phase_seconds = Histogram(
+            "lorastream_worker_cold_load_phase_seconds",
+            "Where a cold request's wait went, per load: phase (queue, stream, checksum, "
+            "landing, handoff, slot_copy, admission, total) and clock (wall, cpu).",
+            ["phase", "clock"], buckets=_SECONDS, registry=r,
+        )
         self.load_failures = Counter(
             "lorastream_worker_adapter_load_failures", "Adapters that could not be loaded.",
             registry=r,

@@ -439,3 +439,41 @@ def test_the_registry_section_shows_both_schemes_and_its_goal(tmp_path: Path) ->
             "| **not met** |") in page
     assert "the JSON rewrite's grows 101×" in page
     _assert_no_leaks(page)
+
+
+def _cold_mode(cold: float, resident: float, **extra: Any) -> dict[str, Any]:
+    phases = {"loads": 2, "queue": {"wall_ms": 100.0},
+              "stream": {"wall_ms": 400.0, "cpu_ms": 30.0}, "total": {"wall_ms": 700.0}}
+    return {"cold_ttft_ms": {"p50": cold, "p90": cold, "p99": cold},
+            "resident_ttft_ms": {"p50": resident, "p90": resident, "p99": resident},
+            "load_phases": phases, "samples": {"cold_ttft_ms": _samples(cold, 6)}, **extra}
+
+
+def test_the_cold_workloads_show_every_mode_their_phases_goals_and_plot(tmp_path: Path) -> None:
+    burst = {mode: _cold_mode(cold, 200.0, worst_gap_ms_before=100.0, worst_gap_ms_during=110.0,
+                              worst_gap_ratio=1.1)
+             for mode, cold in (("overlap_on", 900.0), ("overlap_on_share_0", 2700.0),
+                                ("overlap_on_share_0.3", 800.0), ("overlap_off", 700.0))}
+    burst |= {"resident_ttft_p50_on_vs_off": 0.4, "goal_resident_ttft_p50_on_vs_off": "<= 0.5",
+              "cold_ttft_p50_on_vs_off": 1.286, "goal_cold_ttft_p50_on_vs_off": "<= 1.5",
+              "worst_gap_during_vs_before_on": 1.1, "goal_worst_gap_ratio": "<= 1.2"}
+    link = {"link_ms": 625.0, "cold_vs_link_plus_resident_p50_on": 1.3,
+            "goal_cold_vs_link_plus_resident": "<= 1.25", "itl_p99_ratio_on": 1.1,
+            "goal_itl_p99_ratio": "<= 1.2",
+            **{mode: _cold_mode(1000.0, 200.0, cold_vs_link_plus_resident_p50=1.3)
+               for mode in ("overlap_on", "overlap_on_share_0", "overlap_off")}}
+    serve = {**renderer_inputs()["serve"], "cold_burst": burst, "cold_link": link}
+    results, out = tmp_path / "docs/benchmarks/results", tmp_path / "docs/BENCHMARKS.md"
+    _write(results, {"serve": serve})
+    write_report(results, out)
+    page = out.read_text()
+    assert ("|  | overlap on | on, --load-share 0 | on, --load-share 0.3 | overlap off |"
+            in page)
+    assert "| cold TTFT p50 (ms) | 900.0 | 2,700.0 | 800.0 | 700.0 |" in page
+    assert "| cold load: stream (ms) | 400.0 (CPU 30.0) |" in page
+    assert "burst: cold TTFT p50, overlap on / off | 1.29× | ≤ 1.5 | met" in page
+    assert "link: cold TTFT / (link + resident TTFT), p50 (on) | 1.30× | ≤ 1.25 | **not met**" in (
+        page)
+    png = tmp_path / "docs/benchmarks/plots/serve_cold.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert "](benchmarks/plots/serve_cold.png)" in page

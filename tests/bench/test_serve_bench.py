@@ -14,8 +14,10 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
     config = ServeConfig(
         model=str(tiny_model), adapters=3, slots=2, rank=4, rate=20.0, requests=5, max_tokens=4,
         background=1, background_tokens=3000, interference_rounds=2, window_s=0.2,
+        parts=("trace",),
     )
     result = run_serve_bench(config)
+    assert "cold_burst" not in result and "cold_link" not in result
     assert isinstance(result["command"], str) and result["command"]
     assert "cpu" in result["machine"]
     for mode in ("overlap_on", "overlap_off"):
@@ -62,3 +64,33 @@ def test_ttft_is_split_by_the_first_request_for_each_adapter() -> None:
     assert split["first_use_requests"] == 3
     assert split["ttft_ms_first_use"]["p50"] == 800.0  # of 700, 800, 900
     assert split["ttft_ms_repeat"]["p50"] == 200.0  # only request 2 is left
+
+
+def test_the_cold_workloads_report_every_mode_their_phases_and_goals(tiny_model: Path) -> None:
+    config = ServeConfig(
+        model=str(tiny_model), slots=4, rank=4, background=1, background_tokens=3000,
+        parts=("burst", "link"), burst_cold=2, burst_resident=1, burst_quiet_s=0.3,
+        link_rounds=2, link_quiet_s=0.3, cold_shares=(0.0,),
+    )
+    result = run_serve_bench(config)
+    assert "overlap_on" not in result  # the trace part did not run
+    burst, link = result["cold_burst"], result["cold_link"]
+    for part in (burst, link):
+        assert [k for k in part if k.startswith("overlap")] == [
+            "overlap_on", "overlap_on_share_0", "overlap_off"]
+        assert part["overlap_on_share_0"]["worker_flags"] == "--load-share 0"
+    for mode in ("overlap_on", "overlap_on_share_0", "overlap_off"):
+        b, lk = burst[mode], link[mode]
+        assert b["errors"] == 0 and len(b["samples"]["cold_ttft_ms"]) == 2
+        assert len(b["samples"]["resident_ttft_ms"]) == 1
+        assert b["load_phases"]["loads"] == 2  # each cold adapter's load, timed once
+        assert lk["rounds"] == 2 and len(lk["cold_vs_link_plus_resident"]) == 2
+        assert lk["load_phases"]["loads"] == 2
+        for phases in (b["load_phases"], lk["load_phases"]):
+            assert {"queue", "stream", "checksum", "landing", "slot_copy", "total"} <= set(phases)
+            assert phases["stream"]["cpu_ms"] >= 0 and phases["total"]["wall_ms"] > 0
+    assert burst["cold_ttft_p50_on_vs_off"] == pytest.approx(
+        burst["overlap_on"]["cold_ttft_ms"]["p50"] / burst["overlap_off"]["cold_ttft_ms"]["p50"],
+        rel=0.01)
+    assert link["cold_vs_link_plus_resident_p50_on"] == link["overlap_on"][
+        "cold_vs_link_plus_resident_p50"]

@@ -93,6 +93,7 @@ class CudaEvent(Event):  # pragma: no cover - needs a GPU
 COMPLETED = HostEvent(done=True)
 COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see cpu/step_gate.py)
 FETCH_TURN_S = 0.0  # on the CPU, each gap held open this long while a fetch is in flight
+LOAD_SHARE = 0.15  # on the CPU, the wall time left to loaders while a cold request waits
 
 
 CopyOps = Sequence[Callable[[], None]]  # operations that issue copies, run in order
@@ -191,6 +192,7 @@ class Device:
         copy_turn_s: float = COPY_TURN_S,
         bind_compute: bool = True,
         fetch_turn_s: float = FETCH_TURN_S,
+        load_share: float = LOAD_SHARE,
     ) -> None:
         self.device = torch.device(device)
         self.bind_compute = bind_compute  # on the CPU: compute threads one per core
@@ -200,6 +202,8 @@ class Device:
         self.gate = StepGate(0.0 if self.is_cuda else copy_turn_s)
         # CPU fetches get the cores between steps; CUDA's loaders have host cores of their own
         self.fetch_turn_s = 0.0 if self.is_cuda else fetch_turn_s
+        # CPU loaders get a share of the cores while a cold request waits for them (step_gate.py)
+        self.load_share = 0.0 if self.is_cuda else load_share
         self.load_stream = LoadStream(self.device, loader_priority, self.gate)
 
     @contextmanager
@@ -208,12 +212,15 @@ class Device:
         with self.gate.step():
             yield
 
-    def between_steps(self, fetching: bool = False) -> None:
+    def between_steps(self, fetching: bool = False, cold_waiting: bool = False) -> None:
         """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch is
         in flight and sequences run), leave the cores to the idle-priority loaders for
-        ``fetch_turn_s``; then a copy of the load stream waiting for this gap copies now (one
-        turn), so what it loads can join that step (``cpu/step_gate.py``)."""
-        if fetching and self.fetch_turn_s > 0:
+        ``fetch_turn_s``; while ``cold_waiting`` too (a request waits for that fetch), for
+        ``load_share`` of the wall time; then a copy of the load stream waiting for this gap
+        copies now (one turn), so what it loads can join that step (``cpu/step_gate.py``)."""
+        if fetching and cold_waiting and self.load_share > 0:
+            self.gate.hold_share(self.load_share)
+        elif fetching and self.fetch_turn_s > 0:
             self.gate.hold_gap(self.fetch_turn_s)
         self.gate.give_turn()
 

@@ -265,9 +265,12 @@ class Engine:
                 if self._reset_prefix.is_set():
                     self._reset_prefix.clear()
                     self.prefix.reset()
-                # with fetch turns, a fetch in flight gets the cores for a moment; then a slot
-                # copy ready since the last step lands (both on the CPU only; step_gate.py)
-                self.device.between_steps(bool(self.scheduler.running) and self.adapters.fetching)
+                # a fetch in flight gets the cores for a moment (its share while a request
+                # waits for it); then a slot copy ready since the last step lands (both on the
+                # CPU only; step_gate.py)
+                fetching = bool(self.scheduler.running) and self.adapters.fetching
+                cold_waiting = fetching and self.scheduler.waiting_on_loads() > 0
+                self.device.between_steps(fetching, cold_waiting)
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)

@@ -42,6 +42,7 @@ from lorastream.core.errors import InvalidAdapter, LorastreamError
 from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest
 from lorastream.worker.device.device import Event
+from lorastream.worker.loading.load_timeline import LoadTimeline
 from lorastream.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class AdapterEntry:
     last_used: float = field(default_factory=time.monotonic)
     fetch_started: float = 0.0  # perf_counter when the store fetch began
     copy_started: float = 0.0  # perf_counter when the copy into ``slot`` was submitted
+    # a request found it off the device: where that request's wait goes (load_timeline.py)
+    load: LoadTimeline | None = None
 
     @property
     def residency(self) -> Residency:
@@ -159,6 +162,19 @@ class AdapterEntry:
 
     def copy_submitted(self, event: Event) -> None:
         self.slot_event = event
+
+    def time_load(self, requested: float | None = None) -> None:
+        """A request found it off the device: time its wait from ``requested`` (perf_counter,
+        before its name was resolved; default now), unless a wait is timed already."""
+        if self.load is None or self.load.copied:  # none yet, or one left unclosed
+            self.load = LoadTimeline.now()
+            if requested is not None:
+                self.load.requested, self.load.resolved = requested, self.load.requested
+
+    def end_load_timing(self) -> LoadTimeline | None:
+        """Its waiting request is admitted (or an operator's load is done): the timeline."""
+        timeline, self.load = self.load, None
+        return timeline
 
     def leave_slot(self) -> None:
         self.slot, self.slot_event = None, None

@@ -38,6 +38,7 @@ import numpy as np
 
 from lorastream.worker.device.device import COMPLETED, Device, Event
 from lorastream.worker.loading.adapter import AdapterEntry, AdapterWeights
+from lorastream.worker.loading.load_timeline import LoadTimeline
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 
@@ -82,8 +83,11 @@ class DeviceTier:
         if taken is None:
             return False
         slot, last_read = taken
+        if entry.load is not None:
+            entry.load.copy_submitted = entry.copy_started
         entry.copy_submitted(
-            self.device.load_stream.submit(self._copy_ops(slot, weights), after=last_read)
+            self.device.load_stream.submit(self._copy_ops(slot, weights, entry.load),
+                                           after=last_read)
         )
         return True
 
@@ -136,17 +140,25 @@ class DeviceTier:
             return self.cost_model.eta(nbytes, entry.copy_started, False, now)
         return None
 
-    def _copy_ops(self, slot: int, weights: AdapterWeights) -> list[Callable[[], None]]:
+    def _copy_ops(self, slot: int, weights: AdapterWeights,
+                  timeline: LoadTimeline | None = None) -> list[Callable[[], None]]:
         """The load-stream job: zero ``slot`` and copy the adapter in, timed from its first
-        operation to its last (on the CPU that includes the steps between its turns)."""
-        started = 0.0
+        operation to its last (on the CPU that includes the steps between its turns); the copy
+        thread's CPU over it goes to ``timeline``."""
+        started = cpu = 0.0
 
         def start() -> None:
-            nonlocal started
-            started = time.perf_counter()
+            nonlocal started, cpu
+            started, cpu = time.perf_counter(), time.thread_time()
+            if timeline is not None:
+                timeline.copy_began = started
 
         def observe() -> None:
-            elapsed = time.perf_counter() - started
+            ended = time.perf_counter()
+            elapsed = ended - started
+            if timeline is not None:
+                timeline.copy_cpu_s = time.thread_time() - cpu
+                timeline.copy_ended = ended
             self.metrics.device_copy_seconds.observe(elapsed)
             self.cost_model.observe_copy(weights.nbytes, elapsed)
 

@@ -80,7 +80,13 @@ from lorastream.worker.loading.adapter import AdapterEntry, AdapterWeights, adap
 from lorastream.worker.loading.device_tier import AdmissionCostModel
 from lorastream.worker.loading.fetch_child import map_shared
 from lorastream.worker.loading.host import HostAdapterBuffer, HostTier
-from lorastream.worker.loading.landing import LayersCallback, SlowSink, host_nbytes, manifest_layers
+from lorastream.worker.loading.landing import (
+    FetchTimes,
+    LayersCallback,
+    SlowSink,
+    host_nbytes,
+    manifest_layers,
+)
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
 
@@ -166,8 +172,13 @@ class HostLoader:
         Call it without the lock."""
         try:
             started = time.perf_counter()
+            timeline = entry.load
+            if timeline is not None:
+                timeline.fetch_began = started
             buffer = self.fetcher.fetch(entry.name, entry.adapter_id, storage, on_layers)
             elapsed = time.perf_counter() - started
+            if timeline is not None:
+                timeline.fetch_ended, timeline.fetch = started + elapsed, buffer.times
             self.metrics.fetch_seconds.observe(elapsed)
             self._cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
             self.metrics.host_landing_seconds.observe(buffer.landing_seconds)
@@ -269,13 +280,17 @@ class AdapterFetcher:
         if process is not None and storage is not None and process.memory.holds(storage):
             # The fetch process lands and verifies the bytes in ``storage``: shared memory.
             buffer = HostAdapterBuffer(self._device, storage)
-            manifest, landing = process.fetch(ref, storage, self.chunk_bytes, self.chunk_delay_s,
-                                              on_layers)
-            buffer.adopt(manifest, landing)
+            manifest, times = process.fetch(ref, storage, self.chunk_bytes, self.chunk_delay_s,
+                                            on_layers)
+            buffer.adopt(manifest, times.landing_s)
+            buffer.times = times
         else:
             buffer = HostAdapterBuffer(self._device, storage, on_layers)
             sink = SlowSink(buffer, self.chunk_delay_s) if self.chunk_delay_s else buffer
+            cpu = time.thread_time()
             manifest = client.stream_tensors(ref, sink, chunk_bytes=self.chunk_bytes)
+            buffer.times.wall_s = time.perf_counter() - started
+            buffer.times.cpu_s = time.thread_time() - cpu  # gRPC's own threads not counted
         if manifest.adapter_id != expected_id:
             raise SourceUnavailable(
                 f"adapter {name} changed in the store while it was being fetched (now "
@@ -319,7 +334,7 @@ class AdapterFetcher:
         return buffer
 
 
-_Fetched = tuple[AdapterManifest, float]  # the manifest landed, and the seconds spent landing it
+_Fetched = tuple[AdapterManifest, FetchTimes]  # the manifest landed, and where its time went
 
 
 class SharedHostMemory:
@@ -457,7 +472,7 @@ class FetchProcess:
     def fetch(self, name: str, storage: torch.Tensor, chunk_bytes: int = 0,
               chunk_delay_s: float = 0.0, on_layers: LayersCallback | None = None) -> _Fetched:
         """Land ``name``'s tensors in ``storage`` (a range of the shared memory), verified;
-        returns its manifest and the seconds spent landing chunks. Blocks until done.
+        returns its manifest and where the fetch's time went. Blocks until done.
 
         ``on_layers(count)`` is called, on the thread that reads the fetch process's replies,
         each time the count of the adapter's leading layers landed and verified grows (all

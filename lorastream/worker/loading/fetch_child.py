@@ -11,7 +11,8 @@ it -- gRPC's included -- runs at that priority, and has glibc keep freed message
     <- ("layers", job, count)   the adapter's first ``count`` layers landed, verified (sent as
                                 the count grows, before "done"; layers per the manifest,
                                 ``layer_progress.LayerProgress``)
-    <- ("done", job, manifest, landing_seconds)   landed at [offset, offset + nbytes), verified
+    <- ("done", job, manifest, times)   landed at [offset, offset + nbytes), verified;
+                                        times: ``landing.FetchTimes`` (this process's CPU)
     <- ("error", job, LorastreamError)
 
 and exits when the connection closes. No torch here: it starts in a fraction of a second and
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import time
 
 from lorastream.worker.device.cpu.native_env import keep_freed_buffers
 from lorastream.worker.device.cpu.priority import lower_priority
@@ -68,8 +70,11 @@ def serve(memory_fd: int, memory_bytes: int, conn_fd: int, prefault: bool = Fals
             buffer = LandingBuffer(memory[offset : offset + nbytes],
                                    on_layers=lambda count: reply(("layers", job, count)))
             sink = SlowSink(buffer, delay_s) if delay_s else buffer
+            began, cpu = time.perf_counter(), time.process_time()
             manifest = client.stream_tensors(name, sink, chunk_bytes=chunk_bytes)
-            reply(("done", job, manifest, buffer.landing_seconds))
+            buffer.times.wall_s = time.perf_counter() - began
+            buffer.times.cpu_s = time.process_time() - cpu  # every thread of this process
+            reply(("done", job, manifest, buffer.times))
         except LorastreamError as err:
             reply(("error", job, err))
         except Exception as err:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +42,26 @@ from lorastream.core.errors import SourceUnavailable
 from lorastream.core.manifest import AdapterManifest, TensorInfo
 
 ALIGN = 64
+
+
+@dataclass
+class FetchTimes:
+    """Where one store fetch's time went, wall clock against CPU time, in seconds (picklable: the
+    fetch process sends it back with the manifest).
+
+    ``cpu_s`` is the fetch process's CPU over the fetch (all its threads: gRPC's receive path
+    included; one fetch at a time by default, so it is this fetch's), or without a fetch process
+    the CPU of the thread that ran the stream (gRPC's own threads not counted). Landing and
+    checksums are timed on the thread that receives the chunks (``time.thread_time``); what is
+    left of the fetch is the store stream: socket reads, message parsing, waiting for the link.
+    """
+
+    wall_s: float = 0.0  # the whole stream, request to last tensor verified
+    cpu_s: float = 0.0
+    landing_s: float = 0.0  # writing chunks at their offsets in host memory
+    landing_cpu_s: float = 0.0
+    checksum_s: float = 0.0  # checking each tensor's digest once its last byte landed
+    checksum_cpu_s: float = 0.0
 
 
 def _placement_key(info: TensorInfo) -> tuple[str, str, int, str]:
@@ -86,7 +107,17 @@ class LandingBuffer:
         self.offsets: list[int] = []
         self.progress: LayerProgress | None = None  # with on_layers, from begin()
         self._np: np.ndarray | None = None  # [nbytes] uint8
-        self.landing_seconds = 0.0  # time spent in write(), for the landing histogram
+        self.times = FetchTimes()  # landing and checksums timed here; the fetch fills the rest
+        self._checking: tuple[float, float] | None = None  # (wall, thread CPU) when view() began
+
+    @property
+    def landing_seconds(self) -> float:
+        """Time spent in write(), for the landing histogram."""
+        return self.times.landing_s
+
+    @landing_seconds.setter
+    def landing_seconds(self, seconds: float) -> None:
+        self.times.landing_s = seconds
 
     def _reserved(self) -> int | None:
         """Bytes of the storage given, None when there is none."""
@@ -116,17 +147,26 @@ class LandingBuffer:
 
     def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
         assert self._np is not None
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         start = self.offsets[tensor_index] + offset
         self._np[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.landing_seconds += time.perf_counter() - began
+        self.times.landing_s += time.perf_counter() - began
+        self.times.landing_cpu_s += time.thread_time() - cpu
 
     def view(self, tensor_index: int) -> memoryview:
+        """The bytes of tensor ``tensor_index``. The receiver asks for them to check their
+        digest and then calls :meth:`verified`: the time between the two is the checksum's."""
         assert self._np is not None and self.manifest is not None
+        self._checking = (time.perf_counter(), time.thread_time())
         start = self.offsets[tensor_index]
         return self._np[start : start + self.manifest.tensors[tensor_index].nbytes].data
 
     def verified(self, tensor_index: int) -> None:
+        if self._checking is not None:
+            began, cpu = self._checking
+            self.times.checksum_s += time.perf_counter() - began
+            self.times.checksum_cpu_s += time.thread_time() - cpu
+            self._checking = None
         if self.progress is None or self._on_layers is None:
             return
         landed = self.progress.verified(tensor_index)

@@ -138,8 +138,14 @@ class AdapterManager:
         """The content id ``name`` (or ``name@<content-id prefix>``) stands for: a local
         registration, else the store's per its watched catalogue (``names.py``): no store call
         for a resident adapter, and resident adapters keep serving while the store is down.
-        Called from request threads."""
-        return self._resolver.resolve(name).adapter_id
+        Called from request threads; a request that finds the adapter off the device has its
+        wait timed from here (``load_timeline.py``)."""
+        began = time.perf_counter()
+        entry = self._resolver.resolve(name)
+        with self._lock:
+            if not self._device_tier.ready(entry):
+                entry.time_load(began)
+        return entry.adapter_id
 
     @property
     def catalogue(self) -> StoreCatalogue | None:
@@ -167,6 +173,7 @@ class AdapterManager:
             if self._device_tier.ready(entry):
                 m.hits.labels("device").inc()
             else:
+                entry.time_load()
                 m.misses.labels("device").inc()
                 (m.hits if entry.weights is not None else m.misses).labels("host").inc()
             return entry
@@ -191,9 +198,25 @@ class AdapterManager:
         entry = self._entry(adapter_id)
         self._raise_error(entry)
         if self._place(entry):
+            if entry.load is not None:
+                self._close_timeline(entry)
             return True
         self._raise_error(entry)
         return False
+
+    def _close_timeline(self, entry: AdapterEntry) -> None:
+        """``entry``'s request is admitted: where its wait went, to the log and the metrics."""
+        with self._lock:
+            timeline = entry.end_load_timing()
+        if timeline is None or not timeline.copied:
+            return  # a layered landing, or a copy before this request: nothing to split
+        timeline.admitted = time.perf_counter()
+        phases = timeline.phases()
+        for phase, (wall, cpu) in phases.items():
+            self.metrics.cold_load_phase_seconds.labels(phase, "wall").observe(wall)
+            if cpu is not None:
+                self.metrics.cold_load_phase_seconds.labels(phase, "cpu").observe(cpu)
+        log.debug("cold load of %s: %s", entry.name, timeline.describe())
 
     def _place(self, entry: AdapterEntry) -> bool:
         """Starts the host fetch if needed, then takes a free slot or the least recently used
@@ -405,6 +428,7 @@ class AdapterManager:
         finally:
             self.release(entry.adapter_id)
         with self._lock:
+            entry.end_load_timing()  # an operator's load: no request waited on it
             return adapter_status(name, entry)
 
     def _register_local(self, name: str, path: Path, pin: bool) -> AdapterEntry:

@@ -115,6 +115,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
     device = Device(torch_device, loader_priority=settings.loader_priority_spec,
                     copy_turn_s=settings.copy_turn_ms / 1000,
                     fetch_turn_s=settings.fetch_turn_ms / 1000,
+                    load_share=settings.load_share,
                     bind_compute=settings.bind_compute_threads)
     warning = starvation_warning(device.loader_priority, waits_actively())
     if warning and not device.is_cuda:

@@ -188,6 +188,18 @@ class WorkerSettings(StoreTLSSettings):
         "without loads, docs/worker.md). 0: loaders get only what decoding "
         "leaves. No effect on CUDA.",
     )
+    load_share: float = Field(
+        0.15,
+        ge=0,
+        lt=1,
+        description="On the CPU: the share of wall time the engine leaves to the adapter "
+        "loaders while a request waits for its adapter's store fetch and sequences run: it "
+        "holds each gap between steps for share / (1 - share) of the step before it (at most "
+        "50 ms), so the idle-priority fetch gets both cores that long. Cold adapters land "
+        "sooner; the running streams' steps are that much further apart meanwhile (0.15: at "
+        "most 1.18x), and not at all once nothing waits (docs/loading.md). 0: loaders get only "
+        "what decoding leaves. No effect on CUDA.",
+    )
     bind_compute_threads: bool = Field(
         True,
         description="On the CPU: bind the engine's compute threads one per core when there is "

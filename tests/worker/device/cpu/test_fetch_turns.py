@@ -109,7 +109,8 @@ def test_the_engine_holds_its_gaps_while_a_fetch_is_in_flight_and_a_stream_decod
     engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
     fetch_turn_ms: float,
 ) -> None:
-    engine = engine_factory(store=store.target, fetch_turn_ms=fetch_turn_ms)
+    # the load share (test_load_share.py) off: the fixed turns alone
+    engine = engine_factory(store=store.target, fetch_turn_ms=fetch_turn_ms, load_share=0.0)
     gate = engine.device.gate
     engine.adapters.fetcher.chunk_delay_s = 0.4  # the adapter takes >= 0.4 s to arrive
     decoding = _KeepDecoding(engine)

@@ -196,8 +196,10 @@ def test_a_copy_ready_during_a_step_lands_before_the_next_step_is_scheduled() ->
     try:
         with gate.step():
             done = stream.submit([lambda: busy(0.002) for _ in range(3)])
-            time.sleep(0.05)  # the copy thread now waits for the gap
-            assert not done.query()
+            deadline = time.monotonic() + 10  # until the copy thread waits for the gap
+            while not gate._turn_waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert gate._turn_waiting and not done.query()
         gate.give_turn()  # the engine, before it schedules the next step
         assert done.query(), "the copy had its turn but its event was not set inside it"
         # an engine that then does not step (nothing to run) leaves later copies free to go
