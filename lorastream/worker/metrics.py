@@ -32,6 +32,9 @@ from prometheus_client.registry import Collector
 from lorastream.core.metrics_http import serve_registry
 
 TIERS = ("host", "device")
+# A cold load's phases, in order (loading/load_timeline.py records them), and their total.
+COLD_LOAD_PHASES = ("resolve", "queue", "stream", "checksum", "landing", "handoff", "slot_copy",
+                    "admission")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -187,6 +190,9 @@ class WorkerMetrics:
             "lorastream_worker_adapter_load_failures", "Adapters that could not be loaded.",
             registry=r,
         )
+        for phase in (*COLD_LOAD_PHASES, "total"):  # export every series from the start
+            for clock in ("wall", "cpu"):
+                self.cold_load_phase_seconds.labels(phase, clock)
         for tier in TIERS:  # export zeros from the start
             self.hits.labels(tier)
             self.misses.labels(tier)

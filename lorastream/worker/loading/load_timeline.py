@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 from lorastream.worker.loading.landing import FetchTimes
 
-PHASES = ("resolve", "queue", "stream", "checksum", "landing", "handoff", "slot_copy", "admission")
-
 
 @dataclass
 class LoadTimeline:

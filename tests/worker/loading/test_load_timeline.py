@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lorastream.worker.loading.landing import FetchTimes
-from lorastream.worker.loading.load_timeline import PHASES, LoadTimeline
+from lorastream.worker.loading.load_timeline import LoadTimeline
+from lorastream.worker.metrics import COLD_LOAD_PHASES as PHASES
 from tests.worker.conftest import EngineFactory, StoreStack, greedy_tokens
 
 
