@@ -76,8 +76,9 @@ def parse_lora_key(key: str) -> LoraKey | None:
     magnitude vector of a layer.
 
     Cached: adapters of one base model share their keys, and a fetch parses each of its
-    tensors' keys a few times (placement, layer progress); the regex was 15% of a fetch
-    process's CPU for a rank-16 adapter of 420 tensors."""
+    tensors' keys a few times (placement, layer progress), and the regex showed in a fetch
+    process's profile (measured: docs/notes/loading.md, "Costs moved from the load path's
+    comments")."""
     m = _KEY.match(key)
     if m is not None:
         ab = MAGNITUDE if m.group("m") else m.group("ab")

@@ -16,10 +16,10 @@ from lorastream.core.manifest import TensorChunk
 # -- the chunk response on the wire ---------------------------------------------------------
 # A chunk is ``StreamAdapterTensorsResponse{chunk (2): TensorChunk{tensor_index (1),
 # offset (2), data (3), crc32c (4)}}``. Building that message through the Python protobuf runtime
-# copies the (1 MiB) payload twice and is the slowest step of a stream (about 1.4 ms/MiB, more
-# than gRPC's own cost), so the servicer sends these bytes instead: the same encoding protobuf
-# produces (tests/store/test_codec.py compares them byte for byte), with one copy of the payload.
-# Example, tensor 3, offset 0, data b"ab", crc 5:
+# copies the (1 MiB) payload twice and is the slowest step of a stream (more than gRPC's own
+# cost; docs/notes/store.md, "Costs moved from the stream's comments"), so the servicer sends these
+# bytes instead: the same encoding protobuf produces (tests/store/test_codec.py compares them byte
+# for byte), with one copy of the payload. Example, tensor 3, offset 0, data b"ab", crc 5:
 #   12 08 | 08 03 | 1a 02 61 62 | 20 05       (offset 0 is proto3's default: omitted)
 _WIRE_VARINT, _WIRE_LEN = 0, 2
 

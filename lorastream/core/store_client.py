@@ -45,8 +45,7 @@ GRPC_OPTIONS = [
 # The tensor stream's own channel: gRPC's single-threaded unary-stream calls read the responses
 # on the caller's thread instead of handing each message over from gRPC's polling thread. Its
 # own TCP connection also keeps a large stream from queueing the control calls (describe, the
-# watch) behind its bytes. Measured on a 78 MB adapter at loopback speed, 1 MiB chunks: the
-# client's CPU 0.15-0.18 s -> 0.11-0.13 s, the stream 0.14-0.17 s -> 0.11-0.12 s.
+# watch) behind its bytes. measured: docs/notes/store.md, "The stream's own channel"
 STREAM_GRPC_OPTIONS = [
     *GRPC_OPTIONS,
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
@@ -90,7 +89,7 @@ class BytesSink:
 
     def write(self, tensor_index: int, offset: int, data: bytes | memoryview) -> None:
         # Through a memoryview: a bytearray's own slice assignment copies anything that is not
-        # a bytearray into a temporary one first (4.7 GB/s here, against 7.8 for one copy).
+        # a bytearray into a temporary one first, a second copy of every chunk.
         self._views[tensor_index][offset : offset + len(data)] = data
 
     def view(self, tensor_index: int) -> memoryview:

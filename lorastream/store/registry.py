@@ -3,9 +3,10 @@
 ``cache/registry.sqlite3`` maps each name to a content id with its source, revision, pin flag and
 last use. Every change is one SQLite transaction in WAL mode with ``synchronous=FULL``: a
 registration costs one small append to the write-ahead log, however many names there are (the
-JSON file it replaces was rewritten and fsynced whole on every change: 110 ms per preload at 1000
-names), and a process killed at any moment loses no acknowledged change and leaves no half-written
-one. Sizes are not persisted: the store measures the staged directories at startup.
+JSON file it replaces was rewritten and fsynced whole on every change, a cost that grew with the
+names; docs/notes/store.md, "The registry: from one JSON file to SQLite"), and a process killed at
+any moment loses no acknowledged change and leaves no half-written one. Sizes are not persisted: the
+store measures the staged directories at startup.
 
 Every registration that changes what a name points at appends a row to ``versions`` (the name's
 history: 1, 2, 3, ...) in the same transaction; a rollback appends the version it goes back to.

@@ -2,21 +2,11 @@
 
 Staging ends with an fsync of every staged file (``staging.py``: a registered adapter survives a
 crash). Left to the end, that fsync waits for the whole file and its block allocations to reach
-the disk: 0.15 s of a 78 MB adapter's ~1 s preload from S3 in ``bench transfer``. A writer that
+the disk, a noticeable part of a preload from S3. A writer that
 reports its progress to a :class:`Writeback` has a thread of its own ``fdatasync`` the file
 after every ``stride`` bytes while the rest downloads; the final fsync then waits for the tail.
-
-Measured on this machine's disk (ext4), 78 MB written at a download's pace, then fsync:
-
-=====================================================  ============  ===========
-before the fsync                                       write phase   final fsync
-=====================================================  ============  ===========
-nothing                                                0.83 s        118-198 ms
-``sync_file_range(WRITE)`` every 8 MB                  0.84 s        80-94 ms
-``fdatasync`` every 8 MB on the writing thread         0.98 s        14 ms
-``fdatasync`` every 8 MB on a thread of its own        0.84 s        13-14 ms
-``fdatasync`` every 4 MB on a thread of its own        0.84 s        4.5 ms
-=====================================================  ============  ===========
+``fdatasync`` on the writing thread would slow the download; ``sync_file_range`` alone is not
+enough (measured: docs/notes/store.md, "Writeback during S3 downloads").
 
 (``sync_file_range`` writes the pages but commits no metadata: the fsync still waited for the
 journal.) It changes when bytes reach the disk, never whether: the stager's fsync still

@@ -21,6 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from lorastream.core.errors import SourceUnavailable
 from lorastream.stack.launcher import wait_serving
 
+WAIT_S = 20  # how long a test waits for the wait: a bound on a hang only
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -57,21 +59,63 @@ def _serve_later(
     return timer, servers
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 3.0], ids=["already-serving", "starts-after-3s"])
-def test_wait_serving_returns_soon_after_the_server_starts(
-    alive: subprocess.Popen[bytes], delay_s: float
+ATTEMPTS = 8  # refused connections before the server starts: ~2 s capped, ~40 s at gRPC's default
+
+
+class _AnsweringHealth(health.HealthServicer):
+    """Health that records in ``seen`` each time it answers a Watch."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self._seen = seen
+
+    def Watch(self, request, context, send_response_callback=None):  # type: ignore[no-untyped-def]  # grpc's untyped signature
+        self._seen.append("answered")
+        return super().Watch(request, context, send_response_callback)
+
+
+def _serve(port: int, seen: list[str]) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = _AnsweringHealth(seen)
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+@pytest.mark.parametrize("refused", [0, ATTEMPTS], ids=["already-serving", "starts-later"])
+def test_wait_serving_keeps_trying_and_returns_once_the_server_answers(
+    alive: subprocess.Popen[bytes], refused: int
 ) -> None:
+    """Attempts and order, not seconds: until the server starts, a listener accepts and closes
+    each connection (``refused`` of them); the wait must make them all (a backoff growing to
+    gRPC's default would take ~40 s for 8), then return after the server answered it."""
     port = _free_port()
-    timer, servers = _serve_later(port, delay_s, health_pb2.HealthCheckResponse.SERVING)
-    started = time.monotonic()
+    seen: list[str] = []
+    listener = socket.create_server(("127.0.0.1", port))
+    listener.settimeout(WAIT_S)
+    waiter = threading.Thread(
+        target=lambda: (wait_serving(f"127.0.0.1:{port}", alive, WAIT_S), seen.append("returned")))
+    server = None
     try:
-        wait_serving(f"127.0.0.1:{port}", alive, 20)
-        waited = time.monotonic() - started
+        waiter.start()
+        for _ in range(refused):
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                pytest.fail(f"the wait stopped trying: {seen.count('refused')} attempts")
+            connection.close()
+            seen.append("refused")
+        listener.close()
+        server = _serve(port, seen)
+        waiter.join(timeout=WAIT_S)
     finally:
-        timer.join()
-        for server in servers:
+        listener.close()
+        if server is not None:
             server.stop(None)
-    assert delay_s <= waited < delay_s + 0.8, waited
+    assert seen[:refused] == ["refused"] * refused
+    assert seen[refused:] == ["answered", "returned"], seen
 
 
 def test_wait_serving_fails_fast_when_the_process_dies_and_times_out_on_not_serving(

@@ -2,8 +2,9 @@
 (``csrc/norm_rope.cpp``).
 
 In torch, RMSNorm (``worker/model/decoder.py``) is six small ops and the rotary embedding
-(``worker/model/rope.py``) twelve, for q and k: ~70 and ~150 us per call at decode shapes on
-these cores, so ~9 ms of a 32-row step over 30 layers. Each op here is one pass.
+(``worker/model/rope.py``) twelve, for q and k: at decode shapes their launches and passes over
+memory, not their arithmetic, take the time, in every layer of every step. Each op here is one
+pass (measured: docs/notes/cpu-kernels.md, "Timings moved from the ops' docstrings").
 
 Semantics (fp32)::
 

@@ -18,7 +18,7 @@ two paths to each other.
 
 ``rotate_scale_rows`` is int8-dynamic's whole input step (``quant_linear.QuantLinear``) in the
 same pass; over the rotated rows its scaling is bit for bit the torch ops it replaces
-(six small ops, ~30-50 us per projection)::
+(six small ops per projection)::
 
     y = out as above                                   # [T, K]
     amax[t] = max(max_k |y[t, k]|, 1e-12)               # [T, 1]

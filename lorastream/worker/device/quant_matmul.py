@@ -17,7 +17,7 @@ class QuantMatmul:
     them).
 
     ``weight_only_dtype``: the activation dtype ``aten._weight_int8pack_mm`` runs in. On the CPU
-    bf16: its fp32 path is scalar (10-40x slower at decode shapes, quant_linear.py's table); on
+    bf16: its fp32 path is scalar (docs/notes/quantization.md, "Kernels behind quant_linear.py"); on
     CUDA the model's dtype. ``int_mm_min_rows``: ``torch._int_mm`` on CUDA needs more than 16
     rows (fewer are padded with zero rows); the CPU takes any. ``fbgemm``: int8-dynamic
     multiplies through fbgemm (a CPU, and a torch built with it and its fp32-output op: x86),
@@ -68,17 +68,15 @@ def quantization_slow_here(device: torch.device, mode: str, native: bool = False
     """Why ``--quantization mode`` is likely slower than the unquantized path on this device, or
     None. ``native``: the C++ CPU ops are loaded (``--cpu-kernels``).
 
-    fp8 on the CPU is torch's reference loop for ``torch._scaled_mm``: measured 4-14x slower
-    than the fp32 product at decode shapes; it serves there so that its tokens can be checked.
-    The weight-only mode (``int8``) runs the C++ op where the CPU ops are loaded
-    (``lorastream/kernels/cpu/int8.py``: fp32 activations, as fast as the fp32 product or faster at
-    every row count measured, docs/notes/quantization.md).
-    Without them it takes torch's kernel, fast only with
-    AVX-512 (bf16 conversion); on an AVX2-only CPU ``bench engine --quantization`` measured that
-    at 0.6-0.76x the fp32 path's decode. ``int8-dynamic`` multiplies in int8: fbgemm's AVX2
-    kernels where torch has fbgemm (x86 builds), faster than fp32
-    (docs/notes/quantization.md); without fbgemm it runs ``torch._int_mm``, fast only with
-    AVX-512 VNNI."""
+    fp8 on the CPU is torch's reference loop for ``torch._scaled_mm``, several times slower than
+    the fp32 product; it serves there so that its tokens can be checked. The weight-only mode
+    (``int8``) runs the C++ op where the CPU ops are loaded (``lorastream/kernels/cpu/int8.py``:
+    fp32 activations, no slower than the fp32 product). Without them it takes torch's kernel,
+    fast only with AVX-512 (bf16 conversion): on an AVX2-only CPU it decodes slower than the fp32
+    path. ``int8-dynamic`` multiplies in int8: fbgemm's AVX2 kernels where torch has fbgemm (x86
+    builds), faster than fp32; without fbgemm it runs ``torch._int_mm``, fast only with AVX-512
+    VNNI. (measured: docs/notes/quantization.md, "Kernels behind quant_linear.py" and "Which
+    mode pays on which CPU")"""
     if device.type != "cpu" or (mode == "int8" and native):
         return None
     if mode == "fp8":

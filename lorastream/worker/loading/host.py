@@ -15,8 +15,9 @@ Why one buffer rather than an allocation per fetched adapter:
 - on CUDA, pinned memory is slow to allocate and free (``cudaHostAlloc`` pins every page), so
   serving systems allocate it once and reuse it;
 - on the CPU, a fresh allocation of this size is a new ``mmap``: every first write faults a page
-  in, and the kernel zeroes it. Landing chunks into fresh memory measured 2 GB/s here against
-  16 GB/s into memory written before, and the faults take the cores the engine decodes on.
+  in, and the kernel zeroes it. Landing chunks into fresh memory is several times slower than
+  into memory written before, and the faults take the cores the engine decodes on (measured:
+  docs/notes/loading.md, "Host tier").
 
 The buffer is allocated once, when the worker starts (or given: the memory the fetch process
 shares with the worker, see ``fetch.py``, whose pages are all taken at start with

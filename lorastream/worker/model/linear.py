@@ -3,9 +3,10 @@
 On CPU with fp32 weights the product runs through oneDNN on a weight reordered once into its
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU backend
 does for linear layers): a plain ``x @ w.T`` makes the BLAS pack the whole weight on every call,
-which at decode batch sizes costs as much as the multiply itself (the default model's lm_head:
-~33 ms packed per call vs ~10 ms prepacked at 32 rows). Elsewhere (CUDA, half precision, a
-torch without oneDNN) it is ``x @ w.T``. Results agree with ``x @ w.T`` to fp32 rounding.
+which at decode batch sizes costs as much as the multiply itself (measured:
+docs/notes/cpu-kernels.md, "Timings moved from the ops' docstrings"). Elsewhere (CUDA, half
+precision, a torch without oneDNN) it is ``x @ w.T``. Results agree with ``x @ w.T`` to fp32
+rounding.
 """
 
 from __future__ import annotations

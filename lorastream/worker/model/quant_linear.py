@@ -33,8 +33,8 @@ newer, twice bf16's multiply rate), bf16 out (what its per-row scales give there
 is not a multiple of 16 (CUDA's kernels need both) the same sums run as an fp32 product over
 the dequantized weight. e4m3 keeps 3 mantissa bits: each weight and activation within 2^-4 of
 its value, so its logits move more than int8-dynamic's (``LOGIT_TOLERANCE``). The CPU has no
-fp8 kernel: torch's ``_scaled_mm`` there is a reference loop (4-14x slower than the fp32
-product at decode shapes) that computes the same sums, so the mode's tokens are tested on
+fp8 kernel: torch's ``_scaled_mm`` there is a reference loop, several times slower than the
+fp32 product, that computes the same sums, so the mode's tokens are tested on
 every machine (tests/worker/model/test_quantization.py) and its speed by ``make test-gpu``.
 
 The model's weight in the checkpoint's basis (what the reference computes with) is
@@ -43,76 +43,56 @@ The model's weight in the checkpoint's basis (what the reference computes with) 
 **int8 on the CPU's C++ op.** Where the C++ CPU ops are loaded (``--cpu-kernels``; fp32 on the
 CPU), int8 runs ``lorastream/kernels/cpu/int8.py``'s op over the weight packed once at load in
 blocks of 16 channels (the only copy): fp32 activations, so its product is the dequantized one to
-fp32 rounding, and faster than the fp32 product at every row count measured. The default model's 30
-layers + lm_head, weights cold, 2 cores of the AVX2 EPYC, ms per pass (op / fp32 prepacked /
-torch's int8pack): 1 row 11.5 / 30.3 / 20.1, 4 rows 14.7 / 34.9 / 26.0, 8 rows 27.8 / 36.9 /
-44.2, 32 rows 68.4 / 81.0 / 154.4. Elsewhere (CUDA; torch's CPU paths) the kernels below.
+fp32 rounding; it reads a quarter of fp32's bytes, which is what decoding waits on (measured:
+docs/notes/quantization.md, "Kernels behind quant_linear.py"). Elsewhere (CUDA; torch's CPU
+paths) the kernels below.
 
 **The lm_head's candidates, exact (int8 on torch's kernel, int8-dynamic).** The bf16 kernel
-rounds activations and outputs to 8 significant bits, which moves a logit by up to ~0.4% of the
-row's largest. At the lm_head that decides greedy tokens, so ``exact_top`` recomputes the
-``EXACT_TOP`` largest logits of each row as the fp32 product over the dequantized rows (what the
+rounds activations and outputs to 8 significant bits, which moves a logit by a fraction of a
+percent of the row's largest. At the lm_head that decides greedy tokens, so ``exact_top`` recomputes
+the ``EXACT_TOP`` largest logits of each row as the fp32 product over the dequantized rows (what the
 reference computes) and puts them back::
 
     top = the EXACT_TOP largest y[t, :]
     y[t, v] = sum_k x[t, k] * dequant(Wq)[v, k] (+ bias[v])    for v in top (fp32)
 
 The argmax is then the reference's wherever the reference's best token is among the kernel's top
-EXACT_TOP (within the tolerance it is). Measured on the default model's mixed batch (256
-teacher-forced positions, `bench engine --quantization`): greedy tokens equal to transformers +
-PEFT over the dequantized weights at 99.2% with ``exact_top`` (as with the whole lm_head computed
-exactly, a trial), 98.4% without. int8-dynamic's lm_head rounds its activations instead, and the
-same recomputation (over the rotated rows and input) takes that rounding out of its candidates'
-logits: 88.7% -> 89.5% alone, part of rotation.py's 97.3%. Cost: a topk over the vocabulary and
-EXACT_TOP rows per token; the lm_head keeps its int8 rows beside fbgemm's packed copy. The
-C++ op's product needs none of it (``exact_top`` returns it as it is).
+EXACT_TOP (within the tolerance it is): as many greedy tokens agree with the reference as with
+the whole lm_head computed exactly. int8-dynamic's lm_head rounds its activations instead, and
+the same recomputation (over the rotated rows and input) takes that rounding out of its
+candidates' logits (measured: docs/notes/quantization.md, "Kernels behind quant_linear.py"). Cost: a
+topk over the vocabulary and EXACT_TOP rows per token; the lm_head keeps its int8 rows beside
+fbgemm's packed copy. The C++ op's product needs none of it (``exact_top`` returns it as it is).
 
 **Why 63 for int8-dynamic.** x86's int8 dot product without VNNI (AVX2's ``vpmaddubsw``, what
 fbgemm runs there) multiplies unsigned 8-bit activations by signed 8-bit weights and adds each
 pair into a *saturating* int16: 2 * 255 * 127 overflows it, 2 * 255 * 63 = 32130 does not. 7-bit
 weights keep every sum exact with 8-bit activations on every CPU; the same weights on CUDA and
-VNNI CPUs keep the mode's tokens the same everywhere. Measured on the 7 tiny families against
-the dequantized reference (tests/worker/model/test_quantization.py): 7-bit weights left the worst
-logit error where 8/8 bits had it (0.22 vs 0.19 of the largest logit, agreement 96-99% vs
-95-99%); 7-bit activations instead raised it in 5 of 7 families (to 0.15 from 0.05 for mistral)
-and lowered agreement to 92-98% (both before the rotation).
+VNNI CPUs keep the mode's tokens the same everywhere. Against the dequantized reference, 7-bit
+weights cost about what 8 bits did, while 7-bit activations cost more (measured:
+docs/notes/quantization.md, "Kernels behind quant_linear.py").
 
-Kernels, measured on 2 cores of an AVX-512/VNNI EPYC (torch 2.13 CPU) at the default model's
-decode shapes, best of 30 calls, microseconds (weights cache-resident; a
-30-layer stack, whose weights are not, below):
-
-    shape [N x K]   rows  fp32 prepacked  int8pack bf16  int8pack fp32  dequant fp32  _int_mm (W8A8)
-    960 x 576         1        34              21             226            78            -
-    960 x 576        32       185             242            7337           808          112
-    3072 x 576        1        66              58             718          1697            -
-    3072 x 576       32       513             765           23551           975          218
-    576 x 1536        1        43              29             362            92            -
-    576 x 1536       32       291             358           11652           484          143
-    49152 x 576       1      3800            1589           11476         38462            -
-    49152 x 576      32      9714           18129               -         50678         4843
-
-    30 layers + lm_head: fp32 22.5 ms (1 row) / 52 ms (32 rows); int8pack bf16 10.6 / 86 ms.
+The kernels, on the CPU (their timings: docs/notes/quantization.md, "Kernels behind
+quant_linear.py"):
 
 - ``aten._weight_int8pack_mm`` with **bf16** activations (fp32 accumulation, bf16 output) is the
-  fastest weight-only kernel: 2.1x the fp32 path at one row, where decoding reads weights
-  (bandwidth-bound), but it works row by row and falls behind fp32 from a few rows on. With fp32
-  activations it is scalar (10-40x slower): never used. It needs K a multiple of 16 (K = 577
-  crashed, K = 584 gave wrong sums): other K take the exact dequantize-then-matmul path.
+  fastest weight-only kernel at one row, where decoding reads weights (bandwidth-bound), but it
+  works row by row and falls behind fp32 from a few rows on. With fp32 activations it is scalar:
+  never used. It needs K a multiple of 16 (other K crashed or gave wrong sums): other K take the
+  exact dequantize-then-matmul path.
 - Dequantizing on the fly (``x @ (Wq * scale).T``) writes an fp32 copy per call: slowest.
-- ``torch._int_mm`` (VNNI int8 dot products) is 2-2.4x the fp32 path at 32 rows, but needs int8
+- ``torch._int_mm`` (VNNI int8 dot products) beats the fp32 path at 32 rows, but needs int8
   activations: the ``int8-dynamic`` mode, whose per-token activation rounding is a second error.
-- On an AVX2-only EPYC (2 cores, torch 2.13; ``_int_mm`` there is a reference loop, 20-40x
-  slower than fp32) the dynamic mode runs fbgemm: ``quantized.linear_with_input_q_dq_qweight_
-  dq_output_fp32`` on the prepacked 7-bit weight, given xq (integers, scale 1, zero point 128:
-  the u8 it multiplies is xq + 128), so its int32 sums are ours and ``s[t]`` is applied after.
-  Microseconds as above (fp32 prepacked / fbgemm): 960 x 576 at 32 rows 299 / 198, 3072 x 576
-  977 / 542, 576 x 1536 434 / 285, 49152 x 576 36637 / 14446; at one row 88 / 62 ... 11677 /
-  2026. Weight-only int8 cannot beat fp32 there at 32 rows: the fp32 product already runs at
-  ~60% of the FMA peak, and converting int8 weights costs instructions on top of the same FMAs.
-  fbgemm is reached through torch's quantized-tensor API, which torch deprecates; where it is
-  missing (not an x86 build, a future torch) the mode takes ``_int_mm``, same sums.
+- On an AVX2-only CPU (``_int_mm`` there is a reference loop) the dynamic mode runs fbgemm:
+  ``quantized.linear_with_input_q_dq_qweight_dq_output_fp32`` on the prepacked 7-bit weight,
+  given xq (integers, scale 1, zero point 128: the u8 it multiplies is xq + 128), so its int32
+  sums are ours and ``s[t]`` is applied after. Weight-only int8 cannot beat fp32 there at 32
+  rows: the fp32 product already runs near the FMA peak, and converting int8 weights costs
+  instructions on top of the same FMAs. fbgemm is reached through torch's quantized-tensor API,
+  which torch deprecates; where it is missing (not an x86 build, a future torch) the mode takes
+  ``_int_mm``, same sums.
 - oneDNN's ``torch.ops.onednn.qlinear_pointwise`` (static scales, a prepacked u8/s8 pair) was no
-  faster than fp32 on the AVX2 EPYC; not used.
+  faster than fp32 on an AVX2 CPU; not used.
 
 Which dtype and padding each kernel needs on CUDA is the device layer's
 (:func:`~lorastream.worker.device.quant_matmul.quant_matmul`).
@@ -140,9 +120,9 @@ MODES: tuple[str, ...] = QUANTIZATIONS[1:]  # the quantized ones
 
 # The stated tolerance per token against transformers + PEFT over the dequantized weights:
 # max |logit - reference logit| <= LOGIT_TOLERANCE[mode] * max |reference logit| of that row
-# (tests/worker/model/test_quantization.py; measured worst over the 7 families: 0.024, 0.060 and
-# 0.54; int8-dynamic's was 0.22 before its rotation). int8's is torch's kernel's (bf16
-# activations); on the CPU's C++ op it measured 1.1e-5 (fp32 activations). A position whose
+# (tests/worker/model/test_quantization.py; the worst each mode measured: docs/notes/
+# quantization.md, "Kernels behind quant_linear.py"). int8's is torch's kernel's (bf16
+# activations); the CPU's C++ op (fp32 activations) stays far within it. A position whose
 # reference top-2 margin is within it is a near-tie: either token may win there.
 LOGIT_TOLERANCE = {"int8": 0.03, "int8-dynamic": 0.08, "fp8": 0.6}
 
@@ -388,7 +368,7 @@ class QuantLinear:
         if self._fbgemm is not None:
             # fbgemm rounds ``scaled`` (scale 1, zero point 128: round half to even, as
             # torch.round), sums (xq + 128) * Wq in int32 minus 128 * sum_k Wq, and multiplies by
-            # scale[n]; each op here costs ~10 us at decode shapes, so none is spent on rounding
+            # scale[n]; each op here costs as much as a small product, so none is spent on rounding
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
                 scaled, 1.0, _U8_ZERO, self._fbgemm)  # [T, N] fp32
             return y.mul_(s)

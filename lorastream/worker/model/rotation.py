@@ -17,12 +17,10 @@ int8-dynamic rounds each token's activations to int8 with one step per token, th
 |x| / 127. A channel that runs 10-50x the others (RMSNorm outputs and SwiGLU products have such
 channels) then leaves the rest of the token a few int8 levels. After the rotation every output
 channel is a mix of all input channels, so the largest is near the typical size and the step
-shrinks with it; the weight is quantized rotated, and the product is the same sum. Measured on
-the default model's mixed batch (`bench engine --quantization int8-dynamic`'s 256 teacher-forced
-positions, against transformers + PEFT over the mode's dequantized weights): 88.7% of greedy
-tokens equal without it, 97.3% with this R on every projection and the lm_head (and the
-lm_head's candidates exact, ``QuantLinear.exact_top``); 98.8% in a trial whose ``Q_a`` differed
-(no sign fix): 7 against 3 of the 256 positions, the spread a random factor gives there.
+shrinks with it; the weight is quantized rotated, and the product is the same sum. It brings
+the mode's greedy tokens much closer to the reference's; how close varies a little with the
+random factor ``Q_a`` (measured: docs/notes/quantization.md, "The rotation in
+`int8-dynamic`").
 
 Applied as two small products, ``x.view(T, a, b) @ H_b`` and then ``Q_aᵀ`` over the a axis:
 K (a + b) multiply-adds per row instead of K²; or, where the C++ CPU ops run (``native``, as

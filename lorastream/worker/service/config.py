@@ -172,21 +172,20 @@ class WorkerSettings(StoreTLSSettings):
         20.0,
         ge=0,
         description="On the CPU: how long the copies of adapters into the slots may run between "
-        "two decode steps; they never run during one (a memcpy beside a step slows it ~40%). A "
-        "load then adds at most this much before each step until it is done (a 78 MB rank-64 "
-        "adapter of the default model: one turn of ~13 ms). 0: copies run beside the steps at "
-        "the loader priority. No effect on CUDA (copies are DMA).",
+        "two decode steps; they never run during one (a memcpy beside a step slows the step "
+        "down). A load then adds at most this much before each step until it is done (a rank-64 "
+        "adapter of the default model fits in one turn). 0: copies run beside the steps at the "
+        "loader priority. No effect on CUDA (copies are DMA). Measured: docs/notes/loading.md.",
     )
     fetch_turn_ms: float = Field(
         0.0,
         ge=0,
         description="On the CPU: while a store fetch is in flight and sequences run, the "
         "engine leaves the cores to the idle-priority loaders for this long before each step. "
-        "An engine stepping back to back otherwise starves them: a rank-64 adapter of the "
-        "default model took 2.5-3.2 s to load with 4 streams decoding, 0.8-1.2 s with 2 ms "
-        "turns, at the price of the running streams' ITL p99 during loads (1.14x -> 1.23x of "
-        "without loads, docs/worker.md). 0: loaders get only what decoding "
-        "leaves. No effect on CUDA.",
+        "An engine stepping back to back otherwise starves them: turns load adapters several "
+        "times sooner while streams decode, at the price of the running streams' ITL p99 "
+        "during loads. 0: loaders get only what decoding leaves. No effect on CUDA. "
+        "Measured: docs/notes/loading.md.",
     )
     load_share: float = Field(
         0.15,
@@ -196,8 +195,8 @@ class WorkerSettings(StoreTLSSettings):
         "loaders while a request waits for its adapter's store fetch and sequences run: it "
         "holds each gap between steps for share / (1 - share) of the step before it (at most "
         "50 ms), so the idle-priority fetch gets both cores that long. Cold adapters land "
-        "sooner; the running streams' steps are that much further apart meanwhile (0.15: at "
-        "most 1.18x), and not at all once nothing waits (docs/loading.md). 0: loaders get only "
+        "sooner; the running streams' steps are that much further apart meanwhile, and not at "
+        "all once nothing waits (docs/loading.md; measured: docs/notes/loading.md). 0: loaders get only "
         "what decoding leaves. No effect on CUDA.",
     )
     bind_compute_threads: bool = Field(

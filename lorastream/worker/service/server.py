@@ -103,9 +103,9 @@ def freeze_startup_heap() -> int:
     """Move every object alive now (the model, tokenizer, modules, the server) out of the
     garbage collector's sight; returns how many.
 
-    They live as long as the process, yet a full collection walks all of them: ~200 ms on the
-    default model, a gap in every running stream each time Python runs one while serving (once
-    in 70-95 s of decoding, traced). After the freeze it walks only what came later."""
+    They live as long as the process, yet a full collection walks all of them: a gap in every
+    running stream each time Python runs one while serving (measured: docs/notes/engine.md,
+    "Objects frozen out of the collector"). After the freeze it walks only what came later."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -6,10 +6,11 @@ it at SCHED_IDLE, on the time the team leaves. Left to the kernel, a short burst
 normal priority (a kernel thread, the gRPC threads delivering tokens) can push one team thread
 onto the other's core; the core it left then runs the SCHED_IDLE fetch, and the two team threads
 time-slice one core until the load balancer moves one back -- which it is slow to do for threads
-that ran a moment ago ("cache hot"). A scheduler trace (``perf sched``) of a decode step that
-took 73 ms instead of ~45 during a load showed just that: both team threads alternating on CPU 1
-for 40 ms while CPU 0 ran the fetch. Bound one per core, a team thread that is pushed aside
-waits for its own core instead, and the SCHED_IDLE fetch yields that core the moment it wakes.
+that ran a moment ago ("cache hot"). A scheduler trace (``perf sched``) of a slow decode step
+during a load showed just that: both team threads alternating on one core while the other ran
+the fetch (measured: docs/notes/loading.md, "Compute threads bound one per core on the CPU"). Bound
+one per core, a team thread that is pushed aside waits for its own core instead, and the SCHED_IDLE
+fetch yields that core the moment it wakes.
 
 How. GNU OpenMP (torch's intra-op threading on Linux, MKL's too) gives every thread that runs a
 parallel op a team of its own. :func:`bind_team` runs one parallel region through libgomp's

@@ -6,20 +6,18 @@ GNU OpenMP (torch's intra-op threading on Linux) reads its environment once, whe
 imported, and oneDNN and ideep read theirs when they first build a primitive, so the commands
 that compute (``worker serve``, ``bench engine``) call :func:`tune_native_libraries` first thing:
 
-* OpenMP's spin-waits are shortened to ~1 ms (``GOMP_SPINCOUNT``, below);
+* OpenMP's spin-waits are shortened to about a millisecond (``GOMP_SPINCOUNT``, below);
 * oneDNN's primitive cache and ideep's cache of prepared products hold 64 entries instead of
   1,024 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``).
 
 The caches: the prepacked projections (``model/linear.py``) run on oneDNN, which builds a
 primitive (JIT kernel, scratchpad) for each input shape, and ideep keeps one more object per
 shape; both are keyed by the row count, which a worker takes anywhere from 1 to its token
-budget. At 1,024 entries each they hold hundreds of MB once filled, and a 10-minute soak grew
-the worker's RSS 11.4% over its post-warm-up level before they were full. Measured
-on the default model's projection shapes (30 layers, row counts 1..133 in random order, three
-rounds): RSS +258 MB at the defaults, +143 MB with only oneDNN's cache at 8 (so ideep's counts
-too), +18 MB with both at 64, and the same time per round (24 s): building a primitive costs
-little next to the 30 layers that use it. One step needs ~6 shapes (its row count, the lm_head's
-rows), so 64 keeps a few steps' worth.
+budget. At 1,024 entries each they hold hundreds of MB once filled, and a soak's RSS grows
+until they are full. Both caches count; at 64 each the growth is small and a round over every
+row count takes the same time: building a primitive costs little next to the layers that use
+it. One step needs ~6 shapes (its row count, the lm_head's rows), so 64 keeps a few steps'
+worth (measured: docs/notes/engine.md, "oneDNN's and ideep's caches: 64 entries").
 """
 
 from __future__ import annotations
@@ -31,14 +29,11 @@ import sys
 log = logging.getLogger(__name__)
 
 # After a parallel region, libgomp's idle workers spin this many rounds before they sleep: about
-# 1 ms here (measured on these 2-core VMs: 3,000 rounds last 40-80 us, 10,000 160-320 us, 30,000
-# 0.64-1.28 ms), instead of the default 300,000 rounds (10+ ms). A decode step's parallel ops then
-# find the workers spinning through its single-threaded stretches (the activation between the
-# MLP's products: 93-122 us at 32 rows), and the ~3 ms between steps still free the core for the
-# adapter loaders. At 3,000 rounds the OpenMP worker slept 115 times a step (int8 base model, 32
-# rows; 2-3 at 30,000), each sleep a wake-up added to the next op. The default's 10 ms kept the
-# loaders off the core (loads that ran during decoding took 1,055 ms instead of 680). Both
-# measured with `bench serve` in docs/worker.md ("One compute thread").
+# a millisecond, against ten times that at the default 300,000. A decode step's parallel ops then
+# find the workers spinning through its single-threaded stretches (a sleep there adds a wake-up
+# to the next op), and the pause between steps still frees the core for the adapter loaders,
+# which the default's longer spin kept off it.
+# measured: docs/notes/engine.md, "OpenMP's spin-waits: 30,000 rounds"
 SPIN_COUNT = "30000"
 
 
@@ -99,9 +94,8 @@ def release_freed_memory() -> None:
     Called once the model is built: loading reads every weight in the checkpoint's dtype, and
     the projections then keep their own copies (prepacked or quantized) and free those reads.
     glibc raises its mmap threshold after each large free, so later allocations come from the
-    heap and the freed pages stay resident: measured on the default model with
-    ``--quantization int8``, the model's resident bytes were 231-485 MB from run to run without
-    a trim and 146 MB with it (``bench engine --quantization``, which measures them so)."""
+    heap and the freed pages stay resident, a different amount from run to run (measured:
+    docs/notes/engine.md, "Freed memory handed back")."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -135,12 +129,9 @@ def keep_freed_buffers() -> bool:
     clients that do what it does). Every message of a stream is received into a buffer of its
     own, gRPC's and then Python's ``bytes``, freed once landed. At glibc's defaults a buffer of
     1 MB is its own mapping, or ends up at the top of the heap and is trimmed, so the next one
-    faults in 256 fresh pages; on these VMs a fault costs ~3 us, more than the receive itself.
-    Measured (``bench transfer``'s clients, 5 streams of the 96 MB adapter, 1 MB chunks): the
-    verified client's CPU fell from 0.56-0.62 s to 0.42-0.48 s and its page faults from ~70 per
-    MB to under 5; a bare gRPC client counting the bytes went from 0.52-0.57 s to 0.24-0.26 s.
-    Called before the process starts receiving; the settings also stop glibc's own adjustment of
-    the mmap threshold (mallopt(3)).
+    faults in 256 fresh pages, which costs more than the receive itself (measured:
+    docs/notes/loading.md, "Freed receive buffers kept"). Called before the process starts
+    receiving; the settings also stop glibc's own adjustment of the mmap threshold (mallopt(3)).
     """
     if not sys.platform.startswith("linux"):
         return False

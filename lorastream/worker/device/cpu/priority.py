@@ -6,12 +6,11 @@ wants) or ``nice:N`` (N added to the thread's nice value; ``nice:0`` leaves it a
 
 Why ``idle`` is the default (``--loader-priority``): on a CPU worker a decode step runs its
 parallel ops on two OpenMP threads that wait for each other at the end of every op, so any CPU
-time taken from either stalls the whole step. A nice value only makes that less likely; measured
-with 4 base-model streams decoding the default model (ITL p50 / p99, ms): nothing else running
-60 / 91; a busy process at nice 10 128 / 221; the same at SCHED_IDLE 65 / 114. A SCHED_IDLE
-thread is preempted the moment a decode thread wakes. Its cost: when every core is busy, it
-waits; with OpenMP spinning without end (``OMP_WAIT_POLICY=active``) it can starve, and
-``nice:N`` is the choice there.
+time taken from either stalls the whole step. A nice value only makes that less likely; a busy
+process at SCHED_IDLE costs the streams far less than one at nice 10 (measured:
+docs/notes/loading.md, "Loaders at idle CPU priority"). A SCHED_IDLE thread is preempted the moment
+a decode thread wakes. Its cost: when every core is busy, it waits; with OpenMP spinning without end
+(``OMP_WAIT_POLICY=active``) it can starve, and ``nice:N`` is the choice there.
 
 On Linux both settings are per thread: a thread lowers its own priority, and the threads it
 starts afterwards inherit it (the fetch process sets it before gRPC starts any).

@@ -23,11 +23,10 @@ def use_intra_op_threads(count: int) -> None:
     Why the worker cares: GNU OpenMP gives every thread that runs a parallel torch op a pool of
     its own, and once the process holds more OpenMP threads than there are cores it stops
     spin-waiting between parallel regions ("throttled" waits). A decode step runs hundreds of
-    small parallel ops (the LoRA matmuls); each then pays a futex wake-up. Measured on the default
-    model with 32 adapters: decode steps ~30% slower once a second thread had used torch with two
-    threads. So one thread of the process, the engine's, computes with several threads and every
-    other thread that touches torch (loaders, request handlers) calls
-    :func:`use_one_intra_op_thread`.
+    small parallel ops (the LoRA matmuls); each then pays a futex wake-up, and the steps slow
+    down (measured: docs/notes/engine.md, "One thread computes with OpenMP"). So one thread of the
+    process, the engine's, computes with several threads and every other thread that touches torch
+    (loaders, request handlers) calls :func:`use_one_intra_op_thread`.
 
     ``torch.set_num_threads`` also sets torch's process-wide count, which every thread adopts
     lazily at its first parallel op -- and which every C++ extension adopts again on its own
