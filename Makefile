@@ -115,6 +115,7 @@ bench: install-dev gemma
 	$(LORASTREAM) bench registry --output $(BENCH_RESULTS)/registry.json
 	$(LORASTREAM) bench grammar --output $(BENCH_RESULTS)/grammar.json
 	$(LORASTREAM) bench prefix --output $(BENCH_RESULTS)/prefix.json
+	$(LORASTREAM) bench alora --output $(BENCH_RESULTS)/alora.json
 	$(LORASTREAM) bench soak --output $(BENCH_RESULTS)/soak.json
 	# three worker containers (docker compose); skipped without an engine (docs/deploy.md)
 	if docker info >/dev/null 2>&1; then $(LORASTREAM) bench fleet --output $(BENCH_RESULTS)/fleet.json; \
