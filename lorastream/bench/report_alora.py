@@ -40,7 +40,7 @@ def _rows(r: Result) -> list[list[str]]:
 
 def alora_section(r: Result, plots: Mapping[str, str]) -> str:
     c = r.get("config") or {}
-    header = ("conversation", "first", "turn-2 prompt tokens", "base turn TTFT (ms)",
+    header = ("conversation", "ran first", "turn-2 prompt tokens", "base turn TTFT (ms)",
               "aLoRA TTFT, off (ms)", "aLoRA TTFT, on (ms)", "aLoRA cached tokens, on",
               "on / off", "plain LoRA TTFT, on (ms)", "plain LoRA cached tokens")
     return paragraphs([
