@@ -119,6 +119,7 @@ bench: install-dev gemma
 	$(LORASTREAM) bench registry --output $(BENCH_RESULTS)/registry.json
 	$(LORASTREAM) bench grammar --output $(BENCH_RESULTS)/grammar.json
 	$(LORASTREAM) bench prefix --output $(BENCH_RESULTS)/prefix.json
+	$(LORASTREAM) bench alora --output $(BENCH_RESULTS)/alora.json
 	$(LORASTREAM) bench soak --output $(BENCH_RESULTS)/soak.json
 	$(LORASTREAM) bench pool --output $(BENCH_RESULTS)/pool.json
 	# three worker containers (docker compose); skipped without an engine (docs/deploy.md)

@@ -18,6 +18,7 @@ from typing import Any
 
 from lorastream.bench import (
     gpu_report,
+    report_alora,
     report_grammar,
     report_pool,
     report_prefix,
@@ -98,6 +99,9 @@ BENCHES = (
           "(prefix)",
           "lorastream bench prefix --output {results}/prefix.json",
           report_prefix.prefix_section, report_prefix.prefix_goals),
+    Bench("alora", "Activated LoRA after a base-model turn: KV sharing on vs off (alora)",
+          "lorastream bench alora --output {results}/alora.json",
+          report_alora.alora_section, report_alora.alora_goals),
     Bench("grammar", "Structured outputs: llguidance vs xgrammar per step (grammar)",
           "lorastream bench grammar --output {results}/grammar.json",
           report_grammar.grammar_section, report_grammar.grammar_goals),

@@ -73,13 +73,15 @@ def synthetic_lora(
     base_model: str | None = None,
     dora: bool = False,
     base_weights: Callable[[str], torch.Tensor] | None = None,
+    alora_invocation_tokens: list[int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """A PEFT LoRA in memory: its state dict (PEFT's saved key form) with random A and B (B
     non-zero) of the base's real shapes, and its ``adapter_config.json`` as a dict; ``targets``
     defaults to every adaptable projection of ``shape``. ``dora``: a DoRA adapter, the same A
     and B (same ``seed``) plus a magnitude vector ``[out]`` per module: PEFT's own start,
     ``||W + s B A||`` per row, when ``base_weights`` (checkpoint key -> W ``[out, in]``) is given
-    (as trained DoRA magnitudes stay near it), else ones."""
+    (as trained DoRA magnitudes stay near it), else ones. ``alora_invocation_tokens``: an
+    activated LoRA invoked by those token ids."""
     targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -113,6 +115,8 @@ def synthetic_lora(
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+    if alora_invocation_tokens is not None:
+        config["alora_invocation_tokens"] = list(alora_invocation_tokens)
     return tensors, config
 
 
@@ -129,11 +133,13 @@ def make_synthetic_adapter(
     base_model: str | None = None,
     dora: bool = False,
     base_weights: Callable[[str], torch.Tensor] | None = None,
+    alora_invocation_tokens: list[int] | None = None,
 ) -> Path:
     """Write :func:`synthetic_lora` as a PEFT LoRA directory."""
     tensors, config = synthetic_lora(
         shape, rank=rank, alpha=alpha, targets=targets, dtype=dtype, seed=seed, std=std,
         base_model=base_model, dora=dora, base_weights=base_weights,
+        alora_invocation_tokens=alora_invocation_tokens,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})

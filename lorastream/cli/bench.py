@@ -160,6 +160,38 @@ def engine(
     print_result(result, output)
 
 
+@app.command("alora")
+def alora(
+    model: str = typer.Option(
+        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+    ),
+    conversations: int = typer.Option(5, min=1, help="Conversations, one after another."),
+    conversation_tokens: int = typer.Option(1000, min=1, help="Tokens of each conversation."),
+    reply_tokens: int = typer.Option(16, min=1, help="Tokens of each (greedy) reply."),
+    invocation_tokens: int = typer.Option(
+        6, min=1, help="Length of the activated LoRA's invocation sequence."
+    ),
+    rank: int = typer.Option(16, min=1, help="Rank of the synthetic adapters (all linear)."),
+    seed: int = typer.Option(0, help="Seed of the prompts and adapters."),
+    output: Path | None = OUTPUT_OPTION,
+    log_level: str = typer.Option("WARNING", help="Logging level."),
+) -> None:
+    """An activated LoRA's turn after a base-model turn on the same conversation, prefix
+    caching on vs off: its TTFT (goal: on / off <= 0.3x) and the base blocks it takes."""
+    require_bench_extra()
+    from lorastream.worker.device.cpu.native_env import tune_native_libraries
+
+    tune_native_libraries()  # as `worker serve` does, before torch loads
+    from lorastream.bench.alora import AloraConfig, run_alora_bench
+
+    setup_logging(log_level)
+    config = AloraConfig(
+        model=model, conversations=conversations, conversation_tokens=conversation_tokens,
+        reply_tokens=reply_tokens, invocation_tokens=invocation_tokens, rank=rank, seed=seed,
+    )
+    print_result(run_alora_bench(config), output)
+
+
 @app.command("prefix")
 def prefix(
     model: str = typer.Option(

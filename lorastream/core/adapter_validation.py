@@ -1,7 +1,9 @@
 """Validation of a staged PEFT LoRA directory, without loading a single tensor into torch.
 
 ``adapter_config.json`` is parsed and refused when it asks for a LoRA variant lorastream does not
-serve (per-layer ranks, biases, saved modules, ...); DoRA (``use_dora``) is served.
+serve (per-layer ranks, biases, saved modules, ...); DoRA (``use_dora``) and activated LoRA
+(``alora_invocation_tokens``: a non-empty list of token ids, not with DoRA, as PEFT allows) are
+served.
 ``adapter_model.safetensors`` is checked from its header alone (8-byte little-endian length,
 then JSON), with a size cap against header bombs:
 
@@ -83,6 +85,7 @@ class ValidatedAdapter:
     target_modules: tuple[str, ...]  # short names present in the weights, sorted
     tensors: tuple[StagedTensor, ...]  # in layer order (layer_order), the stream's order
     use_dora: bool = False  # a magnitude vector per adapted module (DoRA)
+    alora_invocation_tokens: tuple[int, ...] = ()  # activated LoRA; () for a plain LoRA
 
     def manifest(
         self,
@@ -111,6 +114,7 @@ class ValidatedAdapter:
             created_at=created_at,
             pinned=pinned,
             last_used_at=last_used_at,
+            alora_invocation_tokens=self.alora_invocation_tokens,
         )
 
 
@@ -123,6 +127,7 @@ class LoraConfigFields:
     alpha: float
     use_rslora: bool
     use_dora: bool = False
+    alora_invocation_tokens: tuple[int, ...] = ()
 
 
 # Config fields that switch on a LoRA variant lorastream cannot serve:
@@ -136,7 +141,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("layer_replication", bool, "layer_replication is not supported"),
     ("trainable_token_indices", bool, "trainable_token_indices is not supported"),
     ("use_qalora", bool, "QA-LoRA (use_qalora=true) is not supported"),
-    ("alora_invocation_tokens", bool, "activated LoRA (alora_invocation_tokens) is not supported"),
 )
 
 
@@ -186,6 +190,7 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     use_dora = config.get("use_dora") or False
     if not isinstance(use_dora, bool):
         raise InvalidAdapter(f"{label}: use_dora must be true or false, got {use_dora!r}")
+    invocation = _invocation_tokens(config.get("alora_invocation_tokens"), use_dora, label)
     targets = config.get("target_modules")
     if isinstance(targets, list):
         short = {short_module_name(str(t)) for t in targets}
@@ -198,7 +203,34 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     base_model = config.get("base_model_name_or_path") or ""
     if not isinstance(base_model, str):
         raise InvalidAdapter(f"{label}: base_model_name_or_path must be a string or null")
-    return LoraConfigFields(base_model, rank, float(alpha), use_rslora, use_dora)
+    return LoraConfigFields(base_model, rank, float(alpha), use_rslora, use_dora, invocation)
+
+
+_MAX_TOKEN_ID = (1 << 31) - 1  # the wire carries token ids as int32
+
+
+def _invocation_tokens(value: object, use_dora: bool, label: str) -> tuple[int, ...]:
+    """An activated LoRA's ``alora_invocation_tokens``: () when unset (a plain LoRA), else a
+    non-empty list of token ids. Whether they lie within the base model's vocabulary is checked
+    where the base is known (the worker, ``loading/adapter.py``)."""
+    if value is None:
+        return ()
+    where = f"{label}: alora_invocation_tokens (activated LoRA) in {CONFIG_FILE}"
+    if not isinstance(value, list) or not value:
+        raise InvalidAdapter(
+            f"{where} must be a non-empty list of token ids (the tokenized invocation string), "
+            f"got {value!r}"
+        )
+    bad = [t for t in value
+           if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_TOKEN_ID]
+    if bad:
+        raise InvalidAdapter(f"{where} holds {bad[:5]!r}, which are not token ids (integers >= 0)")
+    if use_dora:
+        raise InvalidAdapter(
+            f"{where} is set together with use_dora=true; PEFT serves no such combination "
+            "(train either an activated LoRA or a DoRA adapter)"
+        )
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -480,4 +512,5 @@ def validate_adapter_dir(
         target_modules=targets,
         tensors=tuple(tensors),
         use_dora=config.use_dora,
+        alora_invocation_tokens=config.alora_invocation_tokens,
     )

@@ -45,6 +45,9 @@ class AdapterManifest:
     created_at: float = 0.0  # unix seconds when staged
     pinned: bool = False
     last_used_at: float = 0.0
+    # activated LoRA: PEFT's alora_invocation_tokens; () for a plain LoRA (the worker starts
+    # the delta at their last occurrence in the prompt: worker/engine/activation.py)
+    alora_invocation_tokens: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -79,6 +82,8 @@ def manifest_json(m: AdapterManifest, *, tensors: bool = False) -> dict[str, Any
         "created": int(m.created_at),
         "last_used": int(m.last_used_at),
     }
+    if m.alora_invocation_tokens:
+        doc["alora_invocation_tokens"] = list(m.alora_invocation_tokens)
     if tensors:
         doc["tensor_list"] = [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,

@@ -17,7 +17,7 @@ _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 
 def peft_config(manifest: AdapterManifest) -> dict[str, object]:
     """The adapter_config.json PEFT needs to load these tensors."""
-    return {
+    config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": manifest.base_model or None,
@@ -30,6 +30,9 @@ def peft_config(manifest: AdapterManifest) -> dict[str, object]:
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
+    if manifest.alora_invocation_tokens:
+        config["alora_invocation_tokens"] = list(manifest.alora_invocation_tokens)
+    return config
 
 
 def write_peft_dir(

@@ -123,6 +123,7 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
         "alpha": c.alpha,
         "use_rslora": c.use_rslora,
         "target_modules": list(c.target_modules),
+        "alora_invocation_tokens": list(c.alora_invocation_tokens),
         "tensors": [
             {
                 "name": t.info.name,
@@ -160,6 +161,8 @@ def _content_from_json(doc: dict[str, Any]) -> ValidatedAdapter:
         use_rslora=bool(doc["use_rslora"]),
         target_modules=tuple(doc["target_modules"]),
         tensors=tensors,
+        # () when staged before activated LoRA was served (such adapters were refused then)
+        alora_invocation_tokens=tuple(doc.get("alora_invocation_tokens", ())),
     )
 
 

@@ -18,7 +18,14 @@ from lorastream.store.sources.local import LocalSource
 from lorastream.store.store import AdapterStore
 from tests.store.fixtures_core import StoreFactory
 from tests.support.hub_server import HubServer
-from tests.support.models import ALL_LINEAR, ATTENTION, MLP, make_peft_adapter, make_tiny_llama
+from tests.support.models import (
+    ALL_LINEAR,
+    ALORA_INVOCATION,
+    ATTENTION,
+    MLP,
+    make_peft_adapter,
+    make_tiny_llama,
+)
 from tests.support.s3_server import DUMMY_CREDENTIALS, MotoS3Server
 
 # 6 layers x rank 64 x 4096 features x 4 bytes = 6 MiB of weights: above S3's 5 MiB part size.
@@ -89,7 +96,7 @@ def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Real PEFT adapters on a tiny random Llama: attention r4, all-linear r8, MLP r16 rsLoRA,
-    attention r4 DoRA."""
+    attention r4 DoRA, attention r4 activated LoRA (invoked by ``ALORA_INVOCATION``)."""
     root = tmp_path_factory.mktemp("core-adapters")
     base = make_tiny_llama(root / "base")
     return {
@@ -100,6 +107,10 @@ def tiny_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "dora-attn-r4": make_peft_adapter(
             base, root / "dora-attn-r4", rank=4, targets=ATTENTION, use_dora=True, seed=4
+        ),
+        "alora-attn-r4": make_peft_adapter(
+            base, root / "alora-attn-r4", rank=4, targets=ATTENTION, seed=5,
+            alora_invocation_tokens=ALORA_INVOCATION,
         ),
     }
 

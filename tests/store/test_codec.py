@@ -89,8 +89,9 @@ def _manifest() -> AdapterManifest:
     )
 
 
-def test_manifest_round_trips_through_protobuf() -> None:
-    manifest = _manifest()
+@pytest.mark.parametrize("invocation", [(), (17, 44, 45)], ids=["lora", "activated-lora"])
+def test_manifest_round_trips_through_protobuf(invocation: tuple[int, ...]) -> None:
+    manifest = _manifest().replace(alora_invocation_tokens=invocation)
     assert codec.manifest_from_pb(codec.manifest_to_pb(manifest)) == manifest
 
 

@@ -40,6 +40,7 @@ from tests.store.fixtures_core import (
     copy_adapter,
     stream_all,
 )
+from tests.support.models import ALORA_INVOCATION
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -227,8 +228,10 @@ def test_a_new_store_on_the_same_cache_dir_keeps_the_registry(
     first = store_factory()
     first.preload(str(tiny_adapters["attn-r4"]), "a", pin=True)
     first.preload(f"file://{tiny_adapters['all-r8']}", "org/b")
+    first.preload(str(tiny_adapters["alora-attn-r4"]), "c")
     assert_streams_intact(first, "org/b")
     before = first.list()
+    assert [m.alora_invocation_tokens for m in before] == [(), tuple(ALORA_INVOCATION), ()]
     (cache / "tmp" / "stage-crashed").mkdir()  # what a crash mid-download leaves
     (cache / "tmp" / "stage-crashed" / WEIGHTS_FILE).write_bytes(b"half")
     second = store_factory()
@@ -237,7 +240,7 @@ def test_a_new_store_on_the_same_cache_dir_keeps_the_registry(
     for m in before:
         assert_streams_intact(second, m.name)
     second.delete("a")
-    assert [m.name for m in store_factory().list()] == ["org/b"]
+    assert [m.name for m in store_factory().list()] == ["c", "org/b"]
 
 
 def test_startup_drops_names_whose_files_vanished_and_files_no_name_uses(

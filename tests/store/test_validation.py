@@ -25,6 +25,7 @@ from tests.store.fixtures_core import (
     read_header,
     write_header,
 )
+from tests.support.models import ALORA_INVOCATION
 
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 K_A = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"
@@ -40,6 +41,7 @@ Q_M = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))),
         ("mlp-r16", 16, 16.0, True, ("down_proj", "gate_proj", "up_proj")),
         ("dora-attn-r4", 4, 16.0, False, ("k_proj", "o_proj", "q_proj", "v_proj")),
+        ("alora-attn-r4", 4, 16.0, False, ("k_proj", "o_proj", "q_proj", "v_proj")),
     ],
 )
 def test_valid_peft_adapter_yields_config_fields_offsets_and_checksums(
@@ -51,6 +53,8 @@ def test_valid_peft_adapter_yields_config_fields_offsets_and_checksums(
     assert (result.rank, result.alpha, result.use_rslora) == (rank, alpha, rslora)
     assert result.target_modules == targets
     assert result.use_dora is adapter.startswith("dora")
+    expected_invocation = tuple(ALORA_INVOCATION) if adapter.startswith("alora") else ()
+    assert result.alora_invocation_tokens == expected_invocation
     magnitudes = [t for t in result.tensors if t.info.name.endswith(".lora_magnitude_vector")]
     assert len(magnitudes) == (2 * len(targets) if result.use_dora else 0)  # per layer, module
     assert result.base_model.endswith("base")
@@ -195,6 +199,14 @@ def _config(**changes: object) -> Callable[[Path], None]:
     return mutate
 
 
+def _both(*mutations: Callable[[Path], None]) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        for m in mutations:
+            m(d)
+
+    return mutate
+
+
 def _config_not_json(d: Path) -> None:
     (d / CONFIG_FILE).write_text('{"r": 4, ')
 
@@ -244,6 +256,14 @@ BAD_ADAPTERS = [
     ("dora-magnitude-wrong-shape", _as_dora(63), {},
      r"q_proj: lora_magnitude_vector is \[63\].*must be \[64\]"),
     ("magnitude-without-use-dora", _edit_tensors(_add_q_magnitude), {}, "does not set use_dora"),
+    ("alora-empty-invocation", _config(alora_invocation_tokens=[]), {},
+     r"alora_invocation_tokens .* must be a non-empty list of token ids"),
+    ("alora-negative-token", _config(alora_invocation_tokens=[3, -1]), {},
+     r"alora_invocation_tokens .* holds \[-1\], which are not token ids"),
+    ("alora-text-not-ids", _config(alora_invocation_tokens="<|assistant|>"), {},
+     "must be a non-empty list of token ids"),
+    ("alora-with-dora", _both(_as_dora(64), _config(alora_invocation_tokens=[3, 4])), {},
+     "together with use_dora=true; PEFT serves no such combination"),
     ("vera", _config(peft_type="VERA"), {}, "peft_type is 'VERA'"),
     ("loha", _config(peft_type="LOHA"), {}, "peft_type is 'LOHA'"),
     ("trainable-tokens", _config(trainable_token_indices=[3, 4]), {}, "trainable_token_indices"),

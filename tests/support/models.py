@@ -21,6 +21,9 @@ TINY_LLAMA = dict(
     tie_word_embeddings=False,
 )
 
+# The invocation sequence of the tests' activated LoRAs (PEFT's alora_invocation_tokens).
+ALORA_INVOCATION = [17, 44, 45]
+
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 ALL_LINEAR = ATTENTION + MLP
@@ -49,11 +52,13 @@ def make_peft_adapter(
     seed: int = 1,
     b_std: float = 0.05,
     use_dora: bool = False,
+    alora_invocation_tokens: list[int] | None = None,
 ) -> Path:
     """Save a PEFT LoRA adapter for the checkpoint at ``base_dir`` with a random, non-zero B.
 
     PEFT initialises B to zero, which would make every adapter equal the base model and prove
     nothing, so B is re-drawn with ``b_std`` (and ``use_dora``'s magnitudes within 30%).
+    ``alora_invocation_tokens``: an activated LoRA (PEFT's aLoRA) invoked by those tokens.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -61,7 +66,8 @@ def make_peft_adapter(
     base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, lora_dropout=0.0,
-        use_dora=use_dora,
+        use_dora=use_dora, alora_invocation_tokens=alora_invocation_tokens,
+        task_type="CAUSAL_LM" if alora_invocation_tokens else None,
     )
     torch.manual_seed(seed)
     model = get_peft_model(base, config)
@@ -198,17 +204,21 @@ def make_family_adapter(
     seed: int = 1,
     b_std: float = 0.2,
     use_dora: bool = False,
+    alora_invocation_tokens: list[int] | None = None,
 ) -> Path:
     """A PEFT LoRA adapter (random, non-zero B) for a checkpoint of any family. ``use_dora``:
     a DoRA adapter whose magnitudes are drawn too (PEFT sets them to ||W|| while B is still
-    zero), within 30% of that, so that every part of DoRA shows in the output."""
+    zero), within 30% of that, so that every part of DoRA shows in the output.
+    ``alora_invocation_tokens``: an activated LoRA (PEFT's aLoRA), a causal-LM task as PEFT
+    wants for it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora,
-        lora_dropout=0.0, use_dora=use_dora,
+        lora_dropout=0.0, use_dora=use_dora, alora_invocation_tokens=alora_invocation_tokens,
+        task_type="CAUSAL_LM" if alora_invocation_tokens else None,
     )
     torch.manual_seed(seed)
     model = get_peft_model(base, config)

@@ -81,6 +81,7 @@ def fork_choices(
             num_computed=len(parent.prompt_ids),
             blocks=parent.blocks[:shared] + own,
             slot=parent.slot,
+            lora_from=parent.lora_from,
             arrival=parent.arrival,
             choice=choice,
             group=group,

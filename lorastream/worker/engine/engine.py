@@ -236,7 +236,7 @@ class Engine:
         seq = self.intake.sequence(
             prompt, params,
             lambda: None if self.is_base_model(model) else self.adapters.resolve(model),
-            request_id,
+            request_id, self.adapters.invocation_tokens,
         )
         with self._submit_lock:
             if self._stop.is_set():

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import PromptInput
+from lorastream.worker.engine.activation import activation_start
 from lorastream.worker.engine.chat_template import render_chat
 from lorastream.worker.engine.choices import new_group
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -90,10 +91,12 @@ class RequestIntake:
     def sequence(
         self, prompt: PromptInput, params: SamplingParams,
         resolve_adapter: Callable[[], str | None], request_id: str | None = None,
+        invocation_of: Callable[[str], tuple[int, ...]] | None = None,
     ) -> Sequence:
         """A validated sequence for the request; raises domain errors for bad input. The
         adapter is resolved to its content id (which may ask the store) only once the cheap
-        checks passed."""
+        checks passed. ``invocation_of``: an adapter's activated-LoRA invocation tokens (()
+        for a plain LoRA), which set where its delta starts (``activation.py``)."""
         if params.max_tokens == 0:  # unset on the wire: this worker's default
             params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         params.validate(self.vocab_size)
@@ -128,6 +131,8 @@ class RequestIntake:
             group=group,
             matcher=matcher,
         )
+        if adapter_id is not None and invocation_of is not None:
+            seq.lora_from = activation_start(ids, invocation_of(adapter_id))
         if group is not None:
             group.members.append(seq)
         return seq

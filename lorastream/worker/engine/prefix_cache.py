@@ -27,6 +27,14 @@ Rules (the allocator, ``kv_cache.BlockAllocator``, keeps the blocks):
 - the sliding-window layers (Mistral, Gemma) need nothing special: a block's K/V are the same
   whatever the window, and attention over a cached past masks the same keys as over a computed
   one (``attention._prefill``);
+- an activated LoRA (``activation.py``) computes the blocks before its invocation with the base
+  model: they take the base key, so a base-model request and every activated adapter on the
+  same prompt share them. Its later blocks take its adapter key, with the position its delta
+  starts from mixed in (two activation points inside one block give that block other K/V)::
+
+      lora_from = 40:  blocks 0, 1 (tokens 0-31)  key "base"
+                       blocks 2, ... (tokens 32-)  key H(base, adapter id, 40)
+
 - RoPE that depends on the sequence's length ('dynamic', 'longrope') computes the same K only
   while the sequence stays within the original context: a request that could grow past it
   neither reuses nor registers blocks.
@@ -100,26 +108,32 @@ class PrefixCache:
         self.length_limit = rope_length_limit(config)
         # every hyper-parameter (and the served name) of the base: its identity in this process
         self._base = _digest(base_identity.encode(), repr(config).encode(), quantization.encode())
+        self._base_key = _digest(self._base, b"base")
         self.stats = PrefixCacheStats()
 
     def _cacheable(self, seq: Sequence) -> bool:
         return self.enabled and (self.length_limit is None or seq.max_len <= self.length_limit)
 
-    def _key(self, seq: Sequence) -> bytes:
-        adapter = b"base" if seq.adapter_id is None else b"adapter:" + seq.adapter_id.encode()
+    def _key(self, seq: Sequence, block: int) -> bytes:
+        """The key of ``seq``'s ``block``: the base model's when no row of it takes a delta."""
+        if seq.adapter_id is None or (block + 1) * BLOCK_SIZE <= seq.lora_from:
+            return self._base_key
+        adapter = b"adapter:" + seq.adapter_id.encode()
+        if seq.lora_from > 0:  # an activated LoRA: where its delta starts
+            adapter += b"@" + str(seq.lora_from).encode()
         return _digest(self._base, adapter)
 
     def block_hashes(self, seq: Sequence, count: int) -> list[bytes]:
         """Hashes of ``seq``'s first ``count`` full blocks (kept on it, extended as needed)."""
         hashes = seq.block_hashes
         if len(hashes) < count:
-            key = self._key(seq)
             tokens = seq.prompt_ids
             if count * BLOCK_SIZE > len(tokens):  # generated tokens fill the later blocks
                 tokens = tokens + seq.output_ids
             while len(hashes) < count:
                 i = len(hashes)
                 chunk = array("q", tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]).tobytes()
+                key = self._key(seq, i)
                 hashes.append(_digest(hashes[-1] if hashes else b"", key, chunk))
         return hashes[:count]
 

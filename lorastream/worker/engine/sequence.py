@@ -90,6 +90,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     registered_blocks: int = 0
     slot: int = -1  # LoRA slot while running, -1 for the base model
+    # the first position whose row takes the adapter's delta: 0 but for an activated LoRA, whose
+    # rows before its invocation run the base model (activation.py)
+    lora_from: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     history: TokenHistory | None = None  # device-side token counts, made at its first sample
@@ -114,6 +117,11 @@ class Sequence:
     @property
     def remaining_prompt(self) -> int:
         return len(self.prompt_ids) - self.num_computed
+
+    def lora_slot(self, position: int) -> int:
+        """The LoRA slot of the row at ``position``: -1 for the base model (no adapter, or an
+        activated LoRA before its invocation)."""
+        return self.slot if position >= self.lora_from else -1
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)

@@ -50,6 +50,12 @@ def _slots_of(blocks: list[int], start: int, count: int) -> list[int]:
     ]
 
 
+def _decode_order(seq: Sequence) -> tuple[bool, int]:
+    """By the LoRA slot of the row a decode step feeds, base-model rows last."""
+    slot = seq.lora_slot(seq.num_computed)
+    return slot < 0, slot
+
+
 def build_step_inputs(
     plan: StepPlan, staging: StepStaging | None = None, extra: int = 0
 ) -> StepInputs:
@@ -67,14 +73,14 @@ def build_step_inputs(
     # base-model rows last, so that the LoRA layout usually is the batch itself (no gathers).
     tables: list[list[int]] = []
     contexts: list[int] = []
-    decode = sorted(plan.decode, key=lambda s: (s.slot < 0, s.slot))
+    decode = sorted(plan.decode, key=_decode_order)
     for seq in decode:
         pos = seq.num_computed
         ids.append(seq.token_at(pos))
         positions.append(pos)
         seq_lens.append(pos + 1)
         cache_slots.extend(_slots_of(seq.blocks, pos, 1))
-        token_slots.append(seq.slot)
+        token_slots.append(seq.lora_slot(pos))
         logit_rows.append(len(ids) - 1)
         samplers.append(seq)
         fed.append((seq, 1))
@@ -90,7 +96,7 @@ def build_step_inputs(
         positions.extend(range(begin, begin + chunk))
         seq_lens.extend([begin + chunk] * chunk)
         cache_slots.extend(_slots_of(seq.blocks, begin, chunk))
-        token_slots.extend([seq.slot] * chunk)
+        token_slots.extend(seq.lora_slot(p) for p in range(begin, begin + chunk))
         context = begin + chunk
         spans.append((start, chunk, context, seq.blocks[: -(-context // BLOCK_SIZE)]))
         fed.append((seq, chunk))

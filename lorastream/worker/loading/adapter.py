@@ -243,6 +243,13 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) ->
                 f"{list(expected)} ({key.module} maps {fan_in} -> {fan_out} features)"
             )
     _check_dora_complete(manifest, label)
+    outside = [t for t in manifest.alora_invocation_tokens if t >= config.vocab_size]
+    if outside:
+        raise InvalidAdapter(
+            f"{label} is an activated LoRA whose alora_invocation_tokens {outside[:5]} lie "
+            f"outside {base}'s vocabulary (0..{config.vocab_size - 1}); tokenize its invocation "
+            "string with this base model's tokenizer"
+        )
     return names
 
 

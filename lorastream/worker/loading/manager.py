@@ -147,6 +147,12 @@ class AdapterManager:
                 entry.time_load(began)
         return entry.adapter_id
 
+    def invocation_tokens(self, adapter_id: str) -> tuple[int, ...]:
+        """An activated LoRA's invocation tokens (PEFT's ``alora_invocation_tokens``), () for a
+        plain LoRA. Called from request threads, after :meth:`resolve`."""
+        with self._lock:
+            return self._entry(adapter_id).manifest.alora_invocation_tokens
+
     @property
     def catalogue(self) -> StoreCatalogue | None:
         """The store's catalogue as this worker sees it; None without a store."""

@@ -196,8 +196,8 @@ class WorkerSettings(StoreTLSSettings):
         "holds each gap between steps for share / (1 - share) of the step before it (at most "
         "50 ms), so the idle-priority fetch gets both cores that long. Cold adapters land "
         "sooner; the running streams' steps are that much further apart meanwhile, and not at "
-        "all once nothing waits (docs/loading.md; measured: docs/notes/loading.md). 0: loaders get only "
-        "what decoding leaves. No effect on CUDA.",
+        "all once nothing waits (docs/loading.md; measured: docs/notes/loading.md). 0: loaders "
+        "get only what decoding leaves. No effect on CUDA.",
     )
     bind_compute_threads: bool = Field(
         True,
