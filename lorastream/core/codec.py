@@ -74,6 +74,7 @@ def manifest_to_pb(m: AdapterManifest) -> common_pb2.AdapterManifest:
         created_at=m.created_at,
         pinned=m.pinned,
         last_used_at=m.last_used_at,
+        token_indices=list(m.token_indices),
     )
 
 
@@ -92,6 +93,7 @@ def manifest_from_pb(msg: common_pb2.AdapterManifest) -> AdapterManifest:
         created_at=msg.created_at,
         pinned=msg.pinned,
         last_used_at=msg.last_used_at,
+        token_indices=tuple(msg.token_indices),
     )
 
 

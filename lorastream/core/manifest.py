@@ -45,6 +45,8 @@ class AdapterManifest:
     created_at: float = 0.0  # unix seconds when staged
     pinned: bool = False
     last_used_at: float = 0.0
+    # TrainableTokens: token ids whose embedding rows the adapter replaces, in its rows' order
+    token_indices: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:

@@ -123,6 +123,7 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
         "alpha": c.alpha,
         "use_rslora": c.use_rslora,
         "target_modules": list(c.target_modules),
+        "token_indices": list(c.token_indices),
         "tensors": [
             {
                 "name": t.info.name,
@@ -160,6 +161,7 @@ def _content_from_json(doc: dict[str, Any]) -> ValidatedAdapter:
         use_rslora=bool(doc["use_rslora"]),
         target_modules=tuple(doc["target_modules"]),
         tensors=tensors,
+        token_indices=tuple(doc.get("token_indices", ())),
     )
 
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!lorastream/common/v1/common.proto\x12\x14lorastream.common.v1\"\x8e\x01\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1b.lorastream.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x15\n\rfast_checksum\x18\x06 \x01(\t\"\xb8\x02\n\x0f\x41\x64\x61pterManifest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nsource_uri\x18\x03 \x01(\t\x12\x10\n\x08revision\x18\x04 \x01(\t\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05\x61lpha\x18\x07 \x01(\x02\x12\x12\n\nuse_rslora\x18\x08 \x01(\x08\x12\x16\n\x0etarget_modules\x18\t \x03(\t\x12\x31\n\x07tensors\x18\n \x03(\x0b\x32 .lorastream.common.v1.TensorInfo\x12\x13\n\x0btotal_bytes\x18\x0b \x01(\x03\x12\x12\n\ncreated_at\x18\x0c \x01(\x01\x12\x0e\n\x06pinned\x18\r \x01(\x08\x12\x14\n\x0clast_used_at\x18\x0e \x01(\x01*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!lorastream/common/v1/common.proto\x12\x14lorastream.common.v1\"\x8e\x01\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x05\x64type\x18\x02 \x01(\x0e\x32\x1b.lorastream.common.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x15\n\rfast_checksum\x18\x06 \x01(\t\"\xcf\x02\n\x0f\x41\x64\x61pterManifest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nsource_uri\x18\x03 \x01(\t\x12\x10\n\x08revision\x18\x04 \x01(\t\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\r\n\x05\x61lpha\x18\x07 \x01(\x02\x12\x12\n\nuse_rslora\x18\x08 \x01(\x08\x12\x16\n\x0etarget_modules\x18\t \x03(\t\x12\x31\n\x07tensors\x18\n \x03(\x0b\x32 .lorastream.common.v1.TensorInfo\x12\x13\n\x0btotal_bytes\x18\x0b \x01(\x03\x12\x12\n\ncreated_at\x18\x0c \x01(\x01\x12\x0e\n\x06pinned\x18\r \x01(\x08\x12\x14\n\x0clast_used_at\x18\x0e \x01(\x01\x12\x15\n\rtoken_indices\x18\x0f \x03(\x03*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorastream.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=519
-  _globals['_DTYPE']._serialized_end=607
+  _globals['_DTYPE']._serialized_start=542
+  _globals['_DTYPE']._serialized_end=630
   _globals['_TENSORINFO']._serialized_start=60
   _globals['_TENSORINFO']._serialized_end=202
   _globals['_ADAPTERMANIFEST']._serialized_start=205
-  _globals['_ADAPTERMANIFEST']._serialized_end=517
+  _globals['_ADAPTERMANIFEST']._serialized_end=540
 # @@protoc_insertion_point(module_scope)
