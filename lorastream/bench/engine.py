@@ -14,10 +14,15 @@ With ``dora``, a third engine side runs DoRA adapters with the same A and B as t
 (same modules, rank and seeds, plus magnitudes) on the same prompts: ``dora_vs_lora`` is DoRA's
 decode tok/s over the plain LoRAs' in the same run (goal >= 0.9: the norm is taken when the
 adapter is placed, not per step).
+
+With ``tokens`` (k > 0), one more side runs the plain adapters each with k new embedding rows
+(TrainableTokens, the same A and B): ``tokens_vs_lora`` is its decode tok/s over the plain
+LoRAs' in the same run (goal >= 0.95).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import tempfile
@@ -76,6 +81,7 @@ def run_engine_bench(
     include_peft: bool = True,
     quantization: str = "none",
     dora: bool = False,
+    tokens: int = 0,
 ) -> dict[str, object]:
     """``quantization``: "none", or quantized modes (comma-separated) to compare with the fp32 base
     instead (engine_quant.py)."""
@@ -93,7 +99,7 @@ def run_engine_bench(
     settings = WorkerSettings(
         model=model,
         served_model_name="base",
-        max_loras=2 * adapters if dora else adapters,
+        max_loras=(1 + dora + (tokens > 0)) * adapters,
         max_lora_rank=rank,
         max_batch_size=prompts,
         max_num_tokens=max(512, prompts * 64),
@@ -114,6 +120,13 @@ def run_engine_bench(
                                    base_weights=None if weights is None else weights.get_tensor)
             for i in range(adapters if dora else 0)
         ]
+        vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
+        token_ids = tuple(range(1, vocab, max(1, vocab // max(tokens, 1))))[:tokens]
+        token_dirs = [
+            make_synthetic_adapter(Path(tmp) / f"t{i}", shape, rank=rank, seed=i,
+                                   token_ids=token_ids)
+            for i in range(adapters if tokens else 0)
+        ]
         engine = build_engine(settings, checkpoint=checkpoint)
         # Through the chat template; a base model without one (gemma3-270m) gets the plain text.
         chat = getattr(engine.tokenizer, "chat_template", None) is not None
@@ -131,6 +144,8 @@ def run_engine_bench(
                 ops.load_adapter(f"a{i}", str(path))
             for i, path in enumerate(dora_dirs):
                 ops.load_adapter(f"d{i}", str(path))
+            for i, path in enumerate(token_dirs):
+                ops.load_adapter(f"t{i}", str(path))
 
             def engine_run(models: list[str]) -> Callable[[int], None]:
                 def run(n: int) -> None:
@@ -149,10 +164,13 @@ def run_engine_bench(
             runs = [engine_run(multi_models), engine_run(["base"] * prompts)]
             if dora:
                 runs.append(engine_run([f"d{i % adapters}" for i in range(prompts)]))
+            if tokens:
+                runs.append(engine_run([f"t{i % adapters}" for i in range(prompts)]))
             return decode_rates(runs, prompts, new_tokens, repeats)
 
         # The loop on this thread, as in the worker process (see Engine.run_while).
-        multi, base, *dora_rate = engine.run_while(measure)
+        multi, base, *more = engine.run_while(measure)
+        dora_rate, tokens_rate = more[:1] if dora else [], more[1:] if dora else more
         # Every decode step reads the weights of each distinct adapter in the batch once; how
         # fast this machine reads them, on this thread (its torch threads), after the runs.
         distinct = min(adapters, prompts)
@@ -192,6 +210,13 @@ def run_engine_bench(
             "engine_dora_decode_tok_s": round(dora_rate[0], 1),
             "dora_vs_lora": round(dora_rate[0] / multi, 3),
             "goal_dora_vs_lora": ">= 0.9",
+        }
+    if tokens_rate:
+        result |= {
+            "new_token_rows": tokens,
+            "engine_tokens_decode_tok_s": round(tokens_rate[0], 1),
+            "tokens_vs_lora": round(tokens_rate[0] / multi, 3),
+            "goal_tokens_vs_lora": ">= 0.95",
         }
     if peft is not None:
         result |= {

@@ -74,6 +74,7 @@ def synthetic_lora(
     dora: bool = False,
     base_weights: Callable[[str], torch.Tensor] | None = None,
     alora_invocation_tokens: list[int] | None = None,
+    token_ids: tuple[int, ...] = (),
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """A PEFT LoRA in memory: its state dict (PEFT's saved key form) with random A and B (B
     non-zero) of the base's real shapes, and its ``adapter_config.json`` as a dict; ``targets``
@@ -81,7 +82,8 @@ def synthetic_lora(
     and B (same ``seed``) plus a magnitude vector ``[out]`` per module: PEFT's own start,
     ``||W + s B A||`` per row, when ``base_weights`` (checkpoint key -> W ``[out, in]``) is given
     (as trained DoRA magnitudes stay near it), else ones. ``alora_invocation_tokens``: an
-    activated LoRA invoked by those token ids."""
+    activated LoRA invoked by those token ids. ``token_ids``: TrainableTokens'
+    new embedding rows for these ids too (random, ``[k, hidden]``)."""
     targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -101,6 +103,10 @@ def synthetic_lora(
                     w = base_weights(f"{prefix.removeprefix('base_model.model.')}.weight")
                     m = (w.float() + (alpha / rank) * (b @ a)).norm(dim=1)
                 tensors[f"{prefix}.lora_magnitude_vector"] = m.to(dtype)
+    if token_ids:
+        rows = torch.randn(len(token_ids), shape.hidden, generator=gen)  # [k, H]
+        key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+        tensors[key] = rows.to(dtype)
     config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -112,6 +118,7 @@ def synthetic_lora(
         "lora_dropout": 0.0,
         "bias": "none",
         "use_dora": dora,
+        "trainable_token_indices": list(token_ids) or None,
         "rank_pattern": {},
         "alpha_pattern": {},
     }
@@ -134,12 +141,13 @@ def make_synthetic_adapter(
     dora: bool = False,
     base_weights: Callable[[str], torch.Tensor] | None = None,
     alora_invocation_tokens: list[int] | None = None,
+    token_ids: tuple[int, ...] = (),
 ) -> Path:
     """Write :func:`synthetic_lora` as a PEFT LoRA directory."""
     tensors, config = synthetic_lora(
         shape, rank=rank, alpha=alpha, targets=targets, dtype=dtype, seed=seed, std=std,
         base_model=base_model, dora=dora, base_weights=base_weights,
-        alora_invocation_tokens=alora_invocation_tokens,
+        alora_invocation_tokens=alora_invocation_tokens, token_ids=token_ids,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})

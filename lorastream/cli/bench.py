@@ -142,6 +142,10 @@ def engine(
         False, "--dora/--no-dora", help="Also run DoRA adapters with the same A and B as the "
         "plain ones, in the same run (goal: DoRA decode >= 0.9x the plain LoRAs')."
     ),
+    tokens: int = typer.Option(
+        0, help="Also run the plain adapters each with this many new embedding rows "
+        "(TrainableTokens), in the same run (goal: decode >= 0.95x the plain LoRAs')."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -156,6 +160,7 @@ def engine(
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
         repeats=repeats, include_peft=peft, quantization=quantization, dora=dora,
+        tokens=tokens,
     )
     print_result(result, output)
 

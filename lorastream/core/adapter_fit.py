@@ -19,10 +19,14 @@ from dataclasses import dataclass, field
 
 from lorastream.core.adapter_format import (
     MAGNITUDE,
+    TOKENS,
+    VOCAB_MODULES,
     fused_depth,
     parse_lora_key,
+    parse_vocab_key,
     per_expert,
     resolve_fused_experts,
+    vocab_shape,
 )
 from lorastream.core.manifest import AdapterManifest, TensorInfo
 
@@ -92,6 +96,28 @@ def expert_misfit(
     return None
 
 
+def vocab_misfit(manifest: AdapterManifest, vocab: int, hidden: int) -> str | None:
+    """Why the vocabulary tensors of ``manifest`` (``adapter_format``: parse_vocab_key) do not
+    fit a base of ``vocab`` token ids and ``hidden`` features: another vocabulary (an adapter
+    trained with a resized embedding) is refused, new token ids must lie within ``vocab``."""
+    tokens = manifest.token_indices
+    if tokens and max(tokens) >= vocab:
+        return (f"its trainable token {max(tokens)} is beyond the base model's vocabulary of "
+                f"{vocab} (an adapter whose tokenizer grew the vocabulary is not supported; "
+                "train new tokens on ids the base model has)")
+    for info in manifest.tensors:
+        key = parse_vocab_key(info.name)
+        if key is None:
+            continue
+        expected = vocab_shape(key.module, key.kind, manifest.rank, vocab, hidden, len(tokens))
+        if tuple(info.shape) != expected:
+            what = "rows" if key.kind == TOKENS else "shape"
+            return (f"tensor {info.name} is {list(info.shape)}, but the base model needs "
+                    f"{list(expected)} (vocabulary {vocab}, hidden size {hidden}: a mismatched "
+                    f"vocabulary is not supported; {what} must match the base)")
+    return None
+
+
 def expected_shape(ab: str, rank: int, fan_in: int, fan_out: int) -> tuple[int, ...]:
     """The shape a tensor of kind ``ab`` must have on a projection ``fan_in -> fan_out``:
     lora_A ``[r, in]``, lora_B ``[out, r]``, DoRA's magnitude ``[out]``."""
@@ -128,7 +154,16 @@ def misfit(manifest: AdapterManifest, base: BaseShape) -> str | None:
     """Why ``manifest`` does not fit ``base`` (the first tensor that does not), or None when
     every tensor names a layer ``base`` has and a projection of its sizes."""
     names = expert_names(manifest, base.experts) if base.experts is not None else {}
+    if any(parse_vocab_key(t.name) for t in manifest.tensors):
+        if not all(m in base.modules for m in VOCAB_MODULES):
+            return "it adapts embed_tokens or lm_head, which this worker does not serve"
+        vocab, hidden = base.modules["embed_tokens"]
+        reason = vocab_misfit(manifest, vocab, hidden)
+        if reason is not None:
+            return reason
     for info in manifest.tensors:
+        if parse_vocab_key(info.name) is not None:
+            continue
         key = parse_lora_key(info.name)
         if key is not None and (per_expert(key.module) or fused_depth(key.module) is not None):
             if base.experts is None:

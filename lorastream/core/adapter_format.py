@@ -4,6 +4,16 @@ A PEFT LoRA directory holds ``adapter_config.json`` and ``adapter_model.safetens
 look like ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``. A is ``[r, in]``,
 B is ``[out, r]``. A DoRA adapter (``use_dora``) adds one magnitude vector per adapted module,
 ``...q_proj.lora_magnitude_vector`` of shape ``[out]`` (its key has no ``.weight``).
+
+The vocabulary modules (``embed_tokens``, ``lm_head``) sit outside the layers and come in four
+kinds of tensor (:func:`parse_vocab_key`), V the vocabulary, H the hidden size::
+
+    model.embed_tokens.token_adapter.trainable_tokens_delta   [n, H]  TrainableTokens' new rows
+    model.embed_tokens.lora_embedding_A / _B                  [r, V] / [H, r]
+    lm_head.lora_A.weight / lora_B.weight                     [r, H] / [V, r]
+    model.embed_tokens.weight, lm_head.weight                 [V, H]  modules_to_save
+    model.embed_tokens.base_layer.weight (lm_head's alike)    [V, H]  what PEFT saves beside a
+                                                                      LoRA on that module
 """
 
 from __future__ import annotations
@@ -59,6 +69,48 @@ _KEY = re.compile(
     r"(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|(?P<m>lora_magnitude_vector)(?:\.[^.]+)?)$"
 )
 MAGNITUDE = "M"  # LoraKey.ab of a DoRA magnitude vector
+
+
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+TOKENS = "T"  # VocabKey.kind of TrainableTokens' rows
+FULL = "F"  # VocabKey.kind of a whole saved module (modules_to_save, or a saved base_layer)
+_VOCAB_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>embed_tokens|lm_head)\."
+    r"(?:(?P<tokens>token_adapter\.trainable_tokens_delta)(?:\.[^.]+)?"
+    r"|lora_embedding_(?P<eab>[AB])(?:\.[^.]+)?"
+    r"|lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
+    r"|(?:base_layer\.)?weight)$"
+)
+
+
+@dataclass(frozen=True)
+class VocabKey:
+    """A parsed key of a vocabulary module's tensor (module docstring)."""
+
+    module: str  # "embed_tokens" | "lm_head"
+    kind: str  # "A", "B" (LoRA), TOKENS ("T") or FULL ("F")
+
+
+@lru_cache(maxsize=1024)
+def parse_vocab_key(key: str) -> VocabKey | None:
+    """Parse a key of ``embed_tokens`` or ``lm_head``; None for any other key."""
+    m = _VOCAB_KEY.match(key)
+    if m is None:
+        return None
+    kind = TOKENS if m.group("tokens") else m.group("eab") or m.group("ab") or FULL
+    return VocabKey(m.group("module"), kind)
+
+
+def vocab_shape(module: str, kind: str, rank: int, vocab: int, hidden: int,
+                tokens: int) -> tuple[int, ...]:
+    """The shape a vocabulary tensor must have over a base of ``vocab`` x ``hidden``
+    (``tokens``: the adapter's count of trainable token indices)."""
+    if kind == TOKENS:
+        return (tokens, hidden)
+    if kind == FULL:
+        return (vocab, hidden)
+    fan_in, fan_out = (vocab, hidden) if module == "embed_tokens" else (hidden, vocab)
+    return (rank, fan_in) if kind == "A" else (fan_out, rank)
 
 
 @dataclass(frozen=True)

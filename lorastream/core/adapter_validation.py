@@ -1,9 +1,11 @@
 """Validation of a staged PEFT LoRA directory, without loading a single tensor into torch.
 
 ``adapter_config.json`` is parsed and refused when it asks for a LoRA variant lorastream does not
-serve (per-layer ranks, biases, saved modules, ...); DoRA (``use_dora``) and activated LoRA
-(``alora_invocation_tokens``: a non-empty list of token ids, not with DoRA, as PEFT allows) are
-served.
+serve (per-layer ranks, biases, saved modules other than the vocabulary's, ...); DoRA
+(``use_dora``), TrainableTokens (``trainable_token_indices``), LoRA on ``embed_tokens`` and
+``lm_head`` and ``modules_to_save`` of those two are served (``_check_vocab``), and so is
+activated LoRA (``alora_invocation_tokens``: a non-empty list of token ids, not with DoRA, as
+PEFT allows).
 ``adapter_model.safetensors`` is checked from its header alone (8-byte little-endian length,
 then JSON), with a size cap against header bombs:
 
@@ -41,13 +43,17 @@ from typing import Any
 from lorastream.core.adapter_format import (
     CONFIG_FILE,
     EXPERT_PROJECTIONS,
+    FULL,
     FUSED_EXPERT_PARAMETERS,
     MAGNITUDE,
     ROUTER_NOT_YET,
     SUPPORTED_MODULES,
+    TOKENS,
+    VOCAB_MODULES,
     WEIGHTS_FILE,
     fused_depth,
     parse_lora_key,
+    parse_vocab_key,
     per_expert,
     short_module_name,
     targets_moe_router,
@@ -86,6 +92,7 @@ class ValidatedAdapter:
     tensors: tuple[StagedTensor, ...]  # in layer order (layer_order), the stream's order
     use_dora: bool = False  # a magnitude vector per adapted module (DoRA)
     alora_invocation_tokens: tuple[int, ...] = ()  # activated LoRA; () for a plain LoRA
+    token_indices: tuple[int, ...] = ()  # TrainableTokens' token ids, in its rows' order
 
     def manifest(
         self,
@@ -115,6 +122,7 @@ class ValidatedAdapter:
             pinned=pinned,
             last_used_at=last_used_at,
             alora_invocation_tokens=self.alora_invocation_tokens,
+            token_indices=self.token_indices,
         )
 
 
@@ -128,6 +136,7 @@ class LoraConfigFields:
     use_rslora: bool
     use_dora: bool = False
     alora_invocation_tokens: tuple[int, ...] = ()
+    token_indices: tuple[int, ...] = ()  # trainable_token_indices (of embed_tokens)
 
 
 # Config fields that switch on a LoRA variant lorastream cannot serve:
@@ -137,9 +146,7 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("alpha_pattern", bool, "per-module alphas (alpha_pattern) are not supported; use one alpha"),
     ("bias", lambda v: v not in (None, "none"), "bias training is not supported; use bias='none'"),
     ("lora_bias", bool, "lora_bias=true is not supported"),
-    ("modules_to_save", bool, "modules_to_save (fully trained extra modules) is not supported"),
     ("layer_replication", bool, "layer_replication is not supported"),
-    ("trainable_token_indices", bool, "trainable_token_indices is not supported"),
     ("use_qalora", bool, "QA-LoRA (use_qalora=true) is not supported"),
 )
 
@@ -194,16 +201,25 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     targets = config.get("target_modules")
     if isinstance(targets, list):
         short = {short_module_name(str(t)) for t in targets}
-        unsupported = sorted(short - set(SUPPORTED_MODULES) - {"w1", "w2", "w3"})
+        unsupported = sorted(short - set(SUPPORTED_MODULES) - set(VOCAB_MODULES)
+                             - {"w1", "w2", "w3"})
         if unsupported:
             raise InvalidAdapter(
                 f"{label}: target_modules include {', '.join(unsupported)}; lorastream adapts "
-                f"only {', '.join(SUPPORTED_MODULES)}"
+                f"only {', '.join(SUPPORTED_MODULES + VOCAB_MODULES)}"
             )
+    saved = config.get("modules_to_save") or []
+    others = sorted({short_module_name(str(m)) for m in saved} - set(VOCAB_MODULES))
+    if others or not isinstance(saved, list):
+        raise InvalidAdapter(
+            f"{label}: modules_to_save is supported only for {' and '.join(VOCAB_MODULES)}, not "
+            f"{', '.join(others) or repr(saved)} ({CONFIG_FILE})"
+        )
     base_model = config.get("base_model_name_or_path") or ""
     if not isinstance(base_model, str):
         raise InvalidAdapter(f"{label}: base_model_name_or_path must be a string or null")
-    return LoraConfigFields(base_model, rank, float(alpha), use_rslora, use_dora, invocation)
+    return LoraConfigFields(base_model, rank, float(alpha), use_rslora, use_dora, invocation,
+                            _token_indices(config.get("trainable_token_indices"), label))
 
 
 _MAX_TOKEN_ID = (1 << 31) - 1  # the wire carries token ids as int32
@@ -229,6 +245,29 @@ def _invocation_tokens(value: object, use_dora: bool, label: str) -> tuple[int, 
         raise InvalidAdapter(
             f"{where} is set together with use_dora=true; PEFT serves no such combination "
             "(train either an activated LoRA or a DoRA adapter)"
+        )
+    return tuple(value)
+
+
+def _token_indices(value: object, label: str) -> tuple[int, ...]:
+    """``trainable_token_indices``: a list of token ids, or ``{"embed_tokens": [...]}``
+    (PEFT's two spellings); new rows of other modules are refused."""
+    if not value:
+        return ()
+    if isinstance(value, dict):
+        others = sorted(str(k) for k in value if short_module_name(str(k)) != "embed_tokens")
+        if others or len(value) != 1:
+            raise InvalidAdapter(
+                f"{label}: trainable_token_indices is supported only for embed_tokens, not "
+                f"{', '.join(others)} ({CONFIG_FILE})"
+            )
+        value = next(iter(value.values()))
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    ) or len(set(value)) != len(value):
+        raise InvalidAdapter(
+            f"{label}: trainable_token_indices must be distinct non-negative token ids, got "
+            f"{value!r}"
         )
     return tuple(value)
 
@@ -334,13 +373,86 @@ def _check_tiling(entries: list[_HeaderEntry], data_bytes: int, label: str) -> N
         )
 
 
+def _check_vocab(
+    entries: list[_HeaderEntry], rank: int, token_indices: tuple[int, ...], label: str
+) -> tuple[str, ...]:
+    """The vocabulary modules' tensors (``adapter_format``: parse_vocab_key): one kind per
+    module (new rows, a LoRA pair, or the whole module, a LoRA's saved base layer beside its
+    pair), each of its kind's shape with one vocabulary V and hidden size H across them all,
+    every trainable token id below V. Returns the modules with a LoRA pair (target names)."""
+    kinds: dict[str, dict[str, _HeaderEntry]] = {}
+    for e in entries:
+        key = parse_vocab_key(e.key)
+        if key is not None:
+            kinds.setdefault(key.module, {})[key.kind] = e
+    if bool(token_indices) != (TOKENS in kinds.get("embed_tokens", {})):
+        raise InvalidAdapter(
+            f"{label}: trainable_token_indices in {CONFIG_FILE} and a "
+            "token_adapter.trainable_tokens_delta tensor of embed_tokens go together; this "
+            "adapter has only one of them"
+        )
+    if TOKENS in kinds.get("lm_head", {}):
+        raise InvalidAdapter(f"{label}: trainable tokens of lm_head are not supported (only of "
+                             "embed_tokens, which a tied lm_head follows)")
+    sizes: dict[str, tuple[int, str]] = {}  # "V" | "H" -> (size, the tensor that set it)
+
+    def agree(what: str, size: int, key: str) -> None:
+        seen = sizes.setdefault(what, (size, key))
+        if seen[0] != size:
+            raise InvalidAdapter(f"{label}: tensor {key} has {what} = {size} but {seen[1]} has "
+                                 f"{seen[0]}: one vocabulary and hidden size throughout")
+
+    lora_modules = []
+    for module, found in sorted(kinds.items()):
+        where = f"{label}: {module}"
+        lora = {"A", "B"} & set(found)
+        if lora and lora != {"A", "B"}:
+            raise InvalidAdapter(f"{where} has lora_{''.join(lora)} without its pair")
+        if set(found) not in ({TOKENS}, {"A", "B"}, {FULL}, {"A", "B", FULL}):
+            raise InvalidAdapter(f"{where} has tensors of more than one kind "
+                                 f"({', '.join(e.key for e in found.values())})")
+        for kind, e in found.items():
+            if len(e.shape) != 2:
+                raise InvalidAdapter(f"{label}: tensor {e.key} is {list(e.shape)}, not 2-D")
+            rows, cols = e.shape
+            if kind == TOKENS:
+                if rows != len(token_indices):
+                    raise InvalidAdapter(
+                        f"{label}: tensor {e.key} has {rows} rows but trainable_token_indices "
+                        f"lists {len(token_indices)} tokens")
+                agree("H", cols, e.key)
+            elif kind == FULL:
+                agree("V", rows, e.key)
+                agree("H", cols, e.key)
+            else:
+                r, (v_or_h, size) = (rows, ("V" if module == "embed_tokens" else "H", cols)) \
+                    if kind == "A" else (cols, ("H" if module == "embed_tokens" else "V", rows))
+                if r != rank:
+                    raise InvalidAdapter(f"{label}: tensor {e.key} has rank {r} but "
+                                         f"{CONFIG_FILE} says r={rank}")
+                agree(v_or_h, size, e.key)
+        if lora:
+            lora_modules.append(module)
+    vocab = sizes.get("V")
+    if vocab is not None and token_indices and max(token_indices) >= vocab[0]:
+        raise InvalidAdapter(
+            f"{label}: trainable token {max(token_indices)} is beyond the vocabulary of "
+            f"{vocab[0]} ({vocab[1]}); new tokens beyond the base vocabulary are not supported")
+    return tuple(lora_modules)
+
+
 def _check_lora_pairs(
     entries: list[_HeaderEntry], rank: int, use_dora: bool, label: str
 ) -> tuple[str, ...]:
     """Every key a LoRA A/B (or, with ``use_dora``, magnitude) of a supported module, pairs
-    complete, ranks equal to ``rank``, each magnitude ``[out]`` of its B's ``out``."""
+    complete, ranks equal to ``rank``, each magnitude ``[out]`` of its B's ``out``
+    (vocabulary modules' keys are :func:`_check_vocab`'s)."""
     pairs: dict[tuple[int, str], dict[str, _HeaderEntry]] = {}
+    vocab = False
     for e in entries:
+        if parse_vocab_key(e.key) is not None:
+            vocab = True
+            continue
         if targets_moe_router(e.key):
             raise InvalidAdapter(f"{label}: {ROUTER_NOT_YET} (tensor {e.key})")
         key = parse_lora_key(e.key)
@@ -359,7 +471,7 @@ def _check_lora_pairs(
         if key.ab in slot:
             raise InvalidAdapter(f"{label}: tensors {slot[key.ab].key} and {e.key} are duplicates")
         slot[key.ab] = e
-    if not pairs:
+    if not pairs and not vocab:
         raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} holds no LoRA tensors")
     for (layer, module), slot in sorted(pairs.items()):
         where = f"{label}: layer {layer} {module}"
@@ -443,8 +555,10 @@ def _digest_range(fd: int, start: int, length: int, fast: str, label: str) -> Te
 
 
 def layer_order(name: str) -> tuple[int, int, str]:
-    """Sort key of a tensor in a manifest: layer ascending, then the key; tensors of no layer
-    (``parse_lora_key`` gives None) last, by key."""
+    """Sort key of a tensor in a manifest: the vocabulary modules' tensors first, then layer
+    ascending, then the key; other tensors of no layer (``parse_lora_key`` gives None) last."""
+    if parse_vocab_key(name) is not None:  # first: a prefill needs the embedding before layer 0
+        return (0, -1, name)
     key = parse_lora_key(name)
     return (1, 0, name) if key is None else (0, key.layer, name)
 
@@ -486,6 +600,8 @@ def validate_adapter_dir(
     config = parse_adapter_config(config_path.read_bytes(), label)
     entries, data_start = read_safetensors_header(weights_path, max_header_bytes, label)
     targets = _check_lora_pairs(entries, config.rank, config.use_dora, label)
+    targets = tuple(sorted(targets + _check_vocab(entries, config.rank, config.token_indices,
+                                                  label)))
     fd = os.open(weights_path, os.O_RDONLY)
     try:
         tensors = []
@@ -513,4 +629,5 @@ def validate_adapter_dir(
         tensors=tuple(tensors),
         use_dora=config.use_dora,
         alora_invocation_tokens=config.alora_invocation_tokens,
+        token_indices=config.token_indices,
     )

@@ -75,6 +75,7 @@ def manifest_to_pb(m: AdapterManifest) -> common_pb2.AdapterManifest:
         pinned=m.pinned,
         last_used_at=m.last_used_at,
         alora_invocation_tokens=list(m.alora_invocation_tokens),
+        token_indices=list(m.token_indices),
     )
 
 
@@ -94,6 +95,7 @@ def manifest_from_pb(msg: common_pb2.AdapterManifest) -> AdapterManifest:
         pinned=msg.pinned,
         last_used_at=msg.last_used_at,
         alora_invocation_tokens=tuple(msg.alora_invocation_tokens),
+        token_indices=tuple(msg.token_indices),
     )
 
 

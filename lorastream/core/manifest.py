@@ -48,6 +48,8 @@ class AdapterManifest:
     # activated LoRA: PEFT's alora_invocation_tokens; () for a plain LoRA (the worker starts
     # the delta at their last occurrence in the prompt: worker/engine/activation.py)
     alora_invocation_tokens: tuple[int, ...] = ()
+    # TrainableTokens: token ids whose embedding rows the adapter replaces, in its rows' order
+    token_indices: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:

@@ -29,6 +29,7 @@ def peft_config(manifest: AdapterManifest) -> dict[str, object]:
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
+        "trainable_token_indices": list(manifest.token_indices) or None,
     }
     if manifest.alora_invocation_tokens:
         config["alora_invocation_tokens"] = list(manifest.alora_invocation_tokens)

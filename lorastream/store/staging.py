@@ -124,6 +124,7 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
         "use_rslora": c.use_rslora,
         "target_modules": list(c.target_modules),
         "alora_invocation_tokens": list(c.alora_invocation_tokens),
+        "token_indices": list(c.token_indices),
         "tensors": [
             {
                 "name": t.info.name,
@@ -163,6 +164,7 @@ def _content_from_json(doc: dict[str, Any]) -> ValidatedAdapter:
         tensors=tensors,
         # () when staged before activated LoRA was served (such adapters were refused then)
         alora_invocation_tokens=tuple(doc.get("alora_invocation_tokens", ())),
+        token_indices=tuple(doc.get("token_indices", ())),
     )
 
 

@@ -145,8 +145,28 @@ def _drop_q_b(t: dict[str, torch.Tensor]) -> None:
 
 
 def _add_lm_head(t: dict[str, torch.Tensor]) -> None:
-    t["base_model.model.lm_head.lora_A.weight"] = torch.randn(4, 64)
-    t["base_model.model.lm_head.lora_B.weight"] = torch.randn(256, 4)
+    """A LoRA on lm_head of rank 3 (the adapter's r is 4)."""
+    t["base_model.model.lm_head.lora_A.weight"] = torch.randn(3, 64)
+    t["base_model.model.lm_head.lora_B.weight"] = torch.randn(256, 3)
+
+
+def _new_rows(count: int) -> Callable[[Path], None]:
+    """``count`` new embedding rows, for 2 trainable token ids in the config."""
+    edit_config = _config(trainable_token_indices=[3, 4])
+
+    def mutate(d: Path) -> None:
+        edit_config(d)
+        _edit_tensors(lambda t: t.update({
+            "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta":
+                torch.randn(count, 64)}))(d)
+
+    return mutate
+
+
+def _rows_and_saved_embedding(t: dict[str, torch.Tensor]) -> None:
+    t["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"] = (
+        torch.randn(2, 64))
+    t["base_model.model.model.embed_tokens.weight"] = torch.randn(256, 64)
 
 
 def _add_embedding(t: dict[str, torch.Tensor]) -> None:
@@ -235,10 +255,15 @@ BAD_ADAPTERS = [
     ("rank-mismatch-a-b", _edit_tensors(_b_of_rank_3), {}, "rank mismatch"),
     ("rank-not-config-r", _config(r=8), {}, "says r=8"),
     ("missing-b", _edit_tensors(_drop_q_b), {}, "no lora_B"),
-    ("lm-head-tensor", _edit_tensors(_add_lm_head), {}, "'lm_head'"),
-    ("embedding-tensor", _edit_tensors(_add_embedding), {}, "'embed_tokens'"),
+    ("lm-head-rank", _edit_tensors(_add_lm_head), {}, "lm_head.lora_A.weight has rank 3"),
+    ("embedding-lora-a-alone", _edit_tensors(_add_embedding), {},
+     "embed_tokens has lora_A without its pair"),
+    ("new-rows-not-the-ids", _new_rows(3), {},
+     "has 3 rows but trainable_token_indices lists 2"),
+    ("new-rows-without-ids", _edit_tensors(_rows_and_saved_embedding), {},
+     "trainable_token_indices in adapter_config.json and a token_adapter"),
     ("no-lora-tensors", _edit_tensors(_only_non_lora), {}, "no LoRA tensors"),
-    ("lm-head-in-config", _config(target_modules=["q_proj", "lm_head"]), {}, "lm_head"),
+    ("other-module-in-config", _config(target_modules=["q_proj", "score"]), {}, "score"),
     ("raw-target-parameters", _config(target_parameters=["self_attn.q_proj.weight"]), {},
      r"target_parameters .* only on a mixture-of-experts block's .* not on self_attn"),
     ("moe-router-target-modules", _config(target_modules=["q_proj", "mlp.gate"]), {},
@@ -266,11 +291,15 @@ BAD_ADAPTERS = [
      "together with use_dora=true; PEFT serves no such combination"),
     ("vera", _config(peft_type="VERA"), {}, "peft_type is 'VERA'"),
     ("loha", _config(peft_type="LOHA"), {}, "peft_type is 'LOHA'"),
-    ("trainable-tokens", _config(trainable_token_indices=[3, 4]), {}, "trainable_token_indices"),
+    ("trainable-tokens-without-rows", _config(trainable_token_indices=[3, 4]), {},
+     "trainable_token_indices"),
+    ("trainable-tokens-of-lm-head", _config(trainable_token_indices={"lm_head": [3]}), {},
+     "trainable_token_indices is supported only for embed_tokens, not lm_head"),
     ("rank-pattern", _config(rank_pattern={"q_proj": 8}), {}, "rank_pattern"),
     ("alpha-pattern", _config(alpha_pattern={"q_proj": 8}), {}, "alpha_pattern"),
     ("bias-all", _config(bias="all"), {}, "bias"),
-    ("modules-to-save", _config(modules_to_save=["lm_head"]), {}, "modules_to_save"),
+    ("modules-to-save-other", _config(modules_to_save=["lm_head", "score"]), {},
+     "modules_to_save is supported only for embed_tokens and lm_head, not score"),
     ("not-lora", _config(peft_type="IA3"), {}, "peft_type"),
     ("config-not-json", _config_not_json, {}, "not valid JSON"),
     ("missing-config", _no_config, {}, CONFIG_FILE),

@@ -343,3 +343,33 @@ def per_expert_adapter(adapter: Path, out_dir: Path, mixtral: bool) -> Path:
     save_file(split, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     shutil.copy(adapter / "adapter_config.json", out_dir / "fused_adapter_config.json")
     return out_dir
+
+
+def make_vocab_adapter(
+    base_dir: Path, out_dir: Path, *, rank: int, seed: int, std: float = 0.3,
+    save_embedding_layers: bool = False, **lora: object,
+) -> Path:
+    """A PEFT adapter of the vocabulary modules (``lora``: LoraConfig's ``target_modules`` with
+    ``embed_tokens`` / ``lm_head``, ``trainable_token_indices``, ``modules_to_save``), every
+    trained part drawn at random so that it matters: LoRA's B (and the embedding LoRA's A, which
+    PEFT sets to zero), the new token rows, the saved modules (the base's plus noise).
+    ``save_embedding_layers``: PEFT also saves the base ``embed_tokens`` / ``lm_head`` beside a
+    LoRA on them (its default when that LoRA is there)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, **lora)  # type: ignore[arg-type]  # LoraConfig's own keywords
+    torch.manual_seed(seed)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_embedding" in name:
+                param.normal_(0.0, std)
+            elif "trainable_tokens_delta" in name:
+                param.normal_(0.0, 1.0)
+            elif "modules_to_save" in name:
+                param.add_(torch.randn_like(param) * std)
+    model.save_pretrained(out_dir, safe_serialization=True,
+                          save_embedding_layers=save_embedding_layers)
+    return out_dir

@@ -35,7 +35,7 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., fast_checksum: _Optional[str] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("adapter_id", "name", "source_uri", "revision", "base_model", "rank", "alpha", "use_rslora", "target_modules", "tensors", "total_bytes", "created_at", "pinned", "last_used_at", "alora_invocation_tokens")
+    __slots__ = ("adapter_id", "name", "source_uri", "revision", "base_model", "rank", "alpha", "use_rslora", "target_modules", "tensors", "total_bytes", "created_at", "pinned", "last_used_at", "alora_invocation_tokens", "token_indices")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class AdapterManifest(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
     ALORA_INVOCATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDICES_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     name: str
     source_uri: str
@@ -66,4 +67,5 @@ class AdapterManifest(_message.Message):
     pinned: bool
     last_used_at: float
     alora_invocation_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, adapter_id: _Optional[str] = ..., name: _Optional[str] = ..., source_uri: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., last_used_at: _Optional[float] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, adapter_id: _Optional[str] = ..., name: _Optional[str] = ..., source_uri: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., last_used_at: _Optional[float] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., token_indices: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -155,7 +155,7 @@ class LayeredPrefills:
             lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots,
                                      self.model.dtype, self.model.device)
             start = landing.layers
-            x = self.model.embed(batch) if start == 0 else landing.hidden  # [n, H]
+            x = self.model.embed(batch, lora) if start == 0 else landing.hidden  # [n, H]
             assert x is not None
             landing.hidden = self.model.run_layers(x, batch, self.kv, lora, start, stop)
         log.debug("request %s: layers %d-%d of its prefill ran while its adapter lands",

@@ -36,13 +36,21 @@ from lorastream.core.adapter_fit import (
     expert_misfit,
     expert_names,
     tensor_kind,
+    vocab_misfit,
 )
-from lorastream.core.adapter_format import MAGNITUDE, fused_depth, parse_lora_key, per_expert
+from lorastream.core.adapter_format import (
+    MAGNITUDE,
+    fused_depth,
+    parse_lora_key,
+    parse_vocab_key,
+    per_expert,
+)
 from lorastream.core.errors import InvalidAdapter, LorastreamError
 from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest
 from lorastream.worker.device.device import Event
 from lorastream.worker.loading.load_timeline import LoadTimeline
+from lorastream.worker.lora.vocab import TOKEN_IDS
 from lorastream.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -215,7 +223,12 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) ->
     base = config.describe()
     experts = config.expert_shape()
     names = expert_names(manifest, experts) if experts is not None else {}
+    reason = vocab_misfit(manifest, config.vocab_size, config.hidden_size)
+    if reason is not None:
+        raise InvalidAdapter(f"{label} does not fit {base}: {reason}")
     for info in manifest.tensors:
+        if parse_vocab_key(info.name) is not None:  # vocab_misfit's, above
+            continue
         key = parse_lora_key(info.name)
         if key is not None and (per_expert(key.module) or fused_depth(key.module) is not None):
             reason = expert_misfit(manifest, info, key.module, key.layer, key.ab, experts, names)
@@ -281,6 +294,9 @@ def adapter_weights(
     names = check_fits(manifest, config, max_rank)
     blocks = tuple((layer, names.get(module, module), ab, block)
                    for module, ab, layer, block in buffer.groups())
+    if manifest.token_indices:  # the ids of its new embedding rows travel as one more block
+        ids = torch.tensor([manifest.token_indices], dtype=torch.long)  # [1, k]
+        blocks += ((0, "embed_tokens", TOKEN_IDS, ids),)
     return AdapterWeights(
         adapter_id=manifest.adapter_id,
         name=manifest.name,

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from lorastream.core.adapter_format import parse_lora_key
+from lorastream.core.adapter_format import parse_lora_key, parse_vocab_key
 from lorastream.core.manifest import AdapterManifest
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.adapter import AdapterEntry
@@ -232,6 +232,10 @@ class HostAdapterBuffer(LandingBuffer):
         buffer, tensors = self.buffer, self.manifest.tensors  # narrowed for close() below
         keyed = []
         for index, info in enumerate(tensors):
+            vocab = parse_vocab_key(info.name)  # one "layer" block [1, *shape] (lora/vocab.py)
+            if vocab is not None:
+                keyed.append((vocab.module, vocab.kind, 0, index))
+                continue
             key = parse_lora_key(info.name)
             if key is None:
                 raise ValueError(f"{info.name} is not a LoRA A/B weight")

@@ -51,6 +51,7 @@ from lorastream.kernels.cpu.lora import lora_rows
 from lorastream.worker.device.step_arena import Arena
 from lorastream.worker.lora.experts import ExpertStepMeta, add_expert_lora, build_expert_meta
 from lorastream.worker.lora.slots import LoraSlots
+from lorastream.worker.lora.vocab import VocabStep, build_vocab_step
 
 PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
 # A step gathers each DoRA module's row factors for every layer at once (one op per module, not
@@ -144,7 +145,7 @@ class LoraBackend(Protocol[MetaT]):
 def staged_size(num_rows: int, num_slots: int) -> int:
     """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row) stage
     for ``num_rows`` rows."""
-    return int(PADDING_LIMIT * num_rows) + 5 * num_rows + num_slots + 8
+    return int(PADDING_LIMIT * num_rows) + 6 * num_rows + num_slots + 8  # + vocab's row_slot
 
 
 def build_meta(
@@ -315,14 +316,16 @@ class LoraStep:
 
     def __init__(
         self, slots: LoraSlots, backend: LoraBackend, meta: LoraStepMeta,
-        experts: ExpertStepMeta | None = None,
+        experts: ExpertStepMeta | None = None, vocab: VocabStep | None = None,
     ) -> None:
         """``meta``: the backend's (every backend's metadata has ``modules`` and ``dora``);
-        ``experts``: the step's expert-LoRA metadata (MoE bases), None without."""
+        ``experts``: the step's expert-LoRA metadata (MoE bases), None without; ``vocab``: its
+        rows' vocabulary modules (``lora/vocab.py``), None when no row's adapter has any."""
         self._slots = slots
         self._backend = backend
         self._meta = meta
         self._experts = experts
+        self._vocab = vocab
         self._dora = meta.dora
         # module -> (dora_scale, dora_shift or None) of the step's rows, [L, T, N] (see
         # DORA_GATHER_BYTES), gathered at the module's first layer
@@ -338,8 +341,24 @@ class LoraStep:
         meta = backend.prepare(token_slots, slots, arena)
         if meta is None:
             return None
+
+        def longs(values: list[int]) -> torch.Tensor:
+            if arena is not None:
+                return arena.longs(values)
+            return torch.tensor(values, dtype=torch.long).to(device)
+
         return cls(slots, backend, meta,
-                   build_expert_meta(token_slots, slots, dtype, device, arena))
+                   build_expert_meta(token_slots, slots, dtype, device, arena),
+                   build_vocab_step(token_slots, slots.vocab, slots.tied, longs))
+
+    def embed(self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
+              ) -> torch.Tensor:  # ids [T], x [T, H] -> [T, H]
+        """The rows' embeddings, each from its adapter's vocabulary modules where it has any."""
+        return x if self._vocab is None else self._vocab.embed(ids, x, scale)
+
+    def head(self, h: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The logits of batch rows ``rows`` (h [n, H], logits [n, V]) from each one's head."""
+        return logits if self._vocab is None else self._vocab.head(h, logits, rows)
 
     def add_experts(
         self, layer: int, part: str, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,

@@ -36,6 +36,9 @@ An adapter of PEFT's fused form (one A of ``gate_up_proj`` for gate and up) has 
 into both halves; the per-expert form (``experts.N.gate_proj``, ...) fills each on its own.
 Bytes per slot: ``L * E * R * (2 H + 2 I + I + H) * itemsize``, e.g. Qwen3-30B-A3B's shape
 (L 48, E 128, H 2048, I 768) at R 16 in bf16: 48 * 128 * 16 * 8448 * 2 = 1.66 GB.
+An adapter's vocabulary modules (new token rows, LoRA on embed_tokens / lm_head, saved whole
+modules) live beside the slot, in ``vocab[slot]``, sized by the adapter (``lora/vocab.py``).
+
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
 may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
 """
@@ -49,7 +52,8 @@ from typing import Protocol
 
 import torch
 
-from lorastream.core.adapter_format import MAGNITUDE, per_expert
+from lorastream.core.adapter_format import MAGNITUDE, VOCAB_MODULES, per_expert
+from lorastream.worker.lora.vocab import VocabParts, plan_parts
 from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
@@ -137,6 +141,8 @@ class SlotCopy:
     blocks: Blocks
     covered: dict[tuple[str, str], set[int]]  # (module, "A"|"B") -> the layers blocks write
     piece_bytes: int = PIECE_BYTES
+    vocab: VocabParts | None = None  # its vocabulary modules' storage (lora/vocab.py)
+    vocab_ops: list[Op] = field(default_factory=list)  # the copies into ``vocab``
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +150,7 @@ class SlotCopy:
 
     def record(self) -> None:
         self.slots.table[self.slot] = self.info
+        self.slots.set_vocab(self.slot, self.vocab)
 
     def whole(self) -> list[Op]:
         """Every layer's operations, then the record."""
@@ -151,7 +158,7 @@ class SlotCopy:
 
     def layers(self, first: int, stop: int) -> list[Op]:
         """The operations that make layers ``first .. stop - 1`` of the slot the adapter's."""
-        ops: list[Op] = []
+        ops: list[Op] = list(self.vocab_ops) if first == 0 else []  # streamed before layer 0
         slots, slot, rank, covered = self.slots, self.slot, self.info.rank, self.covered
         for layer in range(first, stop):  # a MoE base's routed experts (lora/experts.py)
             ops.extend(slots.expert_ops(slot, rank, self.blocks, layer))
@@ -166,7 +173,7 @@ class SlotCopy:
                         ops.append(partial(_zero, tail))
         for layer, module, ab, block in self.blocks:
             lo, hi = max(first, layer), min(stop, layer + block.shape[0])
-            if lo >= hi or module.startswith("experts."):  # experts: above
+            if lo >= hi or module.startswith("experts.") or module in VOCAB_MODULES:
                 continue
             if ab == "A":
                 target = slots.a[module][:, slot, :rank]  # [L, r, in]
@@ -232,6 +239,9 @@ class LoraSlots:
                 (config.num_layers, num_slots, fan_out, storage_rank), dtype=dtype, device=device
             )
         self.table: list[SlotInfo] = [SlotInfo() for _ in range(num_slots)]
+        self.vocab: dict[int, VocabParts] = {}  # slot -> its adapter's vocabulary modules
+        self.tied = config.tie_word_embeddings  # new embedding rows reach the logits too
+        self._dtype, self._device = dtype, device
         self.base = base
         # DoRA's factors (module docstring); entry num_slots is the identity
         self.dora_scale: dict[str, torch.Tensor] = {
@@ -252,6 +262,17 @@ class LoraSlots:
         tensors = (*self.a.values(), *self.b.values(), *self.dora_scale.values(),
                    *self.dora_shift.values(), *experts)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def vocab_nbytes(self) -> int:
+        """Bytes the slots' vocabulary modules take (beside :attr:`nbytes`)."""
+        return sum(p.nbytes for p in self.vocab.values())
+
+    def set_vocab(self, slot: int, parts: VocabParts | None) -> None:
+        if parts is None:
+            self.vocab.pop(slot, None)
+        else:
+            self.vocab[slot] = parts
 
     @property
     def identity(self) -> int:
@@ -378,7 +399,9 @@ class LoraSlots:
         into ``slot``: :class:`SlotCopy`."""
         info = SlotInfo(adapter_id, rank, scaling, frozenset(m for _, m, _, _ in blocks),
                         dora=any(ab == MAGNITUDE for _, _, ab, _ in blocks))
-        return SlotCopy(self, slot, info, blocks, _covered(blocks), piece_bytes)
+        vocab, vocab_ops = plan_parts(blocks, scaling, self._dtype, self._device)
+        return SlotCopy(self, slot, info, blocks, _covered(blocks), piece_bytes, vocab,
+                        vocab_ops)
 
     def write_ops(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,
                   piece_bytes: int = PIECE_BYTES) -> list[Op]:
@@ -392,5 +415,7 @@ class LoraSlots:
         self.table[slot] = SlotInfo(adapter_id)
 
     def clear(self, slot: int) -> None:
-        """Forget the slot's adapter (its weights stay until the next write)."""
+        """Forget the slot's adapter (its weights stay until the next write; its vocabulary
+        modules go)."""
         self.table[slot] = SlotInfo()
+        self.vocab.pop(slot, None)

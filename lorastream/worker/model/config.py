@@ -167,6 +167,12 @@ class ModelConfig:
         """Adaptable projection -> (in_features, out_features)."""
         return {t.module: (t.fan_in, t.fan_out) for t in self.lora_targets()}
 
+    def vocab_shapes(self) -> dict[str, tuple[int, int]]:
+        """The vocabulary modules an adapter may change -> (in, out): ``embed_tokens`` maps a
+        token id of V to H features, ``lm_head`` H features to V logits."""
+        return {"embed_tokens": (self.vocab_size, self.hidden_size),
+                "lm_head": (self.hidden_size, self.vocab_size)}
+
     def shared_input_groups(self) -> tuple[tuple[str, ...], ...]:
         """Projections that read the same input (sites with more than one module)."""
         groups = (self.qkv_modules, self.gate_up_modules)

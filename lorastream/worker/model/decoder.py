@@ -60,6 +60,15 @@ class LoraHook(Protocol):
         """A MoE layer's expert deltas (``lora/experts.py``): ``part`` "gate_up" or "down",
         x [P, K] the expert-sorted assignments' inputs, token/expert [P], out [P, N]."""
 
+    def embed(self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
+              ) -> torch.Tensor:
+        """x [T, H], the base embeddings of ``ids`` [T] (times ``scale``), with each row's
+        adapter's new rows, embedding LoRA or saved embedding (``lora/vocab.py``)."""
+
+    def head(self, h: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits [n, V] of batch rows ``rows`` [n] (final hidden states h [n, H]) with each
+        row's adapter's lm_head LoRA, saved lm_head or tied new rows."""
+
 
 @dataclass
 class LayerWeights:
@@ -307,13 +316,14 @@ class DecoderModel:
     ) -> torch.Tensor:  # [n, V] float32
         """Every layer over ``batch``: :meth:`embed`, :meth:`run_layers` over all of them,
         :meth:`head`."""
-        x = self.embed(batch)
+        x = self.embed(batch, lora)
         x = self.run_layers(x, batch, kv, lora, 0, len(self.layers))
-        return self.head(x, batch)
+        return self.head(x, batch, lora)
 
     @torch.inference_mode()
-    def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, H]
-        """The input embeddings of the batch's tokens (scaled where the family scales them)."""
+    def embed(self, batch: ForwardBatch, lora: LoraHook | None = None) -> torch.Tensor:  # [T, H]
+        """The input embeddings of the batch's tokens (scaled where the family scales them),
+        each row's from its adapter's vocabulary modules where it has any."""
         if self._embed_rows is not None:
             x = self._embed_rows.rows(batch.input_ids).to(self.dtype)  # [T, H]
         else:
@@ -321,6 +331,8 @@ class DecoderModel:
             x = self.weights.embed[batch.input_ids]  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if lora is not None:
+            x = lora.embed(batch.input_ids, x, self.embed_scale)
         return x
 
     @torch.inference_mode()
@@ -382,12 +394,17 @@ class DecoderModel:
         return x
 
     @torch.inference_mode()
-    def head(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:  # [T, H] -> [n, V]
-        """The logits (float32) of ``batch.logit_rows`` from the last layer's hidden states."""
+    def head(
+        self, x: torch.Tensor, batch: ForwardBatch, lora: LoraHook | None = None
+    ) -> torch.Tensor:  # [T, H] -> [n, V]
+        """The logits (float32) of ``batch.logit_rows`` from the last layer's hidden states,
+        each row's from its adapter's lm_head where it changes it."""
         rows = self.final_norm(x[batch.logit_rows])  # [n, H]
         logits = self.lm_head(rows)  # [n, V]
         if isinstance(self.lm_head, QuantLinear):  # int8(-dynamic): the candidates' exact
             logits = self.lm_head.exact_top(rows, logits)
+        if lora is not None:
+            logits = lora.head(rows, logits, batch.logit_rows)
         if self.config.final_softcap is not None:
             logits = soft_cap(logits, self.config.final_softcap)
         return logits.float()

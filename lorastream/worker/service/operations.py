@@ -35,7 +35,7 @@ class WorkerOperations:
     def base_shape(self) -> BaseShape:
         """What an adapter must match to fit this worker's base model (the gateway's list)."""
         config = self.engine.model.config
-        return BaseShape(config.num_layers, config.module_shapes())
+        return BaseShape(config.num_layers, {**config.module_shapes(), **config.vocab_shapes()})
 
     def stats(self) -> WorkerStats:
         engine = self.engine

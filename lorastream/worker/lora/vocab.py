@@ -1,0 +1,157 @@
+"""An adapter's vocabulary modules: new embedding rows, LoRA on ``embed_tokens`` and ``lm_head``,
+and whole saved modules, applied per row of a mixed batch.
+
+What PEFT computes, per kind (V the vocabulary, H the hidden size, ``es`` the family's embedding
+scale, 1 where it has none; ``ids`` a row's token, ``h`` its final hidden state)::
+
+    TrainableTokens   x = W'[ids] * es, W' = W with rows ``token_ids`` replaced by ``rows`` [k, H];
+                      a tied lm_head computes with W' too: logits[:, token_ids] = h @ rowsᵀ
+    LoRA embed_tokens x = W[ids] * es + (Aᵀ[ids] @ Bᵀ) * s * es      A [r, V], B [H, r]
+    LoRA lm_head      logits = h @ Wᵀ + ((h @ Aᵀ) @ Bᵀ) * s           A [r, H], B [V, r]
+    modules_to_save   x = E[ids] * es, logits = h @ Lᵀ                E, L [V, H], the adapter's
+
+A saved ``base_layer.weight`` (PEFT saves the base embedding beside an embedding LoRA) is served
+as that module's whole weight, as PEFT loads it. An untied lm_head never follows new embedding
+rows, as in PEFT.
+
+Storage: one :class:`VocabParts` per slot whose adapter has any, allocated when its copy is
+planned and sized by the adapter's own tensors (not by the slot capacity): a plain-LoRA slot
+costs nothing here. A step with no such row does no work here (:func:`build_vocab_step` gives
+None); a step with some runs, per vocabulary slot in it, a few masked ops over the step's rows,
+so base-model and plain-LoRA rows keep their values exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from lorastream.core.adapter_format import FULL, TOKENS, VOCAB_MODULES
+
+TOKEN_IDS = "I"  # the block kind that carries TrainableTokens' token ids ([1, k] int64)
+
+Op = Callable[[], None]
+Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, kind, block [1, ...])
+
+
+@dataclass
+class VocabParts:
+    """One slot's vocabulary tensors on the device (None: the adapter has no such part)."""
+
+    scaling: float
+    token_ids: torch.Tensor | None = None  # [k] int64
+    token_rows: torch.Tensor | None = None  # [k, H]
+    embed_a: torch.Tensor | None = None  # [r, V]
+    embed_b: torch.Tensor | None = None  # [H, r]
+    head_a: torch.Tensor | None = None  # [r, H]
+    head_b: torch.Tensor | None = None  # [V, r]
+    embed_full: torch.Tensor | None = None  # [V, H]
+    head_full: torch.Tensor | None = None  # [V, H]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.token_ids, self.token_rows, self.embed_a, self.embed_b, self.head_a,
+                   self.head_b, self.embed_full, self.head_full)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+_FIELDS = {  # (module, kind) -> VocabParts field
+    ("embed_tokens", TOKEN_IDS): "token_ids", ("embed_tokens", TOKENS): "token_rows",
+    ("embed_tokens", "A"): "embed_a", ("embed_tokens", "B"): "embed_b",
+    ("lm_head", "A"): "head_a", ("lm_head", "B"): "head_b",
+    ("embed_tokens", FULL): "embed_full", ("lm_head", FULL): "head_full",
+}
+
+
+def vocab_blocks(blocks: Blocks) -> Blocks:
+    """The blocks of the vocabulary modules."""
+    return [b for b in blocks if b[1] in VOCAB_MODULES]
+
+
+def plan_parts(
+    blocks: Blocks, scaling: float, dtype: torch.dtype, device: torch.device
+) -> tuple[VocabParts | None, list[Op]]:
+    """Allocate a slot's :class:`VocabParts` for ``blocks`` and the copies that fill it (None
+    and no copy when the adapter has no vocabulary part)."""
+    mine = vocab_blocks(blocks)
+    if not mine:
+        return None, []
+    parts, ops = VocabParts(scaling), list[Op]()
+    for _, module, kind, block in mine:
+        source = block[0]
+        target = torch.empty(source.shape, device=device,
+                             dtype=torch.long if kind == TOKEN_IDS else dtype)
+        setattr(parts, _FIELDS[(module, kind)], target)
+        ops.append(partial(_copy, target, source))
+    return parts, ops
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source, non_blocking=True)
+
+
+class VocabStep:
+    """The vocabulary part of one step: each vocabulary slot of the step and its rows' mask.
+
+    Example: rows' slots [2, -1, 0, 2], slot 2 with new token rows -> row_slot [2, -1, 0, 2],
+    parts {2: ...}; the embedding of rows 0 and 3 reads slot 2's rows where their token is
+    one of its token ids, rows 1 and 2 are left alone.
+    """
+
+    def __init__(self, row_slot: torch.Tensor, parts: dict[int, VocabParts],
+                 tied: bool) -> None:
+        self.row_slot = row_slot  # [T] int64, -1: base model
+        self.parts = parts
+        self.tied = tied  # the base ties lm_head to embed_tokens: new rows reach the logits
+
+    def embed(self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
+              ) -> torch.Tensor:  # ids [T], x [T, H] (scaled) -> [T, H]
+        for slot, p in self.parts.items():
+            mine = (self.row_slot == slot).unsqueeze(1)  # [T, 1]
+            if p.embed_full is not None:
+                x = torch.where(mine, _scaled(p.embed_full[ids], scale), x)
+            if p.token_rows is not None and p.token_ids is not None:
+                match = (ids.unsqueeze(1) == p.token_ids.unsqueeze(0)) & mine  # [T, k]
+                rows = p.token_rows[match.int().argmax(1)]  # [T, H]
+                x = torch.where(match.any(1, keepdim=True), _scaled(rows, scale), x)
+            if p.embed_a is not None and p.embed_b is not None:
+                after_a = p.embed_a.t()[ids]  # [T, r]
+                delta = _scaled((after_a @ p.embed_b.t()) * p.scaling, scale)  # [T, H]
+                x = x + delta * mine
+        return x
+
+    def head(self, h: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor
+             ) -> torch.Tensor:  # h [n, H], logits [n, V], rows [n] -> [n, V]
+        """The logits of batch rows ``rows`` (the ``logit_rows``), each from its adapter's head."""
+        slots = self.row_slot[rows]  # [n]
+        for slot, p in self.parts.items():
+            mine = (slots == slot).unsqueeze(1)  # [n, 1]
+            if p.head_full is not None:
+                logits = torch.where(mine, h @ p.head_full.t(), logits)
+            if self.tied and p.token_rows is not None and p.token_ids is not None:
+                new = h @ p.token_rows.t()  # [n, k]
+                logits = logits.index_copy(
+                    1, p.token_ids, torch.where(mine, new, logits[:, p.token_ids]))
+            if p.head_a is not None and p.head_b is not None:
+                delta = ((h @ p.head_a.t()) @ p.head_b.t()) * p.scaling  # [n, V]
+                logits = logits + delta * mine
+        return logits
+
+
+def _scaled(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return x if scale is None else x * scale
+
+
+def build_vocab_step(
+    token_slots: list[int], parts: dict[int, VocabParts], tied: bool,
+    longs: Callable[[list[int]], torch.Tensor],
+) -> VocabStep | None:
+    """The step's :class:`VocabStep`, its row index staged by ``longs``; None when no row's slot
+    has vocabulary parts."""
+    present = {s: parts[s] for s in sorted(set(token_slots)) if s in parts}
+    if not present:
+        return None
+    return VocabStep(longs(token_slots), present, tied)
