@@ -140,7 +140,7 @@ bench-gpu: install-dev
 	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench engine --quantization int8,int8-dynamic,fp8 --repeats 4 --output $(BENCH_RESULTS)/engine-quant-gpu.json
 
 bench-report: install-dev
-	$(LORASTREAM) bench report --results $(BENCH_RESULTS) --out docs/BENCHMARKS.md
+	$(PY) -m benchpage --results $(BENCH_RESULTS) --out docs/BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

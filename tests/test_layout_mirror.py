@@ -19,7 +19,8 @@ TESTS = REPO / "tests"
 NOT_MIRRORED = {"support", "deploy", "gpu", "fresh", "compose_live"}
 # The checks of the whole repository.
 TOP_LEVEL = {"test_layers.py", "test_packaging.py", "test_protos.py", "test_runtime_imports.py",
-             "test_layout_mirror.py", "test_lint_markers.py", "test_test_asserts.py"}
+             "test_layout_mirror.py", "test_lint_markers.py", "test_docstring_figures.py",
+             "test_test_asserts.py"}
 # Where a test module must name the package it mirrors.
 NAMED = {("worker",), ("core",)}
 

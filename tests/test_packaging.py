@@ -171,12 +171,12 @@ def test_every_lock_keys_the_ci_venv_and_the_install_stamp(lock: str) -> None:
     assert lock in dev_stamp and "$(CURDIR)" in dev_stamp
 
 
-@pytest.mark.parametrize("missing", ["psutil", "matplotlib"])
+@pytest.mark.parametrize("missing", ["psutil", "peft"])
 def test_bench_without_the_bench_extra_says_how_to_install_it(
     missing: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setitem(sys.modules, missing, None)  # as if not installed: find_spec -> None
-    result = CliRunner().invoke(app, ["bench", "report", "--results", str(tmp_path)])
+    result = CliRunner().invoke(app, ["bench", "registry", "--output", str(tmp_path / "r.json")])
     assert result.exit_code == 2
     assert f"missing: {missing}" in result.output and "requirements-dev.lock" in result.output
     assert "Traceback" not in result.output

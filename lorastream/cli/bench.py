@@ -11,7 +11,7 @@ import typer
 
 from lorastream.cli import bench_serving
 from lorastream.cli.bench_common import OUTPUT_OPTION, print_result, require_bench_extra
-from lorastream.cli.common import console, out, refuse, setup_logging
+from lorastream.cli.common import out, refuse, setup_logging
 
 app = typer.Typer(
     help="Benchmarks; each prints one JSON document with its comparison.",
@@ -291,25 +291,3 @@ def push(
 
 
 app.command("soak")(bench_serving.soak)
-
-
-@app.command("report")
-def report(
-    results: Path = typer.Option(
-        Path("docs/benchmarks/results"), help="Directory of transfer/engine/serve/scale .json."
-    ),
-    out_md: Path = typer.Option(Path("docs/BENCHMARKS.md"), "--out", help="Page to write."),
-    plots: Path | None = typer.Option(
-        None, help="Directory for the PNG plots (default: RESULTS/../plots)."
-    ),
-    log_level: str = typer.Option("WARNING", help="Logging level."),
-) -> None:
-    """Write the benchmark page (tables, goal verdicts, plots, commands, machine) from the result
-    JSONs; a missing result is shown as not run."""
-    require_bench_extra()
-    from lorastream.bench.report import write_report
-
-    setup_logging(log_level)
-    if not results.is_dir():
-        refuse([f"--results {results}: no such directory"])
-    console.print(f"wrote {write_report(results, out_md, plots)}", markup=False)

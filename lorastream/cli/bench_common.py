@@ -17,7 +17,7 @@ OUTPUT_OPTION = typer.Option(
 
 
 # The `bench` extra of pyproject.toml (in requirements-dev.lock), which `make up` does not install.
-BENCH_MODULES = ("peft", "psutil", "tqdm", "matplotlib")
+BENCH_MODULES = ("peft", "psutil", "tqdm")  # the page generator (benchpage/) adds matplotlib
 
 
 def require_bench_extra() -> None:

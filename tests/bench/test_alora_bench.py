@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from lorastream.bench.report import write_report
+from benchpage.report import write_report
 from lorastream.cli.main import app
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
 

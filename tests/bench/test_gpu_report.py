@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lorastream.bench.gpu_report import gpu_rows, gpu_section
-from lorastream.bench.report import load_results, render_page
+from benchpage.gpu_report import gpu_rows, gpu_section
+from benchpage.report import load_results, render_page
 
 
 def _serving(device: str) -> dict[str, Any]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from benchpage.report import render_page
 from lorastream.bench.grammar import CASES, ENGINES
-from lorastream.bench.report import render_page
 from lorastream.cli.main import app
 
 runner = CliRunner()

@@ -11,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from benchpage.report import render_page
+from benchpage.report_pool import pool_goals, pool_section
 from lorastream.bench.endpoint_picker import EndpointView
 from lorastream.bench.pool import (
     ChildScraper,
@@ -22,8 +24,6 @@ from lorastream.bench.pool import (
     random_targets,
     scrape_latency,
 )
-from lorastream.bench.report import render_page
-from lorastream.bench.report_pool import pool_goals, pool_section
 
 
 def metrics(running: str, waiting: str = "", queue: int = 0, kv: float = 0.0,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from benchpage.__main__ import main as benchpage_main
 from lorastream.cli.main import app
 
 runner = CliRunner()
@@ -62,8 +63,7 @@ def test_a_tiny_run_reports_both_workloads_on_and_off_and_the_page_shows_them(
         routing["affinity"]["ttft_p50_ms"] / routing["no_affinity"]["ttft_p50_ms"], 3)
 
     page = tmp_path / "BENCHMARKS.md"
-    result = runner.invoke(app, ["bench", "report", "--results", str(results), "--out", str(page)])
-    assert result.exit_code == 0, result.output
+    assert benchpage_main(["--results", str(results), "--out", str(page)]) == 0
     text = page.read_text()
     section = text[text.index("(prefix)\n"):]
     assert "Chat traffic over 2 adapters (rank 4" in section
@@ -86,6 +86,5 @@ def test_without_routing_the_page_has_no_routing_part(tiny_model: Path, tmp_path
     assert result.exit_code == 0, result.output
     assert json.loads((results / "prefix.json").read_text())["routing"] is None
     page = tmp_path / "BENCHMARKS.md"
-    result = runner.invoke(app, ["bench", "report", "--results", str(results), "--out", str(page)])
-    assert result.exit_code == 0, result.output
+    assert benchpage_main(["--results", str(results), "--out", str(page)]) == 0
     assert "(prefix)" in page.read_text() and "**Routing.**" not in page.read_text()

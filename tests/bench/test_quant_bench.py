@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from benchpage.report import render_page
 from lorastream.bench.engine import run_engine_bench
 from lorastream.bench.engine_quant import (
     agreement,
@@ -17,7 +18,6 @@ from lorastream.bench.engine_quant import (
     projection_ms,
 )
 from lorastream.bench.quant_reference import ReferenceRows, dequantized_base
-from lorastream.bench.report import render_page
 from lorastream.bench.roofline import measure_peaks, multiply_adds_per_row, roofline
 from tests.support.models import make_tiny_family
 
@@ -147,7 +147,7 @@ def test_paired_ratios_divide_each_repeat_by_fp32_s_run_of_that_repeat() -> None
 
 
 def test_paired_ratios_are_shown_on_the_page_as_median_and_range() -> None:
-    from lorastream.bench.report_quant import _paired
+    from benchpage.report_quant import _paired
 
     r = {"repeats": 3, "modes": {
         "none": {"paired_vs_fp32": {}},
@@ -218,7 +218,7 @@ def test_the_roofline_says_what_share_of_the_peak_each_goal_needs() -> None:
 
 
 def test_the_page_shows_the_share_of_the_peak_a_goal_needs_or_that_it_is_out_of_reach() -> None:
-    from lorastream.bench.report_quant import _roofline
+    from benchpage.report_quant import _roofline
 
     roof = {"multiply_add_peak_gmac_s": {"fp32": 100.0, "int8": 90.0, "int16": 50.0},
             "multiply_adds_per_step": 10**9, "modes": {
@@ -236,7 +236,7 @@ def test_no_cpu_peak_is_measured_for_a_model_on_a_gpu() -> None:
 
 
 def test_a_roofline_without_a_peak_is_said_so_on_the_page() -> None:
-    from lorastream.bench.report_quant import _roofline
+    from benchpage.report_quant import _roofline
 
     text = _roofline({"roofline": {"multiply_add_peak_gmac_s": {"error": "no compiler"}}})
     assert text == "Roofline: the multiply-add peak was not measured (no compiler)."
@@ -246,7 +246,7 @@ def test_a_roofline_without_a_peak_is_said_so_on_the_page() -> None:
 def test_a_mode_timed_slower_in_parts_than_in_whole_gets_no_rest_figure() -> None:
     """The rest of a step is its time less its projections' separate timing; where the machine's
     speed moved between the two and the difference is negative, the page says so instead."""
-    from lorastream.bench.report_quant import _rest
+    from benchpage.report_quant import _rest
 
     modes = {"none": {"base_only_decode_tok_s": 200.0, "projections_ms_per_step": 100.0},
              "int8": {"base_only_decode_tok_s": 200.0, "projections_ms_per_step": 187.0}}

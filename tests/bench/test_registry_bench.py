@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lorastream.bench.report import render_page
+from benchpage.report import render_page
 from lorastream.cli.main import app
 
 runner = CliRunner()

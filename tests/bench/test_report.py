@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
-from lorastream.bench.report import BENCHES, render_page, write_report
-from lorastream.bench.report_format import Goal, number, ratio
-from lorastream.cli.main import app
+from benchpage.report import BENCHES, render_page, write_report
+from benchpage.report_format import Goal, number, ratio
+
+REPO = Path(__file__).resolve().parents[2]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -254,13 +256,22 @@ def test_results_with_missing_values_render_without_leaking_them() -> None:
     _assert_no_leaks(page)
 
 
-def test_report_command_writes_the_page(tmp_path: Path) -> None:
+def test_python_m_benchpage_writes_the_page(tmp_path: Path) -> None:
     _write(tmp_path / "results", renderer_inputs())
     out = tmp_path / "page.md"
-    result = CliRunner().invoke(app, ["bench", "report", "--results", str(tmp_path / "results"),
-                                      "--out", str(out)])
-    assert result.exit_code == 0, result.output
+    done = subprocess.run(
+        [sys.executable, "-m", "benchpage", "--results", str(tmp_path / "results"), "--out",
+         str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     assert "## Headline" in out.read_text()
+
+
+def test_python_m_benchpage_refuses_a_missing_results_directory(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchpage", "--results", str(tmp_path / "no[such]dir")],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert f"--results {tmp_path / 'no[such]dir'}: no such directory" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.bench import report
+from benchpage import report
 
 BENCH = Path(report.__file__).resolve().parent
 # a number and a unit ("503s", HTTP's, is no figure: seconds need their space)

@@ -55,7 +55,7 @@ def test_each_count_reports_its_best_round_and_keeps_every_rounds_throughput() -
 
 
 def test_the_scale_section_states_the_adapter_size_and_the_push_registration() -> None:
-    from lorastream.bench.report_sections import scale_goals, scale_section
+    from benchpage.report_sections import scale_goals, scale_section
 
     runs = [{"adapters": n, "throughput_req_s": 5.0 - n / 10_000, "ttft_ms": {"p50": 900.0}}
             for n in (10, 100, 1000, 10_000)]

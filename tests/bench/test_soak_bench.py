@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lorastream.bench import plots
-from lorastream.bench.report import render_page
-from lorastream.bench.report_soak import soak_goals, soak_section
+from benchpage import plots
+from benchpage.report import render_page
+from benchpage.report_soak import soak_goals, soak_section
 from lorastream.bench.soak import SoakConfig, cdf_points, make_soak_requests, rss_growth
 from lorastream.bench.soak_client import (
     OUTCOMES,

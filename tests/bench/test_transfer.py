@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from lorastream.bench.report_transfer import transfer_goals, transfer_section
+from benchpage.report_transfer import transfer_goals, transfer_section
 from lorastream.bench.transfer import (
     CLIENTS,
     checked_chunk_sizes,

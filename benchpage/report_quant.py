@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorastream.bench.report_format import (
+from benchpage.report_format import (
     MISSING,
     Result,
     as_number,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorastream.bench.report_format import Result, number, paragraphs, table
+from benchpage.report_format import Result, number, paragraphs, table
 
 
 def grammar_goals(r: Result) -> list[list[str]]:

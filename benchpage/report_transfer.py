@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lorastream.bench.plots import format_bytes
-from lorastream.bench.report_format import (
+from benchpage.plots import format_bytes
+from benchpage.report_format import (
     GOALS_HEADER,
     Result,
     as_number,

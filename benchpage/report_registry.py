@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lorastream.bench.report_format import Result, goal_row, ms, number, paragraphs, ratio, table
+from benchpage.report_format import Result, goal_row, ms, number, paragraphs, ratio, table
 
 
 def registry_goals(r: Result) -> list[list[str]]:

@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from lorastream.bench.report_format import as_number, get
+from benchpage.report_format import as_number, get
 
 _SIZE = (9.0, 6.0)  # inches at 100 dpi: 900 x 600 pixels
 _DPI = 100

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorastream.bench.report_format import (
+from benchpage.report_format import (
     MISSING,
     Goal,
     Result,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lorastream.bench.report_format import (
+from benchpage.report_format import (
     MISSING,
     as_number,
     code_block,

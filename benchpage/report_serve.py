@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lorastream.bench.report_format import (
+from benchpage.report_format import (
     GOALS_HEADER,
     MISSING,
     Goal,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lorastream.bench.report_format import (
+from benchpage.report_format import (
     MISSING,
     Goal,
     Result,

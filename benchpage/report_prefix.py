@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorastream.bench.prefix_routing import THINK_S
-from lorastream.bench.report_format import (
+from benchpage.report_format import (
     Result,
     get,
     goal_row,
@@ -17,6 +16,7 @@ from lorastream.bench.report_format import (
     table,
     text,
 )
+from lorastream.bench.prefix_routing import THINK_S
 
 
 def prefix_goals(r: Result) -> list[list[str]]:
