@@ -370,11 +370,12 @@ class LoraStep:
         if meta is None:
             return
         slots = self._slots
+        row = slots.expert_rows[layer]  # sparse layers only hold expert storage
         if part == "gate_up":
-            a, bs = slots.expert_a_gate_up[layer], [slots.expert_b["gate_proj"][layer],
-                                                    slots.expert_b["up_proj"][layer]]
+            a, bs = slots.expert_a_gate_up[row], [slots.expert_b["gate_proj"][row],
+                                                  slots.expert_b["up_proj"][row]]
         else:
-            a, bs = slots.expert_a_down[layer], [slots.expert_b_down[layer]]
+            a, bs = slots.expert_a_down[row], [slots.expert_b_down[row]]
         self._backend.add_experts(x, token, expert, a, bs, out, meta)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int) -> None:
