@@ -21,7 +21,7 @@ from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
-from lorastream.worker.model.decoder import ACTIVATIONS
+from lorastream.worker.model.decoder import ACTIVATIONS, LayerLora
 from lorastream.worker.model.moe import MoeBlock
 from lorastream.worker.model.weights import load_weights
 from tests.support.models import (
@@ -112,7 +112,7 @@ def test_expert_deltas_match_peft_per_token_and_touch_only_visited_experts(
         step = LoraStep.for_step(slots, TorchLoraBackend(torch.float32, CPU), row_slots,
                                  torch.float32, CPU)
         assert step is not None
-        return block(h, lambda *args: step.add_experts(LAYER, *args))
+        return block(h, LayerLora(step, LAYER))
 
     out = run()
     torch.testing.assert_close(out, _peft_reference(block, slots, h, row_slots),
