@@ -10,6 +10,9 @@ prompt generates exactly ``new_tokens`` tokens (EOS ignored), the whole batch is
 Each figure is the best of ``repeats`` runs (the usual choice for throughput on a shared machine);
 the engine sides take turns within every repeat.
 
+A mixture-of-experts base runs ``engine_moe.py`` instead (expert LoRAs, PEFT adapter by
+adapter).
+
 With ``dora``, a third engine side runs DoRA adapters with the same A and B as the plain ones
 (same modules, rank and seeds, plus magnitudes) on the same prompts: ``dora_vs_lora`` is DoRA's
 decode tok/s over the plain LoRAs' in the same run (goal >= 0.9: the norm is taken when the
@@ -106,6 +109,13 @@ def run_engine_bench(
         kv_cache_bytes=1 << 30,
     )
     checkpoint = resolve_checkpoint(model, cache_dir=settings.model_cache_dir)
+    from lorastream.worker.model.config import ModelConfig
+
+    if ModelConfig.from_dir(checkpoint).is_moe:  # expert LoRAs: engine_moe.py
+        from lorastream.bench.engine_moe import run_moe_engine_bench
+
+        return run_moe_engine_bench(model, checkpoint, adapters, rank, prompts, new_tokens,
+                                    repeats, include_peft)
     shape = checkpoint_shape(model)
     if shape != SMOLLM2_135M:
         log.info("base model shape %s", shape)

@@ -197,6 +197,25 @@ def alora(
     print_result(run_alora_bench(config), output)
 
 
+@app.command("moe-checkpoint")
+def moe_checkpoint(
+    out_dir: Path = typer.Argument(..., help="Directory to write the checkpoint into."),
+    hidden: int = typer.Option(512, help="hidden_size."),
+    layers: int = typer.Option(8, help="num_hidden_layers (all sparse)."),
+    experts: int = typer.Option(16, help="num_experts."),
+    top_k: int = typer.Option(2, help="num_experts_per_tok."),
+    moe_intermediate: int = typer.Option(256, help="moe_intermediate_size."),
+) -> None:
+    """A random-weight Qwen3-MoE checkpoint for `bench engine --model DIR` (the default model's
+    tokenizer)."""
+    require_bench_extra()
+    from lorastream.bench.engine_moe import MoeShape, make_moe_checkpoint
+
+    shape = MoeShape(hidden=hidden, layers=layers, experts=experts, top_k=top_k,
+                     moe_intermediate=moe_intermediate)
+    typer.echo(str(make_moe_checkpoint(out_dir, shape)))
+
+
 @app.command("prefix")
 def prefix(
     model: str = typer.Option(

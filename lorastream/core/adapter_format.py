@@ -32,15 +32,12 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "pytorch_model.bin")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "gate_up_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + FUSED_MODULES
-
-# A mixture-of-experts block's router, in a module path or a tensor key (``mlp.gate``,
-# ``mlp.shared_expert_gate``): LoRA there is refused.
-_ROUTER_PART = re.compile(r"(^|\.)(mlp\.gate|shared_expert_gate|block_sparse_moe\.gate)(\.|$)")
-ROUTER_NOT_YET = (
-    "LoRA on a mixture-of-experts router (mlp.gate, shared_expert_gate) is not supported; "
-    "train the adapter on the attention projections and the experts only"
-)
+# A mixture-of-experts block's plain weights: its router (``mlp.gate``, ``[E, H]``; PEFT trains
+# it as the raw parameter ``gate.weight``) and Qwen2-MoE's shared-expert gate (``[1, H]``).
+MOE_BLOCK_MODULES = ("gate", "shared_expert_gate")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + FUSED_MODULES + MOE_BLOCK_MODULES
+# The raw parameters ``target_parameters`` may name besides the fused experts: the router's.
+ROUTER_PARAMETER = "gate.weight"
 
 # LoRA on a MoE layer's experts comes in two forms (docs/worker.md):
 #   PEFT's target_parameters on the fused expert parameters, one A/B pair per parameter for all
@@ -188,12 +185,6 @@ def resolve_fused_experts(
         gate_up = len(a) == 2 and len(b) == 2 and a[1] == hidden and b[0] == 2 * inter
         resolved[module] = "experts.gate_up_proj" if gate_up else "experts.down_proj"
     return resolved
-
-
-def targets_moe_router(name: str) -> bool:
-    """True when a target module, target parameter or tensor key lies in a MoE router
-    (see ``ROUTER_NOT_YET``), e.g. ``model.layers.0.mlp.gate``."""
-    return _ROUTER_PART.search(name) is not None
 
 
 def short_module_name(target: str) -> str:

@@ -46,7 +46,7 @@ from lorastream.core.adapter_format import (
     FULL,
     FUSED_EXPERT_PARAMETERS,
     MAGNITUDE,
-    ROUTER_NOT_YET,
+    ROUTER_PARAMETER,
     SUPPORTED_MODULES,
     TOKENS,
     VOCAB_MODULES,
@@ -56,7 +56,6 @@ from lorastream.core.adapter_format import (
     parse_vocab_key,
     per_expert,
     short_module_name,
-    targets_moe_router,
 )
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TensorDigests
 from lorastream.core.errors import InvalidAdapter
@@ -165,21 +164,14 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
             f"{label}: peft_type is {peft_type!r}; lorastream serves only LoRA adapters "
             "(peft_type 'LORA')"
         )
-    listed = [config.get(field) for field in ("target_parameters", "target_modules")]
-    routers = [
-        str(t) for targets in listed if isinstance(targets, list) for t in targets
-        if targets_moe_router(str(t))
-    ]
-    if routers:
-        raise InvalidAdapter(f"{label}: {ROUTER_NOT_YET} ({CONFIG_FILE} targets "
-                             f"{', '.join(routers)})")
     parameters = config.get("target_parameters") or []
     fused = [f"experts.{p}" for p in FUSED_EXPERT_PARAMETERS]
-    raw_parameters = [str(t) for t in parameters if not str(t).endswith(tuple(fused))]
+    allowed = (*fused, ROUTER_PARAMETER)
+    raw_parameters = [str(t) for t in parameters if not _at_part(str(t), allowed)]
     if raw_parameters or not isinstance(parameters, list):
         raise InvalidAdapter(
             f"{label}: target_parameters (LoRA on raw parameters) is supported only on a "
-            f"mixture-of-experts block's {' and '.join(fused)}, not on "
+            f"mixture-of-experts block's {', '.join(fused)} and router {ROUTER_PARAMETER}, not on "
             f"{', '.join(raw_parameters) or repr(parameters)} ({CONFIG_FILE})"
         )
     for key, switched_on, message in _UNSUPPORTED:
@@ -453,14 +445,7 @@ def _check_lora_pairs(
         if parse_vocab_key(e.key) is not None:
             vocab = True
             continue
-        if targets_moe_router(e.key):
-            raise InvalidAdapter(f"{label}: {ROUTER_NOT_YET} (tensor {e.key})")
         key = parse_lora_key(e.key)
-        if key is not None and key.module.startswith("shared_expert."):
-            raise InvalidAdapter(
-                f"{label}: LoRA on Qwen2-MoE's shared expert is not supported yet (tensor "
-                f"{e.key}); train the adapter on the attention projections and the routed experts"
-            )
         if key is None or _short(key.module) not in SUPPORTED_MODULES:
             module = key.module if key else e.key.split(".lora_")[0].rsplit(".", 1)[-1]
             raise InvalidAdapter(
@@ -498,6 +483,12 @@ def _check_lora_pairs(
                 f"{where} has rank {a.shape[0]} but {CONFIG_FILE} says r={rank}"
             )
     return tuple(sorted({_target_name(module) for _, module in pairs}))
+
+
+def _at_part(name: str, endings: tuple[str, ...]) -> bool:
+    """``name`` is one of ``endings`` or ends with ``.`` + one (``mlp.gate.weight``, not
+    ``shared_expert_gate.weight``)."""
+    return any(name == end or name.endswith(f".{end}") for end in endings)
 
 
 def _short(module: str) -> str:

@@ -1,7 +1,8 @@
 """The worker's Prometheus metrics (its own registry, served on ``--metrics-port``).
 
 Per tier (``host``, ``device``): resident adapters and bytes (read from the adapter manager at
-scrape time), hits, misses and evictions. Histograms: fetch (store -> host buffer, the whole
+scrape time), hits, misses and evictions; the device bytes the slots reserve, by part
+(``projections``, and a MoE base's ``experts``). Histograms: fetch (store -> host buffer, the whole
 stream), host landing (time spent writing chunks into host buffers), device copy (a load-stream
 job). Requests waiting on a load, and queue gauges, also at scrape time.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -55,6 +56,9 @@ class TierState:
     held_adapters: tuple[str, ...] = ()  # in a device slot or in host memory (no store fetch)
     wanted_adapters: tuple[str, ...] = ()  # needed by queued requests, not ready in a slot
     adapter_slots: int = 0
+    # device bytes every slot reserves, by part: "projections" (LoRA A/B and DoRA factors of
+    # the linear layers), "experts" (a MoE base's routed experts, sparse layers only)
+    slot_bytes: dict[str, int] = field(default_factory=dict)
     kv_blocks: int = 0  # KV cache blocks in all
     kv_blocks_used: int = 0  # held by some sequence
     kv_block_size: int = 0  # tokens per block
@@ -118,6 +122,14 @@ class _StateCollector(Collector):
             nbytes.add_metric([tier], state.resident_bytes.get(tier, 0))
         yield resident
         yield nbytes
+        slot_bytes = GaugeMetricFamily(
+            "lorastream_worker_slot_bytes",
+            "Device bytes the adapter slots reserve (all slots, loaded or not), by part.",
+            labels=["part"],
+        )
+        for part, value in sorted(state.slot_bytes.items()):
+            slot_bytes.add_metric([part], value)
+        yield slot_bytes
         yield GaugeMetricFamily(
             "lorastream_worker_requests_waiting_on_load",
             "Queued requests whose adapter is still loading.",

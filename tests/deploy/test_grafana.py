@@ -46,7 +46,8 @@ def gateway_registry() -> CollectorRegistry:
 
 def worker_registry() -> CollectorRegistry:
     metrics = WorkerMetrics()
-    metrics.watch(lambda: TierState({"device": 1}, {"device": 10}, 0, 0, 0, 0))
+    metrics.watch(lambda: TierState({"device": 1}, {"device": 10}, 0, 0, 0, 0,
+                                    slot_bytes={"projections": 10, "experts": 20}))
     return metrics.registry
 
 

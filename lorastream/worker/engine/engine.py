@@ -419,6 +419,8 @@ class Engine:
                 s.name for s in statuses if s.references > 0 and s.residency != "device"
             })),
             adapter_slots=self.slots.num_slots,
+            slot_bytes={"projections": self.slots.nbytes - self.slots.expert_nbytes,
+                        "experts": self.slots.expert_nbytes},
             kv_blocks=self.kv.num_blocks,
             kv_blocks_used=self.kv.allocator.used_blocks,
             kv_block_size=BLOCK_SIZE,

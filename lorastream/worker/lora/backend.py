@@ -141,11 +141,23 @@ class LoraBackend(Protocol[MetaT]):
     ) -> None:
         """out[:, col:col+N] += scaling[s] * (x @ a[s, :r]ᵀ) @ b[s, :, :r]ᵀ per row."""
 
+    def add_experts(
+        self,
+        x: torch.Tensor,  # [P, K]: a MoE layer's expert-sorted assignments
+        token: torch.Tensor,  # [P]
+        expert: torch.Tensor,  # [P]
+        a: torch.Tensor,  # [S, E, G * R, K]
+        bs: list[torch.Tensor],  # G x [S, E, N_g, R]
+        out: torch.Tensor,  # [P, sum N_g]
+        meta: ExpertStepMeta,
+    ) -> None:
+        """out[p] += scaling * (B[s, e] @ (A[s, e] @ x[p])) per assignment (``lora/experts.py``)."""
+
 
 def staged_size(num_rows: int, num_slots: int) -> int:
-    """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row) stage
-    for ``num_rows`` rows."""
-    return int(PADDING_LIMIT * num_rows) + 6 * num_rows + num_slots + 8  # + vocab's row_slot
+    """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row and 1
+    per slot) stage for ``num_rows`` rows."""
+    return int(PADDING_LIMIT * num_rows) + 6 * num_rows + 2 * num_slots + 8  # + vocab's row_slot
 
 
 def build_meta(
@@ -303,6 +315,14 @@ class TorchLoraBackend:
             self._accumulate(y, out, col, meta)
         return True
 
+    def add_experts(
+        self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, a: torch.Tensor,
+        bs: list[torch.Tensor], out: torch.Tensor, meta: ExpertStepMeta,
+    ) -> None:
+        """Grouped GEMMs over (slot, expert) segments (``add_expert_lora``)."""
+        top_k = x.shape[0] // meta.row_slots.shape[0]
+        add_expert_lora(x, token, expert, a, bs, out, top_k, meta)
+
     @staticmethod
     def _accumulate(y: torch.Tensor, out: torch.Tensor, col: int, meta: LoraStepMeta) -> None:
         """out[:, col:col+N] += row_scale * y, y [P, N] back in batch-row order."""
@@ -369,13 +389,13 @@ class LoraStep:
         if meta is None:
             return
         slots = self._slots
+        row = slots.expert_rows[layer]  # sparse layers only hold expert storage
         if part == "gate_up":
-            a, bs = slots.expert_a_gate_up[layer], [slots.expert_b["gate_proj"][layer],
-                                                    slots.expert_b["up_proj"][layer]]
+            a, bs = slots.expert_a_gate_up[row], [slots.expert_b["gate_proj"][row],
+                                                  slots.expert_b["up_proj"][row]]
         else:
-            a, bs = slots.expert_a_down[layer], [slots.expert_b_down[layer]]
-        top_k = x.shape[0] // meta.row_slots.shape[0]
-        add_expert_lora(x, token, expert, a, bs, out, top_k, meta)
+            a, bs = slots.expert_a_down[row], [slots.expert_b_down[row]]
+        self._backend.add_experts(x, token, expert, a, bs, out, meta)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, col: int) -> None:
         if module in self._meta.modules:

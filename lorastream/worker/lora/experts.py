@@ -22,8 +22,10 @@ Example, S = 2, E = 4, k = 2, rows [t0: slot 1, t1: base, t2: slot 0], experts
 
 The gate and up halves read one shrink of ``2 R`` columns (gate's A, then up's: PEFT's fused
 form holds one A for both, copied into each half). Cost follows the slots' rank R, not each
-adapter's: their rows beyond the rank are zero. The Triton kernel (``kernels/moe_lora.py``)
-computes the same.
+adapter's: their rows beyond the rank are zero. The Triton backend runs the Triton kernel
+(``kernels/moe_lora.py``, :func:`add_expert_lora_triton`) in place of the grouped GEMMs: the
+same sums, each assignment's group ``s * E + e`` (-1 without an expert adapter) read from the
+router's choices on the device, and each group's scaling its slot's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lorastream.kernels.moe_lora import moe_lora  # Triton itself: imported at the first launch
 from lorastream.worker.device.step_arena import Arena
 from lorastream.worker.lora.slots import LoraSlots
 
@@ -43,6 +46,7 @@ class ExpertStepMeta:
 
     row_slots: torch.Tensor  # [T] int64: the row's slot, or S (no expert adapter)
     row_scale: torch.Tensor  # [T] float: the slot's scaling, 0 for rows without
+    slot_scale: torch.Tensor  # [S] float32: each slot's scaling (the Triton path's groups')
     adapted_rows: int  # rows with an expert adapter (host-known)
     num_slots: int
 
@@ -52,7 +56,7 @@ def build_expert_meta(
     arena: Arena | None = None,
 ) -> ExpertStepMeta | None:
     """None when no row's adapter adapts the experts (or the base model has none); staged in
-    ``arena`` when given (2 T entries; the engine flushes it)."""
+    ``arena`` when given (2 T + S entries; the engine flushes it)."""
     if not slots.expert_a:
         return None
     table, none = slots.table, slots.num_slots
@@ -62,13 +66,17 @@ def build_expert_meta(
         return None
     row_slots = [s if s in adapted else none for s in token_slots]
     scale = [table[s].scaling if s in adapted else 0.0 for s in token_slots]
+    per_slot = [info.scaling if s in adapted else 0.0 for s, info in enumerate(table)]
     if arena is not None:
         slots_t, scale_t = arena.longs(row_slots), arena.floats(scale)
+        slot_scale = arena.floats(per_slot)
     else:
         slots_t, scale_t = torch.tensor(row_slots).to(device), torch.tensor(scale).to(device)
+        slot_scale = torch.tensor(per_slot, dtype=torch.float32).to(device)
     return ExpertStepMeta(
         row_slots=slots_t,
         row_scale=scale_t.to(dtype),  # the cast runs on the device after the flush
+        slot_scale=slot_scale,
         adapted_rows=sum(s in adapted for s in token_slots),
         num_slots=none,
     )
@@ -121,3 +129,24 @@ def add_expert_lora(
     ]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [Pa, N]
     out.index_add_(0, order, y.to(out.dtype))
+
+
+def add_expert_lora_triton(
+    x: torch.Tensor,  # [P, K]: the assignments' inputs
+    token: torch.Tensor,  # [P]: each assignment's batch row
+    expert: torch.Tensor,  # [P]: each assignment's expert
+    a: torch.Tensor,  # [S, E, G * R, K]
+    bs: list[torch.Tensor],  # G x [S, E, N_g, R]
+    out: torch.Tensor,  # [P, sum N_g]
+    meta: ExpertStepMeta,
+) -> None:
+    """:func:`add_expert_lora` on the Triton kernel (``kernels/moe_lora.py``): no sort, no
+    host read; each assignment's group is ``slot * E + expert``, -1 for rows without."""
+    num_slots, num_experts, width, k = a.shape
+    groups_n = num_slots * num_experts
+    slot = meta.row_slots.index_select(0, token)  # [P]
+    groups = torch.where(slot < num_slots, slot * num_experts + expert,
+                         torch.full_like(slot, -1)).to(torch.int32)  # [P]
+    scalings = meta.slot_scale.float().repeat_interleave(num_experts)  # [S * E]
+    moe_lora(x, groups, a.reshape(groups_n, width, k),
+             [b.reshape(groups_n, b.shape[2], b.shape[3]) for b in bs], scalings, out)

@@ -25,16 +25,19 @@ entries of slots holding a plain LoRA are never read. The norm is over the weigh
 projection computes with (``DoraBase``; int8/fp8: the dequantized weight).
 
 A mixture-of-experts base also gets expert storage, per routed expert ``e`` (``lora/experts.py``
-computes the deltas)::
+computes the deltas), for its sparse layers only (``L_moe`` of them: a dense layer of
+``mlp_only_layers`` / off ``decoder_sparse_step`` has no experts to adapt); model layer ``l`` is
+row ``expert_rows[l]``::
 
-    expert_a_gate_up: [num_layers, S, E, 2 R, H]   gate's A in rows :R, up's A in rows R:
-    expert_b_gate_up: [num_layers, S, E, 2 I, R]   gate's B in rows :I, up's B in rows I:
-    expert_a_down:    [num_layers, S, E, R, I]
-    expert_b_down:    [num_layers, S, E, H, R]
+    expert_a_gate_up: [L_moe, S, E, 2 R, H]   gate's A in rows :R, up's A in rows R:
+    expert_b_gate_up: [L_moe, S, E, 2 I, R]   gate's B in rows :I, up's B in rows I:
+    expert_a_down:    [L_moe, S, E, R, I]
+    expert_b_down:    [L_moe, S, E, H, R]
 
 An adapter of PEFT's fused form (one A of ``gate_up_proj`` for gate and up) has its A copied
 into both halves; the per-expert form (``experts.N.gate_proj``, ...) fills each on its own.
-Bytes per slot: ``L * E * R * (2 H + 2 I + I + H) * itemsize``, e.g. Qwen3-30B-A3B's shape
+Bytes per slot: ``L_moe * E * R * (2 H + 2 I + I + H) * itemsize`` (:attr:`expert_nbytes` for
+all slots), e.g. Qwen3-30B-A3B's shape
 (L 48, E 128, H 2048, I 768) at R 16 in bf16: 48 * 128 * 16 * 8448 * 2 = 1.66 GB.
 An adapter's vocabulary modules (new token rows, LoRA on embed_tokens / lm_head, saved whole
 modules) live beside the slot, in ``vocab[slot]``, sized by the adapter (``lora/vocab.py``).
@@ -257,11 +260,18 @@ class LoraSlots:
 
     @property
     def nbytes(self) -> int:
-        experts = (self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down,
-                   self.expert_b_down) if self.expert_a else ()
+        """Device bytes of every slot's storage: the projections', DoRA's and the experts'."""
         tensors = (*self.a.values(), *self.b.values(), *self.dora_scale.values(),
-                   *self.dora_shift.values(), *experts)
-        return sum(t.numel() * t.element_size() for t in tensors)
+                   *self.dora_shift.values())
+        return sum(t.numel() * t.element_size() for t in tensors) + self.expert_nbytes
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Device bytes of the expert storage, every slot's (0 on a dense base)."""
+        if not self.expert_a:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (
+            self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down, self.expert_b_down))
 
     @property
     def vocab_nbytes(self) -> int:
@@ -322,9 +332,13 @@ class LoraSlots:
         [L, S, E, out, R]."""
         self.expert_a: dict[str, torch.Tensor] = {}
         self.expert_b: dict[str, torch.Tensor] = {}
+        # model layer -> its row of the expert storage (sparse layers only)
+        self.expert_rows: dict[int, int] = {}
         if not config.is_moe:
             return
-        lay, s, e, r = config.num_layers, self.num_slots, config.num_experts, self.storage_rank
+        sparse = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
+        self.expert_rows = {layer: row for row, layer in enumerate(sparse)}
+        lay, s, e, r = len(sparse), self.num_slots, config.num_experts, self.storage_rank
         h, i = config.hidden_size, config.moe_intermediate_size
         a_gate_up = torch.zeros((lay, s, e, 2, r, h), dtype=dtype, device=device)
         self.expert_a_gate_up = a_gate_up.view(lay, s, e, 2 * r, h)
@@ -346,14 +360,15 @@ class LoraSlots:
         rows ``e r .. e r + r - 1`` -- and B ``[n, out, E * r]`` -- expert e's column j at
         ``j E + e`` (PEFT's ``ParamWrapper`` layout). Per-expert blocks (``experts.{e}.{proj}``):
         A ``[n, r, in]``, B ``[n, out, r]``."""
-        if not self.expert_a:
+        row = self.expert_rows.get(layer)
+        if row is None:  # a dense base, or a dense layer: no experts
             return []
-        ops: list[Op] = [partial(_zero, t[layer, slot]) for t in (
+        ops: list[Op] = [partial(_zero, t[row, slot]) for t in (
             self.expert_a_gate_up, self.expert_b_gate_up, self.expert_a_down, self.expert_b_down)]
         for first, module, ab, block in blocks:
             if not module.startswith("experts.") or not first <= layer < first + block.shape[0]:
                 continue
-            for target, source in self._expert_copies(layer, slot, rank, module,
+            for target, source in self._expert_copies(row, slot, rank, module,
                                                       per_expert(module), ab, block[layer - first]):
                 ops.append(partial(_copy, target, source))
         return ops
@@ -362,7 +377,8 @@ class LoraSlots:
         self, layer: int, slot: int, rank: int, module: str, one: tuple[int, str] | None,
         ab: str, block: torch.Tensor,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(target, source) pairs of one layer's expert tensor (:meth:`expert_ops`)."""
+        """(target, source) pairs of one layer's expert tensor (:meth:`expert_ops`); ``layer``
+        is the layer's row of the expert storage."""
         if one is not None:
             expert, proj = one
             if ab == "A":

@@ -1,6 +1,7 @@
 """The LoRA delta with the Triton SGMV kernels of ``lorastream/kernels/`` (CUDA; the CPU runs
 them only in Triton's interpreter, for tests). Same contract as the torch backend: metadata built
-on the host once per step (``SgmvMetadata``), reused by every layer's shrink and expand."""
+on the host once per step (``SgmvMetadata``), reused by every layer's shrink and expand. A MoE
+base's expert deltas run the expert kernel (``kernels/moe_lora.py``) over (slot, expert) groups."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lorastream.kernels.metadata import SgmvMetadata
 from lorastream.kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
 from lorastream.worker.device.step_arena import Arena
 from lorastream.worker.lora.backend import DoraRows, build_dora_rows
+from lorastream.worker.lora.experts import ExpertStepMeta, add_expert_lora_triton
 from lorastream.worker.lora.slots import LoraSlots
 
 
@@ -76,3 +78,10 @@ class TritonLoraBackend:
             h, b, meta.token_slots, meta.ranks, meta.scalings, out, slice_offset=col,
             meta=meta.sgmv,
         )
+
+    def add_experts(
+        self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, a: torch.Tensor,
+        bs: list[torch.Tensor], out: torch.Tensor, meta: ExpertStepMeta,
+    ) -> None:
+        """A MoE layer's expert deltas on the expert kernel (``add_expert_lora_triton``)."""
+        add_expert_lora_triton(x, token, expert, a, bs, out, meta)

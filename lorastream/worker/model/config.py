@@ -18,8 +18,9 @@ Modules that share a site read the same input, so the slots keep their A side by
 A mixture-of-experts model (``num_experts > 0``) replaces the gate_up and down sites of its
 sparse layers by a routed block (``model/moe.py``): a router ``[E, H]``, E experts of width
 ``moe_intermediate_size`` of which each token visits ``experts_per_token``, and (Qwen2-MoE) a
-shared expert with a sigmoid gate. Its LoRA targets are the attention sites; LoRA on the
-experts has slots of its own (``lora/slots.py``, ``lora/experts.py``).
+shared expert with a sigmoid gate. Its LoRA targets are the attention sites and the block's
+plain weights (router, shared expert, shared-expert gate); LoRA on the routed experts has slots
+of its own (``lora/slots.py``, ``lora/experts.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from lorastream.core.errors import InvalidArgument
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 SITES = ("qkv", "o", "gate_up", "down")
+# Qwen2-MoE's shared expert, as adapter keys name its projections (``mlp.shared_expert.*``).
+SHARED_GATE_UP = ("shared_expert.gate_proj", "shared_expert.up_proj")
+SHARED_DOWN = "shared_expert.down_proj"
 
 
 @dataclass(frozen=True)
@@ -140,11 +144,28 @@ class ModelConfig:
         return {"qkv": self.q_size + 2 * self.kv_size, "o": h, "gate_up": 2 * i, "down": h}[site]
 
     def lora_targets(self) -> tuple[LoraTarget, ...]:
-        """Every adaptable projection, in site order: :meth:`projections`, but only the
-        attention's in a MoE model (expert LoRA has storage of its own, ``lora/slots.py``)."""
+        """Every adaptable projection, in site order: :meth:`projections`, but in a MoE model
+        the attention's and the MoE block's plain weights (:meth:`moe_block_targets`; expert
+        LoRA has storage of its own, ``lora/slots.py``)."""
         if self.is_moe:
-            return tuple(t for t in self.projections() if t.site in ("qkv", "o"))
+            attention = tuple(t for t in self.projections() if t.site in ("qkv", "o"))
+            return attention + self.moe_block_targets()
         return self.projections()
+
+    def moe_block_targets(self) -> tuple[LoraTarget, ...]:
+        """A MoE block's plain weights, adapted on its sparse layers (``model/moe.py``): the
+        router ``gate`` (its logits) and, in Qwen2-MoE, the shared expert's projections (its
+        gate and up fused as ``shared_gate_up``) and its gate ``shared_expert_gate``."""
+        h, s = self.hidden_size, self.shared_expert_intermediate_size
+        targets = [LoraTarget("gate", "router", 0, h, self.num_experts)]
+        if s:
+            targets += [
+                LoraTarget(SHARED_GATE_UP[0], "shared_gate_up", 0, h, s),
+                LoraTarget(SHARED_GATE_UP[1], "shared_gate_up", s, h, s),
+                LoraTarget(SHARED_DOWN, "shared_down", 0, s, h),
+                LoraTarget("shared_expert_gate", "shared_gate", 0, h, 1),
+            ]
+        return tuple(targets)
 
     def projections(self) -> tuple[LoraTarget, ...]:
         """Every projection of a dense layer, in site order, as its checkpoint names it."""
@@ -175,7 +196,7 @@ class ModelConfig:
 
     def shared_input_groups(self) -> tuple[tuple[str, ...], ...]:
         """Projections that read the same input (sites with more than one module)."""
-        groups = (self.qkv_modules, self.gate_up_modules)
+        groups = (self.qkv_modules, self.gate_up_modules, SHARED_GATE_UP)
         targets = {t.module for t in self.lora_targets()}
         return tuple(g for g in groups if len(g) > 1 and set(g) <= targets)
 

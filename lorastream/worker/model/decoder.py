@@ -23,13 +23,15 @@ from lorastream.kernels.cpu.norm_rope import rms_norm
 from lorastream.worker.device.cpu.kernel_choice import CpuKernels, use_cpu_kernels
 from lorastream.worker.device.cpu.native_env import release_freed_memory
 from lorastream.worker.model.attention import paged_attention, write_kv
-from lorastream.worker.model.config import SITES, ModelConfig
+from lorastream.worker.model.config import SHARED_DOWN, SHARED_GATE_UP, SITES, ModelConfig
 from lorastream.worker.model.forward_batch import ForwardBatch
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.linear import Linear
 from lorastream.worker.model.moe import MoeBlock, MoeWeights
 from lorastream.worker.model.quant_linear import Quantization, QuantLinear
 from lorastream.worker.model.rope import RotaryEmbedding, apply_rotary
+
+MOE_GATES = ("gate", "shared_expert_gate")  # a MoE block's plain gate weights (moe.py)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -68,6 +70,25 @@ class LoraHook(Protocol):
     def head(self, h: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """logits [n, V] of batch rows ``rows`` [n] (final hidden states h [n, H]) with each
         row's adapter's lm_head LoRA, saved lm_head or tied new rows."""
+
+
+@dataclass(frozen=True)
+class LayerLora:
+    """A step's LoRA hook bound to one layer, as its routed block calls it (``moe.MoeLora``)."""
+
+    lora: LoraHook
+    layer: int
+
+    def add_experts(self, part: str, x: torch.Tensor, token: torch.Tensor,
+                    expert: torch.Tensor, out: torch.Tensor) -> None:
+        self.lora.add_experts(self.layer, part, x, token, expert, out)
+
+    def add(self, modules: tuple[str, ...], x: torch.Tensor, out: torch.Tensor,
+            cols: tuple[int, ...]) -> None:
+        if len(modules) == 1:
+            self.lora.add(self.layer, modules[0], x, out, cols[0])
+        else:
+            self.lora.add_group(self.layer, modules, x, out, cols)
 
 
 @dataclass
@@ -284,11 +305,18 @@ class DecoderModel:
         """``||W + b @ a||`` per output row of ``module``'s weight in ``layer``, over the weight
         the projection computes with (int8/fp8: dequantized): DoRA's norm, taken once when an
         adapter is placed in its slot (``LoraSlots``)."""
+        moe = self.layers[layer].moe
+        if moe is not None and module in MOE_GATES:  # a MoE block's router or shared gate
+            w = moe.router if module == "gate" else moe.shared_gate  # [N, K]
+            assert w is not None
+            return (w.float() + b.float() @ a.float()).norm(dim=1)
         proj, col = self._lora_projection(layer, module)
         return proj.delta_row_norms(slice(col, col + b.shape[0]), b, a)
 
     def lora_bias(self, layer: int, module: str) -> torch.Tensor | None:  # [N] or None
         """The bias of ``module``'s output columns in ``layer`` (Qwen2's q/k/v), None if none."""
+        if module in MOE_GATES or module in SHARED_GATE_UP or module == SHARED_DOWN:
+            return None  # a MoE block's weights have none
         proj, col = self._lora_projection(layer, module)
         width = self.config.module_shapes()[module][1]
         return None if proj.bias is None else proj.bias[col : col + width]
@@ -299,6 +327,15 @@ class DecoderModel:
             modules, cols = self.lora_sites[site]
             if module in modules:
                 return self.proj[layer][index], cols[modules.index(module)]
+        moe = self.layers[layer].moe
+        if moe is not None and moe.shared is not None and (
+            module in SHARED_GATE_UP or module == SHARED_DOWN
+        ):
+            gate_up, down = moe.shared
+            width = self.config.shared_expert_intermediate_size
+            if module == SHARED_DOWN:
+                return down, 0  # type: ignore[return-value]  # a Projection (decoder._moe)
+            return gate_up, SHARED_GATE_UP.index(module) * width  # type: ignore[return-value]
         raise KeyError(f"{module} is not an adaptable projection of {self.config.describe()}")
 
     def _cos_sin(
@@ -378,7 +415,7 @@ class DecoderModel:
             x = x + o
             h = layer.mlp_norm(x)
             if layer.moe is not None:
-                down = layer.moe(h, None if lora is None else partial(lora.add_experts, i))
+                down = layer.moe(h, None if lora is None else LayerLora(lora, i))
             else:
                 w_gate_up, w_down = self.proj[i][2:]
                 gate_up = w_gate_up(h)  # [T, 2 I]

@@ -22,7 +22,10 @@ transformers adds them. Example, T = 3, k = 2, E = 4, experts [[2, 0], [0, 3], [
 
 With an expert-LoRA hook (``lora/experts.py``), the hook adds each adapter's delta to the
 sorted rows after the gate_up and after the down products, before the activation and the
-routing weights, as PEFT's merged expert weights give it.
+routing weights, as PEFT's merged expert weights give it. The block's plain weights take LoRA
+like any projection (``MoeLora.add``): the router's delta is added to its logits before the
+softmax (so an adapter may route a token elsewhere, as PEFT's ``gate.weight`` LoRA does), the
+shared expert's to its gate_up and down outputs, the shared-expert gate's before its sigmoid.
 
 Where ``grouped_mm`` cannot take the weights' strides (a width not a multiple of 16 bytes), the
 same segments run one matmul per expert (a loop over the E experts, each over its gathered
@@ -33,11 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from lorastream.worker.model.config import ModelConfig
+from lorastream.worker.model.config import SHARED_DOWN, SHARED_GATE_UP, ModelConfig
 
 
 @dataclass
@@ -55,6 +59,19 @@ class MoeWeights:
 Project = Callable[[torch.Tensor], torch.Tensor]  # x [T, K] -> [T, N] (a base projection)
 # (part "gate_up" | "down", x [P, K], token [P], expert [P], out [P, N]): adds expert LoRA deltas
 ExpertHook = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class MoeLora(Protocol):
+    """One layer's LoRA hook inside its routed block (the decoder binds the layer)."""
+
+    def add_experts(self, part: str, x: torch.Tensor, token: torch.Tensor,
+                    expert: torch.Tensor, out: torch.Tensor) -> None:
+        """Expert deltas: ``part`` "gate_up" | "down", x [P, K], token/expert [P], out [P, N]."""
+
+    def add(self, modules: tuple[str, ...], x: torch.Tensor, out: torch.Tensor,
+            cols: tuple[int, ...]) -> None:
+        """Deltas of plain weights that read ``x`` [T, K] (router, shared expert) into their
+        columns of ``out`` [T, N]."""
 
 
 def _grouped_ok(t: torch.Tensor) -> bool:
@@ -86,9 +103,13 @@ class MoeBlock:
         self.shared_gate = weights.shared_gate  # [1, H] or None
         self.shared_inter = config.shared_expert_intermediate_size
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, h: torch.Tensor, lora: MoeLora | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k routing weights [T, k] (fp32 or h's dtype) and expert ids [T, k]."""
         logits = F.linear(h, self.router)  # [T, E]
+        if lora is not None:  # the router's LoRA moves the logits (and so the routing)
+            lora.add(("gate",), h, logits, (0,))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk_prob:
@@ -98,16 +119,24 @@ class MoeBlock:
         return weights, experts
 
     def __call__(
-        self, h: torch.Tensor, lora: ExpertHook | None = None
+        self, h: torch.Tensor, lora: MoeLora | None = None
     ) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, experts = self.route(h)
-        out = self.experts(h, weights, experts, lora)
+        weights, experts = self.route(h, lora)
+        out = self.experts(h, weights, experts, None if lora is None else lora.add_experts)
         if self.shared is not None:
             assert self.shared_gate is not None
             gate_up, down = self.shared
+            inter = self.shared_inter
             s = gate_up(h)  # [T, 2 Is]
-            s = down(self.activation(s[:, : self.shared_inter]) * s[:, self.shared_inter :])
-            out = out + torch.sigmoid(F.linear(h, self.shared_gate)) * s  # [T, H]
+            if lora is not None:
+                lora.add(SHARED_GATE_UP, h, s, (0, inter))
+            act = self.activation(s[:, :inter]) * s[:, inter:]  # [T, Is]
+            s = down(act)  # [T, H]
+            gate = F.linear(h, self.shared_gate)  # [T, 1]
+            if lora is not None:
+                lora.add((SHARED_DOWN,), act, s, (0,))
+                lora.add(("shared_expert_gate",), h, gate, (0,))
+            out = out + torch.sigmoid(gate) * s  # [T, H]
         return out
 
     def experts(

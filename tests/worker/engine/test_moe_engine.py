@@ -158,6 +158,45 @@ def test_a_mixed_batch_of_expert_adapters_and_the_base_gives_peft_greedy_tokens(
         assert any(case.reference[(name, i)] != case.reference[(BASE, i)] for i in range(3))
 
 
+BLOCK_ADAPTERS = {  # family -> LoRA on the MoE block's plain weights, as PEFT 0.21 trains it
+    # the router: target_modules "gate" becomes target_parameters "gate.weight" (Qwen3-MoE;
+    # PEFT refuses Qwen2-MoE's and Mixtral's router modules)
+    "qwen3_moe": dict(rank=4, targets=["q_proj", "gate"], parameters=EXPERT_PARAMETERS, seed=31),
+    "qwen2_moe": dict(rank=8, targets=["v_proj", "shared_expert.gate_proj",
+                                       "shared_expert.up_proj", "shared_expert.down_proj",
+                                       "shared_expert_gate"],
+                      parameters=["mlp.experts.down_proj"], seed=32),
+}
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_lora_on_the_router_or_shared_expert_in_a_mixed_batch_gives_peft_greedy_tokens(
+    case: MoeCase, tmp_path: Path, prefix_caching: bool
+) -> None:
+    """Qwen3-MoE's router (its delta moves the routing) and Qwen2-MoE's shared expert and its
+    gate, beside an expert adapter, an attention adapter and the base, in one batch."""
+    spec = BLOCK_ADAPTERS.get(case.family)
+    if spec is None:
+        pytest.skip(f"PEFT 0.21 trains no LoRA on {case.family}'s router or shared expert")
+    block = make_expert_adapter(case.checkpoints["fused"], tmp_path / "block", **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
+    reference = {(BASE + "-block", i): t for i, t in reference_tokens(
+        case.checkpoints["fused"], block).items()}
+    assert any(reference[(BASE + "-block", i)] != case.reference[(BASE, i)] for i in range(3))
+    engine = _engine(case.checkpoints["fused"], tmp_path, prefix_caching=prefix_caching)
+    adapters = {BASE + "-block": block, "qkvo-r4": case.adapters["qkvo-r4"],
+                "experts-q-r4": case.expert_adapters["target_parameters"]["experts-q-r4"]}
+    try:
+        ops = WorkerOperations(engine)
+        for name, path in adapters.items():
+            ops.load_adapter(name, str(path))
+        keys = [(name, i) for name in [BASE, *adapters] for i in range(len(PROMPTS))]
+        results = _run(engine, keys)
+        for key in keys:
+            assert results[key] == {**case.reference, **reference}[key], f"{case.family} {key}"
+    finally:
+        engine.stop()
+
+
 def _rewrite(adapter: Path, out: Path, edit: Callable[[str, torch.Tensor], torch.Tensor]) -> Path:
     """A copy of ``adapter`` with every tensor passed through ``edit(key, tensor)``."""
     from safetensors.torch import load_file, save_file

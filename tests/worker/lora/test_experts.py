@@ -21,7 +21,7 @@ from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
-from lorastream.worker.model.decoder import ACTIVATIONS
+from lorastream.worker.model.decoder import ACTIVATIONS, LayerLora
 from lorastream.worker.model.moe import MoeBlock
 from lorastream.worker.model.weights import load_weights
 from tests.support.models import (
@@ -112,7 +112,7 @@ def test_expert_deltas_match_peft_per_token_and_touch_only_visited_experts(
         step = LoraStep.for_step(slots, TorchLoraBackend(torch.float32, CPU), row_slots,
                                  torch.float32, CPU)
         assert step is not None
-        return block(h, lambda *args: step.add_experts(LAYER, *args))
+        return block(h, LayerLora(step, LAYER))
 
     out = run()
     torch.testing.assert_close(out, _peft_reference(block, slots, h, row_slots),
@@ -130,3 +130,23 @@ def test_expert_deltas_match_peft_per_token_and_touch_only_visited_experts(
             changed = (run() != out).any(dim=1)  # [T]: bitwise, the others untouched
             storage[LAYER, slot, e] = saved
             assert torch.equal(changed, visited), f"slot {slot} expert {e}"
+
+
+def test_expert_storage_holds_the_sparse_layers_only_and_counts_in_the_slot_bytes(
+    family: dict[str, Path],
+) -> None:
+    """A dense layer (Qwen3-MoE's ``mlp_only_layers``) gets no expert storage; the bytes the
+    slots report include the experts', and only theirs are the difference to the projections'."""
+    config, slots = _slots(family, ["fused"])
+    sparse = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
+    assert slots.expert_rows == {layer: row for row, layer in enumerate(sparse)}
+    if config.family == "qwen3_moe":
+        assert len(sparse) < config.num_layers  # the tiny config has a dense layer
+    e, h, i, r = (config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                  slots.storage_rank)
+    per_layer_slot = e * r * (2 * h + 2 * i + i + h) * 4  # fp32
+    assert slots.expert_nbytes == len(sparse) * slots.num_slots * per_layer_slot
+    projections = sum(t.numel() * t.element_size() for t in (
+        *slots.a.values(), *slots.b.values(), *slots.dora_scale.values(),
+        *slots.dora_shift.values()))
+    assert slots.nbytes == projections + slots.expert_nbytes

@@ -154,7 +154,7 @@ EXPECTED = {  # family -> (dense layers, windows, norm_topk_prob, fp32 weights, 
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_the_family_reads_its_routing_and_adapts_attention_only(
+def test_the_family_reads_its_routing_and_adapts_attention_and_the_block_weights(
     tmp_path: Path, family: str
 ) -> None:
     config = ModelConfig.from_dir(make_tiny_family(family, tmp_path / "model"))
@@ -163,4 +163,7 @@ def test_the_family_reads_its_routing_and_adapts_attention_only(
     assert config.dense_layers == dense and config.layer_windows == windows
     assert (config.norm_topk_prob, config.routing_weights_fp32) == (norm, fp32)
     assert config.shared_expert_intermediate_size == shared
-    assert set(config.module_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    shared_expert = {"shared_expert.gate_proj", "shared_expert.up_proj",
+                     "shared_expert.down_proj", "shared_expert_gate"}
+    assert set(config.module_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate",
+                                           *(shared_expert if shared else ())}

@@ -1,0 +1,249 @@
+"""Decode throughput on a mixture-of-experts base: the engine with many expert-LoRA adapters,
+the engine with the base model only, and HF transformers + PEFT, on the same prompts in one
+process (``lorastream bench engine --model <a MoE checkpoint>``; ``engine.py`` sends MoE bases
+here).
+
+Every adapter is PEFT's fused form as transformers 5 trains it: ``target_parameters`` on
+``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj`` of every sparse layer, plus LoRA on
+q/k/v/o (random A and B, B non-zero). Decode tok/s is measured as in ``decode_rate.py``.
+
+PEFT 0.21 refuses mixed-adapter batches with LoRA on expert parameters (``lora.ParamWrapper
+does not support mixed adapter batches yet``), so the peer serves the same prompts adapter by
+adapter: ``set_adapter``, then one batched ``generate`` over that adapter's prompts -- what a
+PEFT deployment of such adapters can do.
+
+:func:`make_moe_checkpoint` writes the random-weight Qwen3-MoE base these figures are measured
+on (``lorastream bench moe-checkpoint``), with the default model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from lorastream.bench.decode_rate import QUESTIONS, decode_rates
+from lorastream.bench.machine import command_line, machine_info
+from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.generation import PromptInput, SamplingParams
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A Qwen3-MoE shape (every layer sparse)."""
+
+    hidden: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    experts: int = 16
+    top_k: int = 2
+    moe_intermediate: int = 256
+
+    def config(self, vocab_size: int) -> dict[str, Any]:
+        """Keyword arguments of transformers' ``Qwen3MoeConfig``."""
+        return dict(
+            vocab_size=vocab_size, hidden_size=self.hidden, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim, intermediate_size=4 * self.moe_intermediate,
+            num_experts=self.experts, num_experts_per_tok=self.top_k,
+            moe_intermediate_size=self.moe_intermediate, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        )
+
+
+def make_moe_checkpoint(out_dir: Path, shape: MoeShape = MoeShape(), seed: int = 0) -> Path:
+    """A random-weight Qwen3-MoE checkpoint (fp32 safetensors, transformers 5's fused experts)
+    with the default model's tokenizer and chat template; the router's weights are widened so
+    that tokens spread over the experts."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from lorastream.bench.synthetic import resolve_model_checkpoint
+
+    tokenizer_dir = resolve_model_checkpoint("default")
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape.config(vocab))).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def expert_lora(
+    config: Any, rank: int, seed: int, std: float = 0.02
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """A PEFT LoRA (fused expert form + attention) for the ``ModelConfig`` ``config``: its
+    state dict in PEFT's saved key form and its ``adapter_config.json``. Keys of layer ``l``:
+    ``mlp.experts.base_layer.lora_A [E r, H]`` / ``lora_B [2 I, E r]`` (gate_up_proj, the inner
+    wrapper) and ``mlp.experts.lora_A [E r, I]`` / ``lora_B [H, E r]`` (down_proj)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    q, kv = config.q_size, config.kv_size
+    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    tensors: dict[str, torch.Tensor] = {}
+
+    def pair(prefix: str, a: tuple[int, int], b: tuple[int, int]) -> None:
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(*a, generator=gen) * std
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(*b, generator=gen) * std
+
+    for layer in range(config.num_layers):
+        base = f"base_model.model.model.layers.{layer}"
+        for module, (fan_in, fan_out) in attention.items():
+            pair(f"{base}.self_attn.{module}", (rank, fan_in), (fan_out, rank))
+        if config.is_moe_layer(layer):
+            pair(f"{base}.mlp.experts.base_layer", (e * rank, h), (2 * i, e * rank))
+            pair(f"{base}.mlp.experts", (e * rank, i), (h, e * rank))
+    adapter_config: dict[str, object] = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+        "r": rank, "lora_alpha": 2 * rank, "use_rslora": False,
+        "target_modules": list(ATTENTION), "target_parameters": list(EXPERT_PARAMETERS),
+        "lora_dropout": 0.0, "bias": "none", "use_dora": False,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    return tensors, adapter_config
+
+
+def write_expert_lora(out_dir: Path, config: Any, rank: int, seed: int) -> Path:
+    tensors, adapter_config = expert_lora(config, rank, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2))
+    return out_dir
+
+
+def peft_by_adapter_rate(
+    checkpoint: Path, dirs: list[Path], prompts: list[list[int]], new_tokens: int, repeats: int
+) -> float:
+    """HF transformers + PEFT, every adapter loaded; each adapter's prompts in one ``generate``
+    after ``set_adapter`` (mixed batches are refused for expert LoRA: module docstring)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lorastream.bench.peft_peer import left_padded, pad_token
+
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, dirs[0], adapter_name="a0")
+    for i, path in enumerate(dirs[1:], start=1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    model.eval()
+    pad = pad_token(base.config)
+    groups = [
+        left_padded([p for j, p in enumerate(prompts) if j % len(dirs) == a], pad)
+        for a in range(min(len(dirs), len(prompts)))
+    ]
+
+    def run(n: int) -> None:
+        with torch.no_grad():
+            for a, (input_ids, mask) in enumerate(groups):
+                model.set_adapter(f"a{a}")
+                model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=pad)
+
+    return decode_rates([run], len(prompts), new_tokens, repeats)[0]
+
+
+def run_moe_engine_bench(
+    model: str, checkpoint: Path, adapters: int = 32, rank: int = 16, prompts: int = 32,
+    new_tokens: int = 32, repeats: int = 3, include_peft: bool = True,
+) -> dict[str, object]:
+    """The figures of the module docstring, as a result dict (``benchmark: engine_moe``)."""
+    from lorastream.worker.model.config import ModelConfig
+    from lorastream.worker.service.bootstrap import build_engine
+    from lorastream.worker.service.config import WorkerSettings
+    from lorastream.worker.service.operations import WorkerOperations
+
+    load_before = os.getloadavg()[0]  # the machine is shared: its load goes with the figures
+    config = ModelConfig.from_dir(checkpoint)
+    settings = WorkerSettings(
+        model=model, served_model_name="base", max_loras=adapters, max_lora_rank=rank,
+        max_batch_size=prompts, max_num_tokens=max(512, prompts * 64), kv_cache_bytes=1 << 29,
+    )
+    with tempfile.TemporaryDirectory(prefix="lorastream-bench-moe-") as tmp:
+        dirs = [write_expert_lora(Path(tmp) / f"a{i}", config, rank, seed=i)
+                for i in range(adapters)]
+        adapter_bytes = sum(p.stat().st_size for p in (dirs[0] / WEIGHTS_FILE,))
+        engine = build_engine(settings, checkpoint=checkpoint)
+        chat = getattr(engine.tokenizer, "chat_template", None) is not None
+        ids = [
+            tuple(engine.tokenize(
+                PromptInput(messages=(("user", q),)) if chat else PromptInput(text=q)))
+            for q in (QUESTIONS[i % len(QUESTIONS)] for i in range(prompts))
+        ]
+
+        def measure() -> list[float]:
+            ops = WorkerOperations(engine)
+            for i, path in enumerate(dirs):
+                ops.load_adapter(f"a{i}", str(path))
+
+            def engine_run(models: list[str]) -> Any:
+                def run(n: int) -> None:
+                    params = SamplingParams(max_tokens=n, ignore_eos=True)
+                    streams = [engine.submit(m, PromptInput(token_ids=p), params)
+                               for m, p in zip(models, ids, strict=True)]
+                    for stream in streams:
+                        for _ in stream:
+                            pass
+
+                return run
+
+            return decode_rates([engine_run([f"a{i % adapters}" for i in range(prompts)]),
+                                 engine_run(["base"] * prompts)], prompts, new_tokens, repeats)
+
+        multi, base = engine.run_while(measure)
+        slot_bytes = {"projections": engine.slots.nbytes - engine.slots.expert_nbytes,
+                      "experts": engine.slots.expert_nbytes}
+        engine.stop()
+        peft = (peft_by_adapter_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens,
+                                     repeats) if include_peft else None)
+    result: dict[str, object] = {
+        "benchmark": "engine_moe",
+        "command": command_line(),
+        "model": model,
+        "shape": {"family": config.family, "hidden": config.hidden_size,
+                  "layers": config.num_layers, "experts": config.num_experts,
+                  "top_k": config.experts_per_token,
+                  "moe_intermediate": config.moe_intermediate_size},
+        "adapters": adapters,
+        "rank": rank,
+        "targets": "q/k/v/o + experts (target_parameters gate_up_proj, down_proj)",
+        "adapter_file_mb": round(adapter_bytes / 1e6, 1),
+        "slot_bytes_mb": {k: round(v / 1e6, 1) for k, v in slot_bytes.items()},
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "engine_multi_adapter_decode_tok_s": round(multi, 1),
+        "engine_base_only_decode_tok_s": round(base, 1),
+        "multi_vs_base": round(multi / base, 3),
+        "goal_multi_vs_base": ">= 0.7",
+    }
+    if peft is not None:
+        result |= {
+            "peft_by_adapter_decode_tok_s": round(peft, 1),
+            "multi_vs_peft": round(multi / peft, 2),
+            "goal_multi_vs_peft": ">= 3",
+        }
+    result["load_avg_1m"] = {"before": round(load_before, 2),
+                             "after": round(os.getloadavg()[0], 2)}
+    result["machine"] = machine_info()
+    return result
