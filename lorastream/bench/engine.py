@@ -19,6 +19,7 @@ adapter is placed, not per step).
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -100,6 +101,7 @@ def run_engine_bench(
         kv_cache_bytes=1 << 30,
     )
     checkpoint = resolve_checkpoint(model, cache_dir=settings.model_cache_dir)
+    load_at_start = os.getloadavg()  # a shared machine: what else ran beside the measurement
     shape = checkpoint_shape(model)
     if shape != SMOLLM2_135M:
         log.info("base model shape %s", shape)
@@ -165,6 +167,7 @@ def run_engine_bench(
             if include_peft
             else None
         )
+    load_at_end = os.getloadavg()
     machine = machine_info()  # after the runs: its bandwidth probe must not disturb them
     step_bytes = distinct * adapter_nbytes(shape, rank, shape.modules)
     result: dict[str, object] = {
@@ -186,6 +189,8 @@ def run_engine_bench(
         "memory_bandwidth_gbs": machine.get("memory_bandwidth_gbs"),
         "slot_read_ms": {"median": round(statistics.median(reads), 2), "best": min(reads),
                          "samples": sorted(reads)},
+        "load_average_at_start": [round(v, 2) for v in load_at_start],
+        "load_average_at_end": [round(v, 2) for v in load_at_end],
     }
     if dora_rate:
         result |= {
