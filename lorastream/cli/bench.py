@@ -125,7 +125,8 @@ def transfer(
 @app.command("engine")
 def engine(
     model: str = typer.Option(
-        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+        "default", help="Base model: default, gemma3-270m, qwen2.5-coder-0.5b, a checkpoint "
+        "dir or Hub id."
     ),
     adapters: int = typer.Option(32, help="Distinct adapters in the batch."),
     rank: int = typer.Option(16, help="Rank of every adapter (all linear projections)."),
@@ -219,7 +220,8 @@ def moe_checkpoint(
 @app.command("prefix")
 def prefix(
     model: str = typer.Option(
-        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+        "default", help="Base model: default, gemma3-270m, qwen2.5-coder-0.5b, a checkpoint "
+        "dir or Hub id."
     ),
     adapters: int = typer.Option(8, min=1, help="Adapters, each with its own system prompt."),
     clients: int = typer.Option(16, min=1, help="Concurrent clients (one conversation each)."),
@@ -283,7 +285,8 @@ app.command("pool")(bench_serving.pool)
 @app.command("push")
 def push(
     model: str = typer.Option(
-        "default", help="Base model: default, gemma3-270m, a checkpoint dir or Hub id."
+        "default", help="Base model: default, gemma3-270m, qwen2.5-coder-0.5b, a checkpoint "
+        "dir or Hub id."
     ),
     rank: int = typer.Option(
         32, min=1, help="LoRA rank of the pushed adapters (every linear projection, fp16: "

@@ -43,8 +43,8 @@ def version() -> None:
 def up(
     model: str = typer.Option(
         STACK.model,
-        help="Base model: default (embedded SmolLM2-135M-Instruct), gemma3-270m, a checkpoint "
-        "directory or a Hub id.",
+        help="Base model: default (embedded SmolLM2-135M-Instruct), gemma3-270m, "
+        "qwen2.5-coder-0.5b, a checkpoint directory or a Hub id.",
     ),
     adapter: list[str] = typer.Option(
         [], "--adapter",

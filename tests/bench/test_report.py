@@ -136,8 +136,13 @@ def renderer_inputs() -> dict[str, dict[str, Any]]:
              "engine_base_only_decode_tok_s": 100.0, "multi_vs_base": 0.9,
              "peft_mixed_batch_decode_tok_s": 40.0, "multi_vs_peft": 2.25,
              "adapter_bytes_per_step_mb": 486.0}
+    qwen = {**engine, "command": "lorastream bench engine --model qwen2.5-coder-0.5b --repeats 2",
+            "model": "qwen2.5-coder-0.5b", "engine_multi_adapter_decode_tok_s": 50.0,
+            "engine_base_only_decode_tok_s": 62.5, "multi_vs_base": 0.8,
+            "peft_mixed_batch_decode_tok_s": 10.0, "multi_vs_peft": 5.0,
+            "load_average_at_start": [3.5, 4.25, 5.0], "load_average_at_end": [4.0, 4.5, 5.0]}
     return {"transfer": transfer, "engine": engine, "serve": serve, "scale": scale,
-            "engine-gemma3-270m": gemma}
+            "engine-gemma3-270m": gemma, "engine-qwen2.5-coder-0.5b": qwen}
 
 
 def _write(results: Path, inputs: dict[str, dict[str, Any]]) -> None:
@@ -186,7 +191,7 @@ def test_report_computes_verdicts_met_and_not_met() -> None:
     assert "**Note:** the results come from different lorastream commits." in page
 
 
-def test_the_page_shows_the_engine_on_both_embedded_models() -> None:
+def test_the_page_shows_the_engine_on_the_three_real_models() -> None:
     page = render_page(renderer_inputs(), {})
     headline = page[page.index("## Headline") : page.index("## Goals")]
     assert ("- Decode on the default model (SmolLM2-135M) with 32 distinct adapters in the batch: "
@@ -196,6 +201,15 @@ def test_the_page_shows_the_engine_on_both_embedded_models() -> None:
     gemma = page[page.index("(engine-gemma3-270m)") :]
     assert "lorastream bench engine --model gemma3-270m --repeats 2" in gemma
     assert "Model gemma3-270m; 32 adapters" in gemma
+    assert "- Decode on Qwen2.5-Coder-0.5B with 32 distinct adapters in the batch: 50.0 tok/s, "\
+           "**0.80× the base model alone**" in headline
+    qwen = page[page.index("(engine-qwen2.5-coder-0.5b)") :]
+    assert "lorastream bench engine --model qwen2.5-coder-0.5b --repeats 2" in qwen
+    assert "Load average (1, 5, 15 min) at start / end: 3.50, 4.25, 5.00 / 4.00, 4.50, 5.00" in qwen
+    assert "Load average" not in gemma[: gemma.index("(engine-qwen2.5-coder-0.5b)")]  # not recorded
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.count("|") > 4}
+    assert rows["engine decode on qwen2.5-coder-0.5b, multi-adapter / HF + PEFT"].endswith(
+        "| 5.00× | ≥ 2.5 | met |")
     _assert_no_leaks(page)
 
 

@@ -158,6 +158,33 @@ def test_the_training_script_trains_a_dora_adapter_with_dora(tmp_path: Path) -> 
     assert record["settings"]["dora"] is True
 
 
+def test_the_training_script_adapts_only_the_targets_it_is_given(tmp_path: Path) -> None:
+    """``--targets``: an attention-only LoRA (the Qwen2.5-Coder sample's form)."""
+    script = load_script()
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "adapters"
+    args = ["--model", str(tiny), "--out", str(out), "--which", "french", "--targets",
+            "q_proj,v_proj", "--steps", "2", "--warmup-steps", "1", "--examples", "24",
+            "--sample-tokens", "4", "--rank", "4"]
+    assert script.main(args) == 0
+    validated = validate_adapter_dir(out / "french")
+    modules = {t.info.name.split(".lora_")[0].rsplit(".", 1)[1] for t in validated.tensors}
+    assert modules == {"q_proj", "v_proj"}
+    record = json.loads((out / "french" / "training.json").read_text(encoding="utf-8"))
+    assert record["settings"]["targets"] == ["q_proj", "v_proj"]
+    assert record["settings"]["warmup_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [("default", "french"), ("qwen2.5-coder-0.5b", "french-qwen2.5-coder-0.5b"),
+     ("/some/checkpoint", "french")],
+)
+def test_an_adapter_of_another_embedded_model_is_named_after_it(model: str, expected: str) -> None:
+    script = load_script()
+    assert script.out_name(script.RECIPES["french"], model) == expected
+
+
 def test_the_french_dataset_is_deterministic_and_excludes_the_held_out_questions() -> None:
     script = load_script()
     first, again = script.french_examples(3, 200), script.french_examples(3, 200)

