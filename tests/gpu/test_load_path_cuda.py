@@ -130,20 +130,23 @@ def test_the_engines_host_arena_is_pinned(engine_factory: EngineFactory) -> None
     assert engine.adapters.host.arena.buffer.is_pinned()
 
 
-# the CPU tests whose bodies run again here, on a CUDA engine
-ENGINE_TESTS: dict[str, Callable[..., None]] = {
+# the CPU tests whose bodies run again here, on a CUDA engine (and whether one takes monkeypatch)
+ENGINE_TESTS: dict[str, tuple[Callable[..., None], bool]] = {
     "rule 1: no step reads a slot before its copy completed":
-        overlap.test_no_step_reads_a_slot_before_its_copy_completed,
-    "running streams keep decoding during a slow load":
-        overlap.test_running_streams_keep_decoding_while_a_slow_load_is_in_progress,
+        (overlap.test_no_step_reads_a_slot_before_its_copy_completed, False),
+    "running streams keep decoding while a load is in flight":
+        (overlap.test_running_streams_keep_decoding_while_a_load_is_in_flight, True),
     "rule 2: churn with more adapters than slots stays exact":
-        overlap.test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_leaks_nothing,
+        (overlap.test_churn_with_more_adapters_than_slots_and_cancellations_stays_exact_and_leaks_nothing,
+         False),
 }
 
 
 @pytest.mark.parametrize("check", list(ENGINE_TESTS))
 def test_the_overlap_loading_tests_hold_on_a_cuda_engine(
     check: str, engine_factory: EngineFactory, store: StoreStack,
-    reference: dict[tuple[str, int], list[int]],
+    reference: dict[tuple[str, int], list[int]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ENGINE_TESTS[check](_on_cuda(engine_factory), store, reference)
+    body, patches = ENGINE_TESTS[check]
+    args = (monkeypatch,) if patches else ()
+    body(_on_cuda(engine_factory), store, reference, *args)
