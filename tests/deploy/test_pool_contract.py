@@ -171,6 +171,8 @@ def loaded(pods: list[Pod]) -> Iterator[list[Pod]]:
                       SETTLE_S)
     pods[0].stream(C, stop)  # both of pod 0's slots are held by running requests: C waits
     assert wait_until(lambda: pods[0].engine.waiting == 1, SETTLE_S)
+    # ... in host memory once its fetch ended (what --picker-running held lists)
+    assert wait_until(lambda: pods[0].engine.adapters.status(C).residency == "host", SETTLE_S)
     yield pods
     stop.set()
     for pod in pods:

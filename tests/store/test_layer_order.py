@@ -123,24 +123,39 @@ def test_either_manifest_order_streams_the_source_bytes_tensor_by_tensor(
 def test_a_stream_cut_by_a_store_restart_resumes_and_lands_every_tensor_once(
     tmp_path: Path, deep_adapter: Path, order: str
 ) -> None:
-    cache = tmp_path / "cache"
-    first, _ = _stage(cache, deep_adapter, order)
-    holder: dict[str, Running] = {}
+    """The store stops after the n-th chunk landed and starts again 0.3 s later on the same
+    port; the stream resumes from its last verified offset. A run whose stream had already been
+    handed over whole (the client's buffers held the rest when the store stopped) proves
+    nothing, so it is run again cutting earlier, until the stream outlived the store."""
+    for attempt, n in enumerate((40, 10, 2)):
+        cache = tmp_path / f"cache-{attempt}"
+        first, _ = _stage(cache, deep_adapter, order)
+        holder: dict[str, Running] = {}
+        timers: list[threading.Timer] = []
 
-    def restart() -> None:
-        first.stop()
-        timer = threading.Timer(
-            0.3, lambda: holder.setdefault("second", Running(cache, port=first.port))
-        )
-        timer.start()
+        def restart(first: Running = first, cache: Path = cache,
+                    holder: dict[str, Running] = holder,
+                    timers: list[threading.Timer] = timers) -> None:
+            first.stop()
+            timer = threading.Timer(
+                0.3, lambda: holder.setdefault("second", Running(cache, port=first.port))
+            )
+            timers.append(timer)
+            timer.start()
 
-    sink = _RecordingSink(n=40, on_write=restart)  # 1000-byte chunks: mid-way through layer 3
-    try:
-        with StoreClient(first.target) as client:
-            manifest = client.stream_tensors("deep", sink, chunk_bytes=1000, retry_backoff=0.2)
-    finally:
-        if "second" in holder:
-            holder["second"].stop()
-    assert "second" in holder, "the store never restarted: the test proved nothing"
+        sink = _RecordingSink(n=n, on_write=restart)  # 1000-byte chunks
+        try:
+            with StoreClient(first.target) as client:
+                manifest = client.stream_tensors("deep", sink, chunk_bytes=1000,
+                                                 retry_backoff=0.2)
+            outlived = "second" in holder  # the stream ended only once the store was back
+        finally:
+            for timer in timers:
+                timer.join()
+            if "second" in holder:
+                holder["second"].stop()
+        if outlived:
+            break
+    assert outlived, "the store's stop never cut the stream: the test proved nothing"
     assert len(sink.writes) == len(set(sink.writes)), "a resumed stream re-sent landed bytes"
     _assert_landed_whole(manifest, sink, deep_adapter)

@@ -334,8 +334,9 @@ class DecoderModel:
             gate_up, down = moe.shared
             width = self.config.shared_expert_intermediate_size
             if module == SHARED_DOWN:
-                return down, 0  # type: ignore[return-value]  # a Projection (decoder._moe)
-            return gate_up, SHARED_GATE_UP.index(module) * width  # type: ignore[return-value]
+                return down, 0  # type: ignore[return-value]  # the shared expert's Projection
+            offset = SHARED_GATE_UP.index(module) * width
+            return gate_up, offset  # type: ignore[return-value]  # the shared expert's Projection
         raise KeyError(f"{module} is not an adaptable projection of {self.config.describe()}")
 
     def _cos_sin(

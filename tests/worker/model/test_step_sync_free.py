@@ -32,6 +32,10 @@ class _Seq:
     def token_at(self, index: int) -> int:
         return (self.prompt_ids + self.output_ids)[index]
 
+    def lora_slot(self, position: int) -> int:
+        """The slot position ``position`` reads (a plain LoRA: every position its slot)."""
+        return self.slot
+
     @property
     def remaining_prompt(self) -> int:
         return len(self.prompt_ids) - self.num_computed
