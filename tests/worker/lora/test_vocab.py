@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server as create_store
@@ -33,6 +32,7 @@ from lorastream.worker.model.kv_cache import KVCache, slot_mapping
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
+from tests.support.engine_rounds import two_rounds_match
 from tests.support.families import (
     BASE,
     NEW_TOKENS,
@@ -157,21 +157,8 @@ def test_mixed_batch_from_the_store_gives_peft_greedy_tokens(
     )
     engine: Engine = build_engine(settings, checkpoint=case.checkpoint)
     try:
-        keys = [(name, i) for name in [BASE, *case.adapters] for i in range(len(PROMPTS))]
-        cached: dict[tuple[str, int], int] = {}
-        for round_ in range(2):
-            streams = {
-                key: engine.submit(key[0], PromptInput(token_ids=tuple(PROMPTS[key[1]])),
-                                   SamplingParams(max_tokens=NEW_TOKENS))
-                for key in keys
-            }
-            if round_ == 0:
-                engine.start()
-            for key, stream in streams.items():
-                events = list(stream)
-                tokens = [t for event in events for t in event.token_ids]
-                assert tokens == case.reference[key], f"{case.family} {key} round {round_}"
-                cached[key] = events[-1].cached_tokens
+        cached = two_rounds_match(engine, [BASE, *case.adapters], PROMPTS, NEW_TOKENS,
+                                  case.reference, case.family)
         assert (cached[("new-tokens", 1)] > 0) is prefix_caching
     finally:
         engine.stop()
