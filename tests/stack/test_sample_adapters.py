@@ -62,6 +62,21 @@ def test_a_sample_adapter_is_a_small_valid_fp16_lora_for_the_default_model(name:
     assert set(QUESTIONS) <= set(record["dataset"]["held_out_questions"])
 
 
+def test_the_qwen_sample_adapter_is_a_small_valid_fp16_attention_lora() -> None:
+    """french-qwen2.5-coder-0.5b: the French sample trained on Qwen2.5-Coder-0.5B-Instruct
+    (rank 8, attention only; tests/worker/model/test_qwen_model.py serves it)."""
+    folder = SAMPLES / "french-qwen2.5-coder-0.5b"
+    validated = validate_adapter_dir(folder)
+    assert validated.base_model == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert validated.rank == 8
+    assert {t.info.dtype for t in validated.tensors} == {"F16"}
+    modules = {t.info.name.split(".lora_")[0].rsplit(".", 1)[1] for t in validated.tensors}
+    assert modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert (folder / "adapter_model.safetensors").stat().st_size < MAX_ADAPTER_BYTES
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    assert "--model qwen2.5-coder-0.5b" in record["command"]
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     settings = WorkerSettings(

@@ -127,11 +127,12 @@ def test_slices_that_do_not_join_to_the_pinned_file_are_refused_and_leave_nothin
 MODEL_CACHE = Path.home() / ".cache" / "lorastream" / "test-models"
 # Of one length under the chat template (36 tokens): the reference batch needs no padding.
 QUESTIONS = ("What is the capital of France?", "How do I reverse a list?")
-ADAPTERS = {  # two adapters of different ranks and targets, B not zero
-    "all-r8": dict(rank=8, alpha=16.0, seed=1),
-    "attn-r16": dict(rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-                     seed=2),
-}
+# The sample adapter trained on this model (rank 8, attention: it answers in French) and a random
+# rank-16 one on every projection (B not zero), so that every module's delta shows.
+SAMPLE = Path(__file__).resolve().parents[3] / "lorastream" / "samples" / "adapters" / (
+    f"french-{QWEN25_CODER}")
+RANDOM = "all-r16"
+ADAPTERS = ("french", RANDOM)
 NEW_TOKENS = 10
 PEFT_BASE = "__base__"  # PEFT's adapter_names entry for a row without an adapter
 
@@ -159,11 +160,9 @@ def test_the_engine_serves_qwen25_coder_as_transformers_and_peft_do(
         "qwen2", 24, 896, 14, 2)
     shape = BaseShape(c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
                       c.num_kv_heads, c.head_dim)
-    root = tmp_path_factory.mktemp("qwen-adapters")
-    adapters = {
-        name: make_synthetic_adapter(root / name, shape, std=0.05, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
-        for name, spec in ADAPTERS.items()
-    }
+    random = tmp_path_factory.mktemp("qwen-adapters") / RANDOM
+    adapters = {"french": SAMPLE,
+                "all-r16": make_synthetic_adapter(random, shape, rank=16, std=0.05, seed=1)}
 
     settings = WorkerSettings(model=QWEN25_CODER, max_loras=2, max_lora_rank=16,
                               kv_cache_bytes=64 << 20, model_cache_dir=MODEL_CACHE)
@@ -182,15 +181,16 @@ def test_the_engine_serves_qwen25_coder_as_transformers_and_peft_do(
         engine.start()  # everything lands in one batch
         ours = {key: [t for e in stream for t in e.token_ids] for key, stream in streams.items()}
         assert engine.stats.peak_running == len(keys)
-        answer = engine.tokenizer.decode(ours[(QWEN25_CODER, 0)])
+        answer, french = (engine.tokenizer.decode(ours[(name, 0)])
+                          for name in (QWEN25_CODER, "french"))
     finally:
         engine.stop()
     del engine
 
     assert len({len(p) for p in prompts}) == 1  # no padding in the reference batch
-    model = PeftModel.from_pretrained(reference_model(checkpoint, None), adapters["all-r8"],
-                                      adapter_name="all-r8")
-    model.load_adapter(adapters["attn-r16"], adapter_name="attn-r16")
+    model = PeftModel.from_pretrained(reference_model(checkpoint, None), adapters["french"],
+                                      adapter_name="french")
+    model.load_adapter(adapters[RANDOM], adapter_name=RANDOM)
     model.eval()
     ids = torch.tensor([prompts[i] for _, i in keys])  # [6, 36]
     with torch.no_grad():
@@ -205,6 +205,7 @@ def test_the_engine_serves_qwen25_coder_as_transformers_and_peft_do(
     for name in ADAPTERS:  # the adapters change the answers: the comparison proves something
         assert any(ours[(name, i)] != ours[(QWEN25_CODER, i)] for i in range(len(prompts)))
     assert "Paris" in answer
+    assert "capitale" in french, french  # the sample adapter answers in French
 
 
 def through_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
