@@ -22,14 +22,13 @@ test hook that slows every landed chunk, so tests can hold a load in flight.
 Store fetches in a process of their own, landing in host memory the worker shares with it.
 
 Why a process. A fetch is socket reads, protobuf parsing, CRC-32C and sha256 checks and writes
-into the host buffer: about 0.16 s of CPU per 78 MB adapter here. In the worker's process that
+into the host buffer, a CPU cost that grows with the adapter's bytes. In the worker's process that
 work runs on gRPC's own threads, which also deliver every generated token, so it cannot be given
 a lower priority without slowing the token stream; and on a CPU it takes cores from the two
 OpenMP threads of the decode step, which wait for each other at the end of every parallel op, so
-each time slice taken from either stalls both. Measured on the default model with 4 streams
-decoding while rank-64 adapters were fetched back to back: ITL p50 136 ms with the fetch at
-normal priority, 75 ms with it in a process at SCHED_IDLE, 72 ms with no fetch
-(docs/notes/loading.md).
+each time slice taken from either stalls both. With the fetch at normal priority the running
+streams' ITL nearly doubled; in a process at SCHED_IDLE it stayed near the no-fetch figure
+(measured in docs/notes/loading.md, "Fetches in a process of their own").
 In its own process every thread of the fetch runs at the priority it set for itself, and none of
 them holds the worker's GIL.
 

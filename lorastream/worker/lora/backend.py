@@ -20,8 +20,8 @@ The torch backend has two layouts and picks one per step (host-side, from the to
   would waste most of the work): rows sorted by slot and ``grouped_mm`` with per-slot group
   ends (Punica's SGMV semantics).
 
-Slot-major is chosen when its padded rows are at most twice the real ones. On this CPU it runs
-at memory bandwidth, 2-5x faster than ``grouped_mm`` for one token per adapter. Cost follows the
+Slot-major is chosen when its padded rows are at most twice the real ones. On a CPU it runs at
+memory bandwidth, where ``grouped_mm`` pays per group for one token per adapter. Cost follows the
 largest rank in the batch (ranks are sliced to it), not the slot capacity.
 
 With ``native`` (``--cpu-kernels``, fp32 on the CPU), a slot-major step whose batch rows are its

@@ -5,9 +5,9 @@ On a GPU the load stream's copies are DMA: the compute stream does not notice th
 copy is a memcpy on a core, and a memcpy beside a decode step slows the step far more than it
 costs on its own: the step runs its ops on two OpenMP threads that wait for each other at the end
 of every op, so whatever the copy takes from either core (time slices, memory bandwidth, cache)
-stalls both. Measured on the default model with 4 streams decoding and rank-64 adapters (78 MB)
-copied at SCHED_IDLE beside the steps: a copy took 55 ms instead of the 8 ms it takes alone, and
-the steps it overlapped ran about 40% slower, which set the running streams' ITL p99.
+stalls both: traced beside decoding streams, a copy took several times longer than alone and
+the steps it overlapped ran markedly slower, which set the running streams' ITL p99
+(docs/notes/loading.md, "Copies take turns with the steps on the CPU").
 
 So the CPU load stream copies only between steps. The engine runs each step inside
 :meth:`StepGate.step` and calls :meth:`StepGate.give_turn` before it schedules the next one; the
@@ -29,15 +29,15 @@ On CUDA the gate is off (:class:`~lorastream.worker.device.device.Device` gives 
 
 Fetches get turns too (:meth:`StepGate.hold_gap`), if asked for. A store fetch runs in the
 fetch process at SCHED_IDLE (``loading/fetch.py``), so it only gets the CPU time that
-decoding leaves, and an engine that steps back to back leaves almost none: with 4 streams
-decoding on 2 cores, the cores were 99% busy and a rank-64 adapter that lands in 0.62 s on an
-idle worker (its link time) took 2.5-3.2 s, though the fetch and the store need only ~0.15 s of
-CPU for it. So while a fetch is in flight and sequences run, the engine can hold each gap open
-for ``fetch_turn_s`` before it schedules: the idle-priority loaders get both cores for that
-long, and between the steps, where they stall no OpenMP barrier. With 2 ms the same loads took
-0.8-1.2 s. It is the engine, not the fetch, that yields: a fetch's CPU is gRPC's threads and
-socket reads, which no gate can split into turns as it splits a memcpy. The running streams pay
-for it (2 ms on every step while a fetch is in flight), so it is off by default
+decoding leaves, and an engine that steps back to back leaves almost none: with streams
+decoding on every core, a cold adapter took several times its link time to land, though the
+fetch and the store need little CPU for it. So while a fetch is in flight and sequences run, the
+engine can hold each gap open for ``fetch_turn_s`` before it schedules: the idle-priority
+loaders get both cores for that long, and between the steps, where they stall no OpenMP
+barrier, and the loads land sooner (docs/notes/loading.md, "Fetch turns"). It is the engine,
+not the fetch, that yields: a fetch's CPU is gRPC's threads and socket reads, which no gate can
+split into turns as it splits a memcpy. The running streams pay
+for it (the turn, on every step while a fetch is in flight), so it is off by default
 (``fetch_turn_s == 0``): a choice for CPU deployments that value a cold adapter's first token
 over the running streams' inter-token latency. Always off on CUDA, whose loaders run on host
 cores the GPU's compute does not use.
@@ -48,8 +48,9 @@ request waiting for its adapter while its fetch is in flight: then, and only the
 holds each gap for ``share / (1 - share)`` of the step before it, so that of the wall time the
 loaders get ``share`` (at most :data:`MAX_HOLD_S` per gap) and decoding the rest. The gate keeps
 the ledger (:attr:`StepGate.held_s` against :attr:`StepGate.stepped_s`) that the tests check.
-Example: steps of 60 ms, share 0.15: 10.6 ms held before each step while a cold request waits,
-the running streams' steps 18% further apart meanwhile, none once the adapter is in its slot.
+Example, share 0.15: 0.15 / 0.85, about 0.18 of each step's duration, held before the next step
+while a cold request waits (the running streams' steps that much further apart meanwhile), none
+once the adapter is in its slot.
 """
 
 from __future__ import annotations
