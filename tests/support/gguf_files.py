@@ -3,6 +3,7 @@ the embedded SmolLM2 GGUF, written with gguf's own writer and quantizer."""
 
 from __future__ import annotations
 
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -89,3 +90,22 @@ def gguf_matrix(path: Path, name: str) -> np.ndarray:
 
     tensor = next(t for t in _reader(path).tensors if t.name == name)  # type: ignore[attr-defined]  # gguf's reader tensors are untyped
     return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+class CopyConverter:
+    """A GGUF converter that copies a tiny checkpoint instead of dequantizing, and records the
+    GGUF bytes it was given (the embedded models' tests check what was assembled)."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.ggufs: list[bytes] = []
+
+    def __call__(self, gguf: Path, out_dir: Path) -> None:
+        self.ggufs.append(gguf.read_bytes())
+        for path in self.source.iterdir():
+            shutil.copy(path, out_dir)
+
+
+def cache_entries(cache: Path) -> list[str]:
+    """What a model cache holds besides its lock files."""
+    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))

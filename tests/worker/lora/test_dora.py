@@ -9,29 +9,21 @@ LoRA. Their greedy tokens and logits in ONE mixed batch with the base model must
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from lorastream.core.store_client import StoreClient
-from lorastream.store.config import StoreSettings
-from lorastream.store.server import create_server as create_store
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.adapter import adapter_weights
 from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora import backend as backend_module
-from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
-from lorastream.worker.model.config import SITES, ModelConfig
-from lorastream.worker.model.decoder import DecoderModel
-from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
-from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.weights import load_weights
+from lorastream.worker.model.config import SITES
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
+from tests.support.batched_forward import model_and_slots, prefill_last_logits, preloaded_store
 from tests.support.engine_rounds import two_rounds_match
 from tests.support.families import (
     BASE,
@@ -53,55 +45,6 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return make_family_case(family, tmp_path_factory.mktemp(family), dora_adapter_specs(family))
 
 
-def _model_and_slots(
-    case: FamilyCase, quantization: str = "none"
-) -> tuple[DecoderModel, LoraSlots, dict[str, int]]:
-    config = ModelConfig.from_dir(case.checkpoint)
-    weights = load_weights(case.checkpoint, config, torch.float32, CPU)
-    model = DecoderModel(config, weights, CPU, quantization)  # type: ignore[arg-type]  # a mode name
-    slots = LoraSlots(config, len(case.adapters), 16, torch.float32, CPU, base=model)
-    slot_of = {}
-    for slot, (name, path) in enumerate(case.adapters.items()):
-        w = adapter_weights(AdapterFetcher(Device("cpu"), None).read_local(name, path), config, 16)
-        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks))
-        slot_of[name] = slot
-    return model, slots, slot_of
-
-
-def _last_logits(
-    model: DecoderModel, slots: LoraSlots, slot_of: dict[str, int], names: list[str],
-    prompt: list[int], chunk: int,
-) -> torch.Tensor:  # [names, V]
-    """Every name's prefill of ``prompt`` in one batch per chunk; the last token's logits."""
-    config = model.config
-    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20,
-                 torch.float32, CPU)
-    backend = TorchLoraBackend(torch.float32, CPU)
-    tables = {name: kv.allocator.allocate(len(prompt)) for name in names}
-    done, logits = 0, torch.empty(0)
-    while done < len(prompt):
-        length = min(chunk, len(prompt) - done)
-        ids, positions, cache, token_slots, spans, rows = [], [], [], [], [], []
-        for name in names:
-            table, start = tables[name], len(ids)
-            ids += prompt[done : done + length]
-            positions += range(done, done + length)
-            cache += slot_mapping(table, done, length)
-            token_slots += [slot_of.get(name, -1)] * length
-            spans.append(PrefillSpan(start, length, done + length, torch.tensor(table)))
-            rows.append(len(ids) - 1)
-        batch = ForwardBatch(
-            torch.tensor(ids), torch.tensor(positions), torch.tensor(positions) + 1,
-            torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
-            torch.zeros(0, dtype=torch.long), tuple(spans), torch.tensor(rows),
-        )
-        meta = backend.prepare(token_slots, slots)
-        assert meta is not None
-        logits = model.forward(batch, kv, LoraStep(slots, backend, meta))  # [names, V]
-        done += length
-    return logits
-
-
 @pytest.mark.parametrize("gather_bytes", [4 << 20, 0], ids=["all-layers", "per-layer"])
 @pytest.mark.parametrize("chunk", [None, 5], ids=["whole-prompt", "chunked-prefill"])
 def test_dora_lora_and_base_in_one_batch_give_peft_logits(
@@ -110,9 +53,9 @@ def test_dora_lora_and_base_in_one_batch_give_peft_logits(
     """``gather_bytes``: the step gathers the rows' factors of all layers at once, or layer by
     layer (long prefills, ``DORA_GATHER_BYTES``)."""
     monkeypatch.setattr(backend_module, "DORA_GATHER_BYTES", gather_bytes)
-    model, slots, slot_of = _model_and_slots(case)
+    model, slots, slot_of = model_and_slots(case.checkpoint, case.adapters)
     names, prompt = [BASE, *case.adapters], PROMPTS[1]
-    logits = _last_logits(model, slots, slot_of, names, prompt, chunk or len(prompt))
+    logits = prefill_last_logits(model, slots, slot_of, names, prompt, chunk)
     for row, name in enumerate(names):
         reference = reference_model(case.checkpoint, case.adapters.get(name))
         with torch.no_grad():
@@ -125,7 +68,7 @@ def test_the_slot_factor_is_peft_magnitude_over_its_weight_norm(case: FamilyCase
     function over its own weights), and differs from 1: the norm is really in play."""
     from peft.tuners.lora.layer import LoraLayer
 
-    _, slots, slot_of = _model_and_slots(case)
+    _, slots, slot_of = model_and_slots(case.checkpoint, case.adapters)
     for name in ("dora-attn-r4", "dora-all-r8-rslora"):
         peft = reference_model(case.checkpoint, case.adapters[name])
         checked = 0
@@ -152,7 +95,7 @@ def test_on_int8_the_norm_is_over_the_dequantized_weights(case: FamilyCase, mode
     is not the factor over the checkpoint's weights."""
     from peft.tuners.lora.layer import LoraLayer
 
-    model, slots, slot_of = _model_and_slots(case, mode)
+    model, slots, slot_of = model_and_slots(case.checkpoint, case.adapters, quantization=mode)
     name = "dora-all-r8-rslora"
     peft = reference_model(case.checkpoint, case.adapters[name])
     checked = 0
@@ -182,7 +125,7 @@ def test_a_plain_lora_written_over_a_dora_slot_is_served_as_plain_lora(
     case: FamilyCase
 ) -> None:
     """The factors of a slot's former DoRA adapter are never read for the plain LoRA after it."""
-    model, slots, slot_of = _model_and_slots(case)
+    model, slots, slot_of = model_and_slots(case.checkpoint, case.adapters)
     config = model.config
     dora, lora = slot_of["dora-all-r8-rslora"], slot_of["lora-r8"]
     w = adapter_weights(AdapterFetcher(Device("cpu"), None).read_local(
@@ -190,7 +133,7 @@ def test_a_plain_lora_written_over_a_dora_slot_is_served_as_plain_lora(
     slots.write(dora, "lora-again", w.rank, w.scaling, list(w.blocks))
     assert not slots.table[dora].dora
     prompt = PROMPTS[0]
-    logits = _last_logits(model, slots, {"a": dora, "b": lora}, ["a", "b"], prompt, len(prompt))
+    logits = prefill_last_logits(model, slots, {"a": dora, "b": lora}, ["a", "b"], prompt)
     torch.testing.assert_close(logits[0], logits[1])
 
 
@@ -198,7 +141,7 @@ def test_a_layer_by_layer_write_sets_the_factors_a_whole_write_sets(case: Family
     """The copy plan run layer by layer (an adapter whose layers land one after another: the
     record, then ``layers(l, l + 1)``) leaves a DoRA slot's factors and shifts as the whole
     copy does, over an old DoRA adapter."""
-    model, whole, _ = _model_and_slots(case)
+    model, whole, _ = model_and_slots(case.checkpoint, case.adapters)
     config = model.config
     layered = LoraSlots(config, 2, 16, torch.float32, CPU, base=model)
 
@@ -222,40 +165,26 @@ def test_a_layer_by_layer_write_sets_the_factors_a_whole_write_sets(case: Family
         torch.testing.assert_close(shift[:, 1], whole.dora_shift[module][:, 1], msg=module)
 
 
-@pytest.fixture
-def served(case: FamilyCase, tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A store holding the case's adapters (preloaded: validated, staged)."""
-    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
-    server.start()
-    target = f"127.0.0.1:{port}"
-    with StoreClient(target) as client:
-        for name, path in case.adapters.items():
-            for _ in client.preload(str(path), name):
-                pass
-    yield target, tmp_path
-    server.stop(None).wait()
-
-
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-cache"])
 def test_mixed_batch_from_the_store_gives_peft_greedy_tokens(
-    case: FamilyCase, served: tuple[str, Path], prefix_caching: bool
+    case: FamilyCase, tmp_path: Path, prefix_caching: bool
 ) -> None:
     """Through the store's stream and the worker's tiers into slots, twice (the second round
     reuses cached prefixes where caching is on): every request's tokens are PEFT's."""
-    store, tmp_path = served
-    settings = WorkerSettings(
-        model=str(case.checkpoint), served_model_name=BASE, port=0, store=store, max_loras=4,
-        max_lora_rank=16, kv_cache_bytes=4 << 20, model_cache_dir=tmp_path / "models",
-        prefix_caching=prefix_caching,
-    )
-    engine: Engine = build_engine(settings, checkpoint=case.checkpoint)
-    try:
-        cached = two_rounds_match(engine, [BASE, *case.adapters], PROMPTS, NEW_TOKENS,
-                                  case.reference, case.family)
-        # the second round reused the first's KV blocks (prompt 1 spans a whole block) or not
-        assert (cached[("dora-all-r8-rslora", 1)] > 0) is prefix_caching
-    finally:
-        engine.stop()
+    with preloaded_store(case.adapters, tmp_path) as store:
+        settings = WorkerSettings(
+            model=str(case.checkpoint), served_model_name=BASE, port=0, store=store, max_loras=4,
+            max_lora_rank=16, kv_cache_bytes=4 << 20, model_cache_dir=tmp_path / "models",
+            prefix_caching=prefix_caching,
+        )
+        engine: Engine = build_engine(settings, checkpoint=case.checkpoint)
+        try:
+            cached = two_rounds_match(engine, [BASE, *case.adapters], PROMPTS, NEW_TOKENS,
+                                      case.reference, case.family)
+            # the second round reused the first's KV blocks (prompt 1 spans a whole block) or not
+            assert (cached[("dora-all-r8-rslora", 1)] > 0) is prefix_caching
+        finally:
+            engine.stop()
     for name in case.adapters:  # each adapter changes the output: the comparison proves something
         assert any(case.reference[(name, i)] != case.reference[(BASE, i)] for i in range(3))
     # DoRA is not LoRA on the same weights: the magnitude and the norm matter

@@ -10,28 +10,15 @@ trained part drawn at random.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from lorastream.core.store_client import StoreClient
-from lorastream.store.config import StoreSettings
-from lorastream.store.server import create_server as create_store
-from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.adapter import adapter_weights
-from lorastream.worker.loading.fetch import AdapterFetcher
-from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
-from lorastream.worker.lora.slots import LoraSlots
-from lorastream.worker.model.config import ModelConfig
-from lorastream.worker.model.decoder import DecoderModel
-from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
-from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
+from tests.support.batched_forward import model_and_slots, prefill_last_logits, preloaded_store
 from tests.support.engine_rounds import two_rounds_match
 from tests.support.families import (
     BASE,
@@ -81,41 +68,12 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return FamilyCase(family, checkpoint, adapters, reference)
 
 
-def _model_and_slots(case: FamilyCase) -> tuple[DecoderModel, LoraSlots, dict[str, int]]:
-    config = ModelConfig.from_dir(case.checkpoint)
-    model = DecoderModel(config, load_weights(case.checkpoint, config, torch.float32, CPU), CPU)
-    slots = LoraSlots(config, len(case.adapters), 16, torch.float32, CPU, base=model)
-    slot_of = {}
-    for slot, (name, path) in enumerate(case.adapters.items()):
-        w = adapter_weights(AdapterFetcher(Device("cpu"), None).read_local(name, path), config, 16)
-        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks))
-        slot_of[name] = slot
-    return model, slots, slot_of
-
-
 def test_mixed_batch_gives_peft_logits(case: FamilyCase) -> None:
     """Every kind, a plain LoRA and the base model prefill one prompt in ONE batch; each row's
     last logits are PEFT's for its adapter."""
-    model, slots, slot_of = _model_and_slots(case)
-    config, prompt = model.config, PROMPTS[0]
-    names = [BASE, *case.adapters]
-    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20,
-                 torch.float32, CPU)
-    ids, cache, token_slots, spans, rows = [], [], [], [], []
-    for name in names:
-        table, start = kv.allocator.allocate(len(prompt)), len(ids)
-        ids += prompt
-        cache += slot_mapping(table, 0, len(prompt))
-        token_slots += [slot_of.get(name, -1)] * len(prompt)
-        spans.append(PrefillSpan(start, len(prompt), len(prompt), torch.tensor(table)))
-        rows.append(len(ids) - 1)
-    positions = torch.arange(len(prompt)).repeat(len(names))
-    batch = ForwardBatch(torch.tensor(ids), positions, positions + 1, torch.tensor(cache), 0,
-                         torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                         tuple(spans), torch.tensor(rows))
-    backend = TorchLoraBackend(torch.float32, CPU)
-    lora = LoraStep.for_step(slots, backend, token_slots, torch.float32, CPU)
-    logits = model.forward(batch, kv, lora)  # [names, V]
+    model, slots, slot_of = model_and_slots(case.checkpoint, case.adapters)
+    prompt, names = PROMPTS[0], [BASE, *case.adapters]
+    logits = prefill_last_logits(model, slots, slot_of, names, prompt)  # [names, V]
     base = None
     for row, name in enumerate(names):
         with torch.no_grad():
@@ -128,39 +86,25 @@ def test_mixed_batch_gives_peft_logits(case: FamilyCase) -> None:
             assert not torch.allclose(expected, base, atol=1e-3), name
 
 
-@pytest.fixture
-def served(case: FamilyCase, tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A store holding the case's adapters (validated, staged)."""
-    server, port, _ = create_store(StoreSettings(port=0, cache_dir=tmp_path / "store"))
-    server.start()
-    target = f"127.0.0.1:{port}"
-    with StoreClient(target) as client:
-        for name, path in case.adapters.items():
-            for _ in client.preload(str(path), name):
-                pass
-    yield target, tmp_path
-    server.stop(None).wait()
-
-
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-cache"])
 def test_mixed_batch_from_the_store_gives_peft_greedy_tokens(
-    case: FamilyCase, served: tuple[str, Path], prefix_caching: bool
+    case: FamilyCase, tmp_path: Path, prefix_caching: bool
 ) -> None:
     """Through the store's stream and the worker's tiers into slots, twice (the second round
     reuses cached prefixes where caching is on, each adapter's own): every request's greedy
     tokens are PEFT's."""
-    store, tmp_path = served
-    settings = WorkerSettings(
-        model=str(case.checkpoint), served_model_name=BASE, port=0, store=store,
-        max_loras=len(case.adapters), max_lora_rank=16, kv_cache_bytes=4 << 20,
-        model_cache_dir=tmp_path / "models", prefix_caching=prefix_caching,
-    )
-    engine: Engine = build_engine(settings, checkpoint=case.checkpoint)
-    try:
-        cached = two_rounds_match(engine, [BASE, *case.adapters], PROMPTS, NEW_TOKENS,
-                                  case.reference, case.family)
-        assert (cached[("new-tokens", 1)] > 0) is prefix_caching
-    finally:
-        engine.stop()
+    with preloaded_store(case.adapters, tmp_path) as store:
+        settings = WorkerSettings(
+            model=str(case.checkpoint), served_model_name=BASE, port=0, store=store,
+            max_loras=len(case.adapters), max_lora_rank=16, kv_cache_bytes=4 << 20,
+            model_cache_dir=tmp_path / "models", prefix_caching=prefix_caching,
+        )
+        engine: Engine = build_engine(settings, checkpoint=case.checkpoint)
+        try:
+            cached = two_rounds_match(engine, [BASE, *case.adapters], PROMPTS, NEW_TOKENS,
+                                      case.reference, case.family)
+            assert (cached[("new-tokens", 1)] > 0) is prefix_caching
+        finally:
+            engine.stop()
     for name in case.adapters:  # each adapter changes the tokens: the comparison proves something
         assert any(case.reference[(name, i)] != case.reference[(BASE, i)] for i in range(3)), name

@@ -27,21 +27,13 @@ from lorastream.core.store_client import StoreClient
 from lorastream.core.worker_client import WorkerClient
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server as create_store
-from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
-from lorastream.worker.loading.adapter import adapter_weights
-from lorastream.worker.loading.fetch import AdapterFetcher
-from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
-from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
-from lorastream.worker.model.decoder import DecoderModel
-from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
-from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.operations import WorkerOperations
 from lorastream.worker.service.server import create_server as create_worker
+from tests.support.batched_forward import model_and_slots, prefill_last_logits
 from tests.support.families import (
     BASE,
     NEW_TOKENS,
@@ -143,45 +135,13 @@ def test_one_mixed_batch_over_grpc_gives_peft_greedy_tokens(
 def test_mixed_batch_logits_agree_with_peft(case: FamilyCase, chunk: int | None) -> None:
     """Logits, not only their argmax (final soft-capping keeps the argmax), of the base model and
     every adapter in one forward; chunked, a chunk attends over a cached past beyond the window."""
-    cpu = torch.device("cpu")
-    config = ModelConfig.from_dir(case.checkpoint)
-    model = DecoderModel(config, load_weights(case.checkpoint, config, torch.float32, cpu), cpu)
-    slots = LoraSlots(config, len(case.adapters), 16, torch.float32, cpu)
-    slot_of = {}
-    for slot, (name, path) in enumerate(case.adapters.items()):
-        w = adapter_weights(AdapterFetcher(Device("cpu"), None).read_local(name, path), config, 16)
-        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks))
-        slot_of[name] = slot
-    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 1 << 20,
-                 torch.float32, cpu)
-    backend = TorchLoraBackend(torch.float32, cpu)
-    names, prompt = [BASE, *case.adapters], PROMPTS[1]
-    tables = {name: kv.allocator.allocate(len(prompt)) for name in names}
-    chunk = chunk or len(prompt)
-    done, logits = 0, torch.empty(0)
-    while done < len(prompt):  # every sequence prefills the same chunk each step
-        length = min(chunk, len(prompt) - done)
-        ids, positions, cache, token_slots, spans, rows = [], [], [], [], [], []
-        for name in names:
-            table, start = tables[name], len(ids)
-            ids += prompt[done : done + length]
-            positions += range(done, done + length)
-            cache += slot_mapping(table, done, length)
-            token_slots += [slot_of.get(name, -1)] * length
-            spans.append(PrefillSpan(start, length, done + length, torch.tensor(table)))
-            rows.append(len(ids) - 1)
-        batch = ForwardBatch(
-            torch.tensor(ids), torch.tensor(positions), torch.tensor(positions) + 1,
-            torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
-            torch.zeros(0, dtype=torch.long), tuple(spans), torch.tensor(rows),
-        )
-        meta = backend.prepare(token_slots, slots)
-        logits = model.forward(batch, kv, LoraStep(slots, backend, meta))  # [names, V]
-        done += length
+    model, slots, slot_of = model_and_slots(case.checkpoint, case.adapters)
+    names = [BASE, *case.adapters]
+    logits = prefill_last_logits(model, slots, slot_of, names, PROMPTS[1], chunk)  # [names, V]
     for row, name in enumerate(names):
         reference = reference_model(case.checkpoint, case.adapters.get(name))
         with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0, -1]  # [V]
+            expected = reference(torch.tensor([PROMPTS[1]])).logits[0, -1]  # [V]
         torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
 
 

@@ -29,6 +29,7 @@ from lorastream.worker.model.embedded import (
     GEMMA3_PACKAGE,
     convert_gemma3_270m,
 )
+from tests.support.gguf_files import CopyConverter, cache_entries
 from tests.support.models import make_tiny_family
 
 FAKE_PACKAGE = "lorastream_test_gemma_gguf"
@@ -79,24 +80,6 @@ def assembled(root: Path) -> list[str]:
     return calls.read_text().splitlines() if calls.exists() else []
 
 
-class CopyConverter:
-    """Copies the tiny Gemma 3 checkpoint instead of dequantizing; records what it was given."""
-
-    def __init__(self, source: Path) -> None:
-        self.source = source
-        self.ggufs: list[bytes] = []
-
-    def __call__(self, gguf: Path, out_dir: Path) -> None:
-        self.ggufs.append(gguf.read_bytes())
-        for path in self.source.iterdir():
-            shutil.copy(path, out_dir)
-
-
-def entries(cache: Path) -> list[str]:
-    """What the cache holds besides the lock files."""
-    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
-
-
 def test_gemma3_270m_without_its_package_says_how_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,7 +103,7 @@ def test_gemma3_270m_is_assembled_and_converted_once_then_found_by_its_sha256(
     assert first.name.startswith(f"{GEMMA3_NAME}-") and third.name.startswith(f"{GEMMA3_NAME}-")
     assert convert.ggufs == [FAKE_GGUF, FAKE_GGUF]  # the converter read the assembled file
     assert len(assembled(fake_package)) == 2  # not again for a model already converted
-    assert entries(cache) == sorted([first.name, third.name])  # the GGUF copies are gone
+    assert cache_entries(cache) == sorted([first.name, third.name])  # the GGUF copies are gone
     assert ModelConfig.from_dir(first).family == "gemma3_text"
 
 
@@ -131,7 +114,7 @@ def test_a_failed_assembly_names_the_fix_and_leaves_nothing_behind(
     cache = tmp_path / "cache"
     with pytest.raises(InvalidArgument, match=r"sha256 did not match.*reinstall: pip install"):
         convert_gemma3_270m(cache, FAKE_PACKAGE, CopyConverter(tiny_gemma))
-    assert entries(cache) == []
+    assert cache_entries(cache) == []
 
 
 @pytest.mark.parametrize(

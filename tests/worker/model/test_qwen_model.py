@@ -10,7 +10,6 @@ dev lock; ``make qwen`` installs them without the rest).
 from __future__ import annotations
 
 import hashlib
-import shutil
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from lorastream.worker.model.embedded import (
     split_gguf_slices,
 )
 from tests.support.families import reference_model
+from tests.support.gguf_files import CopyConverter, cache_entries
 from tests.support.models import make_tiny_family
 
 FAKE_SLICES = (b"GGUF" + bytes(12), bytes(range(20)), b"tail")
@@ -54,24 +54,6 @@ def fake_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Spli
     yield replace(QWEN25_CODER_GGUF, module_prefix=prefix, dist_prefix="lorastream-test-qwen-part",
                   parts=len(FAKE_SLICES), size=len(joined),
                   sha256=hashlib.sha256(joined).hexdigest())
-
-
-class CopyConverter:
-    """Copies the tiny Qwen2 checkpoint instead of dequantizing; records what it was given."""
-
-    def __init__(self, source: Path) -> None:
-        self.source = source
-        self.ggufs: list[bytes] = []
-
-    def __call__(self, gguf: Path, out_dir: Path) -> None:
-        self.ggufs.append(gguf.read_bytes())
-        for path in self.source.iterdir():
-            shutil.copy(path, out_dir)
-
-
-def entries(cache: Path) -> list[str]:
-    """What the cache holds besides the lock files."""
-    return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
 
 
 def test_the_install_line_pins_every_slice() -> None:
@@ -102,7 +84,7 @@ def test_the_slices_are_joined_and_converted_once_then_found_by_their_sha256(
     assert first == second
     assert first.name.startswith(f"{QWEN25_CODER_GGUF.name}-")
     assert convert.ggufs == [b"".join(FAKE_SLICES)]  # joined in order, converted once
-    assert entries(cache) == [first.name]  # the joined GGUF is gone
+    assert cache_entries(cache) == [first.name]  # the joined GGUF is gone
     assert ModelConfig.from_dir(first).family == "qwen2"
 
 
@@ -119,7 +101,7 @@ def test_slices_that_do_not_join_to_the_pinned_file_are_refused_and_leave_nothin
                        r"lorastream-test-qwen-part1==0\.9\.0"):
         convert_split_gguf(cache, replace(fake_split, **pinned), convert)  # type: ignore[arg-type]  # pinned: SplitGguf's own fields
     assert convert.ggufs == []
-    assert entries(cache) == []
+    assert cache_entries(cache) == []
 
 
 # -- the real model (about 45 s to join and convert once per machine, then cached) -------------
