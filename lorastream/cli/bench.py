@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import sys
 from pathlib import Path
+from types import FrameType
 
 import typer
 
@@ -18,6 +21,18 @@ app = typer.Typer(
     rich_markup_mode=None,
     no_args_is_help=True,
 )
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    sys.exit(128 + signum)
+
+
+@app.callback()
+def bench_main() -> None:
+    """Benchmarks; each prints one JSON document with its comparison."""
+    # SIGTERM unwinds like Ctrl-C: the benchmarks' context managers stop the stores, workers and
+    # gateways they spawned, which a bare SIGTERM would leave running without their parent.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 @app.command("registry")
