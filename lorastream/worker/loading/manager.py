@@ -123,9 +123,11 @@ class AdapterManager:
             initializer=loader_thread_init,
             initargs=(device.loader_priority,),
         )
-        self._resolver = NameResolver(self._records, fetcher, config, slots.max_rank)
+        self._resolver = NameResolver(self._records, fetcher, config, slots.max_rank,
+                                      slots.vocab_budget)
         self._loader = HostLoader(
-            self.host, fetcher, config, slots.max_rank, self.metrics, self._cost_model
+            self.host, fetcher, config, slots.max_rank, self.metrics, self._cost_model,
+            slots.vocab_budget,
         )
 
     def close(self) -> None:
@@ -320,7 +322,7 @@ class AdapterManager:
             if entry.slot is None and entry.fetching and entry.layers_landed:
                 try:
                     weights = landing_weights(entry, self.host, self._device, self.config,
-                                              self.slots.max_rank)
+                                              self.slots.max_rank, self.slots.vocab_budget)
                 except InvalidAdapter as err:  # it does not fit this base model (rule 6)
                     self._fail(entry, err)
                     raise
