@@ -28,6 +28,7 @@ from lorastream.core.adapter_format import (
     resolve_fused_experts,
     vocab_shape,
 )
+from lorastream.core.adapter_tokenizer import vocab_refusal
 from lorastream.core.manifest import AdapterManifest, TensorInfo
 
 
@@ -100,6 +101,8 @@ def vocab_misfit(manifest: AdapterManifest, vocab: int, hidden: int) -> str | No
     """Why the vocabulary tensors of ``manifest`` (``adapter_format``: parse_vocab_key) do not
     fit a base of ``vocab`` token ids and ``hidden`` features: another vocabulary (an adapter
     trained with a resized embedding) is refused, new token ids must lie within ``vocab``."""
+    if manifest.tokenizer_vocab > vocab:
+        return vocab_refusal(manifest.tokenizer_vocab, vocab, "the base model")
     tokens = manifest.token_indices
     if tokens and max(tokens) >= vocab:
         return (f"its trainable token {max(tokens)} is beyond the base model's vocabulary of "
@@ -154,7 +157,7 @@ def misfit(manifest: AdapterManifest, base: BaseShape) -> str | None:
     """Why ``manifest`` does not fit ``base`` (the first tensor that does not), or None when
     every tensor names a layer ``base`` has and a projection of its sizes."""
     names = expert_names(manifest, base.experts) if base.experts is not None else {}
-    if any(parse_vocab_key(t.name) for t in manifest.tensors):
+    if manifest.tokenizer_vocab or any(parse_vocab_key(t.name) for t in manifest.tensors):
         if not all(m in base.modules for m in VOCAB_MODULES):
             return "it adapts embed_tokens or lm_head, which this worker does not serve"
         vocab, hidden = base.modules["embed_tokens"]

@@ -57,9 +57,16 @@ from lorastream.core.adapter_format import (
     per_expert,
     short_module_name,
 )
+from lorastream.core.adapter_tokenizer import (
+    TOKENIZER_FILES,
+    file_sha256,
+    tokenizer_files,
+    tokenizer_vocab,
+    vocab_refusal,
+)
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TensorDigests
 from lorastream.core.errors import InvalidAdapter
-from lorastream.core.manifest import DTYPE_SIZES, AdapterManifest, TensorInfo
+from lorastream.core.manifest import DTYPE_SIZES, AdapterFile, AdapterManifest, TensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,8 @@ class ValidatedAdapter:
     use_dora: bool = False  # a magnitude vector per adapted module (DoRA)
     alora_invocation_tokens: tuple[int, ...] = ()  # activated LoRA; () for a plain LoRA
     token_indices: tuple[int, ...] = ()  # TrainableTokens' token ids, in its rows' order
+    files: tuple[AdapterFile, ...] = ()  # its tokenizer's files (core/adapter_tokenizer.py)
+    tokenizer_vocab: int = 0  # that tokenizer's highest id + 1; 0 without one
 
     def manifest(
         self,
@@ -122,6 +131,8 @@ class ValidatedAdapter:
             last_used_at=last_used_at,
             alora_invocation_tokens=self.alora_invocation_tokens,
             token_indices=self.token_indices,
+            files=self.files,
+            tokenizer_vocab=self.tokenizer_vocab,
         )
 
 
@@ -366,12 +377,14 @@ def _check_tiling(entries: list[_HeaderEntry], data_bytes: int, label: str) -> N
 
 
 def _check_vocab(
-    entries: list[_HeaderEntry], rank: int, token_indices: tuple[int, ...], label: str
+    entries: list[_HeaderEntry], rank: int, token_indices: tuple[int, ...], label: str,
+    tokens: int = 0,
 ) -> tuple[str, ...]:
     """The vocabulary modules' tensors (``adapter_format``: parse_vocab_key): one kind per
     module (new rows, a LoRA pair, or the whole module, a LoRA's saved base layer beside its
     pair), each of its kind's shape with one vocabulary V and hidden size H across them all,
-    every trainable token id below V. Returns the modules with a LoRA pair (target names)."""
+    every trainable token id below V, and the adapter's tokenizer (``tokens`` ids, 0: none)
+    within V. Returns the modules with a LoRA pair (target names)."""
     kinds: dict[str, dict[str, _HeaderEntry]] = {}
     for e in entries:
         key = parse_vocab_key(e.key)
@@ -426,6 +439,8 @@ def _check_vocab(
         if lora:
             lora_modules.append(module)
     vocab = sizes.get("V")
+    if vocab is not None and tokens > vocab[0]:
+        raise InvalidAdapter(f"{label}: " + vocab_refusal(tokens, vocab[0], vocab[1]))
     if vocab is not None and token_indices and max(token_indices) >= vocab[0]:
         raise InvalidAdapter(
             f"{label}: trainable token {max(token_indices)} is beyond the vocabulary of "
@@ -555,13 +570,20 @@ def layer_order(name: str) -> tuple[int, int, str]:
 
 
 STAGED_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # the order the content id hashes them in
+ALL_FILES = STAGED_FILES + TOKENIZER_FILES  # and the adapter's tokenizer's, those present
+
+
+def staged_files(directory: Path) -> tuple[str, ...]:
+    """The files of ``directory`` an adapter is made of: STAGED_FILES and its tokenizer's."""
+    present = {p.name for p in directory.iterdir() if p.is_file()}
+    return STAGED_FILES + tokenizer_files(present)
 
 
 def content_id(directory: Path) -> str:
-    """The content address of a PEFT directory: sha256 over STAGED_FILES in order, each as
-    ``name \\0 size \\0`` then its bytes. The store and the worker compute it alike."""
+    """The content address of a PEFT directory: sha256 over its :func:`staged_files` in order,
+    each as ``name \\0 size \\0`` then its bytes. The store and the worker compute it alike."""
     digest = hashlib.sha256()
-    for name in STAGED_FILES:
+    for name in staged_files(directory):
         path = directory / name
         digest.update(f"{name}\0{path.stat().st_size}\0".encode())
         with path.open("rb") as f:
@@ -591,8 +613,12 @@ def validate_adapter_dir(
     config = parse_adapter_config(config_path.read_bytes(), label)
     entries, data_start = read_safetensors_header(weights_path, max_header_bytes, label)
     targets = _check_lora_pairs(entries, config.rank, config.use_dora, label)
+    extra = staged_files(directory)[len(STAGED_FILES):]
+    tokens = tokenizer_vocab(directory, label) if extra else 0
     targets = tuple(sorted(targets + _check_vocab(entries, config.rank, config.token_indices,
-                                                  label)))
+                                                  label, tokens)))
+    files = tuple(AdapterFile(name, (directory / name).stat().st_size,
+                              file_sha256(directory / name)) for name in extra)
     fd = os.open(weights_path, os.O_RDONLY)
     try:
         tensors = []
@@ -621,4 +647,6 @@ def validate_adapter_dir(
         use_dora=config.use_dora,
         alora_invocation_tokens=config.alora_invocation_tokens,
         token_indices=config.token_indices,
+        files=files,
+        tokenizer_vocab=tokens,
     )

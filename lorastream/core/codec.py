@@ -15,7 +15,13 @@ from lorastream.core.chunk_wire import fields
 from lorastream.core.chunk_wire import serialize_response as serialize_response
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.listing import MAX_PAGE_SIZE, AdapterFilter
-from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorChunk, TensorInfo
+from lorastream.core.manifest import (
+    AdapterFile,
+    AdapterManifest,
+    PreloadProgress,
+    TensorChunk,
+    TensorInfo,
+)
 from lorastream.core.upload import UploadChunk, UploadFile, UploadHeader, UploadItem
 from lorastream.core.versions import AdapterChange, AdapterVersion, ChangeKind, WatchMessage
 
@@ -76,6 +82,9 @@ def manifest_to_pb(m: AdapterManifest) -> common_pb2.AdapterManifest:
         last_used_at=m.last_used_at,
         alora_invocation_tokens=list(m.alora_invocation_tokens),
         token_indices=list(m.token_indices),
+        files=[common_pb2.AdapterFile(name=f.name, nbytes=f.nbytes, checksum=f.checksum)
+               for f in m.files],
+        tokenizer_vocab=m.tokenizer_vocab,
     )
 
 
@@ -96,6 +105,8 @@ def manifest_from_pb(msg: common_pb2.AdapterManifest) -> AdapterManifest:
         last_used_at=msg.last_used_at,
         alora_invocation_tokens=tuple(msg.alora_invocation_tokens),
         token_indices=tuple(msg.token_indices),
+        files=tuple(AdapterFile(f.name, f.nbytes, f.checksum) for f in msg.files),
+        tokenizer_vocab=msg.tokenizer_vocab,
     )
 
 

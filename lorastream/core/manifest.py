@@ -29,6 +29,16 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class AdapterFile:
+    """A file the store keeps with an adapter beside its weights (its tokenizer's:
+    ``core/adapter_tokenizer.py``), part of the content id."""
+
+    name: str  # e.g. "tokenizer.json"
+    nbytes: int
+    checksum: str  # sha256 hex of the file
+
+
+@dataclass(frozen=True)
 class AdapterManifest:
     """Everything a receiver needs to know before the first tensor byte arrives."""
 
@@ -50,6 +60,10 @@ class AdapterManifest:
     alora_invocation_tokens: tuple[int, ...] = ()
     # TrainableTokens: token ids whose embedding rows the adapter replaces, in its rows' order
     token_indices: tuple[int, ...] = ()
+    # the adapter's own tokenizer files (() : it uses the base model's) and that tokenizer's
+    # highest token id + 1 (0 without one)
+    files: tuple[AdapterFile, ...] = ()
+    tokenizer_vocab: int = 0
 
     @property
     def total_bytes(self) -> int:

@@ -273,6 +273,16 @@ class StoreClient:
         except grpc.RpcError as err:
             raise_from_rpc_error(err)
 
+    def read_file(self, name: str, adapter_id: str, file: str) -> bytes:
+        """One of the files ``name``'s manifest lists (at content ``adapter_id``), whole. The
+        caller checks it against the manifest's sha256."""
+        request = pb.ReadAdapterFileRequest(name=name, adapter_id=adapter_id, file=file)
+        try:
+            return b"".join(reply.data for reply in self._stub.ReadAdapterFile(
+                request, metadata=self._metadata, timeout=self._timeout))
+        except grpc.RpcError as err:
+            raise_from_rpc_error(err)
+
     # -- tensor stream ----------------------------------------------------------------------
     def iter_chunks(self, name: str, *, chunk_bytes: int = 0) -> Iterator[TensorChunk]:
         """The raw chunk stream of ``name`` (CRC-32C checked, no landing, no resume)."""

@@ -15,12 +15,14 @@ class TokenizeInput:
     ``add_generation_prompt``: chat only, end with the assistant turn's header.
     ``add_special_tokens``: add the tokenizer's BOS and the like (a completion prompt gets them;
     a chat template writes its own).
+    ``model``: the adapter whose tokenizer to use ("" or the base model's name: the base's).
     """
 
     prompt: PromptInput
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    model: str = ""
 
 
 @dataclass(frozen=True)

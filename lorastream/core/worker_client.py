@@ -87,8 +87,9 @@ class WorkerClient:
         reply = self._call(self._stub.Tokenize, worker_codec.tokenize_request_to_pb(request))
         return worker_codec.tokenized_from_pb(reply, request.return_token_strs)
 
-    def detokenize(self, tokens: list[int]) -> str:
-        reply = self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))
+    def detokenize(self, tokens: list[int], model: str = "") -> str:
+        reply = self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens,
+                                                                        model=model))
         return str(reply.prompt)
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:

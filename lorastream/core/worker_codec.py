@@ -272,7 +272,7 @@ def stats_from_pb(msg: worker_pb2.GetStatsResponse) -> WorkerStats:
 def tokenize_request_to_pb(t: TokenizeInput) -> worker_pb2.TokenizeRequest:
     msg = worker_pb2.TokenizeRequest(
         add_generation_prompt=t.add_generation_prompt, add_special_tokens=t.add_special_tokens,
-        return_token_strs=t.return_token_strs,
+        return_token_strs=t.return_token_strs, model=t.model,
     )
     if t.prompt.messages is not None:
         msg.messages.CopyFrom(_chat_to_pb(t.prompt))
@@ -287,7 +287,7 @@ def tokenize_request_from_pb(msg: worker_pb2.TokenizeRequest) -> TokenizeInput:
     else:
         prompt = PromptInput(text=msg.prompt)
     return TokenizeInput(prompt, msg.add_generation_prompt, msg.add_special_tokens,
-                         msg.return_token_strs)
+                         msg.return_token_strs, msg.model)
 
 
 def tokenized_to_pb(t: Tokenized) -> worker_pb2.TokenizeResponse:

@@ -204,8 +204,9 @@ class AsyncWorkerClient:
         reply = await self._call(self._stub.Tokenize, worker_codec.tokenize_request_to_pb(request))
         return worker_codec.tokenized_from_pb(reply, request.return_token_strs)
 
-    async def detokenize(self, tokens: list[int]) -> str:
-        reply = await self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=tokens))
+    async def detokenize(self, tokens: list[int], model: str = "") -> str:
+        reply = await self._call(self._stub.Detokenize,
+                                 pb.DetokenizeRequest(tokens=tokens, model=model))
         return str(reply.prompt)
 
     async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:

@@ -7,8 +7,9 @@
   worker refusing the adapter un-stages it).
 - ``POST /v1/unload_lora_adapter`` ``{lora_name}`` (operate token): forget it in the store and
   unload it from the workers; requests naming it get 404 from then on.
-- ``POST /tokenize`` and ``POST /detokenize`` (an API key, like generation): the base model's
-  tokenizer on a worker (every adapter shares it).
+- ``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``; an API key, like
+  generation): with ``model`` an adapter's name, that adapter's own tokenizer if it ships one
+  (its added tokens), else the base model's; an unknown ``model`` is 404, as for generation.
 
 Success bodies, status codes and messages follow vLLM (``serving_models.py``: a plain-text
 ``Success: ...`` with 200; 400 for a name already loaded, 404 for one that cannot be found);
@@ -119,7 +120,8 @@ class TokenizeBody(_TokenizerRequest):
         special = self.add_special_tokens
         if special is None:
             special = self.messages is None
-        return TokenizeInput(prompt, self.add_generation_prompt, special, self.return_token_strs)
+        return TokenizeInput(prompt, self.add_generation_prompt, special, self.return_token_strs,
+                             self.model or "")
 
 
 class DetokenizeBody(_TokenizerRequest):
@@ -173,6 +175,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterBody, request: Request) -> 
 
 
 @read_router.post("/tokenize")
+@read_router.post("/v1/tokenize")
 async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     """vLLM's ``/tokenize``: ``{tokens, count, max_model_len}`` (and ``token_strs`` if asked)."""
     state = gateway_state(request)
@@ -190,12 +193,13 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
 
 
 @read_router.post("/detokenize")
+@read_router.post("/v1/detokenize")
 async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, str]:
     """vLLM's ``/detokenize``: ``{prompt}``."""
     state = gateway_state(request)
     client = await _tokenizer_worker(state, body.model)
     try:
-        return {"prompt": await client.detokenize(body.tokens)}
+        return {"prompt": await client.detokenize(body.tokens, body.model or "")}
     except LorastreamError as exc:
         raise _param(api_error(exc), "tokens") from exc
 

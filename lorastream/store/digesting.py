@@ -23,44 +23,51 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lorastream.core.adapter_format import WEIGHTS_FILE
-from lorastream.core.adapter_validation import STAGED_FILES
+from lorastream.core.adapter_validation import ALL_FILES, STAGED_FILES
 from lorastream.core.checksum import Buffer, TensorDigests
 from lorastream.store.writeback import Writeback
 
 
 class StreamDigests:
-    """The digests of one staging, fed file by file in :data:`STAGED_FILES` order."""
+    """The digests of one staging, fed file by file in :data:`ALL_FILES` order (STAGED_FILES,
+    then the tokenizer's files present)."""
 
     def __init__(self, tensor_digest: str, max_header_bytes: int) -> None:
         self._fast = tensor_digest
         self._max_header = max_header_bytes
         self._content = hashlib.sha256()
-        self._next_file = 0  # index into STAGED_FILES of the file the content hash expects
+        self._seen: list[str] = []  # the files written through, in order
         self._broken = False
         self._tensors: dict[int, tuple[int, TensorDigests]] = {}  # file offset -> (nbytes, digests)
 
     def writer(self, name: str, size: int, target: Path) -> DigestingWriter:
         """A writer of ``target`` (file ``name`` of ``size`` bytes, as listed by the source); the
-        files must be written in STAGED_FILES order, each to its end, one at a time."""
-        if self._next_file >= len(STAGED_FILES) or STAGED_FILES[self._next_file] != name:
+        files must be written in ALL_FILES order, each to its end, one at a time."""
+        last = ALL_FILES.index(self._seen[-1]) if self._seen else -1
+        if name not in ALL_FILES or ALL_FILES.index(name) <= last:
             self._broken = True
+        self._seen.append(name)
         self._content.update(f"{name}\0{size}\0".encode())
         return DigestingWriter(self, name, size, target)
 
     def _finished(self, name: str, written: int, size: int) -> None:
         if written != size:
             self._broken = True
-        self._next_file += 1
 
     def _break(self) -> None:
         self._broken = True
 
     @property
     def content_id(self) -> str | None:
-        """The content id, or None when the files were not all written as expected."""
-        if self._broken or self._next_file != len(STAGED_FILES):
+        """The content id of :attr:`files`, or None when they were not written as expected."""
+        if self._broken or tuple(self._seen[:len(STAGED_FILES)]) != STAGED_FILES:
             return None
         return self._content.hexdigest()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files written through, in order (staging checks they are the adapter's all)."""
+        return tuple(self._seen)
 
     @property
     def tensors(self) -> Mapping[int, tuple[int, TensorDigests]]:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from lorastream.core.checksum import crc32c
-from lorastream.core.errors import InvalidAdapter, InvalidArgument
+from lorastream.core.errors import AdapterNotFound, InvalidAdapter, InvalidArgument
 from lorastream.core.manifest import AdapterManifest, TensorChunk
 from lorastream.core.stream_layout import StreamLayout
 from lorastream.store.staging import StagedAdapter
@@ -185,6 +185,17 @@ class StreamLease:
             with_crc,
         )
 
+    def file_chunks(self, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+        """The bytes of ``name``, one of the manifest's files (its tokenizer's), in chunks;
+        AdapterNotFound for any other name."""
+        if self._closed:
+            raise RuntimeError("stream lease already closed")
+        if name not in {f.name for f in self.manifest.files}:
+            listed = ", ".join(f.name for f in self.manifest.files) or "none"
+            raise AdapterNotFound(f"adapter {self.manifest.name} has no file {name!r} (its files: "
+                                  f"{listed})")
+        return _file_chunks(self._staged.directory / name, chunk_bytes)
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
@@ -197,3 +208,9 @@ class StreamLease:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _file_chunks(path: Path, chunk_bytes: int) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        while data := f.read(chunk_bytes):
+            yield data

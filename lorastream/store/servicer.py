@@ -33,7 +33,7 @@ OPERATOR_METHODS = {
 READ_METHODS = {
     f"/{SERVICE_NAME}/{m}"
     for m in ("ListAdapters", "DescribeAdapter", "StreamAdapterTensors", "ListAdapterVersions",
-              "WatchAdapters", "AckAdapterChanges")
+              "WatchAdapters", "AckAdapterChanges", "ReadAdapterFile")
 }
 # The scope each method needs when the store has tokens (lorastream/core/auth.py).
 REQUIRED_SCOPES = {
@@ -180,6 +180,16 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServiceServicer):
                     return
                 self._store.metrics.streamed(len(chunk.data))
                 yield codec.encode_chunk_response(chunk)
+
+    def ReadAdapterFile(
+        self, request: pb.ReadAdapterFileRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ReadAdapterFileResponse]:
+        with self._store.open_stream(request.name, request.adapter_id or None) as lease:
+            for data in lease.file_chunks(request.file, self._chunk_bytes):
+                if not context.is_active():
+                    return
+                self._store.metrics.streamed(len(data))
+                yield pb.ReadAdapterFileResponse(data=data)
 
 
 def _upload_chunks(requests: Iterator[pb.UploadAdapterRequest], name: str) -> Iterator[UploadChunk]:

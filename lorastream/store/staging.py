@@ -3,7 +3,8 @@
 Layout of the cache directory::
 
     cache/tmp/<random>/          downloads in progress (removed at startup: crash leftovers)
-    cache/adapters/<adapter_id>/ adapter_config.json, adapter_model.safetensors, manifest.json
+    cache/adapters/<adapter_id>/ adapter_config.json, adapter_model.safetensors, manifest.json,
+                                 and the adapter's tokenizer files if it ships them
 
 ``adapter_id`` is the sha256 over the staged files in a fixed order (each file contributes its
 name, its size and its bytes), so two URIs with the same files share one directory. A directory
@@ -28,15 +29,15 @@ from typing import Any
 
 from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.core.adapter_validation import (
-    STAGED_FILES,
     StagedTensor,
     ValidatedAdapter,
     content_id,
+    staged_files,
     validate_adapter_dir,
 )
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TENSOR_DIGESTS
 from lorastream.core.errors import CapacityExhausted, InvalidAdapter
-from lorastream.core.manifest import AdapterManifest, PreloadProgress, TensorInfo
+from lorastream.core.manifest import AdapterFile, AdapterManifest, PreloadProgress, TensorInfo
 from lorastream.store.digesting import StreamDigests
 from lorastream.store.sources.base import AdapterSource, ResolvedSource
 
@@ -125,6 +126,8 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
         "target_modules": list(c.target_modules),
         "alora_invocation_tokens": list(c.alora_invocation_tokens),
         "token_indices": list(c.token_indices),
+        "files": [{"name": f.name, "nbytes": f.nbytes, "checksum": f.checksum} for f in c.files],
+        "tokenizer_vocab": c.tokenizer_vocab,
         "tensors": [
             {
                 "name": t.info.name,
@@ -165,6 +168,10 @@ def _content_from_json(doc: dict[str, Any]) -> ValidatedAdapter:
         # () when staged before activated LoRA was served (such adapters were refused then)
         alora_invocation_tokens=tuple(doc.get("alora_invocation_tokens", ())),
         token_indices=tuple(doc.get("token_indices", ())),
+        # () / 0 when staged before adapters' tokenizers were kept
+        files=tuple(AdapterFile(f["name"], f["nbytes"], f["checksum"])
+                    for f in doc.get("files", ())),
+        tokenizer_vocab=int(doc.get("tokenizer_vocab", 0)),
     )
 
 
@@ -246,9 +253,11 @@ class Stager:
             tensor_digest=self.tensor_digest, hashed=digests.tensors,
         )
         on_phase("staging", done, total)
-        for name in STAGED_FILES:
+        files = staged_files(temp_dir)
+        for name in files:
             _fsync_path(temp_dir / name)
-        adapter_id = digests.content_id or content_id(temp_dir)  # hashed while downloading?
+        hashed = digests.content_id if digests.files == files else None
+        adapter_id = hashed or content_id(temp_dir)  # hashed while downloading?
         prepared = PreparedAdapter(temp_dir, adapter_id, content, time.time())
         manifest_path = temp_dir / MANIFEST_FILE
         with manifest_path.open("w") as f:

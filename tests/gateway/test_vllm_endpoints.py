@@ -9,7 +9,9 @@ from typing import Any
 import openai
 import pytest
 
+from lorastream.core.store_client import StoreClient
 from tests.gateway.conftest import BASE, CONTEXT, TOKEN, Cluster, ClusterFactory
+from tests.support.models import make_vocab_adapter, save_adapter_tokenizer
 
 KEY = "inference-key-vllm"
 MAX_RANK = 16  # the worker refuses rank 64: a load it must un-stage
@@ -201,3 +203,36 @@ def test_tokenizer_errors_are_openai_shaped(
 def test_tokenize_needs_an_api_key(keyed: Cluster, token: str | None, status: int) -> None:
     assert _post(keyed, "/tokenize", {"prompt": "x"}, token)[0] == status
     assert _post(keyed, "/detokenize", {"tokens": [40]}, token)[0] == status
+
+
+@pytest.fixture(scope="module")
+def tool_adapter(keyed: Cluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> str:
+    """A TrainableTokens adapter (PEFT) staged with its tokenizer, which names reserved id 200
+    ``<tool>``."""
+    path = make_vocab_adapter(tiny_model, tmp_path_factory.mktemp("tool"), rank=4, seed=3,
+                              target_modules=["q_proj"], trainable_token_indices=[200])
+    save_adapter_tokenizer(tiny_model, path, {200: "<tool>"})
+    with StoreClient(keyed.store) as store:
+        for _ in store.preload(str(path), "tool"):
+            pass
+    return "tool"
+
+
+@pytest.mark.parametrize("prefix", ["", "/v1"], ids=["vllm", "v1"])
+@pytest.mark.parametrize(("model", "tokens"), [
+    (BASE, [68, 69, 31, 87, 82, 82, 79, 33, 70]),  # "<tool>" as six characters
+    ("tool", [68, 69, 200, 70]),  # its added token
+], ids=["base", "adapter"])
+def test_tokenize_and_detokenize_use_the_models_own_tokenizer(
+    keyed: Cluster, tool_adapter: str, prefix: str, model: str, tokens: list[int]
+) -> None:
+    status, tokenized = _post(keyed, f"{prefix}/tokenize",
+                              {"model": model, "prompt": "ab<tool>c", "return_token_strs": True},
+                              KEY)
+    assert status == 200, tokenized
+    assert tokenized["tokens"] == tokens
+    assert ("<tool>" in tokenized["token_strs"]) is (model == tool_adapter)
+    text = "ab<tool>c" if model == tool_adapter else "ab<x200>c"
+    assert _post(keyed, f"{prefix}/detokenize", {"model": model, "tokens": [68, 69, 200, 70]},
+                 KEY) == (200, {"prompt": text})

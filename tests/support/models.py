@@ -373,3 +373,25 @@ def make_vocab_adapter(
     model.save_pretrained(out_dir, safe_serialization=True,
                           save_embedding_layers=save_embedding_layers)
     return out_dir
+
+
+def save_adapter_tokenizer(base_dir: Path, out_dir: Path, tokens: dict[int, str]) -> Path:
+    """Beside an adapter in ``out_dir``, the tokenizer it was trained with: the base model's
+    (``base_dir``) with reserved ids renamed to new added tokens (``tokens``: id -> text, not
+    special, so they decode to their text), as a tokenizer grown onto rows the base has."""
+    import json
+    import shutil
+
+    doc = json.loads((base_dir / "tokenizer.json").read_text())
+    names = {i: t for t, i in doc["model"]["vocab"].items()}
+    for token_id, text in tokens.items():
+        del doc["model"]["vocab"][names[token_id]]
+        doc["model"]["vocab"][text] = token_id
+        doc["added_tokens"].append({"id": token_id, "content": text, "single_word": False,
+                                    "lstrip": False, "rstrip": False, "normalized": False,
+                                    "special": False})
+    (out_dir / "tokenizer.json").write_text(json.dumps(doc))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (base_dir / name).exists():
+            shutil.copy(base_dir / name, out_dir / name)
+    return out_dir

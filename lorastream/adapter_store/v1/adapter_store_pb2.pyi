@@ -205,6 +205,22 @@ class StreamAdapterTensorsRequest(_message.Message):
     skip_chunk_crc: bool
     def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., start_tensor: _Optional[int] = ..., start_offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., skip_chunk_crc: _Optional[bool] = ...) -> None: ...
 
+class ReadAdapterFileRequest(_message.Message):
+    __slots__ = ("name", "adapter_id", "file")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapter_id: str
+    file: str
+    def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[str] = ..., file: _Optional[str] = ...) -> None: ...
+
+class ReadAdapterFileResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class TensorChunk(_message.Message):
     __slots__ = ("tensor_index", "offset", "data", "crc32c")
     TENSOR_INDEX_FIELD_NUMBER: _ClassVar[int]

@@ -75,6 +75,11 @@ class AdapterStoreServiceStub:
                 request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsRequest.SerializeToString,
                 response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsResponse.FromString,
                 _registered_method=True)
+        self.ReadAdapterFile = channel.unary_stream(
+                '/lorastream.adapter_store.v1.AdapterStoreService/ReadAdapterFile',
+                request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ReadAdapterFileRequest.SerializeToString,
+                response_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ReadAdapterFileResponse.FromString,
+                _registered_method=True)
         self.ListAdapterVersions = channel.unary_unary(
                 '/lorastream.adapter_store.v1.AdapterStoreService/ListAdapterVersions',
                 request_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ListAdapterVersionsRequest.SerializeToString,
@@ -160,6 +165,14 @@ class AdapterStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadAdapterFile(self, request, context):
+        """One of the files the manifest lists besides the tensors (its tokenizer's), in chunks. Read
+        RPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListAdapterVersions(self, request, context):
         """A name's versions, newest first (every registration that changed its content, and
         rollbacks). Read RPC.
@@ -235,6 +248,11 @@ def add_AdapterStoreServiceServicer_to_server(servicer, server):
                     servicer.StreamAdapterTensors,
                     request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsRequest.FromString,
                     response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsResponse.SerializeToString,
+            ),
+            'ReadAdapterFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadAdapterFile,
+                    request_deserializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ReadAdapterFileRequest.FromString,
+                    response_serializer=lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ReadAdapterFileResponse.SerializeToString,
             ),
             'ListAdapterVersions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapterVersions,
@@ -474,6 +492,33 @@ class AdapterStoreService:
             '/lorastream.adapter_store.v1.AdapterStoreService/StreamAdapterTensors',
             lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsRequest.SerializeToString,
             lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.StreamAdapterTensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadAdapterFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lorastream.adapter_store.v1.AdapterStoreService/ReadAdapterFile',
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ReadAdapterFileRequest.SerializeToString,
+            lorastream_dot_adapter__store_dot_v1_dot_adapter__store__pb2.ReadAdapterFileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -290,18 +290,20 @@ class GetStatsResponse(_message.Message):
     def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., loading_adapters: _Optional[int] = ..., device_slots_total: _Optional[int] = ..., device_slots_used: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_budget: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., generated_tokens_total: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., base_model: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs")
+    __slots__ = ("prompt", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs", "model")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     add_generation_prompt: bool
     add_special_tokens: bool
     return_token_strs: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("tokens", "max_model_len", "token_strs")
@@ -314,10 +316,12 @@ class TokenizeResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "model")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    model: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("prompt",)

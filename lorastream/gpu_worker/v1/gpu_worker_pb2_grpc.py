@@ -124,7 +124,7 @@ class GpuWorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request, context):
-        """Text of token ids with the base model's tokenizer.
+        """Text of token ids with the named adapter's tokenizer (the base model's by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

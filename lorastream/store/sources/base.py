@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorastream.core.adapter_format import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
+from lorastream.core.adapter_tokenizer import tokenizer_files
 from lorastream.core.errors import InvalidAdapter
 from lorastream.store.digesting import StreamDigests
 
@@ -73,7 +74,8 @@ class AdapterSource(abc.ABC):
 
 
 def select_adapter_files(listing: dict[str, int], uri: str) -> tuple[RemoteFile, ...]:
-    """Pick the files lorastream needs from a source's listing (relative path -> size).
+    """Pick the files lorastream needs from a source's listing (relative path -> size): the
+    adapter's config and weights, and its tokenizer's files if it ships them.
 
     Refuses pickle-only checkpoints without ever fetching them, and names what is missing.
     """
@@ -88,4 +90,5 @@ def select_adapter_files(listing: dict[str, int], uri: str) -> tuple[RemoteFile,
         raise InvalidAdapter(f"{uri} has no {WEIGHTS_FILE}; expected a PEFT LoRA directory.")
     if CONFIG_FILE not in listing:
         raise InvalidAdapter(f"{uri} has no {CONFIG_FILE}; expected a PEFT LoRA directory.")
-    return tuple(RemoteFile(p, listing[p]) for p in (CONFIG_FILE, WEIGHTS_FILE))
+    names = (CONFIG_FILE, WEIGHTS_FILE, *tokenizer_files(list(listing)))
+    return tuple(RemoteFile(p, listing[p]) for p in names)

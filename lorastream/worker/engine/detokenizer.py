@@ -98,6 +98,11 @@ class IncrementalDetokenizer:
         self._flushed = False
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer it decodes with (an adapter's own, or the base model's)."""
+        return self._tokenizer
+
+    @property
     def text(self) -> str:
         """All text released so far."""
         return self._text

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -225,6 +225,16 @@ class Engine:
     def tokenize(self, prompt: PromptInput) -> list[int]:
         return self.intake.tokenize(prompt)
 
+    def _tokenizer_of(self, adapter_id: str) -> Tokenizer | None:
+        return cast(Tokenizer | None, self.adapters.tokenizer(adapter_id))
+
+    def tokenizer_for(self, model: str) -> Tokenizer:
+        """The tokenizer ``model``'s requests use: an adapter's own if it ships one, else the
+        base model's. Raises AdapterNotFound for a name no adapter has, as a request would."""
+        if self.is_base_model(model):
+            return self.tokenizer
+        return self._tokenizer_of(self.adapters.resolve(model)) or self.tokenizer
+
     def submit(
         self,
         model: str,
@@ -236,7 +246,7 @@ class Engine:
         seq = self.intake.sequence(
             prompt, params,
             lambda: None if self.is_base_model(model) else self.adapters.resolve(model),
-            request_id, self.adapters.invocation_tokens,
+            request_id, self.adapters.invocation_tokens, self._tokenizer_of,
         )
         with self._submit_lock:
             if self._stop.is_set():
@@ -332,8 +342,8 @@ class Engine:
         )
         for seq, count in inputs.fed:
             seq.num_computed += count
-        decode = self.tokenizer.decode
         for i, (seq, token) in enumerate(zip(drawn.sequences, drawn.tokens, strict=True)):
+            decode = seq.detokenizer.tokenizer.decode  # the adapter's own, or the base model's
             self._emit(seq, int(token), token_logprobs(int(token), drawn.logprobs.get(i), decode))
         self.adapters.observe_step(rows, time.perf_counter() - started)
         self.stats.steps += 1
@@ -344,7 +354,7 @@ class Engine:
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Choices 1 .. n-1 of a request whose prompt was just prefilled, now running."""
-        children = fork_choices(parent, self.kv, self.tokenizer)
+        children = fork_choices(parent, self.kv, parent.detokenizer.tokenizer)
         self.prefix.forked(parent, children)
         for child in children:
             if child.adapter_id is not None:

@@ -68,10 +68,11 @@ class RequestIntake:
         """A fresh matcher for the request's constraint (None without one)."""
         return None if params.structured is None else self.grammar.matcher(params.structured)
 
-    def tokenize(self, prompt: PromptInput) -> list[int]:
+    def tokenize(self, prompt: PromptInput, tokenizer: Tokenizer | None = None) -> list[int]:
         """Token ids of a prompt given as ids, chat messages (the model's chat template, with
-        the generation prompt) or plain text."""
-        tok = self.tokenizer
+        the generation prompt) or plain text, with ``tokenizer`` (an adapter's own; default the
+        base model's)."""
+        tok = tokenizer or self.tokenizer
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
             bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -92,15 +93,21 @@ class RequestIntake:
         self, prompt: PromptInput, params: SamplingParams,
         resolve_adapter: Callable[[], str | None], request_id: str | None = None,
         invocation_of: Callable[[str], tuple[int, ...]] | None = None,
+        tokenizer_of: Callable[[str], Tokenizer | None] | None = None,
     ) -> Sequence:
         """A validated sequence for the request; raises domain errors for bad input. The
-        adapter is resolved to its content id (which may ask the store) only once the cheap
-        checks passed. ``invocation_of``: an adapter's activated-LoRA invocation tokens (()
-        for a plain LoRA), which set where its delta starts (``activation.py``)."""
+        adapter is resolved to its content id (which may ask the store) only once the sampling
+        parameters passed. ``invocation_of``: an adapter's activated-LoRA invocation tokens (()
+        for a plain LoRA), which set where its delta starts (``activation.py``);
+        ``tokenizer_of``: an adapter's own tokenizer (None: the base model's), which encodes
+        the prompt and decodes the output."""
         if params.max_tokens == 0:  # unset on the wire: this worker's default
             params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         params.validate(self.vocab_size)
-        ids = self.tokenize(prompt)
+        adapter_id = resolve_adapter()
+        own = tokenizer_of(adapter_id) if adapter_id is not None and tokenizer_of else None
+        tokenizer = own or self.tokenizer
+        ids = self.tokenize(prompt, tokenizer)
         if len(ids) >= self.max_seq_len:
             raise InvalidArgument(
                 f"the prompt has {len(ids)} tokens; this worker's context is {self.max_seq_len} "
@@ -116,7 +123,6 @@ class RequestIntake:
                 "start the worker with a larger --kv-cache-bytes"
             )
         matcher = self.matcher(params)  # a bad constraint: 400, nothing queued
-        adapter_id = resolve_adapter()
         stream = RequestStream(request_id or uuid.uuid4().hex)
         seq = Sequence(
             request_id=stream.request_id,
@@ -124,7 +130,7 @@ class RequestIntake:
             params=params,
             adapter_id=adapter_id,
             stream=stream,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop),
+            detokenizer=IncrementalDetokenizer(tokenizer, ids, stop=params.stop),
             generator=make_generator(params.seed),
             max_len=max_len,
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids,

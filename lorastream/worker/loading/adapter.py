@@ -50,7 +50,7 @@ from lorastream.core.generation import AdapterStatus
 from lorastream.core.manifest import AdapterManifest
 from lorastream.worker.device.device import Event
 from lorastream.worker.loading.load_timeline import LoadTimeline
-from lorastream.worker.lora.vocab import TOKEN_IDS
+from lorastream.worker.lora.vocab import TOKEN_IDS, VocabBudget
 from lorastream.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -203,10 +203,11 @@ class AdapterWeights:
     nbytes: int
 
 
-def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) -> dict[str, str]:
-    """InvalidAdapter unless ``manifest`` fits the base model and the slot capacity; returns
-    the names of its fused expert modules (``experts`` -> ``experts.down_proj``, see
-    ``core/adapter_format.py``).
+def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int,
+               vocab_budget: VocabBudget | None = None) -> dict[str, str]:
+    """InvalidAdapter unless ``manifest`` fits the base model and the slot capacity (its rank,
+    and with ``vocab_budget`` its vocabulary modules' bytes); returns the names of its fused
+    expert modules (``experts`` -> ``experts.down_proj``, see ``core/adapter_format.py``).
 
     The adaptable modules and their sizes come from the base model's family (e.g. Phi-3 adapts
     the fused qkv_proj and gate_up_proj, not q_proj); a wrong target names the family and what
@@ -226,6 +227,13 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int) ->
     reason = vocab_misfit(manifest, config.vocab_size, config.hidden_size)
     if reason is not None:
         raise InvalidAdapter(f"{label} does not fit {base}: {reason}")
+    need = vocab_budget.need(manifest) if vocab_budget is not None else 0
+    if vocab_budget is not None and need > vocab_budget.nbytes:
+        raise InvalidAdapter(
+            f"{label}'s vocabulary modules (new token rows, embed_tokens / lm_head LoRA or saved "
+            f"modules) take {need} bytes on the device, above this worker's --lora-vocab-bytes "
+            f"{vocab_budget.nbytes}; start the worker with a larger --lora-vocab-bytes"
+        )
     for info in manifest.tensors:
         if parse_vocab_key(info.name) is not None:  # vocab_misfit's, above
             continue
@@ -285,13 +293,14 @@ def _check_dora_complete(manifest: AdapterManifest, label: str) -> None:
 
 
 def adapter_weights(
-    buffer: HostAdapterBuffer, config: ModelConfig, max_rank: int
+    buffer: HostAdapterBuffer, config: ModelConfig, max_rank: int,
+    vocab_budget: VocabBudget | None = None,
 ) -> AdapterWeights:
-    """Check the adapter in ``buffer`` and map it, in as few blocks as its layout allows, for
-    :meth:`LoraSlots.write`."""
+    """Check the adapter in ``buffer`` (:func:`check_fits`) and map it, in as few blocks as its
+    layout allows, for :meth:`LoraSlots.write`."""
     manifest = buffer.manifest
     assert manifest is not None, "the buffer holds no adapter"
-    names = check_fits(manifest, config, max_rank)
+    names = check_fits(manifest, config, max_rank, vocab_budget)
     blocks = tuple((layer, names.get(module, module), ab, block)
                    for module, ab, layer, block in buffer.groups())
     if manifest.token_indices:  # the ids of its new embedding rows travel as one more block

@@ -9,6 +9,13 @@ The rules of docs/design.md kept here:
    stream ``after`` that step's compute event (:meth:`DeviceTier.mark_read` records it);
 4. only an unpinned adapter at zero references is evicted from its slot (LRU).
 
+Two things limit what the slots hold: their count, and the device bytes of the adapters'
+vocabulary modules (``LoraSlots.vocab_budget``, ``lora/vocab.py``): a saved ``embed_tokens`` or
+``lm_head`` is a whole ``[V, H]`` matrix. An adapter with such parts takes a slot only when both
+have room, made by evicting idle adapters, least recently used first (those with vocabulary
+parts, for bytes). An adapter whose parts exceed the whole budget was refused before any of
+this (``check_fits``).
+
 The adapter manager calls every method here with its lock held.
 
 When to hold new prefills for a load about to land (docs/design.md, "Scheduling around loads").
@@ -172,27 +179,53 @@ class DeviceTier:
         """:meth:`_free_slot`, recorded as ``entry``'s (its copy not submitted yet), and the
         event of the last step that read it: the copy goes on the load stream after that (rule
         2). None when every slot holds an adapter in use or pinned."""
-        slot = self._free_slot(entries)
+        slot = self._free_slot(entries, self.slots.vocab_budget.need(entry.manifest))
         if slot is None:
             return None
         entry.take_slot(slot)
         self.slots.claim(slot, entry.adapter_id)
         return slot, self._slot_read[slot]
 
-    def _free_slot(self, entries: Iterable[AdapterEntry]) -> int | None:
-        """An empty slot, or the LRU slot of an idle unpinned adapter (evicted)."""
+    def vocab_used(self, entries: Iterable[AdapterEntry]) -> int:
+        """Device bytes the vocabulary modules of the adapters in slots take (or will, once
+        their copies ran)."""
+        return sum(self.slots.vocab_budget.need(e.manifest) for e in entries
+                   if e.slot is not None)
+
+    def _free_slot(self, entries: Iterable[AdapterEntry], need: int = 0) -> int | None:
+        """An empty slot, or the LRU slot of an idle unpinned adapter (evicted), once ``need``
+        bytes of vocabulary modules fit the budget (idle adapters with such parts evicted, LRU
+        first). None, evicting nothing, when the adapters in use or pinned leave no room."""
+        entries = list(entries)
+        budget = self.slots.vocab_budget
         occupants = {e.slot: e for e in entries if e.slot is not None}
+        idle = sorted(((s, e) for s, e in occupants.items() if e.refs == 0 and not e.pinned),
+                      key=lambda held: held[1].last_used)
+        if need:
+            sizes = {s: budget.need(e.manifest) for s, e in occupants.items()}
+            used = sum(sizes.values())
+            if used - sum(sizes[s] for s, _ in idle) + need > budget.nbytes:
+                return None
+            for slot, victim in [held for held in idle if sizes[held[0]]]:
+                if used + need <= budget.nbytes:
+                    break
+                self._evict_idle(slot, victim, "vocabulary bytes")
+                used -= sizes[slot]
+                del occupants[slot]
+                idle.remove((slot, victim))
         for slot in range(self.slots.num_slots):
             if slot not in occupants and slot not in self._held:
                 return slot
-        idle = [(s, e) for s, e in occupants.items() if e.refs == 0 and not e.pinned]
         if not idle:
             return None
-        slot, victim = min(idle, key=lambda held: held[1].last_used)
-        log.debug("evicting %s from slot %s", victim.name, slot)
+        slot, victim = idle[0]
+        self._evict_idle(slot, victim, "a slot")
+        return slot
+
+    def _evict_idle(self, slot: int, victim: AdapterEntry, why: str) -> None:
+        log.debug("evicting %s from slot %s for %s", victim.name, slot, why)
         self.metrics.evictions.labels("device").inc()
         self.evict(victim)
-        return slot
 
 
 WINDOW = 64  # steps remembered for the fit

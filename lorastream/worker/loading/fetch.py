@@ -86,6 +86,7 @@ from lorastream.worker.loading.landing import (
     host_nbytes,
     manifest_layers,
 )
+from lorastream.worker.lora.vocab import VocabBudget
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
 
@@ -101,11 +102,13 @@ class HostLoader:
         max_rank: int,
         metrics: WorkerMetrics,
         cost_model: AdmissionCostModel,
+        vocab_budget: VocabBudget | None = None,
     ) -> None:
         self.host = host
         self.fetcher = fetcher
         self.config = config
         self.max_rank = max_rank
+        self.vocab_budget = vocab_budget
         self.metrics = metrics
         self._cost_model = cost_model
         self._fetches = 0  # store fetches in flight (entries with ``fetching`` set)
@@ -144,7 +147,8 @@ class HostLoader:
         """Read and check the local PEFT directory ``path`` (blocking; without the lock)."""
         buffer = self.fetcher.read_local(name, path)
         assert buffer.manifest is not None
-        return adapter_weights(buffer, self.config, self.max_rank), buffer.manifest
+        weights = adapter_weights(buffer, self.config, self.max_rank, self.vocab_budget)
+        return weights, buffer.manifest
 
     def keep_local(self, entries: Iterable[AdapterEntry], entry: AdapterEntry,
                    weights: AdapterWeights) -> None:
@@ -182,7 +186,7 @@ class HostLoader:
             self._cost_model.observe_fetch(entry.manifest.total_bytes, elapsed)
             self.metrics.host_landing_seconds.observe(buffer.landing_seconds)
             assert buffer.manifest is not None
-            return adapter_weights(buffer, self.config, self.max_rank)
+            return adapter_weights(buffer, self.config, self.max_rank, self.vocab_budget)
         except LorastreamError:
             raise
         except Exception as err:

@@ -37,11 +37,13 @@ from lorastream.worker.loading.adapter import AdapterEntry, AdapterWeights, adap
 from lorastream.worker.loading.device_tier import DeviceTier
 from lorastream.worker.loading.host import HostAdapterBuffer, HostTier
 from lorastream.worker.lora.slots import SlotCopy
+from lorastream.worker.lora.vocab import VocabBudget
 from lorastream.worker.model.config import ModelConfig
 
 
 def landing_weights(entry: AdapterEntry, host: HostTier, device: Device, config: ModelConfig,
-                    max_rank: int) -> AdapterWeights | None:
+                    max_rank: int, vocab_budget: VocabBudget | None = None
+                    ) -> AdapterWeights | None:
     """``entry``'s tensors as views of its reserved host range, while its fetch lands them;
     None when it has no range of the arena (nothing to map before the fetch ends). Raises
     InvalidAdapter when the manifest does not fit the base model (rule 6 needs only the
@@ -51,7 +53,7 @@ def landing_weights(entry: AdapterEntry, host: HostTier, device: Device, config:
         return None
     buffer = HostAdapterBuffer(device, storage)
     buffer.adopt(entry.manifest, 0.0)  # the layout only: the bytes are the fetch's to land
-    return adapter_weights(buffer, config, max_rank)
+    return adapter_weights(buffer, config, max_rank, vocab_budget)
 
 
 class LayeredCopy(Event):

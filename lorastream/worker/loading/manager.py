@@ -57,6 +57,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from lorastream.core.errors import (
     AdapterNotFound,
@@ -80,6 +81,7 @@ from lorastream.worker.loading.fetch import AdapterFetcher, HostLoader
 from lorastream.worker.loading.host import HostTier
 from lorastream.worker.loading.layered import LayeredSlots, landing_weights
 from lorastream.worker.loading.names import AdapterRecords, NameResolver, StoreCatalogue
+from lorastream.worker.loading.tokenizers import AdapterTokenizers
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
@@ -123,9 +125,12 @@ class AdapterManager:
             initializer=loader_thread_init,
             initargs=(device.loader_priority,),
         )
-        self._resolver = NameResolver(self._records, fetcher, config, slots.max_rank)
+        self._tokenizers = AdapterTokenizers(fetcher.client)
+        self._resolver = NameResolver(self._records, fetcher, config, slots.max_rank,
+                                      slots.vocab_budget)
         self._loader = HostLoader(
-            self.host, fetcher, config, slots.max_rank, self.metrics, self._cost_model
+            self.host, fetcher, config, slots.max_rank, self.metrics, self._cost_model,
+            slots.vocab_budget,
         )
 
     def close(self) -> None:
@@ -152,6 +157,15 @@ class AdapterManager:
         plain LoRA. Called from request threads, after :meth:`resolve`."""
         with self._lock:
             return self._entry(adapter_id).manifest.alora_invocation_tokens
+
+    def tokenizer(self, adapter_id: str) -> PreTrainedTokenizerBase | None:
+        """The adapter's own tokenizer (``tokenizers.py``), None when it uses the base model's.
+        Called from request threads, after :meth:`resolve`: a first call loads it (without
+        the lock), later ones find it cached."""
+        with self._lock:
+            entry = self._entry(adapter_id)
+            manifest, local = entry.manifest, entry.local_path
+        return self._tokenizers.get(manifest, local)
 
     @property
     def catalogue(self) -> StoreCatalogue | None:
@@ -320,7 +334,7 @@ class AdapterManager:
             if entry.slot is None and entry.fetching and entry.layers_landed:
                 try:
                     weights = landing_weights(entry, self.host, self._device, self.config,
-                                              self.slots.max_rank)
+                                              self.slots.max_rank, self.slots.vocab_budget)
                 except InvalidAdapter as err:  # it does not fit this base model (rule 6)
                     self._fail(entry, err)
                     raise

@@ -75,6 +75,7 @@ from lorastream.worker.loading.adapter import (
     tier_usage,
 )
 from lorastream.worker.loading.fetch import AdapterFetcher
+from lorastream.worker.lora.vocab import VocabBudget
 from lorastream.worker.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -189,12 +190,13 @@ class NameResolver:
 
     def __init__(
         self, records: AdapterRecords, fetcher: AdapterFetcher, config: ModelConfig,
-        max_rank: int,
+        max_rank: int, vocab_budget: VocabBudget | None = None,
     ) -> None:
         self._records = records
         self._fetcher = fetcher
         self._config = config
         self._max_rank = max_rank
+        self._vocab_budget = vocab_budget
         client = fetcher.client
         self.catalogue = StoreCatalogue(client, self.forget) if client is not None else None
         if self.catalogue is not None:
@@ -264,7 +266,7 @@ class NameResolver:
     def _describe(self, ref: str, query: str) -> AdapterEntry:
         """Ask the store for ``query``'s manifest; the entry ``ref`` now maps to."""
         manifest = self._fetcher.describe(query)
-        check_fits(manifest, self._config, self._max_rank)
+        check_fits(manifest, self._config, self._max_rank, self._vocab_budget)
         return self._records.add(ref, manifest)
 
 

@@ -40,7 +40,8 @@ Bytes per slot: ``L_moe * E * R * (2 H + 2 I + I + H) * itemsize`` (:attr:`exper
 all slots), e.g. Qwen3-30B-A3B's shape
 (L 48, E 128, H 2048, I 768) at R 16 in bf16: 48 * 128 * 16 * 8448 * 2 = 1.66 GB.
 An adapter's vocabulary modules (new token rows, LoRA on embed_tokens / lm_head, saved whole
-modules) live beside the slot, in ``vocab[slot]``, sized by the adapter (``lora/vocab.py``).
+modules) live beside the slot, in ``vocab[slot]``, sized by the adapter (``lora/vocab.py``),
+within :attr:`LoraSlots.vocab_budget` for all slots together.
 
 The slot table is a plain list, slot -> adapter id or None (vLLM's ``lora_index_to_id``). Who
 may overwrite a slot, and when, is decided by the adapter manager; this class only stores.
@@ -56,11 +57,12 @@ from typing import Protocol
 import torch
 
 from lorastream.core.adapter_format import MAGNITUDE, VOCAB_MODULES, per_expert
-from lorastream.worker.lora.vocab import VocabParts, plan_parts
+from lorastream.worker.lora.vocab import VocabBudget, VocabParts, plan_parts
 from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
 PIECE_BYTES = 1 << 20  # the most one copy operation moves (or one layer, if larger)
+VOCAB_BYTES = 1 << 30  # default budget of the slots' vocabulary modules (--lora-vocab-bytes)
 
 
 @dataclass(frozen=True)
@@ -211,9 +213,12 @@ class LoraSlots:
         dtype: torch.dtype,
         device: torch.device,
         base: DoraBase | None = None,
+        vocab_bytes: int = VOCAB_BYTES,
     ) -> None:
-        """``base``: the model DoRA adapters are placed over (without it, a DoRA write fails)."""
+        """``base``: the model DoRA adapters are placed over (without it, a DoRA write fails);
+        ``vocab_bytes``: what the slots' vocabulary modules may take, all together."""
         self.num_slots = num_slots
+        self.vocab_budget = VocabBudget(vocab_bytes, torch.empty((), dtype=dtype).element_size())
         self.num_layers = config.num_layers
         self.max_rank = max_rank
         self.storage_rank = storage_rank = -(-max_rank // RANK_ALIGN) * RANK_ALIGN

@@ -16,7 +16,12 @@ rows, as in PEFT.
 
 Storage: one :class:`VocabParts` per slot whose adapter has any, allocated when its copy is
 planned and sized by the adapter's own tensors (not by the slot capacity): a plain-LoRA slot
-costs nothing here. A step with no such row does no work here (:func:`build_vocab_step` gives
+costs nothing here. The slots' vocabulary bytes have a budget of their own (``--lora-vocab-bytes``,
+:class:`VocabBudget`), since a saved module is a whole ``[V, H]`` matrix: at Qwen2.5-0.5B's
+V 151,936 and H 896 in bf16 one saved ``embed_tokens`` is 272 MB, a rank-16 LoRA of all its
+projections a few MB. The device tier evicts idle adapters by these bytes as it does by slots.
+
+A step with no such row does no work here (:func:`build_vocab_step` gives
 None); a step with some runs, per vocabulary slot in it, a few masked ops over the step's rows,
 so base-model and plain-LoRA rows keep their values exactly.
 """
@@ -29,7 +34,8 @@ from functools import partial
 
 import torch
 
-from lorastream.core.adapter_format import FULL, TOKENS, VOCAB_MODULES
+from lorastream.core.adapter_format import FULL, TOKENS, VOCAB_MODULES, parse_vocab_key
+from lorastream.core.manifest import AdapterManifest
 
 TOKEN_IDS = "I"  # the block kind that carries TrainableTokens' token ids ([1, k] int64)
 
@@ -56,6 +62,27 @@ class VocabParts:
         tensors = (self.token_ids, self.token_rows, self.embed_a, self.embed_b, self.head_a,
                    self.head_b, self.embed_full, self.head_full)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class VocabBudget:
+    """The device bytes the slots' vocabulary modules may take, all slots together, and the
+    bytes per element they are stored in (the slots' dtype)."""
+
+    nbytes: int
+    itemsize: int
+
+    def need(self, manifest: AdapterManifest) -> int:
+        """Bytes ``manifest``'s :class:`VocabParts` take on the device (0 for a plain LoRA): its
+        vocabulary tensors in the slots' dtype, and its token ids as int64."""
+        total = 0
+        for info in manifest.tensors:
+            if parse_vocab_key(info.name) is not None:
+                count = 1
+                for size in info.shape:
+                    count *= size
+                total += count * self.itemsize
+        return total + len(manifest.token_indices) * 8
 
 
 _FIELDS = {  # (module, kind) -> VocabParts field

@@ -125,7 +125,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         settings.kv_cache_bytes, dtype, torch_device,
     )
     slots = LoraSlots(config, settings.max_loras, settings.max_lora_rank, dtype, torch_device,
-                      base=model)
+                      base=model, vocab_bytes=settings.lora_vocab_bytes)
     fetcher = AdapterFetcher(
         device, settings.store, settings.store_token,
         make_fetch_process(settings, device, store_tls), store_tls,

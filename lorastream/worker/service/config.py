@@ -121,6 +121,14 @@ class WorkerSettings(StoreTLSSettings):
     )
     max_loras: int = Field(8, gt=0, description="Device adapter slots.")
     max_lora_rank: int = Field(64, gt=0, description="Largest adapter rank a slot holds.")
+    lora_vocab_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description="Device bytes for the adapters' vocabulary modules, all slots together "
+        "(new token rows, LoRA on embed_tokens / lm_head, saved embed_tokens / lm_head: a "
+        "whole vocabulary x hidden matrix each). Idle adapters are evicted by these bytes as "
+        "by slots; an adapter needing more than this is refused.",
+    )
     max_batch_size: int = Field(32, gt=0, description="Most sequences in one step.")
     max_num_tokens: int = Field(
         512, gt=0, description="Token budget of one step (prefill chunks + decode tokens)."

@@ -81,11 +81,14 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.ServicerContext
     ) -> pb.TokenizeResponse:
         tokenize = worker_codec.tokenize_request_from_pb(request)
-        return worker_codec.tokenized_to_pb(tokenization.tokenize(self._engine.intake, tokenize))
+        tokenizer = self._engine.tokenizer_for(tokenize.model)
+        return worker_codec.tokenized_to_pb(
+            tokenization.tokenize(self._engine.intake, tokenize, tokenizer))
 
     def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.ServicerContext
     ) -> pb.DetokenizeResponse:
         return pb.DetokenizeResponse(
-            prompt=tokenization.detokenize(self._engine.intake, list(request.tokens))
+            prompt=tokenization.detokenize(self._engine.intake, list(request.tokens),
+                                           self._engine.tokenizer_for(request.model))
         )

@@ -13,12 +13,14 @@ from typing import Any
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.tokenization import Tokenized, TokenizeInput
 from lorastream.worker.engine.chat_template import render_chat
+from lorastream.worker.engine.detokenizer import Tokenizer
 from lorastream.worker.engine.intake import RequestIntake
 
 
-def tokenize(intake: RequestIntake, request: TokenizeInput) -> Tokenized:
-    """Token ids of ``request.prompt`` (text or chat messages; may be empty)."""
-    tok: Any = intake.tokenizer
+def tokenize(intake: RequestIntake, request: TokenizeInput, tokenizer: Tokenizer) -> Tokenized:
+    """Token ids of ``request.prompt`` (text or chat messages; may be empty) with ``tokenizer``
+    (``request.model``'s: ``Engine.tokenizer_for``)."""
+    tok: Any = tokenizer
     prompt = request.prompt
     if prompt.token_ids is not None:
         raise InvalidArgument("prompt: give text or chat messages to tokenize, not token ids")
@@ -32,12 +34,13 @@ def tokenize(intake: RequestIntake, request: TokenizeInput) -> Tokenized:
     return Tokenized(tuple(ids), intake.max_seq_len, strs)
 
 
-def detokenize(intake: RequestIntake, tokens: list[int]) -> str:
-    """The text of ``tokens``, special tokens included (as vLLM's /detokenize)."""
+def detokenize(intake: RequestIntake, tokens: list[int], tokenizer: Tokenizer) -> str:
+    """The text of ``tokens`` with ``tokenizer``, special tokens included (as vLLM's
+    /detokenize)."""
     bad = [t for t in tokens if not 0 <= t < intake.vocab_size]
     if bad:
         raise InvalidArgument(
             f"tokens {bad[:5]} are outside the vocabulary 0..{intake.vocab_size - 1}"
         )
-    text: str = intake.tokenizer.decode(tokens)
+    text: str = tokenizer.decode(tokens)
     return text

@@ -1,0 +1,90 @@
+"""The tokenizers adapters ship with (``core/adapter_tokenizer.py``), loaded once per content id.
+
+An adapter whose manifest lists tokenizer files has its prompts encoded and its output decoded
+with its own tokenizer. The files come from the store (``ReadAdapterFile``, each checked against
+the manifest's sha256) or, for an adapter registered from a local directory, from that
+directory; the tokenizer is built from them in a temporary directory and kept in an LRU of
+``capacity`` tokenizers keyed by content id, so two names with the same files share one.
+
+Loading runs on the request thread that first needs it (after the adapter's name resolved,
+before its prompt is tokenized), never on the step loop; concurrent requests for the same
+content wait for one load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from lorastream.core.errors import InvalidAdapter, SourceUnavailable
+from lorastream.core.manifest import AdapterManifest
+from lorastream.core.store_client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+class AdapterTokenizers:
+    def __init__(self, client: StoreClient | None, capacity: int = 16) -> None:
+        self._client = client
+        self._capacity = capacity
+        self._cache: OrderedDict[str, PreTrainedTokenizerBase] = OrderedDict()
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}  # adapter id -> the lock of its one load
+
+    def get(self, manifest: AdapterManifest, local: Path | None
+            ) -> PreTrainedTokenizerBase | None:
+        """``manifest``'s own tokenizer, None when it ships none (it uses the base model's);
+        ``local``: its directory when registered from one. Raises InvalidAdapter when the files
+        do not match the manifest, SourceUnavailable when the store cannot send them."""
+        if not manifest.files:
+            return None
+        key = manifest.adapter_id
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+            load_lock = self._loading.setdefault(key, threading.Lock())
+        with load_lock:
+            with self._lock:
+                cached = self._cache.get(key)
+            if cached is None:
+                cached = self._load(manifest, local)
+                with self._lock:
+                    self._cache[key] = cached
+                    while len(self._cache) > self._capacity:
+                        self._cache.popitem(last=False)
+                    self._loading.pop(key, None)
+            return cached
+
+    def _load(self, manifest: AdapterManifest, local: Path | None) -> PreTrainedTokenizerBase:
+        label = f"adapter {manifest.name}"
+        if local is not None:
+            return _from_dir(local, label)
+        if self._client is None:
+            raise SourceUnavailable(f"{label}'s tokenizer is in the store, but this worker has "
+                                    "none (--store)")
+        with tempfile.TemporaryDirectory(prefix="adapter-tokenizer-") as tmp:
+            for info in manifest.files:
+                data = self._client.read_file(manifest.name, manifest.adapter_id, info.name)
+                if len(data) != info.nbytes or hashlib.sha256(data).hexdigest() != info.checksum:
+                    raise InvalidAdapter(f"{label}: {info.name} does not match its manifest "
+                                         "checksum (corrupted in transit or on the store's disk)")
+                (Path(tmp) / info.name).write_bytes(data)
+            tokenizer = _from_dir(Path(tmp), label)
+        log.info("loaded the tokenizer of %s (%d ids)", manifest.name, len(tokenizer))
+        return tokenizer
+
+
+def _from_dir(directory: Path, label: str) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as err:  # any parse failure is the adapter's
+        raise InvalidAdapter(f"{label}: its tokenizer does not load ({err})") from err
+    return tokenizer
