@@ -31,8 +31,11 @@ from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel, DecoderWeights, LayerWeights
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.service.bootstrap import make_backend
+from lorastream.worker.service.config import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+_TOKENIZER_CACHE = WorkerSettings.model_fields["adapter_tokenizer_cache"].default
 
 # config.json of each shape, as transformers saves it (the weights are what is made up).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -135,7 +138,8 @@ def random_engine(
                  device)
     slots = LoraSlots(config, max_loras, max_lora_rank, dtype, device)
     adapters = AdapterManager(config, slots, worker_device, AdapterFetcher(worker_device, None),
-                              host_cache_bytes, overlap=overlap)
+                              host_cache_bytes, overlap=overlap,
+                              tokenizers=_TOKENIZER_CACHE)
     log.info("random %s engine on %s (%s): KV %d tokens, %d slots of rank <= %d, overlap %s",
              config.name, device, str(dtype).removeprefix("torch."), kv.capacity_tokens,
              max_loras, max_lora_rank, "on" if overlap else "off")

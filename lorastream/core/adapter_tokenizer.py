@@ -2,7 +2,8 @@
 
 An adapter trained with new tokens (PEFT's TrainableTokens, a resized or saved embedding) is
 saved beside the tokenizer that knows them: ``tokenizer.json`` and its companions
-(:data:`TOKENIZER_FILES`). The store keeps these files with the adapter, in its content id, and
+(:data:`TOKENIZER_FILES`), and a ``generation_config.json`` whose ``eos_token_id`` names its stop
+ids (a new end-of-turn token). The store keeps these files with the adapter, in its content id, and
 lists them in the manifest (:class:`~lorastream.core.manifest.AdapterFile`, sha256 each); a
 worker encodes that adapter's prompts and decodes its output with it.
 
@@ -22,16 +23,20 @@ from pathlib import Path
 from lorastream.core.errors import InvalidAdapter
 
 TOKENIZER_JSON = "tokenizer.json"
-# The files of a fast tokenizer, in the order the content id hashes them (after the adapter's
-# config and weights); tokenizer.json is required when any is present.
+# Its stop ids (eos_token_id), which travel with the tokenizer: kept only beside one.
+GENERATION_CONFIG = "generation_config.json"
+# The files of a fast tokenizer and its generation config, in the order the content id hashes
+# them (after the adapter's config and weights); tokenizer.json is required when any is present.
 TOKENIZER_FILES = (TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja")
+                   "added_tokens.json", "chat_template.jinja", GENERATION_CONFIG)
 _HASH_CHUNK = 1 << 20
 
 
 def tokenizer_files(names: set[str] | list[str]) -> tuple[str, ...]:
-    """The tokenizer files among ``names``, in :data:`TOKENIZER_FILES` order."""
-    return tuple(n for n in TOKENIZER_FILES if n in names)
+    """The tokenizer files among ``names``, in :data:`TOKENIZER_FILES` order; a generation
+    config alone is none (an adapter saved beside one, without a tokenizer, stays as it was)."""
+    found = tuple(n for n in TOKENIZER_FILES if n in names)
+    return () if found == (GENERATION_CONFIG,) else found
 
 
 def file_sha256(path: Path) -> str:

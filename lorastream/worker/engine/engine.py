@@ -43,6 +43,7 @@ from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
 from lorastream.worker.engine.step_sampling import sample_step
 from lorastream.worker.engine.token_outcome import take_token
 from lorastream.worker.loading.manager import AdapterManager
+from lorastream.worker.loading.tokenizers import AdapterTokenizer
 from lorastream.worker.lora.backend import LoraBackend, LoraStep, staged_size
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import TierState
@@ -225,15 +226,16 @@ class Engine:
     def tokenize(self, prompt: PromptInput) -> list[int]:
         return self.intake.tokenize(prompt)
 
-    def _tokenizer_of(self, adapter_id: str) -> Tokenizer | None:
-        return cast(Tokenizer | None, self.adapters.tokenizer(adapter_id))
+    def _tokenizer_of(self, adapter_id: str) -> AdapterTokenizer | None:
+        return self.adapters.tokenizer(adapter_id)
 
     def tokenizer_for(self, model: str) -> Tokenizer:
         """The tokenizer ``model``'s requests use: an adapter's own if it ships one, else the
         base model's. Raises AdapterNotFound for a name no adapter has, as a request would."""
         if self.is_base_model(model):
             return self.tokenizer
-        return self._tokenizer_of(self.adapters.resolve(model)) or self.tokenizer
+        own = self._tokenizer_of(self.adapters.resolve(model))
+        return self.tokenizer if own is None else cast(Tokenizer, own.tokenizer)
 
     def submit(
         self,
@@ -338,7 +340,7 @@ class Engine:
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]
         self.adapters.mark_read(adapters, self.device.record_compute())  # rule 2
         drawn = sample_step(
-            self.sampler, logits, inputs.samplers, self._fork, lambda: self.intake.grammar
+            self.sampler, logits, inputs.samplers, self._fork, lambda: self.intake.masks
         )
         for seq, count in inputs.fed:
             seq.num_computed += count

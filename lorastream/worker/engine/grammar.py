@@ -2,9 +2,10 @@
 
 The grammar engine is llguidance (chosen over xgrammar on measured cost on this CPU and on what it
 pulls in; ``lorastream bench grammar`` runs both side by side and docs/gateway-api.md gives the
-figures). One :class:`GrammarCompiler` per engine turns a :class:`StructuredOutput` into a
-:class:`GrammarMatcher` per request; each step the engine asks the matchers of the constrained
-rows for their masks (:meth:`GrammarCompiler.mask_`), samples, and feeds each matcher its token
+figures). One :class:`GrammarCompiler` per tokenizer (the base model's, each adapter's own) turns
+a :class:`StructuredOutput` into a :class:`GrammarMatcher` per request; each step the engine asks
+the matchers of the constrained rows for their masks (one :class:`LogitMasks`, whichever tokenizer
+each matcher was compiled for), samples, and feeds each matcher its token
 (:meth:`GrammarMatcher.accept`). Free rows are not touched, so constrained and free requests, with
 different adapters, share one batch.
 
@@ -83,10 +84,12 @@ class _DecodedTokens:
     """What llguidance's TokenizerWrapper reads of a tokenizer, from each token decoded alone.
 
     For tokenizers whose decoder llguidance cannot read from tokenizer.json; exact when every
-    token decodes to whole characters (the tiny test models' character-level tokenizer).
+    token decodes to whole characters (the tiny test models' character-level tokenizer). Ids
+    past the logits (``n_vocab``; a pad token added after the last row) are left out: they can
+    never be sampled, and the masks stay ``n_vocab`` wide.
     """
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, n_vocab: int) -> None:
         self._tokenizer = hf_tokenizer
         self.eos_token_id = hf_tokenizer.eos_token_id
         self.bos_token_id = hf_tokenizer.bos_token_id
@@ -95,11 +98,53 @@ class _DecodedTokens:
         self.tokens = [
             (hf_tokenizer.convert_ids_to_tokens(i) if i in special
              else hf_tokenizer.decode([i])).encode()
-            for i in range(len(hf_tokenizer))
+            for i in range(min(len(hf_tokenizer), n_vocab))
         ]
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+class LogitMasks:
+    """Applies matchers' masks to a step's logits, in one host bitmask reused across steps.
+
+    Matchers compiled for different tokenizers (the base model's, adapters' own) share it: a
+    mask is a set of token ids of the model's ``vocab_size`` logits.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._bitmask = torch.empty(0, dtype=torch.int32)
+
+    @property
+    def words(self) -> int:
+        """int32 words of one row's bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def mask_(
+        self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]]
+    ) -> None:
+        """In place: logits [B, V] get -inf wherever row ``i``'s matcher forbids the token.
+
+        Semantics::
+
+            for (i, m) in rows: logits[i, v] = -inf  for every v that m does not allow next
+
+        Rows not named are left exactly as they are.
+        """
+        if not rows:
+            return
+        count, vocab = len(rows), logits.shape[1]
+        if self._bitmask.shape[0] < count:
+            self._bitmask = torch.empty(count, self.words, dtype=torch.int32)
+        bitmask = self._bitmask[:count]  # [R, W] host
+        for r, (_, matcher) in enumerate(rows):
+            matcher.fill(bitmask[r])
+        index = torch.tensor([i for i, _ in rows], dtype=torch.long)  # [R]
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)  # [R, V]
+        index = index.to(logits.device, non_blocking=True)
+        selected = logits.index_select(0, index)  # [R, V]
+        logits.index_copy_(0, index, selected.masked_fill_(~allowed, float("-inf")))
 
 
 class GrammarCompiler:
@@ -125,18 +170,18 @@ class GrammarCompiler:
         except ValueError as exc:  # a decoder llguidance does not know (e.g. a Fuse decoder)
             log.info("llguidance cannot read the tokenizer (%s); using its decoded tokens", exc)
             self._tokenizer = llguidance.LLTokenizer(
-                llguidance.TokenizerWrapper(_DecodedTokens(hf_tokenizer)),
+                llguidance.TokenizerWrapper(_DecodedTokens(hf_tokenizer, vocab_size)),
                 n_vocab=vocab_size, eos_token=eos,
             )
         self._cache: OrderedDict[tuple[StructuredKind, str], str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._bitmask = torch.empty(0, dtype=torch.int32)
+        self._masks = LogitMasks(vocab_size)
 
     @property
     def words(self) -> int:
         """int32 words of one row's bitmask."""
-        return (self.vocab_size + 31) // 32
+        return self._masks.words
 
     def matcher(self, output: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for ``output``; raises InvalidArgument naming its parameter."""
@@ -180,24 +225,5 @@ class GrammarCompiler:
     def mask_(
         self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]]
     ) -> None:
-        """In place: logits [B, V] get -inf wherever row ``i``'s matcher forbids the token.
-
-        Semantics::
-
-            for (i, m) in rows: logits[i, v] = -inf  for every v that m does not allow next
-
-        Rows not named are left exactly as they are.
-        """
-        if not rows:
-            return
-        count, vocab = len(rows), logits.shape[1]
-        if self._bitmask.shape[0] < count:
-            self._bitmask = torch.empty(count, self.words, dtype=torch.int32)
-        bitmask = self._bitmask[:count]  # [R, W] host
-        for r, (_, matcher) in enumerate(rows):
-            matcher.fill(bitmask[r])
-        index = torch.tensor([i for i, _ in rows], dtype=torch.long)  # [R]
-        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)  # [R, V]
-        index = index.to(logits.device, non_blocking=True)
-        selected = logits.index_select(0, index)  # [R, V]
-        logits.index_copy_(0, index, selected.masked_fill_(~allowed, float("-inf")))
+        """:meth:`LogitMasks.mask_` with this compiler's own buffer."""
+        self._masks.mask_(logits, rows)

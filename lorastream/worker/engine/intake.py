@@ -5,8 +5,14 @@ Checked here, before a request ever reaches the step loop: sampling parameters, 
 inside the vocabulary, a chat template for chat prompts, a non-empty prompt that fits the
 context, and a KV cache large enough for prompt + ``max_tokens``. A structured-output constraint
 is compiled here too (a bad schema, regex or grammar is refused, naming its parameter), by the
-worker's one :class:`~lorastream.worker.engine.grammar.GrammarCompiler`, built at the first
-constrained request (llguidance reads the whole vocabulary: 0.3 s for SmolLM2, 5 s for Gemma 3).
+:class:`~lorastream.worker.engine.grammar.GrammarCompiler` of the request's tokenizer: the base
+model's, built at the first constrained request (llguidance reads the whole vocabulary), or an
+adapter's own (``loading/tokenizers.py``), built at its first constrained request and kept as
+long as the worker keeps that tokenizer.
+
+An adapter with its own tokenizer also stops on its own end of sequence: its tokenizer's EOS,
+added to its ``generation_config.json``'s ``eos_token_id`` if it ships one, else to the base
+model's -- the base model's stop ids are derived the same way from its checkpoint.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import PromptInput
@@ -25,11 +32,12 @@ from lorastream.worker.engine.choices import new_group
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from lorastream.worker.engine.sampling import SamplingParams, make_generator
 from lorastream.worker.engine.sequence import RequestStream, Sequence
+from lorastream.worker.loading.tokenizers import AdapterTokenizer
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.kv_cache import BlockAllocator
 
 if TYPE_CHECKING:
-    from lorastream.worker.engine.grammar import GrammarCompiler, GrammarMatcher
+    from lorastream.worker.engine.grammar import GrammarCompiler, GrammarMatcher, LogitMasks
 
 
 class RequestIntake:
@@ -44,12 +52,13 @@ class RequestIntake:
         self.kv_blocks = kv_blocks
         self.default_max_tokens = default_max_tokens
         # End of sequence: the model's ids and the tokenizer's own, unless a request ignores EOS.
-        eos = set(config.eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if tok_eos is not None:
-            eos.add(int(tok_eos))
-        self.eos_ids = frozenset(eos)
+        self.model_eos_ids = tuple(config.eos_token_ids)
+        self.eos_ids = _stop_ids(self.model_eos_ids, getattr(tokenizer, "eos_token_id", None))
         self._grammar: GrammarCompiler | None = None
+        self._masks: LogitMasks | None = None
+        # An adapter tokenizer's compiler lives as long as the worker keeps that tokenizer.
+        self._adapter_grammars: weakref.WeakKeyDictionary[AdapterTokenizer, GrammarCompiler] = (
+            weakref.WeakKeyDictionary())
         self._grammar_lock = threading.Lock()
 
     @property
@@ -64,9 +73,45 @@ class RequestIntake:
                 )
             return self._grammar
 
-    def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher for the request's constraint (None without one)."""
-        return None if params.structured is None else self.grammar.matcher(params.structured)
+    @property
+    def masks(self) -> LogitMasks:
+        """The step loop's grammar masks, for matchers of any tokenizer (built on first use)."""
+        with self._grammar_lock:
+            if self._masks is None:
+                from lorastream.worker.engine.grammar import LogitMasks
+
+                self._masks = LogitMasks(self.vocab_size)
+            return self._masks
+
+    def eos_of(self, own: AdapterTokenizer | None) -> frozenset[int]:
+        """The stop ids of requests tokenized by ``own`` (an adapter's tokenizer; None: the
+        base model's): its generation config's (else the model's) and its tokenizer's EOS."""
+        if own is None:
+            return self.eos_ids
+        model = self.model_eos_ids if own.generation_eos is None else own.generation_eos
+        return _stop_ids(model, own.eos_token_id)
+
+    def grammar_for(self, own: AdapterTokenizer | None) -> GrammarCompiler:
+        """The grammar compiler of ``own``'s tokenizer (None: the base model's)."""
+        if own is None:
+            return self.grammar
+        with self._grammar_lock:
+            compiler = self._adapter_grammars.get(own)
+            if compiler is None:
+                from lorastream.worker.engine.grammar import GrammarCompiler
+
+                compiler = GrammarCompiler(own.tokenizer, self.vocab_size,
+                                           sorted(self.eos_of(own)))
+                self._adapter_grammars[own] = compiler
+            return compiler
+
+    def matcher(self, params: SamplingParams, own: AdapterTokenizer | None = None
+                ) -> GrammarMatcher | None:
+        """A fresh matcher for the request's constraint (None without one), compiled for
+        ``own`` (an adapter's tokenizer; None: the base model's)."""
+        if params.structured is None:
+            return None
+        return self.grammar_for(own).matcher(params.structured)
 
     def tokenize(self, prompt: PromptInput, tokenizer: Tokenizer | None = None) -> list[int]:
         """Token ids of a prompt given as ids, chat messages (the model's chat template, with
@@ -93,20 +138,20 @@ class RequestIntake:
         self, prompt: PromptInput, params: SamplingParams,
         resolve_adapter: Callable[[], str | None], request_id: str | None = None,
         invocation_of: Callable[[str], tuple[int, ...]] | None = None,
-        tokenizer_of: Callable[[str], Tokenizer | None] | None = None,
+        tokenizer_of: Callable[[str], AdapterTokenizer | None] | None = None,
     ) -> Sequence:
         """A validated sequence for the request; raises domain errors for bad input. The
         adapter is resolved to its content id (which may ask the store) only once the sampling
         parameters passed. ``invocation_of``: an adapter's activated-LoRA invocation tokens (()
         for a plain LoRA), which set where its delta starts (``activation.py``);
         ``tokenizer_of``: an adapter's own tokenizer (None: the base model's), which encodes
-        the prompt and decodes the output."""
+        the prompt, decodes the output, sets the stop ids and compiles the constraint."""
         if params.max_tokens == 0:  # unset on the wire: this worker's default
             params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         params.validate(self.vocab_size)
         adapter_id = resolve_adapter()
         own = tokenizer_of(adapter_id) if adapter_id is not None and tokenizer_of else None
-        tokenizer = own or self.tokenizer
+        tokenizer = cast(Tokenizer, own.tokenizer) if own is not None else self.tokenizer
         ids = self.tokenize(prompt, tokenizer)
         if len(ids) >= self.max_seq_len:
             raise InvalidArgument(
@@ -122,7 +167,7 @@ class RequestIntake:
                 f"n choices) but the whole cache has {self.kv_blocks}; lower max_tokens or n, or "
                 "start the worker with a larger --kv-cache-bytes"
             )
-        matcher = self.matcher(params)  # a bad constraint: 400, nothing queued
+        matcher = self.matcher(params, own)  # a bad constraint: 400, nothing queued
         stream = RequestStream(request_id or uuid.uuid4().hex)
         seq = Sequence(
             request_id=stream.request_id,
@@ -133,7 +178,7 @@ class RequestIntake:
             detokenizer=IncrementalDetokenizer(tokenizer, ids, stop=params.stop),
             generator=make_generator(params.seed),
             max_len=max_len,
-            eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
+            eos_ids=frozenset() if params.ignore_eos else self.eos_of(own),
             group=group,
             matcher=matcher,
         )
@@ -142,3 +187,7 @@ class RequestIntake:
         if group is not None:
             group.members.append(seq)
         return seq
+
+
+def _stop_ids(model: tuple[int, ...], tokenizer_eos: int | None) -> frozenset[int]:
+    return frozenset(model) | (frozenset() if tokenizer_eos is None else {int(tokenizer_eos)})

@@ -29,7 +29,7 @@ from lorastream.worker.engine.sampling import Sampler, SamplingRow
 from lorastream.worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from lorastream.worker.engine.grammar import GrammarCompiler
+    from lorastream.worker.engine.grammar import LogitMasks
 
 __all__ = ["StepTokens", "grammar_mask", "sample_step", "sampling_row"]
 
@@ -48,7 +48,7 @@ def sample_step(
     logits: torch.Tensor,
     samplers: list[Sequence],
     fork: Callable[[Sequence], list[Sequence]],
-    grammar: Callable[[], GrammarCompiler],
+    grammar: Callable[[], LogitMasks],
 ) -> StepTokens:
     """logits [n, V]: one row per sequence of ``samplers``. ``fork(parent)`` makes a request's
     other choices and runs them; ``grammar()`` is the worker's grammar compiler, asked for only
@@ -81,7 +81,7 @@ def sampling_row(seq: Sequence, logits: torch.Tensor) -> SamplingRow:
 
 
 def grammar_mask(
-    sequences: list[Sequence], grammar: Callable[[], GrammarCompiler]
+    sequences: list[Sequence], grammar: Callable[[], LogitMasks]
 ) -> Callable[[torch.Tensor], None] | None:
     """The grammar mask of the step's constrained rows (None when every row is free).
 

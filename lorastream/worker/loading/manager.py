@@ -57,7 +57,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from lorastream.core.errors import (
     AdapterNotFound,
@@ -81,7 +80,7 @@ from lorastream.worker.loading.fetch import AdapterFetcher, HostLoader
 from lorastream.worker.loading.host import HostTier
 from lorastream.worker.loading.layered import LayeredSlots, landing_weights
 from lorastream.worker.loading.names import AdapterRecords, NameResolver, StoreCatalogue
-from lorastream.worker.loading.tokenizers import AdapterTokenizers
+from lorastream.worker.loading.tokenizers import AdapterTokenizer, AdapterTokenizers
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
@@ -102,9 +101,12 @@ class AdapterManager:
         layered: bool = False,
         fetch_threads: int = 1,
         metrics: WorkerMetrics | None = None,
+        tokenizers: int,
     ) -> None:
         """``layered``: layer-ordered admission (``--layered-admission``; with ``overlap``
-        only): slots filled layer by layer for requests admitted while their adapter lands."""
+        only): slots filled layer by layer for requests admitted while their adapter lands.
+        ``tokenizers``: how many adapters' own tokenizers stay loaded
+        (``--adapter-tokenizer-cache``)."""
         self.config = config
         self.slots = slots
         self.fetcher = fetcher
@@ -125,7 +127,7 @@ class AdapterManager:
             initializer=loader_thread_init,
             initargs=(device.loader_priority,),
         )
-        self._tokenizers = AdapterTokenizers(fetcher.client)
+        self._tokenizers = AdapterTokenizers(fetcher.client, tokenizers)
         self._resolver = NameResolver(self._records, fetcher, config, slots.max_rank,
                                       slots.vocab_budget)
         self._loader = HostLoader(
@@ -158,8 +160,9 @@ class AdapterManager:
         with self._lock:
             return self._entry(adapter_id).manifest.alora_invocation_tokens
 
-    def tokenizer(self, adapter_id: str) -> PreTrainedTokenizerBase | None:
-        """The adapter's own tokenizer (``tokenizers.py``), None when it uses the base model's.
+    def tokenizer(self, adapter_id: str) -> AdapterTokenizer | None:
+        """The adapter's own tokenizer and stop ids (``tokenizers.py``), None when it uses the
+        base model's.
         Called from request threads, after :meth:`resolve`: a first call loads it (without
         the lock), later ones find it cached."""
         with self._lock:

@@ -135,6 +135,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         overlap=settings.lora_overlap_loading, layered=settings.layered_admission,
         fetch_threads=settings.fetch_threads,
         metrics=WorkerMetrics(picker_running=settings.picker_running),
+        tokenizers=settings.adapter_tokenizer_cache,
     )
     engine = Engine(
         model,

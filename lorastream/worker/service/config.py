@@ -129,6 +129,13 @@ class WorkerSettings(StoreTLSSettings):
         "whole vocabulary x hidden matrix each). Idle adapters are evicted by these bytes as "
         "by slots; an adapter needing more than this is refused.",
     )
+    adapter_tokenizer_cache: int = Field(
+        16,
+        gt=0,
+        description="Adapters' own tokenizers (shipped with their added tokens) kept loaded, "
+        "least recently used evicted; each keeps its grammar compiler for structured outputs. "
+        "An evicted one is fetched from the store and loaded again by its next request.",
+    )
     max_batch_size: int = Field(32, gt=0, description="Most sequences in one step.")
     max_num_tokens: int = Field(
         512, gt=0, description="Token budget of one step (prefill chunks + decode tokens)."

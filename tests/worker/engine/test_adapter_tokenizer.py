@@ -5,11 +5,17 @@ more ids than the base model's embedding rows is refused.
 A tiny Qwen2 (tied lm_head, so new embedding rows reach the logits) and an adapter trained by
 PEFT with TrainableTokens on id 200, shipped with a tokenizer that renames that reserved id to
 the added token ``<tool>``; its greedy tokens must be transformers + PEFT's on the prompt its
-tokenizer encodes, the new token among them, its text ``<tool>``.
+tokenizer encodes, the new token among them, its text ``<tool>``. The same adapter with
+``<tool>`` as its end of turn (its tokenizer's EOS, or its generation config's eos_token_id)
+stops there, as ``generate`` with those stop ids does; a structured output of its request is
+compiled for its tokenizer, where ``<tool>`` is one token.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +25,9 @@ import torch
 
 from lorastream.core.adapter_validation import content_id
 from lorastream.core.errors import InvalidAdapter, InvalidArgument
-from lorastream.core.generation import PromptInput
+from lorastream.core.generation import FinishReason, PromptInput
 from lorastream.core.store_client import StoreClient
+from lorastream.core.structured import StructuredKind, StructuredOutput
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server as create_store
 from lorastream.worker.engine.engine import Engine
@@ -42,17 +49,22 @@ class Case:
     reference: dict[tuple[str, int], list[int]]  # (model, text index) -> greedy tokens
 
 
-def _greedy(checkpoint: Path, adapter: Path | None, tokenizer_dir: Path) -> dict[int, list[int]]:
+def _greedy(checkpoint: Path, adapter: Path | None, tokenizer_dir: Path,
+            eos: list[int] | None = None) -> dict[int, list[int]]:
+    """Greedy tokens of transformers (+ PEFT) per text; ``eos``: the stop ids to generate with
+    (default the model's generation config's)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     model = reference_model(checkpoint, adapter)
+    stop = {} if eos is None else {"eos_token_id": eos}
     out = {}
     with torch.no_grad():
         for i, text in enumerate(TEXTS):
             ids = tokenizer(text).input_ids
             tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                    dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False)
+                                    dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    **stop)
             out[i] = tokens[0, len(ids):].tolist()
     return out
 
@@ -177,3 +189,95 @@ def _grow(base: Path, out: Path, tokens: dict[int, str]) -> None:
                                     "lstrip": False, "rstrip": False, "normalized": False,
                                     "special": False})
     (out / "tokenizer.json").write_text(json.dumps(doc))
+
+
+def _end_of_turn_adapter(case: Case, out: Path, how: str) -> Path:
+    """``case.adapter`` with ``<tool>`` as its end of turn: its tokenizer's EOS ("tokenizer"),
+    or its generation config's eos_token_id ("generation-config")."""
+    shutil.copytree(case.adapter, out)
+    if how == "tokenizer":
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (out / name).exists():
+                doc = json.loads((out / name).read_text())
+                doc["eos_token"] = "<tool>"
+                (out / name).write_text(json.dumps(doc))
+    else:
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [NEW]}))
+    return out
+
+
+def _model_eos(checkpoint: Path) -> list[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(str(checkpoint)).eos_token_id
+    except OSError:  # no generation_config.json: config.json's
+        eos = json.loads((checkpoint / "config.json").read_text()).get("eos_token_id")
+    return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+
+
+@pytest.mark.parametrize("how", ["tokenizer", "generation-config"])
+def test_an_adapter_stops_on_its_own_end_of_turn_token(
+    case: Case, store: str, tmp_path: Path, how: str
+) -> None:
+    """The adapter's requests stop on ``<tool>`` as transformers' generate does with its stop
+    ids: its generation config's (else the base model's) and its tokenizer's EOS; the base
+    model's requests in the same batch do not."""
+    from transformers import AutoTokenizer
+
+    adapter = _end_of_turn_adapter(case, tmp_path / "eot", how)
+    own = AutoTokenizer.from_pretrained(str(adapter))
+    model_eos = [NEW] if how == "generation-config" else _model_eos(case.checkpoint)
+    eos = sorted({*model_eos, int(own.eos_token_id)})
+    assert NEW in eos
+    reference = _greedy(case.checkpoint, adapter, adapter, eos=eos)
+    stopped = [i for i, t in reference.items() if t[-1] == NEW]
+    assert stopped and all(len(reference[i]) < NEW_TOKENS for i in stopped)
+    _preload(store, adapter, "eot")
+    engine = _engine(case, store, tmp_path, True)
+    try:
+        streams = {(model, i): engine.submit(model, PromptInput(text=text),
+                                             SamplingParams(max_tokens=NEW_TOKENS))
+                   for model in ("eot", BASE) for i, text in enumerate(TEXTS)}
+        engine.start()
+        for (model, i), stream in streams.items():
+            events = list(stream)
+            tokens = [t for e in events for t in e.token_ids]
+            want = reference[i] if model == "eot" else case.reference[(BASE, i)]
+            assert tokens == want, (model, i)
+            if model == "eot" and i in stopped:
+                assert events[-1].finish_reason is FinishReason.STOP
+    finally:
+        engine.stop()
+
+
+def test_a_structured_output_is_compiled_for_the_adapter_tokenizer(
+    case: Case, store: str, tmp_path: Path
+) -> None:
+    """A regex that starts with ``<tool>``: for the adapter, its one token (id 200) may open
+    the output; for the base model, whose id 200 is another text, it may not. The adapter's
+    constrained request ends with text that matches the regex."""
+    _preload(store, case.adapter, "tool")
+    engine = _engine(case, store, tmp_path, True)
+    regex = StructuredOutput(StructuredKind.REGEX, "<tool>[a-z]{1,3}", "regex")
+    params = SamplingParams(max_tokens=NEW_TOKENS, structured=regex)
+    try:
+        own = engine.adapters.tokenizer(engine.adapters.resolve("tool"))
+        assert own is not None
+        first = {}
+        for label, tokenizer in (("tool", own), (BASE, None)):
+            matcher = engine.intake.matcher(params, tokenizer)
+            assert matcher is not None
+            row = torch.zeros(engine.intake.masks.words, dtype=torch.int32)  # [W]
+            matcher.fill(row)
+            first[label] = bool((int(row[NEW // 32]) >> (NEW % 32)) & 1)
+        assert first == {"tool": True, BASE: False}
+        assert engine.intake.grammar_for(own) is engine.intake.grammar_for(own)  # compiled once
+        stream = engine.submit("tool", PromptInput(text=TEXTS[0]), params)
+        engine.start()
+        events = list(stream)
+        text = "".join(e.text for e in events)
+        assert re.fullmatch(r"<tool>[a-z]{1,3}", text), text
+        assert events[-1].finish_reason is FinishReason.STOP
+    finally:
+        engine.stop()
