@@ -76,8 +76,9 @@ def preload(
 @connection_options
 def push(
     directory: Path = typer.Argument(
-        ..., help="A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors) on "
-        "this machine; its files are sent to the store."
+        ..., help="A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors, and "
+        "its tokenizer's files if it ships one) on this machine; its files are sent to the "
+        "store."
     ),
     name: str = typer.Option(..., "--name", help="Name requests will use for this adapter."),
     pin: bool = typer.Option(False, "--pin", help="Never evict it from the store's cache."),

@@ -26,12 +26,14 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save
 
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_tokenizer import tokenizer_files
 from lorastream.core.manifest import AdapterManifest
 from lorastream.core.store_client import StoreClient
 from lorastream.core.tls import ClientTLS
@@ -88,6 +90,7 @@ def push_state_dict(
     force: bool = False,
     token: str | None = None,
     tls: ClientTLS | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> AdapterManifest:
     """Stage ``state_dict`` + ``lora_config`` in the store as ``name`` and return its manifest.
 
@@ -96,11 +99,16 @@ def push_state_dict(
     what is wrong) and stages it under ``push://<name>``; pushing new weights under the same name
     replaces them (workers key by content id, so none serves the old weights afterwards); a name
     staged from another source needs ``force``. The serialised adapter is held in memory once.
+    ``tokenizer_dir``: where ``tokenizer.save_pretrained`` wrote the adapter's own tokenizer (one
+    with added tokens); its files are pushed with the adapter, in its content id.
     """
-    files = [
+    files: list[tuple[str, bytes | Path]] = [
         (CONFIG_FILE, adapter_config_bytes(lora_config)),
         (WEIGHTS_FILE, adapter_weights_bytes(state_dict)),
     ]
+    if tokenizer_dir is not None:
+        present = [p.name for p in tokenizer_dir.iterdir() if p.is_file()]
+        files += [(name, tokenizer_dir / name) for name in tokenizer_files(present)]
     if isinstance(store, StoreClient):
         return store.push(files, name, pin=pin, force=force)
     with StoreClient(store, token, tls=tls) as client:

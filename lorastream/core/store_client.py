@@ -173,7 +173,8 @@ class StoreClient:
         force: bool = False,
         on_sent: SentCallback | None = None,
     ) -> AdapterManifest:
-        """Upload a PEFT LoRA directory (or its two files, as paths or bytes) as ``name``.
+        """Upload a PEFT LoRA directory (or its files, as paths or bytes: config, weights and
+        its tokenizer's if it ships one) as ``name``.
 
         The store validates and stages it like a preload from ``push://<name>``; the files are
         sent in chunks of at most 1 MiB (read from disk as they go), ``on_sent(done, total)``

@@ -2,7 +2,8 @@
 
 The client (``StoreClient.push``) turns a PEFT directory, or files held in memory, into
 :func:`upload_items`; the codec carries them as ``UploadAdapterRequest`` messages; the store reads
-them back as a source like any other (``lorastream.store.sources.upload``). One example, an
+them back as a source like any other (``lorastream.store.sources.upload``). An upload carries the
+adapter's config and weights, and its tokenizer's files when it ships one. One example, an
 adapter of a 700-byte config and 2.5 MiB of weights, in 1 MiB chunks::
 
     UploadHeader(name, pin, force,
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorastream.core.adapter_format import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
+from lorastream.core.adapter_tokenizer import tokenizer_files
 from lorastream.core.checksum import crc32c
 from lorastream.core.errors import InvalidAdapter
 
@@ -72,7 +74,8 @@ FileContent = Path | bytes | bytearray | memoryview
 
 
 def directory_files(directory: Path) -> list[tuple[str, FileContent]]:
-    """The two files of a PEFT LoRA directory to upload; InvalidAdapter naming what is missing."""
+    """The files of a PEFT LoRA directory to upload: its config and weights, and its tokenizer's
+    if it ships one (``core/adapter_tokenizer.py``); InvalidAdapter naming what is missing."""
     if not directory.is_dir():
         raise InvalidAdapter(f"{directory} is not a directory; point at a PEFT LoRA directory")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -86,7 +89,9 @@ def directory_files(directory: Path) -> list[tuple[str, FileContent]]:
             raise InvalidAdapter(
                 f"{directory} has no {name}; expected a PEFT LoRA directory{hint}"
             )
-    return [(name, directory / name) for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    present = [p.name for p in directory.iterdir() if p.is_file()]
+    return [(name, directory / name)
+            for name in (CONFIG_FILE, WEIGHTS_FILE, *tokenizer_files(present))]
 
 
 def _size(content: FileContent) -> int:

@@ -30,13 +30,19 @@ from lorastream.core.adapter_validation import content_id
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.grpc_status import raise_from_rpc_error
 from lorastream.core.manifest import AdapterManifest
-from lorastream.core.push import push_state_dict
+from lorastream.core.push import adapter_config_bytes, push_state_dict
 from lorastream.core.store_client import StoreClient
 from lorastream.core.upload import UploadChunk, UploadFile, UploadHeader, UploadItem, upload_items
 from lorastream.core.worker_client import WorkerClient
 from lorastream.store.config import StoreSettings
 from lorastream.store.server import create_server
-from tests.support.models import ALL_LINEAR, ATTENTION, make_peft_adapter, make_tiny_checkpoint
+from tests.support.models import (
+    ALL_LINEAR,
+    ATTENTION,
+    make_peft_adapter,
+    make_tiny_checkpoint,
+    save_adapter_tokenizer,
+)
 from tests.worker.conftest import NEW_TOKENS, PROMPTS, peft_model, reference_greedy
 
 OPERATE, READ = "push-operate-token", "push-read-token"
@@ -194,6 +200,43 @@ def test_a_state_dict_push_has_the_content_id_of_save_pretrained_then_preload(
     assert store.staged_ids() == [pushed.adapter_id] and store.leftovers() == []
 
 
+@pytest.mark.parametrize("route", ["cli", "client", "state-dict"])
+def test_a_pushed_adapter_carries_its_tokenizer_in_its_content_id(
+    start_store: Callable[..., Store], checkpoint: Path, adapter_dir: Path, tmp_path: Path,
+    route: str
+) -> None:
+    """An adapter saved beside its own tokenizer (an added token on a reserved id), pushed by
+    the CLI, the client or from memory: staged with its tokenizer files, verified as a preload
+    is, with the content id of the same directory preloaded."""
+    directory = tmp_path / "with-tokenizer"
+    directory.mkdir()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (directory / name).write_bytes((adapter_dir / name).read_bytes())
+    save_adapter_tokenizer(checkpoint, directory, {200: "<tool>"})
+    store = start_store()
+    with StoreClient(store.target) as client:
+        if route == "cli":
+            result = CliRunner().invoke(app, ["adapters", "push", str(directory), "--name",
+                                              "tool", "--store", store.target])
+            assert result.exit_code == 0, result.output
+            pushed = client.describe("tool")
+        elif route == "client":
+            pushed = client.push(directory, "tool")
+        else:  # the config as push_state_dict serialises it, so that the directory matches
+            config = json.loads((directory / CONFIG_FILE).read_text())
+            (directory / CONFIG_FILE).write_bytes(adapter_config_bytes(config))
+            pushed = push_state_dict(client, "tool", load_file(str(directory / WEIGHTS_FILE)),
+                                     config, tokenizer_dir=directory)
+        preloaded = _preload(client, directory, "tool-preloaded")
+        names = [f.name for f in pushed.files]
+        read = {n: client.read_file("tool", pushed.adapter_id, n) for n in names}
+    assert names == ["tokenizer.json", "tokenizer_config.json"]
+    assert read == {n: (directory / n).read_bytes() for n in names}
+    assert pushed.adapter_id == preloaded.adapter_id == content_id(directory)
+    assert pushed.files == preloaded.files and pushed.tokenizer_vocab == 256
+    assert store.staged_ids() == [pushed.adapter_id] and store.leftovers() == []
+
+
 def test_the_same_bytes_pushed_again_keep_one_copy_and_new_weights_replace_the_old(
     start_store: Callable[..., Store], adapter_dir: Path
 ) -> None:
@@ -288,6 +331,12 @@ REFUSALS: dict[str, tuple[Items, type[errors.LorastreamError], str]] = {
                         errors.InvalidArgument, "has no adapter_model.safetensors"),
     "a-path-outside": (lambda d: list(upload_items("victim", [*_files(d), ("../x", b"x")])),
                        errors.InvalidArgument, "holds only"),
+    "tokenizer-without-tokenizer-json": (
+        lambda d: list(upload_items("victim", [*_files(d), ("tokenizer_config.json", b"{}")])),
+        errors.InvalidArgument, "without tokenizer.json"),
+    "tokenizer-does-not-load": (
+        lambda d: list(upload_items("victim", [*_files(d), ("tokenizer.json", b"{not json")])),
+        errors.InvalidArgument, "its tokenizer does not load"),
     "no-header": (lambda d: _items(d)[1:], errors.InvalidArgument, "begin with its header"),
     "stream-ends-early": (lambda d: _items(d)[:-2], errors.InvalidArgument, "ended after"),
     "chunks-out-of-order": (lambda d: [*_items(d)[:2], *_items(d)[3:4], *_items(d)[2:3],

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_tokenizer import TOKENIZER_FILES
 from lorastream.core.checksum import crc32c
 from lorastream.core.errors import CapacityExhausted, InvalidAdapter, InvalidArgument
 from lorastream.core.upload import UploadChunk, UploadHeader
@@ -29,7 +30,7 @@ from lorastream.store.sources.base import (
 
 log = logging.getLogger(__name__)
 
-_UPLOAD_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+_UPLOAD_FILES = (CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES)
 
 
 class UploadSource(AdapterSource):
@@ -45,12 +46,14 @@ class UploadSource(AdapterSource):
         self._max_bytes = max_upload_bytes
 
     def resolve(self, uri: str) -> ResolvedSource:
-        """Check the header: the two PEFT files, once each, sizes within ``max_upload_bytes``."""
+        """Check the header: the two PEFT files and the adapter's tokenizer's, once each, sizes
+        within ``max_upload_bytes``."""
         paths = [f.path for f in self._header.files]
         unknown = sorted(set(paths) - set(_UPLOAD_FILES))
         if unknown:
             raise InvalidArgument(
-                f"{uri}: an upload holds only {CONFIG_FILE} and {WEIGHTS_FILE}; got "
+                f"{uri}: an upload holds only {CONFIG_FILE}, {WEIGHTS_FILE} and the adapter's "
+                f"tokenizer files ({', '.join(TOKENIZER_FILES)}); got "
                 f"{', '.join(repr(p) for p in unknown)}"
             )
         if len(set(paths)) != len(paths):
