@@ -6,6 +6,7 @@ keep the tests away from the machine's ~/.aws and ~/.cache/huggingface.
 
 from __future__ import annotations
 
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from tests.support.models import (
     MLP,
     make_peft_adapter,
     make_tiny_llama,
+    save_adapter_tokenizer,
+    save_tiny_tokenizer,
 )
 from tests.support.s3_server import DUMMY_CREDENTIALS, MotoS3Server
 
@@ -80,14 +83,21 @@ def hub_server() -> Iterator[HubServer]:
 
 @pytest.fixture(scope="session")
 def peft_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Real PEFT adapters on a tiny random Llama ("r4", "r8"), and a 6 MiB synthetic one."""
+    """Real PEFT adapters on a tiny random Llama ("r4", "r8"), a 6 MiB synthetic one, and
+    "tokenizer": r4 saved beside its own tokenizer (reserved id 200 renamed to the added token
+    <tool>, its end of turn in a generation config)."""
     root = tmp_path_factory.mktemp("source-adapters")
     base = make_tiny_llama(root / "base")
-    return {
+    dirs = {
         "r4": make_peft_adapter(base, root / "r4", rank=4, targets=["q_proj", "v_proj"]),
         "r8": make_peft_adapter(base, root / "r8", rank=8, seed=2),
         "six-mib": make_synthetic_adapter(root / "six-mib", SIX_MIB_SHAPE, rank=64),
     }
+    tokenizer = root / "tokenizer"
+    shutil.copytree(dirs["r4"], tokenizer)
+    save_adapter_tokenizer(save_tiny_tokenizer(root / "base-tokenizer"), tokenizer, {200: "<tool>"})
+    (tokenizer / "generation_config.json").write_text('{"eos_token_id": [2, 200]}')
+    return {**dirs, "tokenizer": tokenizer}
 
 
 # -- the store core tests: real PEFT adapters, stores on local files ------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_validation import content_id
 from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
@@ -195,6 +196,29 @@ def test_a_preload_through_the_store_stages_the_adapter_at_the_sha(
     manifest = store.preload(f"hf://{repo}", "r8")
 
     assert manifest.revision == sha and manifest.rank == 8
+
+
+def test_a_preload_brings_the_adapter_tokenizer_files_into_its_content_id(
+    hub_server: HubServer, peft_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter repo with its tokenizer (and a generation config naming its end of turn):
+    those files are staged with it, hashed into its content id, and nothing else of the repo."""
+    directory = peft_dirs["tokenizer"]
+    repo = repo_name()
+    files = {p.name: p.read_bytes() for p in directory.iterdir()}
+    hub_server.publish(repo, {**files, "README.md": b"# card"})
+    store = AdapterStore(
+        tmp_path / "cache", 1 << 30, SourceRegistry([HubSource(endpoint=hub_server.url)])
+    )
+
+    manifest = store.preload(f"hf://{repo}", "tool")
+
+    names = [f.name for f in manifest.files]
+    assert names == ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    assert manifest.adapter_id == content_id(directory) != content_id(peft_dirs["r4"])
+    staged = tmp_path / "cache" / "adapters" / manifest.adapter_id
+    assert all((staged / n).read_bytes() == (directory / n).read_bytes() for n in names)
+    assert not (staged / "README.md").exists()
 
 
 # -- bad inputs ------------------------------------------------------------------------------

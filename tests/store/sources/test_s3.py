@@ -13,6 +13,7 @@ import boto3
 import pytest
 
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_validation import content_id
 from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
@@ -189,6 +190,27 @@ def test_a_preload_through_the_store_stages_the_adapter_with_its_etag(
 
     assert manifest.revision == etags[WEIGHTS_FILE]
     assert manifest.rank == 64 and len(manifest.tensors) == 6 * 7 * 2
+
+
+def test_a_preload_brings_the_adapter_tokenizer_files_into_its_content_id(
+    moto_s3: MotoS3Server, bucket: str, peft_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter saved beside its tokenizer (and a generation config naming its end of turn):
+    those files are staged with it, hashed into its content id, and nothing else of the prefix."""
+    directory = peft_dirs["tokenizer"]
+    upload_dir(moto_s3.client(), directory, bucket, "tool")
+    moto_s3.client().put_object(Bucket=bucket, Key="tool/README.md", Body=b"# card")
+    sources = SourceRegistry([S3Source(endpoint_url=moto_s3.endpoint_url)])
+    store = AdapterStore(tmp_path / "cache", 1 << 30, sources)
+
+    manifest = store.preload(f"s3://{bucket}/tool", "tool")
+
+    names = [f.name for f in manifest.files]
+    assert names == ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    assert manifest.adapter_id == content_id(directory) != content_id(peft_dirs["r4"])
+    staged = tmp_path / "cache" / "adapters" / manifest.adapter_id
+    assert all((staged / n).read_bytes() == (directory / n).read_bytes() for n in names)
+    assert not (staged / "README.md").exists()
 
 
 # -- bad inputs ------------------------------------------------------------------------------
