@@ -59,7 +59,8 @@ class RequestIntake:
         # An adapter tokenizer's compiler lives as long as the worker keeps that tokenizer.
         self._adapter_grammars: weakref.WeakKeyDictionary[AdapterTokenizer, GrammarCompiler] = (
             weakref.WeakKeyDictionary())
-        self._grammar_lock = threading.Lock()
+        self._grammar_lock = threading.Lock()  # held while a compiler is built (seconds)
+        self._masks_lock = threading.Lock()  # the step loop's: never waits on a compile
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -76,7 +77,7 @@ class RequestIntake:
     @property
     def masks(self) -> LogitMasks:
         """The step loop's grammar masks, for matchers of any tokenizer (built on first use)."""
-        with self._grammar_lock:
+        with self._masks_lock:
             if self._masks is None:
                 from lorastream.worker.engine.grammar import LogitMasks
 

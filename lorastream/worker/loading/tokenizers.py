@@ -36,9 +36,10 @@ from lorastream.core.store_client import StoreClient
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AdapterTokenizer:
-    """An adapter's own tokenizer and what it says about stopping."""
+    """An adapter's own tokenizer and what it says about stopping (compared by identity: one
+    per loaded content id)."""
 
     tokenizer: PreTrainedTokenizerBase
     # generation_config.json's eos_token_id when the adapter ships one (it replaces the base
