@@ -101,8 +101,8 @@ class RequestIntake:
             if compiler is None:
                 from lorastream.worker.engine.grammar import GrammarCompiler
 
-                compiler = GrammarCompiler(own.tokenizer, self.vocab_size,
-                                           sorted(self.eos_of(own)))
+                eos = sorted(i for i in self.eos_of(own) if i < self.vocab_size)  # sampled ones
+                compiler = GrammarCompiler(own.tokenizer, self.vocab_size, eos)
                 self._adapter_grammars[own] = compiler
             return compiler
 
