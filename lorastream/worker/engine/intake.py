@@ -92,11 +92,14 @@ class RequestIntake:
         self, prompt: PromptInput, params: SamplingParams,
         resolve_adapter: Callable[[], str | None], request_id: str | None = None,
         invocation_of: Callable[[str], tuple[int, ...]] | None = None,
+        resolve_mix: Callable[[], tuple[tuple[str, float], ...]] | None = None,
     ) -> Sequence:
         """A validated sequence for the request; raises domain errors for bad input. The
         adapter is resolved to its content id (which may ask the store) only once the cheap
         checks passed. ``invocation_of``: an adapter's activated-LoRA invocation tokens (()
-        for a plain LoRA), which set where its delta starts (``activation.py``)."""
+        for a plain LoRA), which set where its delta starts (``activation.py``).
+        ``resolve_mix``: for a weighted mix, its components' content ids and weights (then
+        ``resolve_adapter`` is not called)."""
         if params.max_tokens == 0:  # unset on the wire: this worker's default
             params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         params.validate(self.vocab_size)
@@ -116,7 +119,8 @@ class RequestIntake:
                 "start the worker with a larger --kv-cache-bytes"
             )
         matcher = self.matcher(params)  # a bad constraint: 400, nothing queued
-        adapter_id = resolve_adapter()
+        mix = resolve_mix() if resolve_mix is not None else ()
+        adapter_id = None if resolve_mix is not None else resolve_adapter()
         stream = RequestStream(request_id or uuid.uuid4().hex)
         seq = Sequence(
             request_id=stream.request_id,
@@ -130,6 +134,7 @@ class RequestIntake:
             eos_ids=frozenset() if params.ignore_eos else self.eos_ids,
             group=group,
             matcher=matcher,
+            mix=mix,
         )
         if adapter_id is not None and invocation_of is not None:
             seq.lora_from = activation_start(ids, invocation_of(adapter_id))

@@ -4,11 +4,11 @@ Adapters are keyed by content id (docs/design.md, "Identity"); names map to ids.
 every adapter's state. The rest of the worker holds only adapter ids (a name is resolved to its id
 once, when the request arrives, as in SGLang's lora registry) and asks through these calls:
 
-- request threads: :meth:`resolve` a name, :meth:`acquire` a reference for a queued request
-  (with overlap, its fetch starts there), which the engine gives back (:meth:`release`) when
-  the request ends;
-- the scheduler: :meth:`place` (admission), :meth:`prefetch`, :meth:`hold_for_loads`,
-  :meth:`ready`;
+- request threads: :meth:`resolve` a name (:meth:`resolve_mix` a weighted mix's),
+  :meth:`acquire` a reference for a queued request (with overlap, its fetch starts there),
+  which the engine gives back (:meth:`release`) when the request ends;
+- the scheduler: :meth:`place` (admission; :meth:`place_all` for a mix's components),
+  :meth:`prefetch`, :meth:`hold_for_loads`, :meth:`ready`;
 - the engine, once per step (as vLLM's ``set_active_adapters``): :meth:`prepare_step` gives the
   step its slots and the copies to wait on, :meth:`mark_read` records its compute event,
   :meth:`observe_step` its cost;
@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from lorastream.core.adapter_mix import MixSpec, check_mix, unmixable
 from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
@@ -147,6 +148,27 @@ class AdapterManager:
                 entry.time_load(began)
         return entry.adapter_id
 
+    def resolve_mix(self, components: MixSpec, limit: int) -> MixSpec:
+        """A weighted mix's (content id, weight) per component (``core/adapter_mix.py``): the
+        mix checked (at most ``limit`` components), each name resolved (AdapterNotFound for an
+        unknown one), a kind that cannot be mixed refused naming the adapter, and names of the
+        same content summed (the delta is linear in the weights)."""
+        merged: dict[str, float] = {}
+        for name, weight in check_mix(components, limit):
+            adapter_id = self.resolve(name)
+            with self._lock:
+                entry = self._records.get(adapter_id)
+                manifest = None if entry is None else entry.manifest
+            if manifest is None:
+                raise AdapterNotFound(f"adapter {name!r} was unloaded as the request arrived")
+            why = unmixable(manifest)
+            if why is not None:
+                raise InvalidArgument(
+                    f"adapter {name!r} cannot be part of a weighted mix: {why}; request it alone"
+                )
+            merged[adapter_id] = merged.get(adapter_id, 0.0) + weight
+        return tuple(merged.items())
+
     def invocation_tokens(self, adapter_id: str) -> tuple[int, ...]:
         """An activated LoRA's invocation tokens (PEFT's ``alora_invocation_tokens``), () for a
         plain LoRA. Called from request threads, after :meth:`resolve`."""
@@ -209,6 +231,21 @@ class AdapterManager:
             return True
         self._raise_error(entry)
         return False
+
+    def place_all(self, adapter_ids: Sequence[str]) -> bool:
+        """:meth:`place` for every adapter of a request (a mix's components); True once all
+        are ready. A mix claims no slot until every component it misses can have one at once:
+        two mixes never each hold part of their slots while waiting for the other's."""
+        if len(adapter_ids) == 1:
+            return self.place(adapter_ids[0])
+        entries = [self._entry(adapter_id) for adapter_id in adapter_ids]
+        for entry in entries:
+            self._raise_error(entry)
+        with self._lock:
+            missing = sum(1 for entry in entries if entry.slot is None)
+            if missing > self._device_tier.claimable(self._records.entries()):
+                return False
+        return all([self.place(adapter_id) for adapter_id in adapter_ids])
 
     def _close_timeline(self, entry: AdapterEntry) -> None:
         """``entry``'s request is admitted: where its wait went, to the log and the metrics."""
