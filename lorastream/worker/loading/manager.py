@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
@@ -232,10 +232,18 @@ class AdapterManager:
         self._raise_error(entry)
         return False
 
-    def place_all(self, adapter_ids: Sequence[str]) -> bool:
+    def place_all(self, adapter_ids: Sequence[str], keep: Set[str] = frozenset()) -> bool:
         """:meth:`place` for every adapter of a request (a mix's components); True once all
-        are ready. A mix claims no slot until every component it misses can have one at once:
-        two mixes never each hold part of their slots while waiting for the other's."""
+        are ready. ``keep``: the adapters of the running requests and of the waiting ones ahead
+        of this one.
+
+        A mix claims no slot until every component it misses can have one at once, so two
+        mixes never each hold part of their slots while waiting for the other's. Slots held
+        by adapters that only requests behind it need (referenced, so never evicted as idle)
+        count as free for it: it evicts them, least recently used first, as the queue's order
+        gives it the right to (they are placed again for their requests, as after any
+        eviction). Example, 2 slots holding ``a`` and ``c``, waiting mixes (a, b) then (b, c):
+        the first evicts ``c`` for ``b`` and runs; without it both would wait forever."""
         if len(adapter_ids) == 1:
             return self.place(adapter_ids[0])
         entries = [self._entry(adapter_id) for adapter_id in adapter_ids]
@@ -243,8 +251,20 @@ class AdapterManager:
             self._raise_error(entry)
         with self._lock:
             missing = sum(1 for entry in entries if entry.slot is None)
-            if missing > self._device_tier.claimable(self._records.entries()):
-                return False
+            short = missing - self._device_tier.claimable(self._records.entries())
+            if short > 0:
+                spare = sorted(
+                    (e for e in self._records.entries()
+                     if e.slot is not None and e.refs > 0 and not e.pinned
+                     and e.adapter_id not in keep and e.adapter_id not in adapter_ids),
+                    key=lambda e: e.last_used,
+                )
+                if short > len(spare):
+                    return False
+                for victim in spare[:short]:
+                    log.debug("evicting %s, needed only behind a mix", victim.name)
+                    self.metrics.evictions.labels("device").inc()
+                    self._device_tier.evict(victim)
         return all([self.place(adapter_id) for adapter_id in adapter_ids])
 
     def _close_timeline(self, entry: AdapterEntry) -> None:

@@ -4,6 +4,7 @@ weighted mixes of adapters beside single adapters and the base model against PEF
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,38 @@ def test_mix_rows_logits_agree_with_peft_cat_and_a_dropped_weight_fails(
             assert not torch.allclose(logits[name], expected, rtol=1e-4, atol=1e-4), dropped
         else:
             torch.testing.assert_close(logits[name], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mixes_waiting_for_each_others_slots_run_in_queue_order(
+    engine_factory: EngineFactory,
+    tiny_adapters: dict[str, Path],
+    reference: dict[tuple[str, int], list[int]],
+    mix_reference: dict[tuple[str, int], list[int]],
+) -> None:
+    """2 slots holding attn-r4 and all-r16-rslora (mlp-r8, loaded first, was evicted for the
+    last); mix-a needs attn-r4 + mlp-r8, mix-b mlp-r8 + all-r16-rslora. Each holds a reference on
+    the adapter in the slot the other needs: mix-a, first in the queue, evicts mix-b's for
+    mlp-r8, then mix-b runs (without that, neither would ever start)."""
+    engine = engine_factory(start=False, max_loras=2)
+    ops = WorkerOperations(engine)
+    for name in ("mlp-r8", "attn-r4", "all-r16-rslora"):
+        ops.load_adapter(name, str(tiny_adapters[name]))
+    resident = {s.adapter_id for s in engine.slots.table}
+    assert resident == {engine.adapters.resolve(n) for n in ("attn-r4", "all-r16-rslora")}
+    prompt = PromptInput(token_ids=tuple(PROMPTS[0]))
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    streams = {name: engine.submit(name, prompt, params) for name in ("attn-r4", "all-r16-rslora")}
+    streams |= {name: engine.submit("", prompt, params, mix=MIXES[name])
+                for name in ("mix-a", "mix-b")}
+    engine.start()
+    pool = ThreadPoolExecutor(len(streams))
+    try:
+        done = {name: pool.submit(list, stream) for name, stream in streams.items()}
+        for name, future in done.items():
+            tokens = [t for e in future.result(timeout=120) for t in e.token_ids]
+            expected = mix_reference[(name, 0)] if name in MIXES else reference[(name, 0)]
+            assert tokens == expected, name
+    finally:  # a stuck request ends the test instead of hanging it
+        for stream in streams.values():
+            stream.cancel()
+        pool.shutdown()
