@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lorastream.core.adapter_mix import mix_model
+from lorastream.core.errors import AdapterNotFound, InvalidArgument, LorastreamError
 from lorastream.core.generation import FinishReason, PromptInput
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.sampling import SamplingParams
@@ -26,6 +27,7 @@ from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.weights import load_weights
 from lorastream.worker.service.operations import WorkerOperations
+from tests.support.models import ALORA_INVOCATION, ATTENTION, make_peft_adapter
 from tests.worker.conftest import (
     ADAPTERS,
     NEW_TOKENS,
@@ -316,3 +318,45 @@ def test_mixes_waiting_for_each_others_slots_run_in_queue_order(
         for stream in streams.values():
             stream.cancel()
         pool.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("mix", "error", "says"),
+    [
+        ((("attn-r4", 1.0), ("ghost", 1.0)), AdapterNotFound, "ghost"),
+        ((("attn-r4", 1.0), ("mlp-r8", 1.0), ("all-r64", 1.0)), InvalidArgument, "at most 2"),
+        ((("attn-r4", float("nan")),), InvalidArgument, "finite"),
+        ((("attn-r4", 0.5), ("attn-r4", 0.5)), InvalidArgument, "more than once"),
+        ((("attn-r4", 1.0), ("dora", 1.0)), InvalidArgument, "'dora' cannot be part"),
+        ((("alora", 1.0),), InvalidArgument, "activated LoRA"),
+        ((), InvalidArgument, "<adapter>=<weight>"),  # model "mix:" with nothing after it
+    ],
+    ids=["unknown", "over-the-limit", "nan", "duplicate", "dora", "activated", "empty"],
+)
+def test_the_worker_refuses_a_bad_mix_itself_holding_nothing(
+    engine_factory: EngineFactory,
+    tiny_model: Path,
+    tiny_adapters: dict[str, Path],
+    tmp_path: Path,
+    mix: tuple[tuple[str, float], ...],
+    error: type[LorastreamError],
+    says: str,
+) -> None:
+    """What a direct gRPC caller could send: the worker checks every rule the gateway does."""
+    engine = engine_factory(max_mix_adapters=2)
+    ops = WorkerOperations(engine)
+    for name in ("attn-r4", "mlp-r8", "all-r64"):
+        ops.load_adapter(name, str(tiny_adapters[name]))
+    ops.load_adapter("dora", str(make_peft_adapter(tiny_model, tmp_path / "dora", rank=4,
+                                                   targets=ATTENTION, use_dora=True)))
+    ops.load_adapter("alora", str(make_peft_adapter(
+        tiny_model, tmp_path / "alora", rank=4, targets=ATTENTION,
+        alora_invocation_tokens=list(ALORA_INVOCATION))))
+    prompt, params = PromptInput(token_ids=tuple(PROMPTS[0])), SamplingParams(max_tokens=2)
+    with pytest.raises(error) as caught:
+        if mix:
+            engine.submit("", prompt, params, mix=mix)
+        else:
+            engine.submit("mix:", prompt, params)
+    assert says in str(caught.value)
+    assert engine.adapters.usage().references == 0 and engine.waiting == 0
