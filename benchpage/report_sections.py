@@ -35,6 +35,9 @@ def engine_goals(r: Result) -> list[list[str]]:
     if "multi_vs_peft" in r:
         rows.append(goal_row(f"engine decode{on}, multi-adapter / HF + PEFT",
                              r.get("multi_vs_peft"), r.get("goal_multi_vs_peft")))
+    if "mix_vs_lora" in r:
+        rows.append(goal_row(f"engine decode{on}, two-adapter mixes / one adapter",
+                             r.get("mix_vs_lora"), r.get("goal_mix_vs_lora")))
     return rows
 
 
@@ -55,6 +58,9 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
     if "peft_mixed_batch_decode_tok_s" in r:
         rows.append(["HF transformers + PEFT, one mixed-adapter batch (`adapter_names=`)",
                      number(r.get("peft_mixed_batch_decode_tok_s"))])
+    if "engine_mix_decode_tok_s" in r:
+        rows.append(["engine, every prompt a 0.5/0.5 mix of two of the adapters (`--mix`)",
+                     number(r.get("engine_mix_decode_tok_s"))])
     parts = [
         f"Model {text(r.get('model'))}; {text(r.get('adapters'))} adapters of rank "
         f"{text(r.get('rank'))} on {text(r.get('targets'))} layers; {text(prompts)} prompts; "

@@ -21,6 +21,11 @@ adapter is placed, not per step).
 With ``tokens`` (k > 0), one more side runs the plain adapters each with k new embedding rows
 (TrainableTokens, the same A and B): ``tokens_vs_lora`` is its decode tok/s over the plain
 LoRAs' in the same run (goal >= 0.95).
+
+With ``mix``, one more side runs every prompt as a weighted mix of two of the plain adapters
+(prompt i: ``a{i}`` and ``a{i+1}``, 0.5 each; ``core/adapter_mix.py``), served from the plain
+adapters' own slots: ``mix_vs_lora`` is its decode tok/s over the plain LoRAs' in the same run
+(goal >= 0.8: each mix row reads two adapters).
 """
 
 from __future__ import annotations
@@ -86,9 +91,12 @@ def run_engine_bench(
     quantization: str = "none",
     dora: bool = False,
     tokens: int = 0,
+    mix: bool = False,
 ) -> dict[str, object]:
     """``quantization``: "none", or quantized modes (comma-separated) to compare with the fp32 base
     instead (engine_quant.py)."""
+    if mix and adapters < 2:
+        raise ValueError("--mix mixes two distinct adapters: use --adapters 2 or more")
     modes = [q for q in quantization.split(",") if q and q != "none"]
     if modes:
         from lorastream.bench.engine_quant import run_quant_bench
@@ -178,10 +186,16 @@ def run_engine_bench(
                 runs.append(engine_run([f"d{i % adapters}" for i in range(prompts)]))
             if tokens:
                 runs.append(engine_run([f"t{i % adapters}" for i in range(prompts)]))
+            if mix:
+                runs.append(engine_run([
+                    f"mix:a{i % adapters}=0.5,a{(i + 1) % adapters}=0.5" for i in range(prompts)
+                ]))
             return decode_rates(runs, prompts, new_tokens, repeats)
 
         # The loop on this thread, as in the worker process (see Engine.run_while).
         multi, base, *more = engine.run_while(measure)
+        mix_rate = more[-1:] if mix else []
+        more = more[:-1] if mix else more
         dora_rate, tokens_rate = more[:1] if dora else [], more[1:] if dora else more
         # Every decode step reads the weights of each distinct adapter in the batch once; how
         # fast this machine reads them, on this thread (its torch threads), after the runs.
@@ -232,6 +246,12 @@ def run_engine_bench(
             "engine_tokens_decode_tok_s": round(tokens_rate[0], 1),
             "tokens_vs_lora": round(tokens_rate[0] / multi, 3),
             "goal_tokens_vs_lora": ">= 0.95",
+        }
+    if mix_rate:
+        result |= {
+            "engine_mix_decode_tok_s": round(mix_rate[0], 1),
+            "mix_vs_lora": round(mix_rate[0] / multi, 3),
+            "goal_mix_vs_lora": ">= 0.8",
         }
     if peft is not None:
         result |= {

@@ -162,6 +162,10 @@ def engine(
         0, help="Also run the plain adapters each with this many new embedding rows "
         "(TrainableTokens), in the same run (goal: decode >= 0.95x the plain LoRAs')."
     ),
+    mix: bool = typer.Option(
+        False, "--mix/--no-mix", help="Also run every prompt as a 0.5/0.5 mix of two of the "
+        "plain adapters, in the same run (goal: decode >= 0.8x the plain LoRAs')."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -176,7 +180,7 @@ def engine(
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
         repeats=repeats, include_peft=peft, quantization=quantization, dora=dora,
-        tokens=tokens,
+        tokens=tokens, mix=mix,
     )
     print_result(result, output)
 

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from lorastream.core import worker_codec
+from lorastream.core.adapter_mix import parse_mix_model
 from lorastream.core.generation import (
     AdapterStatus,
     GenerationEvent,
@@ -53,7 +54,9 @@ class WorkerClient:
         timeout: float | None = None,
     ) -> Iterator[GenerationEvent]:
         """Stream the generation; closing the iterator early cancels the request."""
-        request = worker_codec.generate_request_to_pb(model, prompt, params, request_id)
+        request = worker_codec.generate_request_to_pb(
+            model, prompt, params, request_id, parse_mix_model(model) or ()
+        )
         call = self._stub.Generate(request, timeout=timeout)
         try:
             for msg in call:

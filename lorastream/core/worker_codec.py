@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from lorastream.core.adapter_fit import BaseShape
+from lorastream.core.adapter_mix import MixSpec
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import (
     AdapterStatus,
@@ -120,10 +121,12 @@ def sampling_from_pb(msg: worker_pb2.SamplingParams) -> SamplingParams:
 
 
 def generate_request_to_pb(
-    model: str, prompt: PromptInput, params: SamplingParams, request_id: str = ""
+    model: str, prompt: PromptInput, params: SamplingParams, request_id: str = "",
+    mix: MixSpec = (),
 ) -> worker_pb2.GenerateRequest:
     msg = worker_pb2.GenerateRequest(
-        request_id=request_id, model=model, sampling=sampling_to_pb(params)
+        request_id=request_id, model=model, sampling=sampling_to_pb(params),
+        mix=[worker_pb2.MixComponent(name=name, weight=weight) for name, weight in mix],
     )
     if prompt.token_ids is not None:
         msg.prompt_token_ids.ids.extend(prompt.token_ids)
@@ -156,8 +159,8 @@ def _chat_from_pb(msg: worker_pb2.ChatMessages) -> PromptInput:
 
 def generate_request_from_pb(
     msg: worker_pb2.GenerateRequest,
-) -> tuple[str, str, PromptInput, SamplingParams]:
-    """(request_id, model, prompt, sampling) of a Generate call."""
+) -> tuple[str, str, PromptInput, SamplingParams, MixSpec]:
+    """(request_id, model, prompt, sampling, mix) of a Generate call."""
     kind = msg.WhichOneof("input")
     if kind == "prompt_token_ids":
         prompt = PromptInput(token_ids=tuple(msg.prompt_token_ids.ids))
@@ -165,7 +168,8 @@ def generate_request_from_pb(
         prompt = _chat_from_pb(msg.messages)
     else:
         prompt = PromptInput(text=msg.prompt)
-    return msg.request_id, msg.model, prompt, sampling_from_pb(msg.sampling)
+    mix = tuple((c.name, c.weight) for c in msg.mix)
+    return msg.request_id, msg.model, prompt, sampling_from_pb(msg.sampling), mix
 
 
 def event_to_pb(e: GenerationEvent) -> worker_pb2.GenerateResponse:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorastream.core import worker_codec
 from lorastream.core.adapter_fit import BaseShape
+from lorastream.core.adapter_mix import parse_mix_model
 from lorastream.core.errors import LorastreamError, ServerUnreachable
 from lorastream.core.generation import (
     AdapterStatus,
@@ -147,7 +148,9 @@ class AsyncWorkerClient:
         request_id: str = "",
         timeout: float | None = None,
     ) -> GenerationCall:
-        request = worker_codec.generate_request_to_pb(model, prompt, params, request_id)
+        request = worker_codec.generate_request_to_pb(
+            model, prompt, params, request_id, parse_mix_model(model) or ()
+        )
         return GenerationCall(self._stub.Generate(request, timeout=timeout), self.target)
 
     async def healthy(self, timeout: float) -> bool:

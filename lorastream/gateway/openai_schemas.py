@@ -5,7 +5,10 @@ silently ignored ``best_of`` or ``echo`` would hand the client something it did 
 each refusal is a field validator, so the error's ``param`` names the field. LoRAX's
 ``adapter_id`` is honoured like ``model`` (never ignored: a request naming an adapter must not be
 answered by the base model). vLLM's extras that this server does not implement are refused the
-same way (lorastream/gateway/vllm_extras.py). Other unknown fields are ignored, as vLLM does, so
+same way (lorastream/gateway/vllm_extras.py). A weighted mix of adapters comes as the ``lora``
+field (llama.cpp's: ``[{"name": ..., "scale": ...}]``, ``"id"`` accepted for ``"name"``) or as
+the ``model`` spelling ``mix:a=0.7,b=0.3`` (``lorastream/core/adapter_mix.py``); either way the
+request's model is that spelling from here on. Other unknown fields are ignored, as vLLM does, so
 vendor extensions do not break clients.
 """
 
@@ -15,8 +18,17 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+)
 
+from lorastream.core.adapter_mix import check_mix, mix_model, parse_mix_model
 from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import MAX_CHOICES, MAX_LOGPROBS, PromptInput, SamplingParams
 from lorastream.gateway.structured import structured_output
@@ -36,6 +48,18 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+
+
+class LoraComponent(BaseModel):
+    """One adapter of a weighted mix (the ``lora`` field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1, validation_alias=AliasChoices("name", "id"),
+        description="Adapter name (llama.cpp's key \"id\" is accepted too).",
+    )
+    scale: float = Field(1.0, allow_inf_nan=False, description="Its weight; finite, any sign.")
 
 
 class _GenerationRequest(VllmExtras):
@@ -74,6 +98,10 @@ class _GenerationRequest(VllmExtras):
         None, description="LoRAX's source of adapter_id: checked against the staged adapter's "
         "(lorastream/gateway/lorax.py)."
     )
+    lora: list[LoraComponent] | None = Field(
+        None, min_length=1, description="A weighted mix of adapters (PEFT's "
+        "add_weighted_adapter, combination_type 'cat'); `model` names the base model then.",
+    )
     response_format: dict[str, Any] | None = Field(
         None, description="OpenAI's: text, json_object or json_schema (lorastream/gateway/"
         "structured.py)."
@@ -92,9 +120,27 @@ class _GenerationRequest(VllmExtras):
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value
 
+    @property
+    def model_param(self) -> str:
+        """The request field that names what it runs on (where its errors point)."""
+        return "lora" if self.lora else "adapter_id" if self.adapter_id else "model"
+
     def target(self, base_model: str | None) -> str:
-        """The adapter (or base model) this request names: ``adapter_id`` wins over a ``model``
-        that names the base model or the same adapter; a conflicting pair is refused."""
+        """The adapter (or base model, or mix) this request names: ``adapter_id`` wins over a
+        ``model`` that names the base model or the same adapter; a conflicting pair is refused.
+        A mix (``lora``, or ``model`` spelled ``mix:...``) is its canonical ``mix:`` spelling;
+        ``lora`` goes with a ``model`` of the base model's id (or the same mix)."""
+        if self.lora:
+            mix = mix_model(check_mix([(c.name, c.scale) for c in self.lora]))
+            if self.adapter_id is None and self.model in (base_model, mix):
+                return mix
+            raise InvalidArgument(
+                f"lora names a mix of adapters, but model {self.model!r} (or adapter_id) names "
+                "another model; set model to the base model's id and leave out adapter_id"
+            )
+        parsed = parse_mix_model(self.model)
+        if parsed is not None and self.adapter_id is None:
+            return mix_model(parsed)
         if self.adapter_id is None or self.adapter_id == self.model:
             return self.model
         if base_model is not None and self.model == base_model:

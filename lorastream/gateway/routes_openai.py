@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lorastream.core.adapter_mix import MIX_PREFIX
 from lorastream.core.errors import AdapterNotFound, LorastreamError
 from lorastream.core.manifest import AdapterManifest
 from lorastream.gateway.auth import is_operator, require_api_key
@@ -120,7 +121,7 @@ async def _generate(
     try:
         model = body.target(state.pool.base_model)
     except LorastreamError as exc:
-        raise ApiError(400, str(exc), param="adapter_id", code="invalid_value") from exc
+        raise ApiError(400, str(exc), param=body.model_param, code="invalid_value") from exc
     if body.adapter_source is not None:
         await check_adapter_source(state, model, body.adapter_id, body.adapter_source)
     tools = isinstance(body, ChatCompletionRequest) and body.tool_use.parses
@@ -139,8 +140,8 @@ async def _generate(
         generation = await unless_disconnected(request, state.drain.guard(start))
     except LorastreamError as exc:
         error = api_error(exc, prompt_param)
-        if error.status == 404:
-            error.param = "adapter_id" if body.adapter_id else "model"
+        if error.status == 404 or (error.param is None and model.startswith(MIX_PREFIX)):
+            error.param = body.model_param  # an unknown adapter, or a mix the worker refused
         raise error from exc
     return StreamingResponse(
         _stream(request, generation, builder, body.include_usage, state.drain, body.n),

@@ -19,7 +19,9 @@ Semantics (for a request for adapter ``m``, over the healthy workers with room):
     if last is a candidate holding m (any tier for the base model) and last.load <= bound:
         return last, reason=PREFIX (DEVICE/HOST/... when it is the worker chosen anyway)
 
-The base model needs no residency: it goes to the least loaded worker (ties broken by hash).
+The base model needs no residency: it goes to the least loaded worker (ties broken by hash). A
+weighted mix (``mix:a=0.7,b=0.3``) is as close to serving on a worker as its farthest component
+(the lowest of their tiers there); its hash and affinity are its own spelling's.
 
 Policy ``random`` (``--routing random``, a baseline to measure the rules above against, e.g. by
 ``lorastream bench fleet``): residency, hashing, load bounds and prefix affinity are ignored::
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Literal
 
+from lorastream.core.adapter_mix import parse_mix_model
 from lorastream.core.errors import CapacityExhausted
 from lorastream.gateway.errors import NoHealthyWorker
 from lorastream.gateway.prefix_affinity import PrefixAffinity
@@ -101,6 +104,10 @@ class WorkerView:
     residency: Mapping[str, Tier] = field(default_factory=dict)  # adapter name -> tier
 
     def tier(self, model: str) -> Tier:
+        """How close ``model`` is to serving here; a mix: its farthest component's tier."""
+        mix = parse_mix_model(model)
+        if mix is not None:
+            return min(self.residency.get(name, Tier.ABSENT) for name, _ in mix)
         return self.residency.get(model, Tier.ABSENT)
 
 

@@ -502,3 +502,23 @@ def test_the_cold_workloads_show_every_mode_their_phases_goals_and_plot(tmp_path
     png = tmp_path / "docs/benchmarks/plots/serve_cold.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "](benchmarks/plots/serve_cold.png)" in page
+
+
+@pytest.mark.parametrize("mix_vs_lora", [None, 0.87, 0.6])
+def test_the_engine_section_shows_the_mix_figure_and_its_goal_when_measured(
+    mix_vs_lora: float | None,
+) -> None:
+    engine = dict(renderer_inputs()["engine"])
+    if mix_vs_lora is not None:
+        engine |= {"engine_mix_decode_tok_s": 163.4 * mix_vs_lora, "mix_vs_lora": mix_vs_lora,
+                   "goal_mix_vs_lora": ">= 0.8"}
+    page = render_page({"engine": engine}, {})
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.count("|") > 2}
+    goal = rows.get("engine decode, two-adapter mixes / one adapter")
+    if mix_vs_lora is None:
+        assert goal is None and "(`--mix`)" not in page
+    else:
+        verdict = "met" if mix_vs_lora >= 0.8 else "**not met**"
+        assert goal is not None and goal.endswith(f"| {mix_vs_lora:.2f}× | ≥ 0.8 | {verdict} |")
+        assert f"{163.4 * mix_vs_lora:.1f}" in page
+    _assert_no_leaks(page)

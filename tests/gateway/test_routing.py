@@ -419,3 +419,20 @@ def test_random_policy_keeps_the_errors_of_an_empty_or_full_fleet() -> None:
         router.choose("m", views([0, 0], unhealthy=(0, 1)))
     with pytest.raises(CapacityExhausted):
         router.choose("m", views([2, 3]))
+
+
+@pytest.mark.parametrize(
+    ("residency", "expected", "reason"),
+    [
+        # both components on the device of worker 1; worker 0 holds one of them only
+        ({0: {"a": Tier.DEVICE}, 1: {"a": Tier.DEVICE, "b": Tier.DEVICE}}, 1, RouteReason.DEVICE),
+        # the farthest component decides: device + host is a host holder
+        ({0: {"a": Tier.DEVICE, "b": Tier.HOST}, 2: {"b": Tier.DEVICE}}, 0, RouteReason.HOST),
+    ],
+)
+def test_a_mix_goes_where_all_its_components_are(
+    residency: dict[int, dict[str, Tier]], expected: int, reason: RouteReason
+) -> None:
+    workers = [WorkerView(t, True, 0, residency.get(i, {})) for i, t in enumerate(TARGETS[:3])]
+    decision = Router().choose("mix:a=0.7,b=0.3", workers)
+    assert decision == RouteDecision(TARGETS[expected], reason)

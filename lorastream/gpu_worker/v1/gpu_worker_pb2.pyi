@@ -96,20 +96,30 @@ class StructuredOutput(_message.Message):
     def __init__(self, kind: _Optional[_Union[StructuredKind, str]] = ..., spec: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "messages", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "model", "prompt", "messages", "prompt_token_ids", "sampling", "mix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
     messages: ChatMessages
     prompt_token_ids: TokenIds
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    mix: _containers.RepeatedCompositeFieldContainer[MixComponent]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mix: _Optional[_Iterable[_Union[MixComponent, _Mapping]]] = ...) -> None: ...
+
+class MixComponent(_message.Message):
+    __slots__ = ("name", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages", "tools_json")

@@ -81,6 +81,8 @@ def fork_choices(
             num_computed=len(parent.prompt_ids),
             blocks=parent.blocks[:shared] + own,
             slot=parent.slot,
+            mix=parent.mix,
+            mix_slots=parent.mix_slots,
             lora_from=parent.lora_from,
             arrival=parent.arrival,
             choice=choice,

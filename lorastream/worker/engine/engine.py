@@ -25,6 +25,7 @@ from typing import TypeVar, cast
 
 import torch
 
+from lorastream.core.adapter_mix import MixSpec, parse_mix_model
 from lorastream.core.errors import InvalidArgument, LorastreamError, SourceUnavailable
 from lorastream.core.generation import FinishReason, GenerationEvent, PromptInput, TokenLogprobs
 from lorastream.worker.device.cpu.threads import use_one_intra_op_thread
@@ -85,6 +86,7 @@ class Engine:
         default_max_tokens: int,
         prefetch_depth: int = 8,
         prefix_caching: bool = True,
+        max_mix_adapters: int = 4,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -94,6 +96,8 @@ class Engine:
         self.backend = backend
         self.device = device
         self.base_model_name = base_model_name
+        # a weighted mix's most components: the setting, and never more than the slots
+        self.max_mix_adapters = min(max_mix_adapters, slots.num_slots)
         self.prefix = PrefixCache(
             kv.allocator, model.config, enabled=prefix_caching, base_identity=base_model_name,
             quantization=model.quantization,
@@ -243,21 +247,41 @@ class Engine:
         prompt: PromptInput,
         params: SamplingParams,
         request_id: str | None = None,
+        mix: MixSpec = (),
     ) -> RequestStream:
-        """Validate and queue a request; raises domain errors for bad input (nothing queued)."""
+        """Validate and queue a request; raises domain errors for bad input (nothing queued).
+        ``mix``: a weighted mix's (adapter name, weight) per component, which ``model`` may
+        spell instead (``mix:a=0.7,b=0.3``, ``core/adapter_mix.py``)."""
+        components = mix or parse_mix_model(model)
         seq = self.intake.sequence(
             prompt, params,
             lambda: None if self.is_base_model(model) else self.adapters.resolve(model),
             request_id, self.adapters.invocation_tokens, self._tokenizer_of,
+            None if not components else (
+                lambda: self.adapters.resolve_mix(components, self.max_mix_adapters)),
         )
         with self._submit_lock:
             if self._stop.is_set():
                 raise SourceUnavailable("the worker is shutting down; retry the request")
-            if seq.adapter_id is not None:  # with overlap, its fetch starts now, not at a step
-                self.adapters.acquire(seq.adapter_id)
+            self._acquire(seq)  # with overlap, its fetches start now, not at a step
             self._inbox.put(seq)
         self._wake.set()
         return seq.stream
+
+    def _acquire(self, seq: Sequence) -> None:
+        """A reference on every adapter ``seq`` needs; none held if one fails."""
+        taken: list[str] = []
+        try:
+            for adapter_id in seq.adapter_ids:
+                self.adapters.acquire(adapter_id)
+                taken.append(adapter_id)
+        except LorastreamError:
+            self._release(taken)
+            raise
+
+    def _release(self, adapter_ids: tuple[str, ...] | list[str]) -> None:
+        for adapter_id in adapter_ids:
+            self.adapters.release(adapter_id)
 
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -323,14 +347,20 @@ class Engine:
     def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
         sequences = plan.sequences
-        adapters = self.adapters.prepare_step([seq.adapter_id for seq in sequences])
-        for seq, slot in zip(sequences, adapters.slots, strict=True):
-            seq.slot = slot
+        wanted = [seq.adapter_ids or (None,) for seq in sequences]  # a mix: each component
+        adapters = self.adapters.prepare_step([a for ids in wanted for a in ids])
+        placed = iter(adapters.slots)
+        for seq, ids in zip(sequences, wanted, strict=True):
+            seq.place([next(placed) for _ in ids])
         for event in adapters.load_events:  # rule 1: compute waits for the slot's copy
             self.device.compute_wait(event)
         rows = sum(1 for _ in plan.decode) + sum(chunk for _, chunk in plan.prefill)
+        units = rows + sum(  # LoRA units: a mix row is one per component
+            (len(seq.mix) - 1) * count for seq, count in
+            [*((seq, 1) for seq in plan.decode), *plan.prefill] if seq.mix
+        )
         inputs = build_step_inputs(
-            plan, self.staging, extra=staged_size(rows, self.slots.num_slots)
+            plan, self.staging, extra=staged_size(units, self.slots.num_slots)
         )
         batch = inputs.batch
         lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots, self.model.dtype,
@@ -359,8 +389,7 @@ class Engine:
         children = fork_choices(parent, self.kv, parent.detokenizer.tokenizer)
         self.prefix.forked(parent, children)
         for child in children:
-            if child.adapter_id is not None:
-                self.adapters.acquire(child.adapter_id)
+            self._acquire(child)
         self.scheduler.running.extend(children)
         return children
 
@@ -386,8 +415,7 @@ class Engine:
         logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> None:
         self.scheduler.finish(seq)
-        if seq.adapter_id is not None:
-            self.adapters.release(seq.adapter_id)
+        self._release(seq.adapter_ids)
         seq.stream.put(GenerationEvent(
             tokens, text, len(seq.prompt_ids), len(seq.output_ids), reason, logprobs,
             seq.choice, seq.cached_tokens,
@@ -405,8 +433,7 @@ class Engine:
             if not member.finished:
                 member.finished = True
                 self.scheduler.finish(member)
-                if member.adapter_id is not None:
-                    self.adapters.release(member.adapter_id)
+                self._release(member.adapter_ids)
         seq.stream.put(err)
 
     # -- introspection ------------------------------------------------------------------------

@@ -140,17 +140,21 @@ class RequestIntake:
         resolve_adapter: Callable[[], str | None], request_id: str | None = None,
         invocation_of: Callable[[str], tuple[int, ...]] | None = None,
         tokenizer_of: Callable[[str], AdapterTokenizer | None] | None = None,
+        resolve_mix: Callable[[], tuple[tuple[str, float], ...]] | None = None,
     ) -> Sequence:
         """A validated sequence for the request; raises domain errors for bad input. The
         adapter is resolved to its content id (which may ask the store) only once the sampling
         parameters passed. ``invocation_of``: an adapter's activated-LoRA invocation tokens (()
         for a plain LoRA), which set where its delta starts (``activation.py``);
         ``tokenizer_of``: an adapter's own tokenizer (None: the base model's), which encodes
-        the prompt, decodes the output, sets the stop ids and compiles the constraint."""
+        the prompt, decodes the output, sets the stop ids and compiles the constraint;
+        ``resolve_mix``: for a weighted mix, its components' content ids and weights (then
+        ``resolve_adapter`` is not called, and the base model's tokenizer serves it)."""
         if params.max_tokens == 0:  # unset on the wire: this worker's default
             params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
         params.validate(self.vocab_size)
-        adapter_id = resolve_adapter()
+        mix = resolve_mix() if resolve_mix is not None else ()
+        adapter_id = None if resolve_mix is not None else resolve_adapter()
         own = tokenizer_of(adapter_id) if adapter_id is not None and tokenizer_of else None
         tokenizer = cast(Tokenizer, own.tokenizer) if own is not None else self.tokenizer
         ids = self.tokenize(prompt, tokenizer)
@@ -182,6 +186,7 @@ class RequestIntake:
             eos_ids=frozenset() if params.ignore_eos else self.eos_of(own),
             group=group,
             matcher=matcher,
+            mix=mix,
         )
         if adapter_id is not None and invocation_of is not None:
             seq.lora_from = activation_start(ids, invocation_of(adapter_id))

@@ -35,6 +35,9 @@ Rules (the allocator, ``kv_cache.BlockAllocator``, keeps the blocks):
       lora_from = 40:  blocks 0, 1 (tokens 0-31)  key "base"
                        blocks 2, ... (tokens 32-)  key H(base, adapter id, 40)
 
+- a weighted mix (``core/adapter_mix.py``) takes the key of its components' content ids AND
+  weights (each weight's exact float), so two weightings of the same adapters never share
+  K/V, and a mix never shares them with its components alone;
 - RoPE that depends on the sequence's length ('dynamic', 'longrope') computes the same K only
   while the sequence stays within the original context: a request that could grow past it
   neither reuses nor registers blocks.
@@ -116,6 +119,9 @@ class PrefixCache:
 
     def _key(self, seq: Sequence, block: int) -> bytes:
         """The key of ``seq``'s ``block``: the base model's when no row of it takes a delta."""
+        if seq.mix:
+            parts = ",".join(f"{adapter_id}={weight.hex()}" for adapter_id, weight in seq.mix)
+            return _digest(self._base, b"mix:" + parts.encode())
         if seq.adapter_id is None or (block + 1) * BLOCK_SIZE <= seq.lora_from:
             return self._base_key
         adapter = b"adapter:" + seq.adapter_id.encode()

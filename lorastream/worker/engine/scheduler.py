@@ -26,6 +26,12 @@ its prompt's longest cached prefix (they count against the KV reservation like a
 only idle cached blocks are ever evicted for it), and the full blocks each step computed are
 registered at the start of the next one.
 
+A weighted mix (``Sequence.mix``) is admitted only once every one of its components is ready in
+a slot (``AdapterManager.place_all``, which may evict adapters only requests behind it need);
+it references all of them from submission to its end, so none is evicted while it runs.
+Prefetch starts only single adapters' loads: a mix's components are fetched into host memory
+from its submission and claim slots together.
+
 Sequences carry only their adapter's id; every question about an adapter goes to the adapter
 manager, which owns their state.
 """
@@ -83,7 +89,7 @@ class Scheduler:
     def waiting_on_loads(self) -> int:
         return sum(
             1 for seq in self.waiting
-            if seq.adapter_id is not None and not self.adapters.ready(seq.adapter_id)
+            if any(not self.adapters.ready(adapter_id) for adapter_id in seq.adapter_ids)
         )
 
     def schedule(self) -> StepPlan:
@@ -109,20 +115,24 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         next_adapters = [
-            seq.adapter_id for seq in list(self.waiting)[: self.prefetch_depth]
-            if seq.adapter_id is not None
+            adapter_id for seq in list(self.waiting)[: self.prefetch_depth]
+            for adapter_id in seq.adapter_ids
         ]
         if self.adapters.hold_for_loads(next_adapters):
             return
         admitted: list[Sequence] = []
+        # adapters of the running requests and of the waiting ones looked at so far: a mix may
+        # not evict them (AdapterManager.place_all)
+        keep = {a for seq in [*self.running, *self.landing] for a in seq.adapter_ids}
         for seq in list(self.waiting):
             taken = len(self.running) + len(self.landing) + len(admitted)
             if budget <= 0 or taken >= self.max_batch_size:
                 break
             lands: LayeredPrefills | None = None  # admitted while its adapter lands
-            if seq.adapter_id is not None:
+            keep.update(seq.adapter_ids)
+            if seq.adapter_ids:
                 try:
-                    placed = self.adapters.place(seq.adapter_id)
+                    placed = self.adapters.place_all(seq.adapter_ids, keep)
                     if not placed and self.layered is not None and self.layered.admits(seq):
                         lands = self.layered
                 except LorastreamError as err:  # its adapter cannot be loaded (rule 5)

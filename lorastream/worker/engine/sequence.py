@@ -15,6 +15,7 @@ from lorastream.core.generation import GenerationEvent
 from lorastream.worker.engine.detokenizer import IncrementalDetokenizer
 from lorastream.worker.engine.logits_processors import TokenHistory
 from lorastream.worker.engine.sampling import SamplingParams
+from lorastream.worker.lora.backend import RowLora
 
 if TYPE_CHECKING:  # llguidance is imported only once a request asks for a constraint
     from lorastream.worker.engine.grammar import GrammarMatcher
@@ -76,6 +77,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     adapter_id: str | None  # its adapter's content id (resolved once, at intake); None: base
+    # or a mix
     stream: RequestStream
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
@@ -89,7 +91,11 @@ class Sequence:
     cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     registered_blocks: int = 0
-    slot: int = -1  # LoRA slot while running, -1 for the base model
+    slot: int = -1  # LoRA slot while running, -1 for the base model (and a mix)
+    # a weighted mix (core/adapter_mix.py): (content id, weight) of each component, () if none;
+    # while running, (slot, weight) of each
+    mix: tuple[tuple[str, float], ...] = ()
+    mix_slots: tuple[tuple[int, float], ...] = ()
     # the first position whose row takes the adapter's delta: 0 but for an activated LoRA, whose
     # rows before its invocation run the base model (activation.py)
     lora_from: int = 0
@@ -118,10 +124,29 @@ class Sequence:
     def remaining_prompt(self) -> int:
         return len(self.prompt_ids) - self.num_computed
 
+    @property
+    def adapter_ids(self) -> tuple[str, ...]:
+        """The adapters it references, places and waits for: its adapter, a mix's components,
+        or none (the base model)."""
+        if self.mix:
+            return tuple(adapter_id for adapter_id, _ in self.mix)
+        return () if self.adapter_id is None else (self.adapter_id,)
+
+    def place(self, slots: list[int]) -> None:
+        """Its step slots, one per :attr:`adapter_ids` (``[-1]`` for the base model)."""
+        if self.mix:
+            self.mix_slots = tuple((s, w) for s, (_, w) in zip(slots, self.mix, strict=True))
+        else:
+            self.slot = slots[0]
+
     def lora_slot(self, position: int) -> int:
         """The LoRA slot of the row at ``position``: -1 for the base model (no adapter, or an
-        activated LoRA before its invocation)."""
+        activated LoRA before its invocation) and for a mix (:meth:`lora_row`)."""
         return self.slot if position >= self.lora_from else -1
+
+    def lora_row(self, position: int) -> RowLora:
+        """What the row at ``position`` takes: :meth:`lora_slot`, or a mix's slots and weights."""
+        return self.mix_slots if self.mix else self.lora_slot(position)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_ids)

@@ -16,6 +16,7 @@ import torch
 from lorastream.core.errors import LorastreamError
 from lorastream.worker.device.step_arena import Arena, StepStaging
 from lorastream.worker.engine.sequence import Sequence
+from lorastream.worker.lora.backend import RowLora
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import BLOCK_SIZE
 
@@ -38,7 +39,7 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepInputs:
     batch: ForwardBatch  # device views into the arena (host tensors without staging)
-    token_slots: list[int]  # LoRA slot of every row (-1: base model)
+    token_slots: list[RowLora]  # LoRA slot of every row (-1: base model), or its mix
     samplers: list[Sequence]  # the sequence of each logits row, in order
     fed: list[tuple[Sequence, int]]  # tokens each sequence feeds this step
     arena: Arena | None  # where the LoRA metadata goes too; flushed by the engine
@@ -64,7 +65,7 @@ def build_step_inputs(
     positions: list[int] = []
     seq_lens: list[int] = []
     cache_slots: list[int] = []
-    token_slots: list[int] = []
+    token_slots: list[RowLora] = []
     logit_rows: list[int] = []
     samplers: list[Sequence] = []
     fed: list[tuple[Sequence, int]] = []
@@ -80,7 +81,7 @@ def build_step_inputs(
         positions.append(pos)
         seq_lens.append(pos + 1)
         cache_slots.extend(_slots_of(seq.blocks, pos, 1))
-        token_slots.append(seq.lora_slot(pos))
+        token_slots.append(seq.lora_row(pos))
         logit_rows.append(len(ids) - 1)
         samplers.append(seq)
         fed.append((seq, 1))
@@ -96,7 +97,7 @@ def build_step_inputs(
         positions.extend(range(begin, begin + chunk))
         seq_lens.extend([begin + chunk] * chunk)
         cache_slots.extend(_slots_of(seq.blocks, begin, chunk))
-        token_slots.extend(seq.lora_slot(p) for p in range(begin, begin + chunk))
+        token_slots.extend(seq.lora_row(p) for p in range(begin, begin + chunk))
         context = begin + chunk
         spans.append((start, chunk, context, seq.blocks[: -(-context // BLOCK_SIZE)]))
         fed.append((seq, chunk))

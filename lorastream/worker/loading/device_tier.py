@@ -186,6 +186,14 @@ class DeviceTier:
         self.slots.claim(slot, entry.adapter_id)
         return slot, self._slot_read[slot]
 
+    def claimable(self, entries: Iterable[AdapterEntry]) -> int:
+        """How many slots claims could take now: empty ones and those of idle unpinned
+        adapters (what :meth:`_free_slot` hands out)."""
+        occupants = {e.slot: e for e in entries if e.slot is not None}
+        empty = sum(1 for slot in range(self.slots.num_slots)
+                    if slot not in occupants and slot not in self._held)
+        return empty + sum(1 for e in occupants.values() if e.refs == 0 and not e.pinned)
+
     def vocab_used(self, entries: Iterable[AdapterEntry]) -> int:
         """Device bytes the vocabulary modules of the adapters in slots take (or will, once
         their copies ran)."""

@@ -4,11 +4,11 @@ Adapters are keyed by content id (docs/design.md, "Identity"); names map to ids.
 every adapter's state. The rest of the worker holds only adapter ids (a name is resolved to its id
 once, when the request arrives, as in SGLang's lora registry) and asks through these calls:
 
-- request threads: :meth:`resolve` a name, :meth:`acquire` a reference for a queued request
-  (with overlap, its fetch starts there), which the engine gives back (:meth:`release`) when
-  the request ends;
-- the scheduler: :meth:`place` (admission), :meth:`prefetch`, :meth:`hold_for_loads`,
-  :meth:`ready`;
+- request threads: :meth:`resolve` a name (:meth:`resolve_mix` a weighted mix's),
+  :meth:`acquire` a reference for a queued request (with overlap, its fetch starts there),
+  which the engine gives back (:meth:`release`) when the request ends;
+- the scheduler: :meth:`place` (admission; :meth:`place_all` for a mix's components),
+  :meth:`prefetch`, :meth:`hold_for_loads`, :meth:`ready`;
 - the engine, once per step (as vLLM's ``set_active_adapters``): :meth:`prepare_step` gives the
   step its slots and the copies to wait on, :meth:`mark_read` records its compute event,
   :meth:`observe_step` its cost;
@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from lorastream.core.adapter_mix import MixSpec, check_mix, unmixable
 from lorastream.core.errors import (
     AdapterNotFound,
     InvalidAdapter,
@@ -154,6 +155,27 @@ class AdapterManager:
                 entry.time_load(began)
         return entry.adapter_id
 
+    def resolve_mix(self, components: MixSpec, limit: int) -> MixSpec:
+        """A weighted mix's (content id, weight) per component (``core/adapter_mix.py``): the
+        mix checked (at most ``limit`` components), each name resolved (AdapterNotFound for an
+        unknown one), a kind that cannot be mixed refused naming the adapter, and names of the
+        same content summed (the delta is linear in the weights)."""
+        merged: dict[str, float] = {}
+        for name, weight in check_mix(components, limit):
+            adapter_id = self.resolve(name)
+            with self._lock:
+                entry = self._records.get(adapter_id)
+                manifest = None if entry is None else entry.manifest
+            if manifest is None:
+                raise AdapterNotFound(f"adapter {name!r} was unloaded as the request arrived")
+            why = unmixable(manifest)
+            if why is not None:
+                raise InvalidArgument(
+                    f"adapter {name!r} cannot be part of a weighted mix: {why}; request it alone"
+                )
+            merged[adapter_id] = merged.get(adapter_id, 0.0) + weight
+        return tuple(merged.items())
+
     def invocation_tokens(self, adapter_id: str) -> tuple[int, ...]:
         """An activated LoRA's invocation tokens (PEFT's ``alora_invocation_tokens``), () for a
         plain LoRA. Called from request threads, after :meth:`resolve`."""
@@ -178,10 +200,14 @@ class AdapterManager:
     # -- references ---------------------------------------------------------------------------
     def acquire(self, adapter_id: str) -> None:
         """Take a reference for a queued request; with overlap, start its store fetch now, not
-        at the next step."""
+        at the next step, unless it is ready in a slot (its host copy may have been dropped
+        since: nothing needs it again while the slot holds it)."""
         entry = self._acquire(adapter_id)
         if self.overlap:
-            self._ensure(entry)
+            with self._lock:
+                resident = self._device_tier.ready(entry)
+            if not resident:
+                self._ensure(entry)
 
     def _acquire(self, adapter_id: str) -> AdapterEntry:
         with self._lock:
@@ -226,6 +252,41 @@ class AdapterManager:
             return True
         self._raise_error(entry)
         return False
+
+    def place_all(self, adapter_ids: Sequence[str], keep: Set[str] = frozenset()) -> bool:
+        """:meth:`place` for every adapter of a request (a mix's components); True once all
+        are ready. ``keep``: the adapters of the running requests and of the waiting ones ahead
+        of this one.
+
+        A mix claims no slot until every component it misses can have one at once, so two
+        mixes never each hold part of their slots while waiting for the other's. Slots held
+        by adapters that only requests behind it need (referenced, so never evicted as idle)
+        count as free for it: it evicts them, least recently used first, as the queue's order
+        gives it the right to (they are placed again for their requests, as after any
+        eviction). Example, 2 slots holding ``a`` and ``c``, waiting mixes (a, b) then (b, c):
+        the first evicts ``c`` for ``b`` and runs; without it both would wait forever."""
+        if len(adapter_ids) == 1:
+            return self.place(adapter_ids[0])
+        entries = [self._entry(adapter_id) for adapter_id in adapter_ids]
+        for entry in entries:
+            self._raise_error(entry)
+        with self._lock:
+            missing = sum(1 for entry in entries if entry.slot is None)
+            short = missing - self._device_tier.claimable(self._records.entries())
+            if short > 0:
+                spare = sorted(
+                    (e for e in self._records.entries()
+                     if e.slot is not None and e.refs > 0 and not e.pinned
+                     and e.adapter_id not in keep and e.adapter_id not in adapter_ids),
+                    key=lambda e: e.last_used,
+                )
+                if short > len(spare):
+                    return False
+                for victim in spare[:short]:
+                    log.debug("evicting %s, needed only behind a mix", victim.name)
+                    self.metrics.evictions.labels("device").inc()
+                    self._device_tier.evict(victim)
+        return all([self.place(adapter_id) for adapter_id in adapter_ids])
 
     def _close_timeline(self, entry: AdapterEntry) -> None:
         """``entry``'s request is admitted: where its wait went, to the log and the metrics."""

@@ -30,6 +30,18 @@ layout (decode: the step builder orders decode rows by slot) runs
 row's A and B once and adds the delta into the output in place (same sums, another order), where
 the bmm path runs 18 ops per layer.
 
+**Weighted mixes** (``core/adapter_mix.py``): a row may take several slots with a weight each,
+``delta = sum_i w_i * scaling_i * B_i A_i x`` (PEFT's ``add_weighted_adapter`` with
+``combination_type="cat"``), from each component's own slot. Such a step is laid out over
+*entries* (:class:`MixEntries`), one per (row, slot) pair -- a plain row is one entry of weight
+1, a k-adapter mix row k entries -- with the layouts above built over entries instead of rows,
+and the deltas added back with a scatter-add (``index_add_``) into their rows. Only steps that
+hold a mix row take that path (no identity layout, no native op); every other step keeps its own.
+Example, rows [2, mix((0, 0.7), (2, 0.3)), -1]::
+
+    entries: rows [0, 1, 1]   slots [2, 0, 2]   scale [s2, 0.7 s0, 0.3 s2]
+    slot-major: slot 0: entry 1; slot 2: entries 0, 2 -> per_slot 2, layout over entries
+
 DoRA slots (``slots.py``) take one more step per adapted projection, after the delta: each row's
 output columns are multiplied by its slot's factor taken at placement (and shifted where the
 projection has a bias), ``out = f * (W x + s B A x) + (1 - f) * bias`` -- the identity entry
@@ -40,7 +52,7 @@ exactly. It runs only in steps with a DoRA row, and only on the projections DoRA
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
@@ -57,6 +69,37 @@ PADDING_LIMIT = 2.0  # slot-major when padded rows <= PADDING_LIMIT x real rows
 # A step gathers each DoRA module's row factors for every layer at once (one op per module, not
 # per layer) while they take at most this many bytes; above (long prefills), layer by layer.
 DORA_GATHER_BYTES = 4 << 20
+
+
+Mix = tuple[tuple[int, float], ...]  # a mix row's (slot, weight) per component
+RowLora = int | Mix  # what a batch row takes: a slot (-1: base model) or a mix
+
+
+@dataclass(frozen=True)
+class MixEntries:
+    """The (row, slot, weight) entries of a step that holds a mix row (module docstring)."""
+
+    rows: list[int]  # [E] batch row of each entry
+    slots: list[int]  # [E]
+    weights: list[float]  # [E] the mix weight (1.0 for a plain row)
+
+
+def split_mixes(row_lora: Sequence[RowLora]) -> tuple[list[int], MixEntries | None]:
+    """Per-row slots with every mix row as -1 (what DoRA, vocabulary and expert metadata read:
+    a mix has none of them), and the step's entries; None when no row is a mix."""
+    plain = [r if isinstance(r, int) else -1 for r in row_lora]
+    if all(isinstance(r, int) for r in row_lora):
+        return plain, None
+    rows: list[int] = []
+    slots: list[int] = []
+    weights: list[float] = []
+    for row, lora in enumerate(row_lora):
+        for slot, weight in ((lora, 1.0),) if isinstance(lora, int) else lora:
+            if slot >= 0:
+                rows.append(row)
+                slots.append(slot)
+                weights.append(weight)
+    return plain, MixEntries(rows, slots, weights)
 
 
 @dataclass(frozen=True)
@@ -107,6 +150,7 @@ class LoraStepMeta:
     offs: torch.Tensor | None = None  # [S] int32, cumulative group ends
     sorted_slots: torch.Tensor | None = None  # [P] int64 (fallback gather path)
     dora: DoraRows | None = None  # the DoRA rows of the step, None if none
+    entry_rows: torch.Tensor | None = None  # [E] batch row of each entry; None without a mix
 
     @property
     def slot_major(self) -> bool:
@@ -125,10 +169,12 @@ class LoraBackend(Protocol[MetaT]):
     name: str
 
     def prepare(
-        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
+        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None,
+        mixes: MixEntries | None = None,
     ) -> MetaT | None:
         """Metadata for rows whose slot is ``token_slots[row]`` (-1: base model), staged in
-        ``arena`` when given (the engine flushes it), else as plain tensors."""
+        ``arena`` when given (the engine flushes it), else as plain tensors. ``mixes``: the
+        step's entries when a row is a mix (those rows are -1 in ``token_slots``)."""
 
     def add(
         self,
@@ -156,7 +202,7 @@ class LoraBackend(Protocol[MetaT]):
 
 def staged_size(num_rows: int, num_slots: int) -> int:
     """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row and 1
-    per slot) stage for ``num_rows`` rows."""
+    per slot) stage for ``num_rows`` rows (entries, in a step with a mix row)."""
     return int(PADDING_LIMIT * num_rows) + 6 * num_rows + 2 * num_slots + 8  # + vocab's row_slot
 
 
@@ -166,45 +212,53 @@ def build_meta(
     dtype: torch.dtype,
     device: torch.device,
     arena: Arena | None = None,
+    mixes: MixEntries | None = None,
 ) -> LoraStepMeta | None:
-    """Group rows by slot on the host and choose the layout; None when no row has an adapter."""
+    """Group units (rows, or ``mixes``' entries) by slot on the host and choose the layout;
+    None when no row has an adapter."""
+    unit_slots = token_slots if mixes is None else mixes.slots
+    row_of = (lambda u: u) if mixes is None else mixes.rows.__getitem__  # unit -> its x row
     by_slot: dict[int, list[int]] = {}
-    for row, slot in enumerate(token_slots):
+    for unit, slot in enumerate(unit_slots):
         if slot >= 0:
-            by_slot.setdefault(slot, []).append(row)
+            by_slot.setdefault(slot, []).append(unit)
     if not by_slot:
         return None
     table = slots.table
     active = sorted(by_slot)
-    num_rows = sum(len(v) for v in by_slot.values())
+    num_units = sum(len(v) for v in by_slot.values())
     lo = active[0]
     slot_range = active[-1] - lo + 1
     per_slot = max(len(v) for v in by_slot.values())
-    slot_major = slot_range * per_slot <= PADDING_LIMIT * num_rows
-    output_rows = [0] * len(token_slots)
+    slot_major = slot_range * per_slot <= PADDING_LIMIT * num_units
+    output_rows = [0] * len(unit_slots)
     if slot_major:  # layout row of (slot, j) is (slot - lo) * per_slot + j; padding reads row 0
         size = slot_range * per_slot
         layout_rows = [0] * size
         for slot in active:
-            for j, row in enumerate(by_slot[slot]):
-                layout_rows[(slot - lo) * per_slot + j] = row
-                output_rows[row] = (slot - lo) * per_slot + j
-    else:  # rows sorted by slot
-        size = num_rows
-        layout_rows = [row for slot in active for row in by_slot[slot]]
-        for i, row in enumerate(layout_rows):
-            output_rows[row] = i
+            for j, unit in enumerate(by_slot[slot]):
+                layout_rows[(slot - lo) * per_slot + j] = row_of(unit)
+                output_rows[unit] = (slot - lo) * per_slot + j
+    else:  # units sorted by slot
+        size = num_units
+        units = [unit for slot in active for unit in by_slot[slot]]
+        layout_rows = [row_of(unit) for unit in units]
+        for i, unit in enumerate(units):
+            output_rows[unit] = i
     # Identity: the batch rows *are* the layout (rows 0..size-1 in layout order, nothing padded).
-    identity = size == len(token_slots) and layout_rows == list(range(size))
+    identity = (mixes is None and size == len(token_slots)
+                and layout_rows == list(range(size)))
     def longs(values: list[int]) -> torch.Tensor:
         if arena is not None:
             return arena.longs(values)
         return torch.tensor(values, dtype=torch.long).to(device)
 
-    scale = [table[s].scaling if s >= 0 else 0.0 for s in token_slots]
+    scale = [table[s].scaling if s >= 0 else 0.0 for s in unit_slots]
+    if mixes is not None:
+        scale = [s * w for s, w in zip(scale, mixes.weights, strict=True)]
     row_scale = (
         arena.floats(scale) if arena is not None else torch.tensor(scale).to(device)
-    ).to(dtype).unsqueeze(1)  # [T, 1]; the cast runs on the device after the flush
+    ).to(dtype).unsqueeze(1)  # [U, 1]; the cast runs on the device after the flush
     common = LoraStepMeta(
         max_rank=max(table[s].rank for s in active),
         modules=frozenset().union(*(table[s].modules for s in active)),
@@ -212,6 +266,7 @@ def build_meta(
         layout_rows=None if identity else longs(layout_rows),
         output_rows=None if identity else longs(output_rows),
         dora=build_dora_rows(token_slots, slots, longs),
+        entry_rows=None if mixes is None else longs(mixes.rows),
     )
     if slot_major:
         return replace(common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot)
@@ -252,9 +307,10 @@ class TorchLoraBackend:
         self.native = native
 
     def prepare(
-        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
+        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None,
+        mixes: MixEntries | None = None,
     ) -> LoraStepMeta | None:
-        return build_meta(token_slots, slots, self._dtype, self._device, arena)
+        return build_meta(token_slots, slots, self._dtype, self._device, arena, mixes)
 
     def add(
         self,
@@ -325,9 +381,19 @@ class TorchLoraBackend:
 
     @staticmethod
     def _accumulate(y: torch.Tensor, out: torch.Tensor, col: int, meta: LoraStepMeta) -> None:
-        """out[:, col:col+N] += row_scale * y, y [P, N] back in batch-row order."""
-        delta = y if meta.output_rows is None else y.index_select(0, meta.output_rows)  # [T, N]
-        out[:, col : col + y.shape[1]].addcmul_(delta, meta.row_scale)
+        """out[:, col:col+N] += row_scale * y, y [P, N] back in unit order; with mixes, each
+        entry's scaled delta is added into its row (several entries per mix row).
+
+        Semantics::
+
+            for u in units:   out[row(u), col:col+N] += row_scale[u] * y[output_rows[u]]
+        """
+        delta = y if meta.output_rows is None else y.index_select(0, meta.output_rows)  # [U, N]
+        view = out[:, col : col + y.shape[1]]  # [T, N]
+        if meta.entry_rows is None:
+            view.addcmul_(delta, meta.row_scale)
+        else:
+            view.index_add_(0, meta.entry_rows, delta * meta.row_scale)
 
 
 class LoraStep:
@@ -353,12 +419,13 @@ class LoraStep:
 
     @classmethod
     def for_step(
-        cls, slots: LoraSlots, backend: LoraBackend, token_slots: list[int],
+        cls, slots: LoraSlots, backend: LoraBackend, row_lora: Sequence[RowLora],
         dtype: torch.dtype, device: torch.device, arena: Arena | None = None,
     ) -> LoraStep | None:
-        """The hook of a step whose rows have slots ``token_slots`` (-1: base model); None
-        when no row has an adapter. Metadata staged in ``arena`` when given."""
-        meta = backend.prepare(token_slots, slots, arena)
+        """The hook of a step whose rows take ``row_lora`` (a slot, -1 for the base model, or
+        a mix); None when no row has an adapter. Metadata staged in ``arena`` when given."""
+        token_slots, mixes = split_mixes(row_lora)
+        meta = backend.prepare(token_slots, slots, arena, mixes)
         if meta is None:
             return None
 

@@ -1,7 +1,10 @@
 """The LoRA delta with the Triton SGMV kernels of ``lorastream/kernels/`` (CUDA; the CPU runs
 them only in Triton's interpreter, for tests). Same contract as the torch backend: metadata built
 on the host once per step (``SgmvMetadata``), reused by every layer's shrink and expand. A MoE
-base's expert deltas run the expert kernel (``kernels/moe_lora.py``) over (slot, expert) groups."""
+base's expert deltas run the expert kernel (``kernels/moe_lora.py``) over (slot, expert) groups.
+
+A step with a weighted mix row (``backend.py``, "Weighted mixes") is routed to the torch
+backend's entry layout, on the same device: the SGMV kernels take one slot per row."""
 
 from __future__ import annotations
 
@@ -13,7 +16,13 @@ from lorastream.core.errors import InvalidArgument
 from lorastream.kernels.metadata import SgmvMetadata
 from lorastream.kernels.sgmv import check_available, sgmv_expand, sgmv_shrink
 from lorastream.worker.device.step_arena import Arena
-from lorastream.worker.lora.backend import DoraRows, build_dora_rows
+from lorastream.worker.lora.backend import (
+    DoraRows,
+    LoraStepMeta,
+    MixEntries,
+    TorchLoraBackend,
+    build_dora_rows,
+)
 from lorastream.worker.lora.experts import ExpertStepMeta, add_expert_lora_triton
 from lorastream.worker.lora.slots import LoraSlots
 
@@ -38,11 +47,16 @@ class TritonLoraBackend:
             raise InvalidArgument(f"--lora-backend triton cannot run here: {err}") from err
         self._dtype = dtype
         self._device = device
+        self._mixes = TorchLoraBackend(dtype, device)  # steps with a mix row (module docstring)
 
     def prepare(
-        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None
-    ) -> TritonStepMeta | None:
-        """The SGMV metadata travels in its own transfer (``SgmvMetadata.from_slots``)."""
+        self, token_slots: list[int], slots: LoraSlots, arena: Arena | None = None,
+        mixes: MixEntries | None = None,
+    ) -> TritonStepMeta | LoraStepMeta | None:
+        """The SGMV metadata travels in its own transfer (``SgmvMetadata.from_slots``); a step
+        with a mix row gets the torch backend's metadata."""
+        if mixes is not None:
+            return self._mixes.prepare(token_slots, slots, arena, mixes)
         active = {s for s in token_slots if s >= 0}
         if not active:
             return None
@@ -71,8 +85,11 @@ class TritonLoraBackend:
         b: torch.Tensor,  # [S, N, R]
         out: torch.Tensor,  # [T, N_total]
         col: int,
-        meta: TritonStepMeta,
+        meta: TritonStepMeta | LoraStepMeta,
     ) -> None:
+        if isinstance(meta, LoraStepMeta):  # a step with a mix row
+            self._mixes.add(x, a, b, out, col, meta)
+            return
         h = sgmv_shrink(x, a, meta.token_slots, meta.ranks, meta=meta.sgmv)  # [T, R] fp32
         sgmv_expand(
             h, b, meta.token_slots, meta.ranks, meta.scalings, out, slice_offset=col,

@@ -152,6 +152,7 @@ def build_engine(settings: WorkerSettings, checkpoint: Path | None = None) -> En
         default_max_tokens=settings.default_max_tokens,
         prefetch_depth=settings.prefetch_depth,
         prefix_caching=settings.prefix_caching,
+        max_mix_adapters=settings.max_mix_adapters,
     )
     log.info(
         "engine ready in %.1fs: %s (%s) on %s (%s), %d layers; KV cache %d tokens (%.0f MB); "

@@ -136,6 +136,11 @@ class WorkerSettings(StoreTLSSettings):
         "least recently used evicted; each keeps its grammar compiler for structured outputs. "
         "An evicted one is fetched from the store and loaded again by its next request.",
     )
+    max_mix_adapters: int = Field(
+        4, gt=0,
+        description="Most adapters one request may mix (the 'lora' field, or model "
+        "'mix:a=0.7,b=0.3'); each takes its own slot, so never more than --max-loras.",
+    )
     max_batch_size: int = Field(32, gt=0, description="Most sequences in one step.")
     max_num_tokens: int = Field(
         512, gt=0, description="Token budget of one step (prefill chunks + decode tokens)."

@@ -40,8 +40,8 @@ class GpuWorkerServicer(pb_grpc.GpuWorkerServiceServicer):
     ) -> Iterator[pb.GenerateResponse]:
         if self._drain is not None:
             self._drain.refuse_if_draining()
-        request_id, model, prompt, params = worker_codec.generate_request_from_pb(request)
-        stream = self._engine.submit(model, prompt, params, request_id or None)
+        request_id, model, prompt, params, mix = worker_codec.generate_request_from_pb(request)
+        stream = self._engine.submit(model, prompt, params, request_id or None, mix)
         # The client going away (or the deadline passing) cancels the request at once.
         context.add_callback(stream.cancel)
         for event in stream:

@@ -307,3 +307,22 @@ def test_fetches_share_the_link_one_at_a_time_unless_configured_otherwise(
     engine.start()
     assert [t for e in first for t in e.token_ids] == reference[("all-r64", 0)][:4]
     assert [t for e in second for t in e.token_ids] == reference[("all-r16-rslora", 1)][:4]
+
+
+def test_a_request_for_an_adapter_in_a_slot_fetches_nothing_even_without_its_host_copy(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    """The slot serves it: a request must not start a store fetch for an adapter whose host
+    copy was dropped meanwhile (the fetch would be wasted, and an unload would be refused as
+    "being loaded" while it ran)."""
+    engine = engine_factory(store=store.target)
+    assert greedy_tokens(engine, "attn-r4", 0) == reference[("attn-r4", 0)]
+    adapter_id = engine.adapters.resolve("attn-r4")
+    entry = engine.adapters._records.get(adapter_id)
+    assert entry is not None and engine.adapters.ready(adapter_id)
+    with engine.adapters._lock:  # as the host tier's LRU drops an idle copy
+        engine.adapters.host.drop(entry)
+    assert greedy_tokens(engine, "attn-r4", 1) == reference[("attn-r4", 1)]
+    state = engine.adapters.inspect("attn-r4")
+    assert state is not None and not state.fetching and not state.on_host
+    engine.adapters.unload("attn-r4")  # nothing in flight: the unload is taken

@@ -13,7 +13,13 @@ import pytest
 
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.service.operations import WorkerOperations
-from tests.worker.conftest import ADAPTERS, PROMPTS, EngineFactory
+from tests.worker.conftest import (
+    ADAPTERS,
+    PROMPTS,
+    EngineFactory,
+    peft_mix_model,
+    reference_greedy,
+)
 
 NEW_TOKENS = 6
 
@@ -43,6 +49,32 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(
     assert triton_tokens == torch_tokens
     for (name, i), tokens in triton_tokens.items():
         assert tokens == reference[("base" if name == "tiny" else name, i)][:NEW_TOKENS]
+
+
+def test_triton_backend_routes_mix_steps_to_the_torch_layout_with_peft_cat_tokens(
+    engine_factory: EngineFactory,
+    tiny_model: Path,
+    tiny_adapters: dict[str, Path],
+    reference: dict[tuple[str, int], list[int]],
+) -> None:
+    """A step with a weighted-mix row beside a single adapter and the base model: the SGMV
+    kernels take one slot per row, so the backend hands the step to the entry layout."""
+    pytest.importorskip("triton")
+    mix = (("attn-r4", 0.7), ("mlp-r8", 0.6))
+    expected = reference_greedy(peft_mix_model(tiny_model, tiny_adapters, mix), PROMPTS[1],
+                                NEW_TOKENS)
+    engine = engine_factory(start=False, lora_backend="triton")
+    ops = WorkerOperations(engine)
+    for name in ("attn-r4", "mlp-r8"):
+        ops.load_adapter(name, str(tiny_adapters[name]))
+    prompt, params = PromptInput(token_ids=tuple(PROMPTS[1])), SamplingParams(max_tokens=NEW_TOKENS)
+    streams = {name: engine.submit(name, prompt, params) for name in ("tiny", "attn-r4")}
+    streams["mix"] = engine.submit("", prompt, params, mix=mix)
+    engine.start()
+    tokens = {name: [t for e in s for t in e.token_ids] for name, s in streams.items()}
+    assert tokens["mix"] == expected
+    assert tokens["attn-r4"] == reference[("attn-r4", 1)][:NEW_TOKENS]
+    assert tokens["tiny"] == reference[("base", 1)][:NEW_TOKENS]
 
 
 def test_triton_backend_serves_phi3s_fused_targets_as_peft_does(

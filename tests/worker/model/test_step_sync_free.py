@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
-from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.backend import LoraStep, RowLora, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots, SlotInfo
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
@@ -25,9 +25,10 @@ from tests.support.sync_free import no_device_reads
 class _Seq:
     """The fields of a Sequence that step inputs read."""
 
-    def __init__(self, prompt: list[int], computed: int, blocks: list[int], slot: int) -> None:
+    def __init__(self, prompt: list[int], computed: int, blocks: list[int], slot: int,
+                 mix: tuple[tuple[int, float], ...] = ()) -> None:
         self.prompt_ids, self.output_ids = prompt, [7]
-        self.num_computed, self.blocks, self.slot = computed, blocks, slot
+        self.num_computed, self.blocks, self.slot, self.mix = computed, blocks, slot, mix
 
     def token_at(self, index: int) -> int:
         return (self.prompt_ids + self.output_ids)[index]
@@ -36,11 +37,16 @@ class _Seq:
         """The slot position ``position`` reads (a plain LoRA: every position its slot)."""
         return self.slot
 
+    def lora_row(self, position: int) -> RowLora:
+        """What position ``position`` takes: its slot, or its mix's (slot, weight) pairs."""
+        return self.mix or self.slot
+
     @property
     def remaining_prompt(self) -> int:
         return len(self.prompt_ids) - self.num_computed
 
 
+@pytest.mark.parametrize("with_mix", [False, True], ids=["plain", "with-a-mix-row"])
 @pytest.mark.parametrize(
     "rope_scaling",
     [None, {"rope_type": "dynamic", "factor": 2.0},
@@ -49,7 +55,7 @@ class _Seq:
     ids=["default", "dynamic", "llama3"],
 )
 def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
-    tmp_path: Path, rope_scaling: dict[str, object] | None
+    tmp_path: Path, rope_scaling: dict[str, object] | None, with_mix: bool
 ) -> None:
     checkpoint = make_tiny_checkpoint(tmp_path / "m", rope_scaling=rope_scaling,
                                       max_position_embeddings=128)
@@ -68,15 +74,17 @@ def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
         slots.table[s] = SlotInfo(f"id{s}", 4, 2.0, frozenset(slots.a))
     decode = [_Seq([5, 6, 7, 8], 4, kv.allocator.allocate(8), 0),
               _Seq([9] * 20, 20, kv.allocator.allocate(24), -1)]
+    if with_mix:  # a weighted mix of both slots (the entry layout and its index_add_)
+        decode.append(_Seq([4, 4, 4], 3, kv.allocator.allocate(8), -1, ((0, 0.7), (1, 0.3))))
     prefill = [(_Seq([3, 4, 5, 6, 7], 0, kv.allocator.allocate(8), 1), 5)]
     plan = StepPlan(decode=decode, prefill=prefill)  # type: ignore[arg-type]  # _Seq: the fields of a Sequence that steps read
     backend = TorchLoraBackend(torch.float32, cpu)
     inputs = build_step_inputs(plan)  # host lists -> host tensors (no device involved)
     with no_device_reads():
-        meta = backend.prepare(inputs.token_slots, slots)
-        assert meta is not None
-        logits = model.forward(inputs.batch.to(cpu), kv, LoraStep(slots, backend, meta))
-    assert logits.shape == (3, config.vocab_size)
+        lora = LoraStep.for_step(slots, backend, inputs.token_slots, torch.float32, cpu)
+        assert lora is not None
+        logits = model.forward(inputs.batch.to(cpu), kv, lora)
+    assert logits.shape == (3 + with_mix, config.vocab_size)
 
 
 def test_the_guard_catches_a_read_back() -> None:
