@@ -35,6 +35,12 @@ def engine_goals(r: Result) -> list[list[str]]:
     if "multi_vs_peft" in r:
         rows.append(goal_row(f"engine decode{on}, multi-adapter / HF + PEFT",
                              r.get("multi_vs_peft"), r.get("goal_multi_vs_peft")))
+    if "dora_vs_lora" in r:
+        rows.append(goal_row(f"engine decode{on}, DoRA / plain LoRA of the same rank",
+                             r.get("dora_vs_lora"), r.get("goal_dora_vs_lora")))
+    if "tokens_vs_lora" in r:
+        rows.append(goal_row(f"engine decode{on}, LoRA + new token rows / plain LoRA",
+                             r.get("tokens_vs_lora"), r.get("goal_tokens_vs_lora")))
     if "mix_vs_lora" in r:
         rows.append(goal_row(f"engine decode{on}, two-adapter mixes / one adapter",
                              r.get("mix_vs_lora"), r.get("goal_mix_vs_lora")))
@@ -58,6 +64,12 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
     if "peft_mixed_batch_decode_tok_s" in r:
         rows.append(["HF transformers + PEFT, one mixed-adapter batch (`adapter_names=`)",
                      number(r.get("peft_mixed_batch_decode_tok_s"))])
+    if "engine_dora_decode_tok_s" in r:
+        rows.append(["engine, the same adapters as DoRA (`--dora`: magnitudes added)",
+                     number(r.get("engine_dora_decode_tok_s"))])
+    if "engine_tokens_decode_tok_s" in r:
+        rows.append([f"engine, the same adapters each with {text(r.get('new_token_rows'))} "
+                     "new token rows (`--tokens`)", number(r.get("engine_tokens_decode_tok_s"))])
     if "engine_mix_decode_tok_s" in r:
         rows.append(["engine, every prompt a 0.5/0.5 mix of two of the adapters (`--mix`)",
                      number(r.get("engine_mix_decode_tok_s"))])

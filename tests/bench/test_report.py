@@ -504,21 +504,33 @@ def test_the_cold_workloads_show_every_mode_their_phases_goals_and_plot(tmp_path
     assert "](benchmarks/plots/serve_cold.png)" in page
 
 
-@pytest.mark.parametrize("mix_vs_lora", [None, 0.87, 0.6])
-def test_the_engine_section_shows_the_mix_figure_and_its_goal_when_measured(
-    mix_vs_lora: float | None,
+KIND_FIGURES = {  # --flag: (tok/s key, ratio key, goal, goal row, figure row marker)
+    "mix": ("engine_mix_decode_tok_s", "mix_vs_lora", 0.8,
+            "engine decode, two-adapter mixes / one adapter", "(`--mix`)"),
+    "dora": ("engine_dora_decode_tok_s", "dora_vs_lora", 0.9,
+             "engine decode, DoRA / plain LoRA of the same rank", "(`--dora`"),
+    "tokens": ("engine_tokens_decode_tok_s", "tokens_vs_lora", 0.95,
+               "engine decode, LoRA + new token rows / plain LoRA", "(`--tokens`)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_FIGURES))
+@pytest.mark.parametrize("ratio", [None, 0.97, 0.6])
+def test_the_engine_section_shows_each_kinds_figure_and_goal_when_measured(
+    kind: str, ratio: float | None,
 ) -> None:
+    rate_key, ratio_key, goal_value, goal_name, marker = KIND_FIGURES[kind]
     engine = dict(renderer_inputs()["engine"])
-    if mix_vs_lora is not None:
-        engine |= {"engine_mix_decode_tok_s": 163.4 * mix_vs_lora, "mix_vs_lora": mix_vs_lora,
-                   "goal_mix_vs_lora": ">= 0.8"}
+    if ratio is not None:
+        engine |= {rate_key: 163.4 * ratio, ratio_key: ratio,
+                   f"goal_{ratio_key}": f">= {goal_value}", "new_token_rows": 8}
     page = render_page({"engine": engine}, {})
     rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.count("|") > 2}
-    goal = rows.get("engine decode, two-adapter mixes / one adapter")
-    if mix_vs_lora is None:
-        assert goal is None and "(`--mix`)" not in page
+    goal = rows.get(goal_name)
+    if ratio is None:
+        assert goal is None and marker not in page
     else:
-        verdict = "met" if mix_vs_lora >= 0.8 else "**not met**"
-        assert goal is not None and goal.endswith(f"| {mix_vs_lora:.2f}× | ≥ 0.8 | {verdict} |")
-        assert f"{163.4 * mix_vs_lora:.1f}" in page
+        verdict = "met" if ratio >= goal_value else "**not met**"
+        assert goal is not None and goal.endswith(f"| {ratio:.2f}× | ≥ {goal_value} | {verdict} |")
+        assert f"{163.4 * ratio:.1f}" in page and marker in page
     _assert_no_leaks(page)
