@@ -85,8 +85,8 @@ def _peft_reference(
     for t in range(h.shape[0]):
         s = row_slots[t]
         for w, e in zip(weights[t], experts[t].tolist(), strict=True):
-            gate_up = block.gate_up_t[e].T.clone()  # [2 I, H]
-            down = block.down_t[e].T.clone()  # [H, I]
+            gate_up = block.gate_up[e].clone()  # [2 I, H]
+            down = block.down[e].clone()  # [H, I]
             if s >= 0:
                 scale = slots.table[s].scaling
                 gate_up[:inter] += scale * b_gu[s, e, :inter] @ a_gu[s, e, :r]

@@ -18,13 +18,10 @@
 namespace {
 
 using lorastream_cpu::check_float;
+using lorastream_cpu::dot;
 
 #ifdef LORASTREAM_AVX2
-inline float hsum(__m256 v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_hadd_ps(q, q);
-  return _mm_cvtss_f32(_mm_hadd_ps(q, q));
-}
+using lorastream_cpu::hsum;
 
 // lanes where the chunk of 8 starting at ``k0`` is below ``rank``
 inline __m256i lanes_below(int64_t k0, int64_t rank) {
@@ -33,27 +30,6 @@ inline __m256i lanes_below(int64_t k0, int64_t rank) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rank)), idx);
 }
 #endif
-
-// sum_i x[i] * a[i], i < n: four 8-lane FMA chains side by side, then the scalar tail
-float dot(const float* x, const float* a, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.f;
-#ifdef LORASTREAM_AVX2
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-  for (; i + 32 <= n; i += 32) {
-    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i), c0);
-    c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(a + i + 8), c1);
-    c2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(a + i + 16), c2);
-    c3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(a + i + 24), c3);
-  }
-  for (; i + 8 <= n; i += 8) {
-    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i), c0);
-  }
-  acc = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
-#endif
-  for (; i < n; ++i) acc += x[i] * a[i];
-  return acc;
-}
 
 // o[n] += s * sum_{k < rank} h[k] * b[n * ldb + k] for n < n_rows. Eight rows of b at a time:
 // their 8-lane products reduced into one vector of 8 sums (a transposing hadd tree), added into
