@@ -86,9 +86,11 @@ def run_engine_bench(
     quantization: str = "none",
     dora: bool = False,
     tokens: int = 0,
+    peft_new_tokens: int = 0,
 ) -> dict[str, object]:
     """``quantization``: "none", or quantized modes (comma-separated) to compare with the fp32 base
-    instead (engine_quant.py)."""
+    instead (engine_quant.py); ``peft_new_tokens``: the PEFT side's tokens per prompt on a MoE
+    base (0: ``new_tokens``)."""
     modes = [q for q in quantization.split(",") if q and q != "none"]
     if modes:
         from lorastream.bench.engine_quant import run_quant_bench
@@ -116,7 +118,7 @@ def run_engine_bench(
         from lorastream.bench.engine_moe import run_moe_engine_bench
 
         return run_moe_engine_bench(model, checkpoint, adapters, rank, prompts, new_tokens,
-                                    repeats, include_peft)
+                                    repeats, include_peft, peft_new_tokens or new_tokens)
     load_at_start = os.getloadavg()  # a shared machine: what else ran beside the measurement
     shape = checkpoint_shape(model)
     if shape != SMOLLM2_135M:
