@@ -90,7 +90,8 @@ def moe_section(r: Result, plots: Mapping[str, str]) -> str:
     load = r.get("load_avg_1m") or {}
     return paragraphs([
         f"{text(r.get('prompts'))} prompts, {text(r.get('new_tokens'))} new tokens each, on "
-        f"{_shape(r)} -- Qwen3-30B-A3B's proportions scaled down to fit this machine. "
+        f"{_shape(r)} (`lorastream bench moe-checkpoint` builds it; its default shape scales "
+        "Qwen3-30B-A3B's proportions down to fit this machine). "
         f"{text(r.get('adapters'))} adapters of rank {text(r.get('rank'))} on "
         f"{text(r.get('targets'))}, one per prompt. Decode tok/s as in the engine benchmark "
         f"(best of {text(r.get('repeats'))} repeats); {peft_note} The machine's 1-minute load "
