@@ -20,6 +20,7 @@ from benchpage import (
     gpu_report,
     report_alora,
     report_grammar,
+    report_moe,
     report_pool,
     report_prefix,
     report_push,
@@ -84,6 +85,13 @@ BENCHES = (
           "lorastream bench engine --quantization int8,int8-dynamic --repeats 4 "
           "--output {results}/engine-int8.json",
           report_quant.quant_section, report_quant.quant_goals),
+    Bench("engine-moe",
+          "Engine on a mixture-of-experts base: expert LoRAs vs base only vs HF + PEFT "
+          "(engine-moe)",
+          "lorastream bench moe-checkpoint /tmp/qwen3moe && lorastream bench engine "
+          "--model /tmp/qwen3moe --adapters 32 --prompts 32 --new-tokens 16 --repeats 2 "
+          "--output {results}/engine-moe.json",
+          report_moe.moe_section, report_moe.moe_goals),
     Bench("serve", "Serving cold adapters: overlapped loading on vs off (serve)",
           "lorastream bench serve --output {results}/serve.json",
           report_serve.serve_section, report_serve.serve_goals,

@@ -92,9 +92,11 @@ def run_engine_bench(
     dora: bool = False,
     tokens: int = 0,
     mix: bool = False,
+    peft_new_tokens: int = 0,
 ) -> dict[str, object]:
     """``quantization``: "none", or quantized modes (comma-separated) to compare with the fp32 base
-    instead (engine_quant.py)."""
+    instead (engine_quant.py); ``peft_new_tokens``: the PEFT side's tokens per prompt on a MoE
+    base (0: ``new_tokens``)."""
     if mix and adapters < 2:
         raise ValueError("--mix mixes two distinct adapters: use --adapters 2 or more")
     modes = [q for q in quantization.split(",") if q and q != "none"]
@@ -124,7 +126,7 @@ def run_engine_bench(
         from lorastream.bench.engine_moe import run_moe_engine_bench
 
         return run_moe_engine_bench(model, checkpoint, adapters, rank, prompts, new_tokens,
-                                    repeats, include_peft)
+                                    repeats, include_peft, peft_new_tokens or new_tokens)
     load_at_start = os.getloadavg()  # a shared machine: what else ran beside the measurement
     shape = checkpoint_shape(model)
     if shape != SMOLLM2_135M:

@@ -10,7 +10,10 @@ q/k/v/o (random A and B, B non-zero). Decode tok/s is measured as in ``decode_ra
 PEFT 0.21 refuses mixed-adapter batches with LoRA on expert parameters (``lora.ParamWrapper
 does not support mixed adapter batches yet``), so the peer serves the same prompts adapter by
 adapter: ``set_adapter``, then one batched ``generate`` over that adapter's prompts -- what a
-PEFT deployment of such adapters can do.
+PEFT deployment of such adapters can do. PEFT is slow with LoRA on the experts (each forward
+builds the whole parameter's delta, every expert's), so its side may generate fewer tokens per
+prompt (``--peft-new-tokens``, recorded as ``peft_new_tokens``): decode tok/s is per token, as
+``decode_rate.py`` measures it, either way.
 
 :func:`make_moe_checkpoint` writes the random-weight Qwen3-MoE base these figures are measured
 on (``lorastream bench moe-checkpoint``), with the default model's tokenizer.
@@ -40,16 +43,20 @@ EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 @dataclass(frozen=True)
 class MoeShape:
-    """A Qwen3-MoE shape (every layer sparse)."""
+    """A Qwen3-MoE shape (every layer sparse). The default is Qwen3-30B-A3B's proportions
+    scaled down to fit a small machine: many experts, top-8, ``moe_intermediate / hidden`` of
+    768 / 2048, 8 query heads per KV head -- hidden 1024 (2048), 4 layers (48), 64 experts
+    (128), the same top-8 and expert width ratio. Its expert LoRA weights (rank 16) are a
+    small part of the experts' own, as in the real model."""
 
-    hidden: int = 512
-    layers: int = 8
-    heads: int = 8
+    hidden: int = 1024
+    layers: int = 4
+    heads: int = 16
     kv_heads: int = 2
     head_dim: int = 64
-    experts: int = 16
-    top_k: int = 2
-    moe_intermediate: int = 256
+    experts: int = 64
+    top_k: int = 8
+    moe_intermediate: int = 384
 
     def config(self, vocab_size: int) -> dict[str, Any]:
         """Keyword arguments of transformers' ``Qwen3MoeConfig``."""
@@ -62,6 +69,56 @@ class MoeShape:
             decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
             max_position_embeddings=4096,
         )
+
+
+def read_ceiling(
+    config: Any, adapters: int, rank: int, prompts: int, element_bytes: int = 4
+) -> dict[str, object]:
+    """The bytes one decode step of ``prompts`` rows reads, base model only and with one adapter
+    per row (``adapters`` of them, rows spread evenly), and so the best multi-adapter / base
+    ratio a memory-bound step can reach: ``base / (base + adapter)``.
+
+    Base: each layer's attention and router matrices, every expert some row visits (uniform
+    routing: ``E (1 - (1 - k/E)^T)`` experts of ``3 H I`` weights) and the LM head. Adapters:
+    each distinct adapter's attention A and B, and, per expert its rows visit, that expert's A
+    and B as the adapter holds them (gate_up's A once: PEFT's fused form shares it between gate
+    and up; the engine's storage holds it twice, ``engine_adapter_step_mb``). The KV cache,
+    norms and embedding rows are left out (small beside these at short contexts). ``layers_*``:
+    the decoder layers alone, without the LM head (which a real 48-layer model reads 48 times
+    less of, per layer, than this shape)."""
+    h, i, e, k = (config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                  config.experts_per_token)
+    q, kv = config.q_size, config.kv_size
+    distinct = min(adapters, prompts)
+    rows_each = prompts / distinct
+
+    def visited(rows: float) -> float:  # expected experts some of ``rows`` rows route to
+        return e * (1 - (1 - k / e) ** rows)
+
+    moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
+    attention = h * q + 2 * h * kv + q * h
+    base_layers = (config.num_layers * attention
+                   + moe_layers * (e * h + visited(prompts) * 3 * h * i))
+    head = config.vocab_size * h
+    attention_lora = rank * ((h + q) + 2 * (h + kv) + (q + h))
+    expert_lora = rank * (h + 2 * i + i + h)  # A_gu, B_gu, A_down, B_down
+    engine_expert_lora = expert_lora + rank * h  # gate_up's A stored for gate and for up
+    per_adapter = config.num_layers * attention_lora
+    adapter = distinct * (per_adapter + moe_layers * visited(rows_each) * expert_lora)
+    engine = distinct * (per_adapter + moe_layers * visited(rows_each) * engine_expert_lora)
+
+    def mb(weights: float) -> float:
+        return round(weights * element_bytes / 1e6, 1)
+
+    return {
+        "experts_visited_per_layer": round(visited(prompts), 1),
+        "base_step_mb": mb(base_layers + head),
+        "adapter_step_mb": mb(adapter),
+        "engine_adapter_step_mb": mb(engine),
+        "multi_vs_base_ceiling": round((base_layers + head) / (base_layers + head + adapter), 3),
+        "layers_base_mb": mb(base_layers),
+        "layers_multi_vs_base_ceiling": round(base_layers / (base_layers + adapter), 3),
+    }
 
 
 def make_moe_checkpoint(out_dir: Path, shape: MoeShape = MoeShape(), seed: int = 0) -> Path:
@@ -165,8 +222,11 @@ def peft_by_adapter_rate(
 def run_moe_engine_bench(
     model: str, checkpoint: Path, adapters: int = 32, rank: int = 16, prompts: int = 32,
     new_tokens: int = 32, repeats: int = 3, include_peft: bool = True,
+    peft_new_tokens: int | None = None,
 ) -> dict[str, object]:
-    """The figures of the module docstring, as a result dict (``benchmark: engine_moe``)."""
+    """The figures of the module docstring, as a result dict (``benchmark: engine_moe``);
+    ``peft_new_tokens``: the PEFT side's tokens per prompt (None: ``new_tokens``)."""
+    peft_new_tokens = peft_new_tokens or new_tokens
     from lorastream.worker.model.config import ModelConfig
     from lorastream.worker.service.bootstrap import build_engine
     from lorastream.worker.service.config import WorkerSettings
@@ -213,18 +273,21 @@ def run_moe_engine_bench(
         slot_bytes = {"projections": engine.slots.nbytes - engine.slots.expert_nbytes,
                       "experts": engine.slots.expert_nbytes}
         engine.stop()
-        peft = (peft_by_adapter_rate(checkpoint, dirs, [list(p) for p in ids], new_tokens,
-                                     repeats) if include_peft else None)
+        peft = (peft_by_adapter_rate(checkpoint, dirs, [list(p) for p in ids],
+                                     peft_new_tokens, repeats) if include_peft else None)
     result: dict[str, object] = {
         "benchmark": "engine_moe",
         "command": command_line(),
         "model": model,
         "shape": {"family": config.family, "hidden": config.hidden_size,
-                  "layers": config.num_layers, "experts": config.num_experts,
+                  "layers": config.num_layers, "heads": config.num_heads,
+                  "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+                  "experts": config.num_experts,
                   "top_k": config.experts_per_token,
                   "moe_intermediate": config.moe_intermediate_size},
         "adapters": adapters,
         "rank": rank,
+        "read_ceiling": read_ceiling(config, adapters, rank, prompts),
         "targets": "q/k/v/o + experts (target_parameters gate_up_proj, down_proj)",
         "adapter_file_mb": round(adapter_bytes / 1e6, 1),
         "slot_bytes_mb": {k: round(v / 1e6, 1) for k, v in slot_bytes.items()},
@@ -240,6 +303,7 @@ def run_moe_engine_bench(
     if peft is not None:
         result |= {
             "peft_by_adapter_decode_tok_s": round(peft, 1),
+            "peft_new_tokens": peft_new_tokens,
             "multi_vs_peft": round(multi / peft, 2),
             "goal_multi_vs_peft": ">= 3",
         }

@@ -149,6 +149,10 @@ def engine(
     new_tokens: int = typer.Option(32, help="Tokens generated per prompt."),
     repeats: int = typer.Option(3, help="Runs per side; the best is reported."),
     peft: bool = typer.Option(True, "--peft/--no-peft", help="Also run HF transformers + PEFT."),
+    peft_new_tokens: int = typer.Option(
+        0, help="MoE bases: tokens per prompt on the HF + PEFT side (0: --new-tokens); PEFT "
+        "is slow with LoRA on the experts. Decode tok/s is per token either way."
+    ),
     quantization: str = typer.Option(
         "none", help="int8, int8-dynamic and/or fp8 (comma-separated): compare each with the "
         "fp32 base in the same run (goals: base-only >= 1.6x, mixed >= 1.3x fp32). fp8 runs "
@@ -180,7 +184,7 @@ def engine(
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
         repeats=repeats, include_peft=peft, quantization=quantization, dora=dora,
-        tokens=tokens, mix=mix,
+        tokens=tokens, mix=mix, peft_new_tokens=peft_new_tokens,
     )
     print_result(result, output)
 
@@ -220,19 +224,21 @@ def alora(
 @app.command("moe-checkpoint")
 def moe_checkpoint(
     out_dir: Path = typer.Argument(..., help="Directory to write the checkpoint into."),
-    hidden: int = typer.Option(512, help="hidden_size."),
-    layers: int = typer.Option(8, help="num_hidden_layers (all sparse)."),
-    experts: int = typer.Option(16, help="num_experts."),
-    top_k: int = typer.Option(2, help="num_experts_per_tok."),
-    moe_intermediate: int = typer.Option(256, help="moe_intermediate_size."),
+    hidden: int = typer.Option(1024, help="hidden_size."),
+    layers: int = typer.Option(4, help="num_hidden_layers (all sparse)."),
+    heads: int = typer.Option(16, help="num_attention_heads."),
+    kv_heads: int = typer.Option(2, help="num_key_value_heads."),
+    experts: int = typer.Option(64, help="num_experts."),
+    top_k: int = typer.Option(8, help="num_experts_per_tok."),
+    moe_intermediate: int = typer.Option(384, help="moe_intermediate_size."),
 ) -> None:
     """A random-weight Qwen3-MoE checkpoint for `bench engine --model DIR` (the default model's
-    tokenizer)."""
+    tokenizer); the defaults scale Qwen3-30B-A3B's proportions down (``MoeShape``)."""
     require_bench_extra()
     from lorastream.bench.engine_moe import MoeShape, make_moe_checkpoint
 
-    shape = MoeShape(hidden=hidden, layers=layers, experts=experts, top_k=top_k,
-                     moe_intermediate=moe_intermediate)
+    shape = MoeShape(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                     experts=experts, top_k=top_k, moe_intermediate=moe_intermediate)
     typer.echo(str(make_moe_checkpoint(out_dir, shape)))
 
 

@@ -90,3 +90,39 @@ def test_a_synthetic_dora_adapter_is_the_plain_one_plus_magnitudes(tmp_path: Pat
     assert set(dora_tensors) - magnitudes == set(lora_tensors)
     assert len(magnitudes) == SHAPE.num_layers * len(ALL_LINEAR)
     assert all(torch.equal(dora_tensors[k], t) for k, t in lora_tensors.items())
+
+
+@pytest.mark.parametrize(("prompts", "adapters"), [(1, 1), (4, 4), (8, 2)])
+def test_the_moe_read_ceiling_counts_each_rows_adapter_and_the_experts_it_visits(
+    tmp_path: Path, prompts: int, adapters: int
+) -> None:
+    """The ceiling's adapter bytes are the synthetic adapter's own: its attention tensors, and
+    of its expert tensors the share of the experts its rows visit (one row: exactly k of E);
+    the base bytes count the same visited experts of the checkpoint's."""
+    from transformers import Qwen3MoeConfig
+
+    from lorastream.bench.engine_moe import MoeShape, expert_lora, read_ceiling
+
+    shape = MoeShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                     moe_intermediate=32)
+    Qwen3MoeConfig(**shape.config(100)).save_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    tensors, _ = expert_lora(config, rank=4, seed=0)
+    attention = sum(t.numel() for k, t in tensors.items() if "self_attn" in k)
+    experts = sum(t.numel() for k, t in tensors.items() if "experts" in k)
+    e, k = shape.experts, shape.top_k
+
+    def visited(rows: float) -> float:
+        return e * (1 - (1 - k / e) ** rows)
+
+    got = read_ceiling(config, adapters, 4, prompts)
+    adapter = adapters * (attention + experts * visited(prompts / adapters) / e) * 4 / 1e6
+    assert got["adapter_step_mb"] == round(adapter, 1)
+    if prompts == 1:
+        assert visited(1) == pytest.approx(k)
+    h, i = shape.hidden, shape.moe_intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layer = 2 * h * q + 2 * h * kv + e * h + visited(prompts) * 3 * h * i
+    base = (shape.layers * layer + 100 * h) * 4 / 1e6
+    assert got["base_step_mb"] == round(base, 1)
+    assert got["multi_vs_base_ceiling"] == round(base / (base + adapter), 3)

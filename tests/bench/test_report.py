@@ -534,3 +534,50 @@ def test_the_engine_section_shows_each_kinds_figure_and_goal_when_measured(
         assert goal is not None and goal.endswith(f"| {ratio:.2f}× | ≥ {goal_value} | {verdict} |")
         assert f"{163.4 * ratio:.1f}" in page and marker in page
     _assert_no_leaks(page)
+
+
+def _moe_result(**changes: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "benchmark": "engine_moe", "command": "lorastream bench engine --model /tmp/moe",
+        "model": "/tmp/moe",
+        "shape": {"family": "qwen3_moe", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
+                  "head_dim": 16, "experts": 8, "top_k": 2, "moe_intermediate": 32},
+        "adapters": 4, "rank": 8, "targets": "q/k/v/o + experts", "prompts": 4,
+        "new_tokens": 8, "repeats": 2,
+        "read_ceiling": {"experts_visited_per_layer": 5.0, "base_step_mb": 100.0,
+                         "adapter_step_mb": 25.0, "engine_adapter_step_mb": 30.0,
+                         "multi_vs_base_ceiling": 0.8, "layers_base_mb": 90.0,
+                         "layers_multi_vs_base_ceiling": 0.783},
+        "engine_multi_adapter_decode_tok_s": 60.0, "engine_base_only_decode_tok_s": 80.0,
+        "multi_vs_base": 0.75, "goal_multi_vs_base": ">= 0.7",
+        "peft_by_adapter_decode_tok_s": 10.0, "peft_new_tokens": 4, "multi_vs_peft": 6.0,
+        "goal_multi_vs_peft": ">= 3", "load_avg_1m": {"before": 1.5, "after": 2.0},
+        "machine": _machine(),
+    }
+    return result | changes
+
+
+@pytest.mark.parametrize(("goal", "reach"), [
+    (">= 0.7", "The goal (≥ 0.7) lies within this ceiling."),
+    (">= 0.85", "The goal (≥ 0.85) lies above this ceiling"),
+])
+def test_the_moe_section_shows_the_three_sides_the_goals_the_shape_and_the_ceiling(
+    goal: str, reach: str
+) -> None:
+    page = render_page({"engine-moe": _moe_result(goal_multi_vs_base=goal)}, {})  # 0.75 vs goal
+    moe = page[page.index("(engine-moe)") : page.index("## Serving cold adapters")]
+    assert "| engine, 4 distinct adapters in the batch | 60.0 | – |" in moe
+    assert "| engine, base model only | 80.0 | 0.750× |" in moe
+    assert "| HF transformers + PEFT, adapter by adapter | 10.0 | 6.00× |" in moe
+    assert "hidden 64, 2 layers (all sparse)" in moe
+    assert "8 experts of which each token takes 2" in moe
+    assert f"base only: **0.750×** (goal ≥ {goal[3:]})" in moe
+    assert "PEFT generates 4 tokens per prompt" in moe
+    assert "100.0 / (100.0 + 25.0) = **0.800× of base-only throughput**" in moe
+    assert "over the decoder layers alone (no LM head), 0.783×" in moe
+    assert reach in moe
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.count("|") > 4}
+    verdict = "met" if goal == ">= 0.7" else "**not met**"
+    assert rows["MoE engine decode, multi-adapter / base only"].endswith(f"| {verdict} |")
+    assert rows["MoE engine decode, multi-adapter / HF + PEFT"].endswith("| ≥ 3 | met |")
+    _assert_no_leaks(page)

@@ -7,7 +7,9 @@ register ``torch.ops.lorastream.*``:
 
 - ``decode_scores`` / ``decode_values``: decode attention over the paged KV cache
   (``cpu_attention.py``);
-- ``lora_rows``: the LoRA delta of slot-major steps (``cpu_lora.py``);
+- ``lora_rows``, ``expert_lora_rows``: the LoRA delta of slot-major steps and of a MoE layer's
+  expert assignments at decode (``cpu_lora.py``);
+- ``expert_segments_mm``: a MoE layer's routed experts at decode (``cpu/moe.py``);
 - ``rotate_rows``, ``rotate_scale_rows``: int8-dynamic's input rotation, the second with each
   row scaled to int8's range (``cpu_rotation.py``);
 - ``int8_weight_mm``: int8 weight-only products with fp32 activations (``cpu_int8.py``);
@@ -119,9 +121,9 @@ def load() -> str | None:
                     extra_ldflags=["-fopenmp"], build_directory=str(build),
                     is_python_module=False, verbose=False,
                 )
-            ops = ("decode_scores", "decode_values", "lora_rows", "rotate_rows",
-                   "rotate_scale_rows", "int8_weight_mm", "rms_norm", "rotary",
-                   "multiply_add_peak")
+            ops = ("decode_scores", "decode_values", "lora_rows", "expert_lora_rows",
+                   "expert_segments_mm", "rotate_rows", "rotate_scale_rows", "int8_weight_mm",
+                   "rms_norm", "rotary", "multiply_add_peak")
             for op in ops:  # registered, or an error
                 getattr(torch.ops.lorastream, op)
         except Exception as err:  # a missing compiler or ninja, a failed build: keep torch's path

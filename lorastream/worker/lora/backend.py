@@ -61,7 +61,13 @@ import torch.nn.functional as F
 
 from lorastream.kernels.cpu.lora import lora_rows
 from lorastream.worker.device.step_arena import Arena
-from lorastream.worker.lora.experts import ExpertStepMeta, add_expert_lora, build_expert_meta
+from lorastream.worker.lora.experts import (
+    ExpertStepMeta,
+    add_expert_lora,
+    add_expert_lora_rows,
+    build_expert_meta,
+    few_per_group,
+)
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.lora.vocab import VocabStep, build_vocab_step
 
@@ -375,8 +381,12 @@ class TorchLoraBackend:
         self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, a: torch.Tensor,
         bs: list[torch.Tensor], out: torch.Tensor, meta: ExpertStepMeta,
     ) -> None:
-        """Grouped GEMMs over (slot, expert) segments (``add_expert_lora``)."""
+        """Grouped GEMMs over (slot, expert) segments (``add_expert_lora``), or with
+        ``native`` in decode-like steps the C++ row op (``add_expert_lora_rows``)."""
         top_k = x.shape[0] // meta.row_slots.shape[0]
+        if self.native and few_per_group(meta, top_k, a.shape[1]):
+            add_expert_lora_rows(x, token, expert, a, bs, out, meta)
+            return
         add_expert_lora(x, token, expert, a, bs, out, top_k, meta)
 
     @staticmethod

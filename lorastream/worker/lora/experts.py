@@ -26,6 +26,12 @@ adapter's: their rows beyond the rank are zero. The Triton backend runs the Trit
 (``kernels/moe_lora.py``, :func:`add_expert_lora_triton`) in place of the grouped GEMMs: the
 same sums, each assignment's group ``s * E + e`` (-1 without an expert adapter) read from the
 router's choices on the device, and each group's scaling its slot's.
+
+On the CPU with the C++ ops (``--cpu-kernels``), decode-like steps, whose assignments spread
+thin over the S * E groups (:func:`few_per_group`), skip the sort and the mostly empty segments:
+:func:`add_expert_lora_rows` runs ``expert_lora_rows`` (``kernels/cpu/lora.py``), which takes
+the assignments as they come and reads each one's (slot, expert) A and B from the storage, once
+per assignment, into its own row. Prefill-heavy steps keep the grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lorastream.kernels.cpu.lora import expert_lora_rows
 from lorastream.kernels.moe_lora import moe_lora  # Triton itself: imported at the first launch
 from lorastream.worker.device.step_arena import Arena
 from lorastream.worker.lora.slots import LoraSlots
+
+ROWS_PER_GROUP = 8  # the row path while the busiest slot's assignments per expert stay below
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,8 @@ class ExpertStepMeta:
     slot_scale: torch.Tensor  # [S] float32: each slot's scaling (the Triton path's groups')
     adapted_rows: int  # rows with an expert adapter (host-known)
     num_slots: int
+    max_rank: int = 0  # the largest rank of the step's expert adapters
+    max_slot_rows: int = 0  # the most rows one slot has in the step
 
 
 def build_expert_meta(
@@ -79,6 +90,8 @@ def build_expert_meta(
         slot_scale=slot_scale,
         adapted_rows=sum(s in adapted for s in token_slots),
         num_slots=none,
+        max_rank=max(table[s].rank for s in adapted),
+        max_slot_rows=max(token_slots.count(s) for s in adapted),
     )
 
 
@@ -129,6 +142,32 @@ def add_expert_lora(
     ]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)  # [Pa, N]
     out.index_add_(0, order, y.to(out.dtype))
+
+
+def few_per_group(meta: ExpertStepMeta, top_k: int, num_experts: int) -> bool:
+    """Whether a step's assignments spread thin over its (slot, expert) groups: at most
+    ``ROWS_PER_GROUP`` per group on average for its busiest slot (decode: one row per slot, its
+    k assignments on k experts), where the row path beats sorting into S * E segments."""
+    return meta.max_slot_rows * top_k <= ROWS_PER_GROUP * num_experts
+
+
+def add_expert_lora_rows(
+    x: torch.Tensor,  # [P, K] fp32: the assignments' inputs
+    token: torch.Tensor,  # [P]: each assignment's batch row
+    expert: torch.Tensor,  # [P]: each assignment's expert
+    a: torch.Tensor,  # [S, E, G * R, K]
+    bs: list[torch.Tensor],  # G x [S, E, N_g, R]
+    out: torch.Tensor,  # [P, sum N_g] fp32
+    meta: ExpertStepMeta,
+) -> None:
+    """:func:`add_expert_lora` in the C++ row op (``kernels/cpu/lora.py``'s
+    ``expert_lora_rows``): no sort, no segments; each assignment reads its (slot, expert) A
+    and B from the storage and adds its delta in place (fp32 on the CPU, ops loaded)."""
+    cols = [0]
+    for b in bs[:-1]:
+        cols.append(cols[-1] + b.shape[2])
+    expert_lora_rows(x.contiguous(), token, expert, meta.row_slots, meta.row_scale, a, bs, cols,
+                     meta.max_rank, out)
 
 
 def add_expert_lora_triton(

@@ -286,7 +286,7 @@ class DecoderModel:
             shared = (projection(mw.shared_gate_up, None, q, native=native),
                       projection(mw.shared_down, None, q, native=native))
             mw.shared_gate_up = mw.shared_down = None
-        return MoeBlock(mw, self.config, self.activation, shared)
+        return MoeBlock(mw, self.config, self.activation, shared, native=self.native_ops)
 
     def _lora(
         self, lora: LoraHook, layer: int, site: str, x: torch.Tensor, out: torch.Tensor

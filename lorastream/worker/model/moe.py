@@ -27,6 +27,11 @@ like any projection (``MoeLora.add``): the router's delta is added to its logits
 softmax (so an adapter may route a token elsewhere, as PEFT's ``gate.weight`` LoRA does), the
 shared expert's to its gate_up and down outputs, the shared-expert gate's before its sigmoid.
 
+With ``native`` (``--cpu-kernels``, fp32 on the CPU), steps whose assignments average a few per
+expert (decode) run both products in ``kernels/cpu/moe.py``'s ``expert_segments_mm`` instead:
+``grouped_mm`` runs a GEMM of a few rows per expert there, which costs far more than reading the
+expert's weight; the C++ op streams each visited expert's weight once, in its loaded layout.
+
 Where ``grouped_mm`` cannot take the weights' strides (a width not a multiple of 16 bytes), the
 same segments run one matmul per expert (a loop over the E experts, each over its gathered
 tokens; it reads the segment ends on the host).
@@ -41,7 +46,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from lorastream.kernels.cpu.moe import expert_segments_mm
 from lorastream.worker.model.config import SHARED_DOWN, SHARED_GATE_UP, ModelConfig
+
+NATIVE_ROWS_PER_EXPERT = 8  # the C++ product while the assignments average at most this many
 
 
 @dataclass
@@ -87,18 +95,22 @@ class MoeBlock:
     def __init__(
         self, weights: MoeWeights, config: ModelConfig,
         activation: Callable[[torch.Tensor], torch.Tensor],
-        shared: tuple[Project, Project] | None = None,
+        shared: tuple[Project, Project] | None = None, native: bool = False,
     ) -> None:
-        """``shared``: the shared expert's gate_up and down projections (Qwen2-MoE)."""
+        """``shared``: the shared expert's gate_up and down projections (Qwen2-MoE);
+        ``native``: decode-like steps run the C++ expert product (fp32 on the CPU, the ops
+        loaded; module docstring)."""
         self.router = weights.router  # [E, H]
-        self.gate_up_t = weights.gate_up.transpose(1, 2)  # [E, H, 2 I] (a view)
-        self.down_t = weights.down.transpose(1, 2)  # [E, I, H] (a view)
+        self.gate_up = weights.gate_up  # [E, 2 I, H]
+        self.down = weights.down  # [E, H, I]
         self.num_experts, self.top_k = config.num_experts, config.experts_per_token
         self.inter = config.moe_intermediate_size
         self.norm_topk_prob = config.norm_topk_prob
         self.weights_fp32 = config.routing_weights_fp32
         self.activation = activation
-        self.grouped = _grouped_ok(self.gate_up_t) and _grouped_ok(self.down_t)
+        self.grouped = (_grouped_ok(self.gate_up.transpose(1, 2))
+                        and _grouped_ok(self.down.transpose(1, 2)))
+        self.native = native
         self.shared = shared
         self.shared_gate = weights.shared_gate  # [1, H] or None
         self.shared_inter = config.shared_expert_intermediate_size
@@ -149,40 +161,31 @@ class MoeBlock:
         token = order // self.top_k  # [P] the token of each sorted assignment
         ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)  # [E]
         x = h.index_select(0, token)  # [P, H]
+        sorted_experts = flat.index_select(0, order) if lora is not None else flat  # [P]
+        gate_up = self._segments(x, self.gate_up, ends)  # [P, 2 I]
         if lora is not None:
-            sorted_experts = flat.index_select(0, order)  # [P]
-            gate_up = self._segments(x, self.gate_up_t, ends)  # [P, 2 I]
             lora("gate_up", x, token, sorted_experts, gate_up)
-            act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [P, I]
-            y = self._segments(act, self.down_t, ends)  # [P, H]
+        act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [P, I]
+        y = self._segments(act, self.down, ends)  # [P, H]
+        if lora is not None:
             lora("down", act, token, sorted_experts, y)
-        elif self.grouped:
-            offs = ends.to(torch.int32)
-            gate_up = F.grouped_mm(x, self.gate_up_t, offs=offs)  # [P, 2 I]
-            act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]  # [P, I]
-            y = F.grouped_mm(act, self.down_t, offs=offs)  # [P, H]
-        else:
-            y = torch.empty_like(x)  # [P, H]
-            start = 0
-            for e, end in enumerate(ends.tolist()):  # host sync: the fallback path only
-                if end > start:
-                    gate_up = x[start:end] @ self.gate_up_t[e]  # [n, 2 I]
-                    act = self.activation(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-                    y[start:end] = act @ self.down_t[e]  # [n, H]
-                start = end
         y = y * weights.reshape(-1)[order, None]  # [P, H] (fp32 with Mixtral's weights)
         out = torch.zeros_like(h)  # [T, H]
         out.index_add_(0, token, y.to(h.dtype))
         return out
 
     def _segments(self, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """x [P, K] in per-expert segments (``ends`` [E]) times w [E, K, N] -> [P, N]."""
+        """x [P, K] in per-expert segments (``ends`` [E]) times w [E, N, K] (each expert's
+        weight as loaded) -> [P, N]."""
+        if self.native and x.shape[0] <= NATIVE_ROWS_PER_EXPERT * self.num_experts:
+            return expert_segments_mm(x, w, ends)
+        w_t = w.transpose(1, 2)  # [E, K, N] (a view)
         if self.grouped:
-            return F.grouped_mm(x, w, offs=ends.to(torch.int32))
-        y = x.new_empty((x.shape[0], w.shape[2]))
+            return F.grouped_mm(x, w_t, offs=ends.to(torch.int32))
+        y = x.new_empty((x.shape[0], w.shape[1]))
         start = 0
         for e, end in enumerate(ends.tolist()):  # host sync: the fallback path only
             if end > start:
-                y[start:end] = x[start:end] @ w[e]
+                y[start:end] = x[start:end] @ w_t[e]
             start = end
         return y

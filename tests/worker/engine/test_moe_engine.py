@@ -132,12 +132,16 @@ def test_a_mixed_batch_of_attention_adapters_and_the_base_gives_peft_greedy_toke
 
 
 @pytest.mark.parametrize("form", ["target_parameters", "per-expert"])
-@pytest.mark.parametrize(("prefix_caching", "chunk"), [(True, None), (False, None), (False, 5)],
-                         ids=["prefix-cache", "no-prefix-cache", "chunked-prefill"])
+@pytest.mark.parametrize(  # --cpu-kernels: native decode takes the C++ expert row op
+    ("prefix_caching", "chunk", "kernels"),
+    [(True, None, "native"), (False, None, "native"), (False, 5, "native"),
+     (False, None, "torch")],
+    ids=["prefix-cache", "no-prefix-cache", "chunked-prefill", "torch-kernels"])
 def test_a_mixed_batch_of_expert_adapters_and_the_base_gives_peft_greedy_tokens(
-    case: MoeCase, tmp_path: Path, form: str, prefix_caching: bool, chunk: int | None
+    case: MoeCase, tmp_path: Path, form: str, prefix_caching: bool, chunk: int | None,
+    kernels: str,
 ) -> None:
-    settings: dict[str, object] = {"prefix_caching": prefix_caching}
+    settings: dict[str, object] = {"prefix_caching": prefix_caching, "cpu_kernels": kernels}
     if chunk is not None:  # a step's token budget below a prompt: prefill runs in chunks
         settings["max_num_tokens"] = chunk
     engine = _engine(case.checkpoints["fused"], tmp_path, **settings)

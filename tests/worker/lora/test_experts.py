@@ -3,9 +3,9 @@
 Per MoE family: both adapter forms (PEFT's fused ``target_parameters`` and the per-expert
 ``target_modules``) load into the same slot storage; the routed block with a mixed batch (two
 expert adapters in two slots, base rows) equals a per-token reference written from PEFT's
-merged-weight formula; and perturbing one expert's LoRA B of one adapter changes exactly the
-rows of that adapter routed to that expert (a dropped delta, or one added to an expert the
-token did not visit, fails).
+merged-weight formula, on the grouped GEMMs and on the C++ row op of decode-like steps; and
+perturbing one expert's LoRA B of one adapter changes exactly the rows of that adapter routed
+to that expert (a dropped delta, or one added to an expert the token did not visit, fails).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorastream.kernels.cpu import ops as cpu_ops
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.adapter import adapter_weights
 from lorastream.worker.loading.fetch import AdapterFetcher
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.experts import build_expert_meta, few_per_group
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import ACTIVATIONS, LayerLora
@@ -83,8 +85,8 @@ def _peft_reference(
     for t in range(h.shape[0]):
         s = row_slots[t]
         for w, e in zip(weights[t], experts[t].tolist(), strict=True):
-            gate_up = block.gate_up_t[e].T.clone()  # [2 I, H]
-            down = block.down_t[e].T.clone()  # [H, I]
+            gate_up = block.gate_up[e].clone()  # [2 I, H]
+            down = block.down[e].clone()  # [H, I]
             if s >= 0:
                 scale = slots.table[s].scaling
                 gate_up[:inter] += scale * b_gu[s, e, :inter] @ a_gu[s, e, :r]
@@ -96,9 +98,13 @@ def _peft_reference(
     return out
 
 
+@pytest.mark.parametrize("path", ["grouped", "rows"])  # grouped GEMMs | the C++ row op
 def test_expert_deltas_match_peft_per_token_and_touch_only_visited_experts(
-    family: dict[str, Path],
+    family: dict[str, Path], path: str
 ) -> None:
+    native = path == "rows"
+    if native:
+        assert cpu_ops.load() is None
     config, slots = _slots(family, ["fused", "down"])
     weights = load_weights(family["base"], config, torch.float32, CPU)
     moe = weights.layers[LAYER].moe
@@ -109,10 +115,14 @@ def test_expert_deltas_match_peft_per_token_and_touch_only_visited_experts(
     h = torch.randn(len(row_slots), config.hidden_size)  # [T, H]
 
     def run() -> torch.Tensor:
-        step = LoraStep.for_step(slots, TorchLoraBackend(torch.float32, CPU), row_slots,
-                                 torch.float32, CPU)
+        step = LoraStep.for_step(slots, TorchLoraBackend(torch.float32, CPU, native=native),
+                                 row_slots, torch.float32, CPU)
         assert step is not None
         return block(h, LayerLora(step, LAYER))
+
+    meta = build_expert_meta(row_slots, slots, torch.float32, CPU)
+    assert meta is not None  # the step takes the path under test
+    assert few_per_group(meta, config.experts_per_token, config.num_experts)
 
     out = run()
     torch.testing.assert_close(out, _peft_reference(block, slots, h, row_slots),

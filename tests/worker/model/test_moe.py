@@ -1,10 +1,11 @@
 """The mixture-of-experts families (lorastream.worker.model.moe and families/) against
 transformers, on tiny random checkpoints in both expert layouts.
 
-The routed block is checked three ways: against a per-token reference written from transformers'
-formula; by zeroing one expert, which must change exactly the tokens routed to it (a dropped
-contribution, or one added to a token that did not visit the expert, fails); and, whole model,
-by its logits against transformers' for the fused and the per-expert checkpoint.
+The routed block is checked three ways, on torch's grouped_mm and on the C++ product of decode
+steps: against a per-token reference written from transformers' formula; by zeroing one expert,
+which must change exactly the tokens routed to it (a dropped contribution, or one added to a
+token that did not visit the expert, fails); and, whole model, by its logits against
+transformers' for the fused and the per-expert checkpoint.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lorastream.kernels.cpu import ops as cpu_ops
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import ACTIVATIONS, DecoderModel
 from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache, slot_mapping
-from lorastream.worker.model.moe import MoeBlock, MoeWeights
+from lorastream.worker.model.moe import NATIVE_ROWS_PER_EXPERT, MoeBlock, MoeWeights
 from lorastream.worker.model.weights import load_weights
 from tests.support.families import PROMPTS, reference_model
 from tests.support.models import MOE_CONFIGS, WINDOW, make_tiny_family, split_experts
@@ -57,26 +59,36 @@ def _per_token_reference(block: MoeBlock, mw: MoeWeights, h: torch.Tensor) -> to
     return out
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["grouped_mm", "native"])
 def test_the_routed_block_adds_each_visited_expert_and_no_other(
-    checkpoints: dict[str, Path],
+    checkpoints: dict[str, Path], native: bool
 ) -> None:
+    """grouped_mm (and the loop over experts, for strides it cannot take) or the C++ product
+    (``native``, decode-like steps: 16 tokens' assignments are a few per expert)."""
+    if native:
+        assert cpu_ops.load() is None
     config, mw = _moe_block(checkpoints["fused"])
-    block = MoeBlock(mw, config, ACTIVATIONS[config.activation])
+    block = MoeBlock(mw, config, ACTIVATIONS[config.activation], native=native)
     torch.manual_seed(0)
-    h = torch.randn(24, config.hidden_size)  # [T, H]
+    h = torch.randn(16, config.hidden_size)  # [T, H]
+    assert (16 * config.experts_per_token
+            <= NATIVE_ROWS_PER_EXPERT * config.num_experts)  # native: the C++ product runs
     out = block.experts(h, *block.route(h))  # [T, H]
     torch.testing.assert_close(out, _per_token_reference(block, mw, h), rtol=1e-5, atol=1e-5)
-    assert block.grouped  # grouped_mm; the loop over experts (strides it cannot take) agrees
-    block.grouped = False
-    torch.testing.assert_close(block.experts(h, *block.route(h)), out, rtol=1e-5, atol=1e-5)
-    block.grouped = True
+    if not native:
+        assert block.grouped
+        block.grouped = False
+        torch.testing.assert_close(block.experts(h, *block.route(h)), out, rtol=1e-5,
+                                   atol=1e-5)
+        block.grouped = True
     _, experts = block.route(h)  # [T, k]
     for e in range(config.num_experts):
         visited = (experts == e).any(dim=1)  # [T]
         assert 0 < int(visited.sum()) < h.shape[0], "every expert visited by some tokens only"
         zeroed = MoeWeights(mw.router, mw.gate_up.clone(), mw.down.clone())
         zeroed.down[e] = 0
-        dropped = MoeBlock(zeroed, config, block.activation).experts(h, *block.route(h))
+        dropped = MoeBlock(zeroed, config, block.activation, native=native).experts(
+            h, *block.route(h))
         changed = (dropped != out).any(dim=1)  # [T]: bitwise, the others untouched
         assert torch.equal(changed, visited), f"expert {e}"
 

@@ -64,7 +64,14 @@ from lorastream.worker.model.rotation import rotation
 from lorastream.worker.model.weights import load_weights
 from tests.support.families import BASE, NEW_TOKENS, PROMPTS, adapter_specs
 from tests.support.logit_agreement import logit_agreement
-from tests.support.models import FAMILY_CONFIGS, make_family_adapter, make_tiny_family
+from tests.support.models import (
+    EXPERT_PARAMETERS,
+    FAMILY_CONFIGS,
+    MOE_CONFIGS,
+    make_expert_adapter,
+    make_family_adapter,
+    make_tiny_family,
+)
 from tests.worker.conftest import EngineFactory
 
 MODES = ["int8", "int8-dynamic", "fp8"]
@@ -271,6 +278,8 @@ def test_an_int8_model_holds_a_quarter_of_the_fp32_projection_bytes(tmp_path: Pa
 
 # -- every family against transformers + PEFT over the dequantized weights ----------------------
 def _dequantized_reference(checkpoint: Path, adapter: Path | None, mode: str) -> torch.nn.Module:
+    """HF + PEFT over the weights the worker quantizes, dequantized: every ``nn.Linear`` but a
+    MoE block's shared-expert gate (the worker keeps it, its router and experts in fp32)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -278,10 +287,26 @@ def _dequantized_reference(checkpoint: Path, adapter: Path | None, mode: str) ->
         checkpoint, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):  # the lm_head too (and a tied embedding)
-                module.weight.copy_(dequantized_weight(module.weight, mode))
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith("shared_expert_gate"):
+                module.weight.copy_(dequantized_weight(module.weight, mode))  # lm_head too
     return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+
+
+def _reference(checkpoint: Path, adapter: Path | None, mode: str) -> dict[int, tuple[list[int],
+                                                                                     torch.Tensor]]:
+    """prompt -> (prompt + the reference's greedy tokens, its logits at every position [S, V])."""
+    model = _dequantized_reference(checkpoint, adapter, mode)
+    found = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            out = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
+            )
+            sequence = out[0].tolist()
+            found[i] = (sequence, model(torch.tensor([sequence])).logits[0])
+    return found
 
 
 Reference = dict[tuple[str, int], tuple[list[int], torch.Tensor]]
@@ -302,16 +327,8 @@ def family_case(
     }
     references: dict[str, Reference] = {mode: {} for mode in MODES}
     for mode, name in ((mode, name) for mode in MODES for name in [BASE, *adapters]):
-        model = _dequantized_reference(checkpoint, adapters.get(name), mode)
-        with torch.no_grad():
-            for i, prompt in enumerate(PROMPTS):
-                out = model.generate(
-                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                    dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
-                )
-                sequence = out[0].tolist()
-                logits = model(torch.tensor([sequence])).logits[0]  # [S, V]
-                references[mode][(name, i)] = (sequence, logits)
+        for i, found in _reference(checkpoint, adapters.get(name), mode).items():
+            references[mode][(name, i)] = found
     return checkpoint, adapters, references
 
 
@@ -352,7 +369,8 @@ def _mixed_batch_logits(
         torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
         torch.zeros(0, dtype=torch.long), tuple(spans), torch.arange(len(ids)),
     )
-    logits = model.forward(batch, kv, LoraStep(slots, backend, backend.prepare(token_slots, slots)))
+    step = LoraStep.for_step(slots, backend, token_slots, torch.float32, cpu)  # expert deltas too
+    logits = model.forward(batch, kv, step)
     return {key: logits[start : start + n] for key, (start, n) in where.items()}
 
 
@@ -383,6 +401,31 @@ def test_int8_mixed_batch_agrees_with_peft_over_dequantized_weights(
     n = len(PROMPTS[0])  # the prompt's rows: the same input under every adapter
     for name in adapters:  # the adapters change the logits: the comparison proves something
         assert not torch.allclose(ours[(name, 0)][:n], ours[(BASE, 0)][:n], atol=1e-2)
+
+
+@pytest.mark.parametrize("family", list(MOE_CONFIGS))
+def test_an_int8_moe_base_with_expert_lora_agrees_with_peft_over_dequantized_weights(
+    tmp_path: Path, family: str
+) -> None:
+    """int8 quantizes a MoE model's attention, shared expert and LM head (its router and routed
+    experts stay fp32): one mixed batch of the base and an adapter on q_proj and every expert
+    (PEFT's fused ``target_parameters``) against PEFT over the dequantized weights, at the C++
+    int8 op's bound (fp32 activations: fp32 rounding only)."""
+    checkpoint = make_tiny_family(family, tmp_path / "model")
+    adapters = {"experts": make_expert_adapter(checkpoint, tmp_path / "experts", rank=4,
+                                               targets=["q_proj"], parameters=EXPERT_PARAMETERS,
+                                               seed=3)}
+    reference = {(name, i): found for name in [BASE, *adapters]
+                 for i, found in _reference(checkpoint, adapters.get(name), "int8").items()}
+    ours = _mixed_batch_logits(checkpoint, adapters, {k: seq for k, (seq, _) in reference.items()},
+                               "int8")
+    found = logit_agreement(((ours[key], expected) for key, (_, expected) in reference.items()),
+                            DECISIVE_MARGIN["int8"])
+    assert found.worst <= OP_INT8_BOUND, f"max |Δlogit| / max |logit| = {found.worst:.2e}"
+    assert found.agree >= OP_INT8_RAW_AGREEMENT * found.positions, (
+        f"greedy agreement {found.agree}/{found.positions}")
+    n = len(PROMPTS[0])
+    assert not torch.allclose(ours[("experts", 0)][:n], ours[(BASE, 0)][:n], atol=1e-2)
 
 
 # -- QLoRA adapters ----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 // The LoRA delta of decode-like steps on the CPU: each row's adapter read once, straight from the
 // slot storage, the delta added into the projection's output in place.
 //
-// Registered as torch.ops.lorastream.lora_rows. Semantics, shapes and the reference:
-// lorastream/kernels/cpu_lora.py. Built with decode_attention.cpp as one extension (lorastream/kernels/cpu_ops.py).
+// Registered as torch.ops.lorastream.lora_rows (slot-major rows) and expert_lora_rows (a MoE
+// layer's (token, expert) assignments). Semantics, shapes and the reference:
+// lorastream/kernels/cpu/lora.py. Built with decode_attention.cpp as one extension (lorastream/kernels/cpu_ops.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -17,13 +18,10 @@
 namespace {
 
 using lorastream_cpu::check_float;
+using lorastream_cpu::dot;
 
 #ifdef LORASTREAM_AVX2
-inline float hsum(__m256 v) {
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_hadd_ps(q, q);
-  return _mm_cvtss_f32(_mm_hadd_ps(q, q));
-}
+using lorastream_cpu::hsum;
 
 // lanes where the chunk of 8 starting at ``k0`` is below ``rank``
 inline __m256i lanes_below(int64_t k0, int64_t rank) {
@@ -32,27 +30,6 @@ inline __m256i lanes_below(int64_t k0, int64_t rank) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rank)), idx);
 }
 #endif
-
-// sum_i x[i] * a[i], i < n: four 8-lane FMA chains side by side, then the scalar tail
-float dot(const float* x, const float* a, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.f;
-#ifdef LORASTREAM_AVX2
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-  for (; i + 32 <= n; i += 32) {
-    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i), c0);
-    c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(a + i + 8), c1);
-    c2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), _mm256_loadu_ps(a + i + 16), c2);
-    c3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), _mm256_loadu_ps(a + i + 24), c3);
-  }
-  for (; i + 8 <= n; i += 8) {
-    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(a + i), c0);
-  }
-  acc = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
-#endif
-  for (; i < n; ++i) acc += x[i] * a[i];
-  return acc;
-}
 
 // o[n] += s * sum_{k < rank} h[k] * b[n * ldb + k] for n < n_rows. Eight rows of b at a time:
 // their 8-lane products reduced into one vector of 8 sums (a transposing hadd tree), added into
@@ -157,12 +134,98 @@ void lora_rows(const at::Tensor& x, const at::Tensor& a, at::TensorList bs, at::
   });
 }
 
+// A MoE layer's expert deltas, one (token, expert) assignment at a time: the assignment's
+// (slot, expert) A and B read where the expert storage holds them, the delta added in place.
+void expert_lora_rows(const at::Tensor& x, const at::Tensor& token, const at::Tensor& expert,
+                      const at::Tensor& row_slot, const at::Tensor& row_scale, const at::Tensor& a,
+                      at::TensorList bs, at::IntArrayRef cols, int64_t rank, at::Tensor& out) {
+  check_float(x, "expert_lora_rows", "x");
+  check_float(a, "expert_lora_rows", "a");
+  check_float(row_scale, "expert_lora_rows", "row_scale");
+  check_float(out, "expert_lora_rows", "out");
+  const int64_t rows = x.size(0), k_in = x.size(1), group = static_cast<int64_t>(bs.size());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expert_lora_rows: x is [P, K] contiguous");
+  TORCH_CHECK(a.dim() == 4 && a.size(3) == k_in && a.stride(3) == 1 && a.stride(2) == k_in,
+              "expert_lora_rows: a is [S, E, G*R, K] with x's K, each [G*R, K] contiguous");
+  TORCH_CHECK(group >= 1 && static_cast<int64_t>(cols.size()) == group && a.size(2) % group == 0,
+              "expert_lora_rows: one column offset per B, and a's rows a multiple of their count");
+  const int64_t slots = a.size(0), experts = a.size(1), r_slot = a.size(2) / group;
+  TORCH_CHECK(rank >= 0 && rank <= r_slot, "expert_lora_rows: rank ", rank, " outside 0..", r_slot);
+  for (const at::Tensor* t : {&token, &expert, &row_slot}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu() && t->dim() == 1 &&
+                    t->is_contiguous(),
+                "expert_lora_rows: token, expert and row_slot are contiguous int64 CPU vectors");
+  }
+  TORCH_CHECK(token.numel() == rows && expert.numel() == rows,
+              "expert_lora_rows: one token and one expert per row of x");
+  const int64_t tokens = row_slot.numel();
+  TORCH_CHECK(row_scale.numel() == tokens && row_scale.is_contiguous(),
+              "expert_lora_rows: one scale per token");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.stride(1) == 1,
+              "expert_lora_rows: out is [P, N_total] with unit column stride");
+  std::vector<const float*> b_ptr(group);
+  std::vector<int64_t> b_rows(group), b_ld(group), b_slot_stride(group), b_expert_stride(group);
+  for (int64_t g = 0; g < group; ++g) {
+    const at::Tensor& b = bs[g];
+    check_float(b, "expert_lora_rows", "b");
+    TORCH_CHECK(b.dim() == 4 && b.size(0) == slots && b.size(1) == experts &&
+                    b.size(3) == r_slot && b.stride(3) == 1,
+                "expert_lora_rows: each b is [S, E, N, R], S, E and R as a's, unit last stride");
+    TORCH_CHECK(cols[g] >= 0 && cols[g] + b.size(2) <= out.size(1),
+                "expert_lora_rows: columns ", cols[g], "..", cols[g] + b.size(2), " outside out");
+    b_ptr[g] = b.data_ptr<float>();
+    b_rows[g] = b.size(2);
+    b_ld[g] = b.stride(2);
+    b_slot_stride[g] = b.stride(0);
+    b_expert_stride[g] = b.stride(1);
+  }
+  const float* xp = x.data_ptr<float>();
+  const int64_t* tp = token.data_ptr<int64_t>();
+  const int64_t* ep = expert.data_ptr<int64_t>();
+  const int64_t* slot_of = row_slot.data_ptr<int64_t>();
+  const float* scale_of = row_scale.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0), a_rows = a.size(2);
+  const int64_t a_slot_stride = a.stride(0), a_expert_stride = a.stride(1);
+  for (int64_t p = 0; p < rows; ++p) {  // checked once, before the threads start
+    TORCH_CHECK(tp[p] >= 0 && tp[p] < tokens && ep[p] >= 0 && ep[p] < experts,
+                "expert_lora_rows: row ", p, " names token ", tp[p], ", expert ", ep[p]);
+  }
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(a_rows);  // [G*R] this assignment's shrunk input
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t t = tp[p], slot = slot_of[t];
+      const float s = scale_of[t];
+      if (slot < 0 || slot >= slots || s == 0.f) continue;  // no expert adapter
+      const int64_t e = ep[p];
+      const float* xr = xp + p * k_in;
+      const float* a_se = ap + slot * a_slot_stride + e * a_expert_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t k = 0; k < rank; ++k) {
+          h[g * r_slot + k] = dot(xr, a_se + (g * r_slot + k) * k_in, k_in);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        expand(b_ptr[g] + slot * b_slot_stride[g] + e * b_expert_stride[g], b_ld[g],
+               h.data() + g * r_slot, rank, b_rows[g], s, op + p * ldo + cols[g]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lorastream, m) {
   m.def(
       "lora_rows(Tensor x, Tensor a, Tensor[] bs, int[] cols, Tensor scale, int slot_lo, "
       "int per_slot, int rank, Tensor(a!) out) -> ()");
+  m.def(
+      "expert_lora_rows(Tensor x, Tensor token, Tensor expert, Tensor row_slot, "
+      "Tensor row_scale, Tensor a, Tensor[] bs, int[] cols, int rank, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lorastream, CPU, m) { m.impl("lora_rows", lora_rows); }
+TORCH_LIBRARY_IMPL(lorastream, CPU, m) {
+  m.impl("lora_rows", lora_rows);
+  m.impl("expert_lora_rows", expert_lora_rows);
+}
