@@ -181,12 +181,34 @@ def test_the_training_script_adapts_only_the_targets_it_is_given(tmp_path: Path)
 # --kind -> a piece of a tensor name it must add beside its LoRA, and the config field that
 # marks it
 KIND_PARTS = {
+    "dora": ("lora_magnitude_vector", "use_dora"),
     "tokens": ("trainable_tokens_delta", "trainable_token_indices"),
     "embed-lora": ("embed_tokens.lora_embedding_A", "target_modules"),
     "head-lora": ("lm_head.lora_A", "target_modules"),
     "saved-modules": ("lm_head.weight", "modules_to_save"),
     "alora": ("o_proj.lora_A", "alora_invocation_tokens"),
 }
+
+
+COMMITTED_KINDS = ["tokens", "embed-lora", "head-lora", "alora"]
+
+
+@pytest.mark.parametrize("kind", COMMITTED_KINDS)
+def test_a_sample_of_each_small_kind_is_a_valid_fp16_adapter_the_script_trained(kind: str) -> None:
+    """french-<kind>: committed where small (a saved lm_head, 56 MB, is trained at test time
+    by tests/worker/engine/test_default_model.py), with its kind's parts and its command."""
+    folder = SAMPLES / f"french-{kind}"
+    validated = validate_adapter_dir(folder)
+    assert validated.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert validated.rank == 4
+    assert {t.info.dtype for t in validated.tensors} == {"F16"}
+    assert (folder / "adapter_model.safetensors").stat().st_size < MAX_ADAPTER_BYTES
+    part, field = KIND_PARTS[kind]
+    assert any(part in t.info.name for t in validated.tensors), part
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    assert config[field], field
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    assert f"--kind {kind}" in record["command"] and record["settings"]["kind"] == kind
 
 
 @pytest.mark.parametrize("kind", list(KIND_PARTS))
