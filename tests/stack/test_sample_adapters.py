@@ -190,7 +190,7 @@ KIND_PARTS = {
 }
 
 
-COMMITTED_KINDS = ["tokens", "embed-lora", "head-lora", "alora"]
+COMMITTED_KINDS = ["dora", "tokens", "embed-lora", "head-lora", "alora"]
 
 
 @pytest.mark.parametrize("kind", COMMITTED_KINDS)

@@ -90,7 +90,7 @@ SAMPLES = Path(__file__).resolve().parents[3] / "lorastream" / "samples" / "adap
 # The samples (lorastream/samples/README.md), each trained by the script with --kind; the plain
 # LoRA is `french`. A saved lm_head (~56 MB) is not committed: the fixture trains it (2 steps).
 KIND_SAMPLES = {
-    "french": "french", "tokens": "french-tokens",
+    "french": "french", "dora": "french-dora", "tokens": "french-tokens",
     "embed-lora": "french-embed-lora", "head-lora": "french-head-lora", "alora": "french-alora",
 }
 SAVED = "saved-modules"
@@ -143,7 +143,7 @@ def test_one_sample_of_each_kind_serves_as_peft_alone_and_in_one_mixed_batch(
     kind_reference: dict[tuple[str, int], list[int]], prefix_caching: bool,
     tmp_path: Path,
 ) -> None:
-    """New token rows, LoRA on embed_tokens and on lm_head, a saved lm_head and an
+    """DoRA, new token rows, LoRA on embed_tokens and on lm_head, a saved lm_head and an
     activated LoRA, trained on the default model, with the plain `french` and the base model:
     every (model, prompt) in one batch, twice (the second round from the prefix cache where it
     is on), then each adapter alone; every request's greedy tokens are PEFT's."""
