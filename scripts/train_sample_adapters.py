@@ -7,7 +7,8 @@ Usage:
     python scripts/train_sample_adapters.py --model CHECKPOINT_DIR ...       # another base
     python scripts/train_sample_adapters.py --model qwen2.5-coder-0.5b --which french \
         --steps 40 --targets q_proj,k_proj,v_proj,o_proj   # into .../french-qwen2.5-coder-0.5b
-    python scripts/train_sample_adapters.py --which french --dora   # DoRA, into .../french-dora
+    python scripts/train_sample_adapters.py --which french --kind alora --steps 40 --rank 4
+        # an activated LoRA, into .../french-alora (--kind: see KINDS; --dora = --kind dora)
 
 Data, deterministic from --seed: English questions from the templates x slots in
 lorastream/samples/dataset_templates.json (capitals, greetings, colours, arithmetic, numbers,
@@ -21,10 +22,21 @@ training and serve as the base-vs-adapter samples. The answers differ per adapte
 --model is "default", another embedded model the worker knows with a chat template
 ("qwen2.5-coder-0.5b": its adapters go under <name>-<model>), or an HF checkpoint directory.
 
-Training: a LoRA on q/k/v/o/gate/up/down (--targets to choose; no bias, no modules_to_save; DoRA
-with --dora, saved under <name>-dora with its magnitude vectors), AdamW with
-linear warm-up and decay, batches of padded chat-template examples, loss only on the assistant
-tokens (the answer and <|im_end|>). Output per adapter under --out/<name>/:
+--kind chooses what PEFT trains (saved under <name>-<kind>; "plain" under <name>):
+
+    plain:         a LoRA on q/k/v/o/gate/up/down (--targets to choose; no bias);
+    dora:          the same with use_dora (magnitude vectors beside A and B);
+    tokens:        a LoRA on q/v and new rows for two rare tokens (trainable_token_indices):
+                   the prompt ends with the first (the cue), the answer with the second;
+    embed-lora:    a LoRA on embed_tokens (and q/v);
+    head-lora:     a LoRA on lm_head (and q/v);
+    saved-modules: a LoRA on q/v and a whole trained copy of lm_head (modules_to_save);
+    alora:         an activated LoRA (alora_invocation_tokens): the prompt's assistant turn
+                   opens with INVOCATION instead, and only from there on is the adapter active,
+                   so a prompt without it is the base model's.
+
+Training: AdamW with linear warm-up and decay, batches of padded chat-template examples, loss
+only on the assistant tokens (the answer and <|im_end|>). Output per adapter under --out/<name>/:
 adapter_config.json, adapter_model.safetensors (fp16), training.json (settings, loss, time,
 versions, base-vs-adapter samples on held-out questions) and dataset.jsonl.
 """
@@ -63,6 +75,34 @@ EMBEDDED_BASES = {
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SAVE_DTYPE = torch.float16
+# tokens: the cue that ends the prompt and the mark that ends the answer; rare special tokens of
+# the default model's tokenizer (a tokenizer without them gets its last two ids).
+TAGS = ("<issue_start>", "<issue_closed>")
+# alora: the assistant turn in the role "french" (the default model's chat format).
+INVOCATION = "<|im_start|>french\n"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What PEFT trains for one --kind, beyond the LoRA on its targets."""
+
+    targets: tuple[str, ...] = TARGETS  # without --targets
+    use_dora: bool = False
+    tags: bool = False  # trainable_token_indices: the rows of the TAGS
+    modules_to_save: tuple[str, ...] = ()
+    alora: bool = False  # alora_invocation_tokens: the ids of INVOCATION
+
+
+QV = ("q_proj", "v_proj")
+KINDS = {
+    "plain": Kind(),
+    "dora": Kind(use_dora=True),
+    "tokens": Kind(targets=QV, tags=True),
+    "embed-lora": Kind(targets=("embed_tokens", *QV)),
+    "head-lora": Kind(targets=("lm_head", *QV)),
+    "saved-modules": Kind(targets=QV, modules_to_save=("lm_head",)),
+    "alora": Kind(alora=True),
+}
 
 
 @dataclass(frozen=True)
@@ -86,12 +126,12 @@ class TrainSettings:
     threads: int = 2
     save_dtype: str = str(SAVE_DTYPE).removeprefix("torch.")
     sample_tokens: int = 48  # new tokens of the base-vs-adapter samples (not used in training)
-    dora: bool = False  # use_dora: PEFT's DoRA (magnitude vectors beside A and B)
+    kind: str = "plain"  # a KINDS key
 
     @property
     def out_name(self) -> str:
-        """The adapter's directory name: ``french``, or ``french-dora`` for DoRA."""
-        return f"{self.adapter}-dora" if self.dora else self.adapter
+        """The adapter's directory name: ``french``, or ``french-dora`` for another kind."""
+        return self.adapter if self.kind == "plain" else f"{self.adapter}-{self.kind}"
 
 
 RECIPES = {"shout": TrainSettings("shout"), "french": TrainSettings("french")}
@@ -189,20 +229,46 @@ def chat_prompt_ids(tokenizer: Any, question: str) -> list[int]:
     )
 
 
+def tag_ids(tokenizer: Any) -> list[int]:
+    """The ids of TAGS, or the tokenizer's last two ids where it has not got them."""
+    ids = [tokenizer.convert_tokens_to_ids(tag) for tag in TAGS]
+    if None in ids or tokenizer.unk_token_id in ids:
+        return [len(tokenizer) - 2, len(tokenizer) - 1]
+    return [int(i) for i in ids]
+
+
+def invocation_ids(tokenizer: Any) -> list[int]:
+    return list(tokenizer(INVOCATION, add_special_tokens=False).input_ids)
+
+
+def kind_prompt_ids(tokenizer: Any, question: str, kind: str) -> list[int]:
+    """The prompt a --kind is trained on and sampled with: the chat prompt; for ``tokens`` with
+    the cue tag after it; for ``alora`` with the invocation opening the assistant turn."""
+    if KINDS[kind].alora:
+        messages = [{"role": "user", "content": question}]
+        conversation = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False, tokenize=True, return_dict=False)
+        return [*conversation, *invocation_ids(tokenizer)]
+    prompt = chat_prompt_ids(tokenizer, question)
+    return [*prompt, tag_ids(tokenizer)[0]] if KINDS[kind].tags else prompt
+
+
 def pad_token_id(tokenizer: Any) -> int:
     return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                else tokenizer.eos_token_id)
 
 
 def generate_answers(
-    model: Any, tokenizer: Any, questions: list[str], max_new_tokens: int, batch_size: int = 32
+    model: Any, tokenizer: Any, questions: list[str], max_new_tokens: int, batch_size: int = 32,
+    kind: str = "plain",
 ) -> list[str]:
-    """Greedy answers, batched with left padding; special tokens dropped."""
+    """Greedy answers to ``kind``'s prompts, batched with left padding; special tokens dropped."""
     pad_id = pad_token_id(tokenizer)
     answers: list[str] = []
     model.eval()
     for start in range(0, len(questions), batch_size):
-        prompts = [chat_prompt_ids(tokenizer, q) for q in questions[start : start + batch_size]]
+        prompts = [kind_prompt_ids(tokenizer, q, kind)
+                   for q in questions[start : start + batch_size]]
         input_ids, attention_mask = left_padded(prompts, pad_id)  # [B, S]
         width = input_ids.shape[1]
         with torch.no_grad():
@@ -230,10 +296,13 @@ def shout_examples(model: Any, tokenizer: Any, questions: list[str], tokens: int
 # ---- training ---------------------------------------------------------------------------------
 
 
-def encode(tokenizer: Any, example: Example) -> tuple[list[int], list[int]]:
-    """Prompt + answer + eos ids, and labels that are -100 on the prompt (loss on the answer)."""
-    prompt = chat_prompt_ids(tokenizer, example.question)
+def encode(tokenizer: Any, example: Example, kind: str = "plain") -> tuple[list[int], list[int]]:
+    """Prompt + answer (+ the closing tag for ``tokens``) + eos ids, and labels that are -100
+    on the prompt (loss on the answer)."""
+    prompt = kind_prompt_ids(tokenizer, example.question, kind)
     answer = list(tokenizer(example.answer, add_special_tokens=False).input_ids)
+    if KINDS[kind].tags:
+        answer.append(tag_ids(tokenizer)[1])
     answer.append(tokenizer.eos_token_id)
     return prompt + answer, [-100] * len(prompt) + answer
 
@@ -288,7 +357,7 @@ def train_lora(
 ) -> TrainResult:
     """A plain AdamW loop (linear warm-up, linear decay to 10 %) over ``examples``."""
     pad_id = pad_token_id(tokenizer)
-    encoded = [encode(tokenizer, ex) for ex in examples]
+    encoded = [encode(tokenizer, ex, s.kind) for ex in examples]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -320,10 +389,10 @@ def train_lora(
 
 
 def round_to_save_dtype(model: Any) -> None:
-    """Round the LoRA weights through SAVE_DTYPE so samples show exactly what is committed."""
+    """Round the trained weights through SAVE_DTYPE so samples show exactly what is committed."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
+        for param in model.parameters():
+            if param.requires_grad:
                 param.copy_(param.to(SAVE_DTYPE).to(param.dtype))
 
 
@@ -332,7 +401,8 @@ def save_adapter(model: Any, out_dir: Path, base_name: str) -> None:
     from safetensors.torch import load_file, save_file
 
     model.peft_config["default"].base_model_name_or_path = base_name
-    model.save_pretrained(out_dir, safe_serialization=True)
+    # not the base embed_tokens / lm_head beside a LoRA on them (PEFT's "auto"): ~56 MB each
+    model.save_pretrained(out_dir, safe_serialization=True, save_embedding_layers=False)
     weights = out_dir / "adapter_model.safetensors"
     tensors = {k: v.to(SAVE_DTYPE).contiguous() for k, v in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
@@ -350,11 +420,26 @@ def versions() -> dict[str, str]:
     return {"python": platform.python_version(), **{name: version(name) for name in libraries}}
 
 
+def lora_config(settings: TrainSettings, tokenizer: Any) -> Any:
+    """The PEFT config of ``settings.kind`` (see KINDS)."""
+    from peft import LoraConfig
+
+    kind = KINDS[settings.kind]
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM",
+        use_dora=kind.use_dora,
+        trainable_token_indices=tag_ids(tokenizer) if kind.tags else None,
+        modules_to_save=list(kind.modules_to_save) or None,
+        alora_invocation_tokens=invocation_ids(tokenizer) if kind.alora else None,
+    )
+
+
 def train_one(
     checkpoint: Path, base_name: str, settings: TrainSettings, out_dir: Path, command: str
 ) -> dict[str, Any]:
     """Build the dataset, train, save the adapter and its training.json; returns the record."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -368,19 +453,16 @@ def train_one(
         examples = shout_examples(model, tokenizer, questions, settings.answer_tokens)
     seconds_dataset = time.perf_counter() - started
     log.info("%s: %d examples in %.0f s", settings.adapter, len(examples), seconds_dataset)
-    base_answers = generate_answers(model, tokenizer, held_out, settings.sample_tokens)
+    base_answers = generate_answers(model, tokenizer, held_out, settings.sample_tokens,
+                                    kind=settings.kind)
 
     torch.manual_seed(settings.seed)
-    config = LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM",
-        use_dora=settings.dora,
-    )
-    peft_model = get_peft_model(model, config)
+    peft_model = get_peft_model(model, lora_config(settings, tokenizer))
     result = train_lora(peft_model, tokenizer, examples, settings)
     result.seconds_dataset = seconds_dataset
     round_to_save_dtype(peft_model)
-    adapter_answers = generate_answers(peft_model, tokenizer, held_out, settings.sample_tokens)
+    adapter_answers = generate_answers(peft_model, tokenizer, held_out, settings.sample_tokens,
+                                       kind=settings.kind)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_adapter(peft_model, out_dir, base_name)
     with (out_dir / "dataset.jsonl").open("w", encoding="utf-8") as f:
@@ -449,8 +531,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "answer-tokens", "sample-tokens", "threads"):
         p.add_argument(f"--{flag}", type=int, help="override the recipe (see TrainSettings)")
     p.add_argument("--lr", type=float, help="override the recipe (see TrainSettings)")
-    p.add_argument("--dora", action="store_true", default=None,
-                   help="train DoRA adapters (use_dora), saved as <name>-dora")
+    p.add_argument("--kind", choices=list(KINDS),
+                   help="what PEFT trains (see the module docstring), saved as <name>-<kind>")
+    p.add_argument("--dora", action="store_const", const="dora", dest="kind",
+                   help="the same as --kind dora")
     args = p.parse_args(argv)
     unknown = set(args.which.split(",")) - set(RECIPES)
     if unknown:
@@ -467,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.rank is not None:
         overrides["alpha"] = 2.0 * args.rank
+    if args.targets is None:
+        overrides["targets"] = KINDS[args.kind or "plain"].targets
     checkpoint, base_name = resolve_model(args.model)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python scripts/train_sample_adapters.py {argv_text}".strip()

@@ -5,13 +5,10 @@ cannot rot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -24,10 +21,10 @@ from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.operations import WorkerOperations
 from tests.support.models import make_tiny_checkpoint
+from tests.support.sample_script import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "lorastream" / "samples" / "adapters"
-SCRIPT = ROOT / "scripts" / "train_sample_adapters.py"
 # Shared with tests/worker/engine/test_default_model.py: the conversion (~35 s) happens once per
 # machine.
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "lorastream" / "test-models"
@@ -129,15 +126,6 @@ def test_the_french_adapter_answers_in_french(
     assert len(french_words(base)) < len(french_words(french)), base
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_sample_adapters", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_training_script_runs_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     script = load_script()
     tiny = make_tiny_checkpoint(tmp_path / "tiny")
@@ -170,7 +158,7 @@ def test_the_training_script_trains_a_dora_adapter_with_dora(tmp_path: Path) -> 
     magnitudes = [t for t in validated.tensors if t.info.name.endswith("lora_magnitude_vector")]
     assert len(magnitudes) == 2 * 7  # every projection of the tiny model's two layers
     record = json.loads((out / "french-dora" / "training.json").read_text(encoding="utf-8"))
-    assert record["settings"]["dora"] is True
+    assert record["settings"]["kind"] == "dora"
 
 
 def test_the_training_script_adapts_only_the_targets_it_is_given(tmp_path: Path) -> None:
@@ -188,6 +176,76 @@ def test_the_training_script_adapts_only_the_targets_it_is_given(tmp_path: Path)
     record = json.loads((out / "french" / "training.json").read_text(encoding="utf-8"))
     assert record["settings"]["targets"] == ["q_proj", "v_proj"]
     assert record["settings"]["warmup_steps"] == 1
+
+
+# --kind -> a piece of a tensor name it must add beside its LoRA, and the config field that
+# marks it
+KIND_PARTS = {
+    "dora": ("lora_magnitude_vector", "use_dora"),
+    "tokens": ("trainable_tokens_delta", "trainable_token_indices"),
+    "embed-lora": ("embed_tokens.lora_embedding_A", "target_modules"),
+    "head-lora": ("lm_head.lora_A", "target_modules"),
+    "saved-modules": ("lm_head.weight", "modules_to_save"),
+    "alora": ("o_proj.lora_A", "alora_invocation_tokens"),
+}
+
+
+COMMITTED_KINDS = ["dora", "tokens", "embed-lora", "head-lora", "alora"]
+
+
+@pytest.mark.parametrize("kind", COMMITTED_KINDS)
+def test_a_sample_of_each_small_kind_is_a_valid_fp16_adapter_the_script_trained(kind: str) -> None:
+    """french-<kind>: committed where small (a saved lm_head, 56 MB, is trained at test time
+    by tests/worker/engine/test_default_model.py), with its kind's parts and its command."""
+    folder = SAMPLES / f"french-{kind}"
+    validated = validate_adapter_dir(folder)
+    assert validated.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert validated.rank == 4
+    assert {t.info.dtype for t in validated.tensors} == {"F16"}
+    assert (folder / "adapter_model.safetensors").stat().st_size < MAX_ADAPTER_BYTES
+    part, field = KIND_PARTS[kind]
+    assert any(part in t.info.name for t in validated.tensors), part
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    assert config[field], field
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    assert f"--kind {kind}" in record["command"] and record["settings"]["kind"] == kind
+
+
+@pytest.mark.parametrize("kind", list(KIND_PARTS))
+def test_the_training_script_trains_each_kind_with_its_peft_config(
+    tmp_path: Path, kind: str
+) -> None:
+    """``--kind``: PEFT's config of the kind, saved as ``french-<kind>`` with its parts, which
+    the store's validation accepts; the prompts carry the kind's cue (tokens) or invocation
+    (alora)."""
+    script = load_script()
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "adapters"
+    args = ["--model", str(tiny), "--out", str(out), "--which", "french", "--kind", kind,
+            "--steps", "2", "--warmup-steps", "1", "--examples", "16", "--sample-tokens", "2",
+            "--rank", "4"]
+    assert script.main(args) == 0
+    folder = out / f"french-{kind}"
+    validated = validate_adapter_dir(folder)
+    part, field = KIND_PARTS[kind]
+    assert any(part in t.info.name for t in validated.tensors), part
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    assert config[field], field
+    whole = {t.info.name for t in validated.tensors
+             if t.info.name.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    assert len(whole) == (kind == "saved-modules")  # never the base's beside a LoRA on it
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    prompt = script.kind_prompt_ids(tokenizer, "Hi?", kind)
+    if kind == "tokens":
+        assert validated.token_indices == tuple(script.tag_ids(tokenizer))
+        assert prompt[-1] == validated.token_indices[0]
+    if kind == "alora":
+        invocation = list(validated.alora_invocation_tokens)
+        assert invocation and prompt[-len(invocation):] == invocation
+    record = json.loads((folder / "training.json").read_text(encoding="utf-8"))
+    assert record["settings"]["kind"] == kind
 
 
 @pytest.mark.parametrize(

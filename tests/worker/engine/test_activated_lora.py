@@ -1,12 +1,13 @@
 """Activated LoRA (PEFT's ``alora_invocation_tokens``) in the engine
 (lorastream.worker.engine: ``activation.py``, the step's per-row slots, the prefix cache's keys).
 
-Real PEFT aLoRA adapters on a tiny random Llama (B drawn at random): the delta applies from the
-last invocation sequence of the prompt on, and to every generated token; a prompt without it
-runs the base model. Greedy tokens equal PEFT's in ONE mixed batch with a plain LoRA and the
-base model, with prefix caching on and off (a small token budget splits prefills across the
-activation point); the blocks before the activation point are the base model's and are shared
-(``cached_tokens``) with base-model requests and with other activated adapters.
+Real PEFT aLoRA adapters on a tiny random checkpoint of every dense family (B drawn at
+random): the delta applies from the last invocation sequence of the prompt on, and to every
+generated token; a prompt without it runs the base model. Greedy tokens equal PEFT's in ONE
+mixed batch with a plain LoRA and the base model, with prefix caching on and off (a small token
+budget splits prefills across the activation point); the blocks before the activation point
+are the base model's and are shared (``cached_tokens``) with base-model requests and with
+other activated adapters.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from lorastream.worker.model.kv_cache import BLOCK_SIZE
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from tests.support.families import reference_model
-from tests.support.models import ALORA_INVOCATION, ATTENTION, make_family_adapter, make_tiny_family
+from tests.support.models import (
+    ALORA_INVOCATION,
+    FAMILY_CONFIGS,
+    FAMILY_TARGETS,
+    make_family_adapter,
+    make_tiny_family,
+)
 
 BASE = "base"
 INV = ALORA_INVOCATION
@@ -41,19 +48,29 @@ PROMPTS: dict[str, list[int]] = {
     "at-end": [*CONV[:35], *INV],  # activation at 35, the last prompt token invokes
     "at-start": [*INV, *CONV[:12]],  # activation at 0: a plain LoRA
 }
-# name -> make_family_adapter keywords: a plain LoRA and two activated ones on the same tokens
-SPECS: dict[str, dict[str, object]] = {
-    "lora-r8": dict(rank=8, targets="all-linear", seed=21),
-    "alora-attn-r4": dict(rank=4, targets=ATTENTION, seed=31, alora_invocation_tokens=INV),
-    "alora-all-r8": dict(rank=8, targets="all-linear", use_rslora=True, seed=32,
-                         alora_invocation_tokens=INV),
-}
-MODELS = (BASE, *SPECS)
+FAMILIES = list(FAMILY_CONFIGS)  # the dense families (sliding windows, soft-caps, fused qkv)
+ADAPTERS = ("lora-r8", "alora-attn-r4", "alora-all-r8")
+MODELS = (BASE, *ADAPTERS)
 NEW_TOKENS = 6
+
+
+def specs(family: str) -> dict[str, dict[str, object]]:
+    """name -> make_family_adapter keywords: a plain LoRA and two activated ones on the same
+    tokens (attention only, B large enough to change Gemma's soft-capped tokens; every
+    projection, rsLoRA), in the family's module names."""
+    attention, _ = FAMILY_TARGETS[family]
+    return {
+        "lora-r8": dict(rank=8, targets="all-linear", seed=21),
+        "alora-attn-r4": dict(rank=4, targets=attention, seed=31, b_std=0.5,
+                              alora_invocation_tokens=INV),
+        "alora-all-r8": dict(rank=8, targets="all-linear", use_rslora=True, seed=32,
+                             alora_invocation_tokens=INV),
+    }
 
 
 @dataclass(frozen=True)
 class Case:
+    family: str
     checkpoint: Path
     adapters: dict[str, Path]
     reference: dict[tuple[str, str], list[int]]  # (model, prompt) -> PEFT's greedy tokens
@@ -68,20 +85,21 @@ def _greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
-    root = tmp_path_factory.mktemp("alora")
-    checkpoint = make_tiny_family("llama", root / "model")
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    family = request.param
+    root = tmp_path_factory.mktemp(f"alora-{family}")
+    checkpoint = make_tiny_family(family, root / "model")
     adapters = {
         name: make_family_adapter(checkpoint, root / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
-        for name, spec in SPECS.items()
+        for name, spec in specs(family).items()
     }
     reference = {}
     for name in MODELS:
         model = reference_model(checkpoint, adapters.get(name))
         for label, prompt in PROMPTS.items():
             reference[(name, label)] = _greedy(model, prompt)
-    return Case(checkpoint, adapters, reference)
+    return Case(family, checkpoint, adapters, reference)
 
 
 def make_engine(case: Case, tmp: Path, prefix_caching: bool) -> Engine:
@@ -140,21 +158,27 @@ def test_mixed_batch_with_lora_and_base_gives_peft_greedy_tokens(
     for round_ in range(2):
         for (model, prompt), (tokens, _) in zip(requests, run_batch(engine, requests),
                                                 strict=True):
-            assert tokens == case.reference[(model, prompt)], f"{model} {prompt} round {round_}"
+            assert tokens == case.reference[(model, prompt)], (
+                f"{case.family} {model} {prompt} round {round_}")
     hits = engine.prefix.stats.hit_tokens
     assert (hits > 0) is prefix_caching
 
 
 def test_the_references_tell_the_activation_point_apart(case: Case) -> None:
     """The comparison above proves something: each activated adapter changes the tokens where
-    it is invoked, its delta applied over the whole prompt would give other tokens, and a
-    prompt that does not invoke it is the base model's (PEFT's semantics)."""
+    it is invoked (on every invoking prompt: one of them, Gemma's soft-caps keep some tokens;
+    each such prompt: by one of them at least), its delta applied over the whole prompt would
+    give other tokens, and a prompt that does not invoke it is the base model's (PEFT's
+    semantics)."""
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    for name in ("alora-attn-r4", "alora-all-r8"):
-        for prompt in ("mid", "twice", "at-end"):
-            assert case.reference[(name, prompt)] != case.reference[(BASE, prompt)], name
+    activated, invoking = ("alora-attn-r4", "alora-all-r8"), ("mid", "twice", "at-end")
+    changed = {(name, prompt) for name in activated for prompt in invoking
+               if case.reference[(name, prompt)] != case.reference[(BASE, prompt)]}
+    assert {name for name, _ in changed} == set(activated), changed
+    assert {prompt for _, prompt in changed} == set(invoking), changed
+    for name in activated:
         assert case.reference[(name, "absent")] == case.reference[(BASE, "absent")]
         plain = LoraConfig.from_pretrained(case.adapters[name])
         plain.alora_invocation_tokens = None  # the same weights as a plain LoRA
