@@ -29,6 +29,10 @@ def serve(
     popularity: str = typer.Option("zipf:1.2", help="distinct, uniform or zipf:ALPHA."),
     max_tokens: int = typer.Option(32, help="Tokens generated per request."),
     background: int = typer.Option(4, help="Long base-model streams in the interference part."),
+    background_tokens: int = typer.Option(
+        2000, min=1, help="Tokens each of them asks for: enough to outlast every window (a "
+        "window of loads ends early when a stream does)."
+    ),
     store_link_mbps: float = typer.Option(
         125.0, help="Cap on the store's egress in MB/s, standing in for the network between "
         "store and worker (125 = 1 Gb/s); 0 streams at loopback speed.",
@@ -73,6 +77,7 @@ def serve(
     config = ServeConfig(
         model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
         popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
+        background_tokens=background_tokens,
         host_cache_bytes=host_cache_bytes, interference_rounds=interference_rounds,
         store_link_mbps=store_link_mbps, store_link_burst_bytes=store_link_burst_bytes,
         parts=tuple(p.strip() for p in parts.split(",") if p.strip()), burst_cold=burst_cold,
