@@ -112,11 +112,12 @@ def cache_entries(cache: Path) -> list[str]:
 
 
 # GGUF architecture of each MoE family llama.cpp writes (Mixtral is a "llama" with experts).
-MOE_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+MOE_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
 
 
 def write_moe_gguf(checkpoint: Path, source: Path, out: Path, per_expert: bool = False) -> Path:
-    """``out``: the HF MoE ``checkpoint`` (Qwen3-MoE or Mixtral, fp32) as llama.cpp writes it,
+    """``out``: the HF MoE ``checkpoint`` (Qwen3-MoE, Mixtral or Qwen2-MoE, fp32) as llama.cpp
+    writes it,
     F32 throughout, with ``source``'s tokenizer metadata (the checkpoint's vocabulary must be
     that size). Experts stacked (``blk.N.ffn_{gate,up,down}_exps``, ``[E, out, in]``), or with
     ``per_expert`` one tensor each (``blk.N.ffn_{gate,up,down}.E``, older Mixtral files). A
@@ -143,8 +144,11 @@ def write_moe_gguf(checkpoint: Path, source: Path, out: Path, per_expert: bool =
         "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
         "expert_count": experts, "expert_used_count": config["num_experts_per_tok"],
         "expert_feed_forward_length": expert_width, "rope.dimension_count": head_dim,
+
         "attention.key_length": head_dim, "attention.value_length": head_dim,
     }
+    if config.get("shared_expert_intermediate_size"):
+        dims["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, arch)
     for field in reader.fields.values():
@@ -186,7 +190,16 @@ def write_moe_gguf(checkpoint: Path, source: Path, out: Path, per_expert: bool =
             if f"{layer}.self_attn.{norm}.weight" in state:
                 add(f"blk.{i}.attn_{norm}.weight",
                     state[f"{layer}.self_attn.{norm}.weight"].numpy())
+        for proj, short in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+            if f"{layer}.self_attn.{proj}.bias" in state:  # Qwen2-MoE
+                add(f"blk.{i}.attn_{short}.bias", state[f"{layer}.self_attn.{proj}.bias"].numpy())
         add(f"blk.{i}.ffn_gate_inp.weight", state[f"{layer}.mlp.gate.weight"].numpy())
+        if f"{layer}.mlp.shared_expert_gate.weight" in state:  # Qwen2-MoE's shared expert
+            for proj in ("gate", "up", "down"):
+                add(f"blk.{i}.ffn_{proj}_shexp.weight",
+                    state[f"{layer}.mlp.shared_expert.{proj}_proj.weight"].numpy())
+            add(f"blk.{i}.ffn_gate_inp_shexp.weight",  # [H]: llama.cpp drops the leading 1
+                state[f"{layer}.mlp.shared_expert_gate.weight"].numpy()[0])
         gate_up = state[f"{layer}.mlp.experts.gate_up_proj"].numpy()  # [E, 2 I, H]
         stacked = {"gate": gate_up[:, :expert_width], "up": gate_up[:, expert_width:],
                    "down": state[f"{layer}.mlp.experts.down_proj"].numpy()}  # down [E, H, I]
@@ -197,7 +210,8 @@ def write_moe_gguf(checkpoint: Path, source: Path, out: Path, per_expert: bool =
             else:
                 add(f"blk.{i}.ffn_{proj}_exps.weight", weights)
     add("output_norm.weight", state["model.norm.weight"].numpy())
-    add("output.weight", state["lm_head.weight"].numpy())
+    if not config.get("tie_word_embeddings"):  # tied: llama.cpp writes no output.weight
+        add("output.weight", state["lm_head.weight"].numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -69,7 +69,7 @@ def config_overrides(reader: Any) -> dict[str, int]:
     if width is not None:
         out["moe_intermediate_size"] = int(width)
     shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
-    if shared is not None:
+    if arch == "qwen2moe" and shared is not None:  # Qwen3-MoE has no shared expert
         out["shared_expert_intermediate_size"] = int(shared)
     return out
 

@@ -1,5 +1,6 @@
 """``--model model.gguf`` of a mixture-of-experts model (``lorastream/worker/model/gguf_moe.py``):
-a tiny Qwen3-MoE or Mixtral checkpoint written as llama.cpp lays it out (experts stacked in
+a tiny Qwen3-MoE, Mixtral or Qwen2-MoE (shared expert, q/k/v biases, tied embeddings)
+checkpoint written as llama.cpp lays it out (experts stacked in
 ``ffn_*_exps``, or one tensor per expert as older Mixtral files have them; Mixtral's q/k rows
 permuted), F32, with gguf's own writer. The converted checkpoint holds exactly the source
 checkpoint's weights, and the worker serving the file gives transformers' greedy tokens on the
@@ -26,8 +27,10 @@ VOCAB = 49152  # the embedded GGUF's tokenizer, whose metadata the file carries
 # What llama.cpp's MoE layouts cannot express: a dense layer among the sparse ones (Qwen3-MoE
 # ``mlp_only_layers``) and a sliding window.
 GGUF_EXPRESSIBLE = {"qwen3_moe": dict(mlp_only_layers=[], use_sliding_window=False),
-                    "mixtral": dict(sliding_window=None)}
-CASES = [("qwen3_moe", "stacked"), ("mixtral", "stacked"), ("mixtral", "per-expert")]
+                    "mixtral": dict(sliding_window=None),
+                    "qwen2_moe": dict(use_sliding_window=False)}
+CASES = [("qwen3_moe", "stacked"), ("mixtral", "stacked"), ("mixtral", "per-expert"),
+         ("qwen2_moe", "stacked")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
