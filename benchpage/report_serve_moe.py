@@ -70,11 +70,14 @@ def serve_moe_section(r: Result, plots: Mapping[str, str]) -> str:
         "window of LoadAdapter calls one after another, cycling through more adapters than "
         "the host budget holds, so every load fetches from the store: "
         f"{text(c.get('interference_rounds'))} rounds of {text(c.get('window_s'))} s. The "
-        "worker restarts between modes, overlapped loading on and off, on the same store.",
+        "worker restarts between modes, overlapped loading on and off, on the same store. "
+        "The machine's 1-minute load average was "
+        f"{number(r.get('load_average_1m_at_start'), 2)} at the start and "
+        f"{number(r.get('load_average_1m_at_end'), 2)} at the end (shared).",
         table(["", "overlap on", "overlap off"], rows),
         table(GOALS_HEADER, serve_moe_goals(r)),
         "An expert LoRA is sized in bytes like any adapter: the host budget holds its whole "
         "manifest, and every device slot reserves storage for every expert at the worker's "
         "`--max-lora-rank` (the experts row). With overlap on, the fetch and the slot copy run "
-        "beside the decode steps; off, the copy runs inside a step.",
+        "beside the decode steps (docs/loading.md).",
     ])

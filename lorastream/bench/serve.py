@@ -61,6 +61,7 @@ at 1.5 requests/s both modes saturate.
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import threading
@@ -296,6 +297,7 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
     store_port = store_port or free_port()
     worker_port = worker_port or free_port()
     base = model_config(config.model)
+    load_before = os.getloadavg()[0]  # a shared machine: what else ran, at each end
     with tempfile.TemporaryDirectory(prefix="lorastream-serve-") as tmp:
         root = Path(tmp)
         with running_store(root / "store", store_port, config.store_link_mbps, "idle",
@@ -325,7 +327,9 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
                         for name, flags in CPU_VARIANTS.items()} if trace else {}
     head = {"benchmark": "serve-moe" if base.is_moe else "serve", "command": command_line(),
             "machine": machine_info(), "config": asdict(config), "base": _base(base),
-            "adapter_mb": round(serving_adapter_nbytes(base, config.rank) / 1e6, 1)}
+            "adapter_mb": round(serving_adapter_nbytes(base, config.rank) / 1e6, 1),
+            "load_average_1m_at_start": round(load_before, 2),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
     if not per_mode:
         return {**head, **cold}
     on, off = modes["overlap_on"], modes["overlap_off"]

@@ -523,6 +523,7 @@ def _serve_moe(on_ratio: float) -> dict[str, Any]:
             "base": {"family": "qwen3_moe", "layers": 8, "hidden": 512, "experts": 32,
                      "experts_per_token": 2, "expert_intermediate": 256},
             "adapter_mb": 248.6, "overlap_on": mode(on_ratio), "overlap_off": mode(1.9),
+            "load_average_1m_at_start": 1.5, "load_average_1m_at_end": 3.25,
             "itl_p99_during_loads_vs_none_overlap_on": on_ratio,
             "itl_p99_during_loads_vs_none_overlap_off": 1.9, "goal_itl_p99_ratio": "<= 1.2"}
 
@@ -534,6 +535,7 @@ def test_serve_moe_section_shows_itl_during_expert_lora_loads_per_mode_and_its_g
     assert "32 experts of width 256 (top 2)" in page
     assert "each LoRA of rank 128 on q/k/v/o and on every routed expert" in page
     assert "249 MB each" in page
+    assert "load average was 1.50 at the start and 3.25 at the end (shared)" in page
     assert "| ITL p99, during loads / none | " + ratio(on_ratio) + " | 1.90× |" in page
     assert "| device slots, experts (MB) | 604 | 604 |" in page
     label = ("serve (MoE base) ITL p99 of running streams, cold expert-LoRA loads / none "
