@@ -120,6 +120,8 @@ bench: install-dev gemma qwen
 	$(LORASTREAM) bench engine --model qwen2.5-coder-0.5b --repeats 2 --output $(BENCH_RESULTS)/engine-qwen2.5-coder-0.5b.json
 	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 4 --output $(BENCH_RESULTS)/engine-int8.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
+	$(LORASTREAM) bench moe-checkpoint /tmp/lorastream-moe-base --experts 32
+	$(LORASTREAM) bench serve --model /tmp/lorastream-moe-base --parts loads --adapters 6 --slots 2 --rank 128 --background-tokens 4000 --interference-rounds 4 --output $(BENCH_RESULTS)/serve-moe.json
 	$(LORASTREAM) bench saturate --output $(BENCH_RESULTS)/saturate.json
 	$(LORASTREAM) bench scale --output $(BENCH_RESULTS)/scale.json
 	$(LORASTREAM) bench push --output $(BENCH_RESULTS)/push.json

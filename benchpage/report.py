@@ -28,6 +28,7 @@ from benchpage import (
     report_registry,
     report_saturate,
     report_serve,
+    report_serve_moe,
     report_soak,
     report_transfer,
 )
@@ -97,6 +98,12 @@ BENCHES = (
           report_serve.serve_section, report_serve.serve_goals,
           (("serve_cdf", plot.ttft_itl_cdf), ("serve_interference", plot.interference_cdf),
            ("serve_cold", plot.cold_ttft_cdf))),
+    Bench("serve-moe", "Serving on a MoE base: ITL during cold expert-LoRA loads (serve-moe)",
+          "lorastream bench moe-checkpoint /tmp/lorastream-moe-base --experts 32 && "
+          "lorastream bench serve --model /tmp/lorastream-moe-base --parts loads --adapters 6 "
+          "--slots 2 --rank 128 --background-tokens 4000 --interference-rounds 4 "
+          "--output {results}/serve-moe.json",
+          report_serve_moe.serve_moe_section, report_serve_moe.serve_moe_goals),
     Bench("saturate", "Saturated serving: CPU busy, and served against the engine (saturate)",
           "lorastream bench saturate --output {results}/saturate.json",
           report_saturate.saturate_section, report_saturate.saturate_goals),

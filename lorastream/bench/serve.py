@@ -21,7 +21,16 @@ Three parts per mode (the worker is restarted between modes, so every adapter st
 Before them, the cold-adapter workloads of issue 57 (``serve_cold.py``): a burst of cold adapters
 beside resident ones, and cold adapters one at a time behind the capped link, each overlap on
 (at the worker's default ``--load-share`` and at ``cold_shares``) and off. ``parts`` picks which
-of ``trace`` (the three parts above and the CPU variants below), ``burst`` and ``link`` run.
+of ``trace`` (the three parts above and the CPU variants below), ``loads`` (the interference
+part and the cold probe per mode, without the trace and the variants), ``burst`` and ``link``
+run.
+
+On a mixture-of-experts base (``--model`` a Qwen3-MoE, Mixtral or Qwen2-MoE checkpoint, e.g.
+``lorastream bench moe-checkpoint``'s) every adapter adapts q/k/v/o and every routed expert of
+every sparse layer (``serve_adapters.py``): hundreds of MB each where a dense
+adapter of the same rank takes a few. The result is then ``serve-moe`` (its own file and
+section of the benchmark page); ``--parts loads`` gives its figure, the running streams' ITL
+p99 while such adapters load cold against none, overlap on and off.
 
 The worker's peak resident memory is sampled and reported against its configured budgets. After
 both modes the interference part and the cold probe run once more per variant of the worker's CPU
@@ -52,12 +61,17 @@ at 1.5 requests/s both modes saturate.
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorastream.bench.harness import (
     PROMPTS,
@@ -78,14 +92,14 @@ from lorastream.bench.harness import (
 )
 from lorastream.bench.loader_cpu import LoaderCpu
 from lorastream.bench.machine import command_line, machine_info
+from lorastream.bench.serve_adapters import serving_adapter_nbytes
 from lorastream.bench.serve_cold import link_adapters, run_burst, run_link, stage_adapters
-from lorastream.bench.synthetic import (
-    ALL_LINEAR,
-    adapter_nbytes,
-    checkpoint_shape,
-)
+from lorastream.bench.synthetic import model_config
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.worker_client import WorkerClient
+
+if TYPE_CHECKING:
+    from lorastream.worker.model.config import ModelConfig
 
 PROBE_ADAPTERS = 3  # extra adapters in the store that only the cold probe asks for
 
@@ -110,7 +124,8 @@ class ServeConfig:
     store_link_burst_bytes: int = 4 << 20  # idle link time it may bank: a TCP send buffer
     seed: int = 0
     # which parts run: "trace" (the trace, interference and cold probe per mode, and the CPU
-    # variants), "burst" and "link" (the cold-adapter workloads, serve_cold.py)
+    # variants), "loads" (the interference and cold probe per mode alone), "burst" and "link"
+    # (the cold-adapter workloads, serve_cold.py)
     parts: tuple[str, ...] = ("trace", "burst", "link")
     burst_cold: int = 6  # cold adapters asked for at once in the burst
     burst_resident: int = 4  # requests for the resident adapter in the same burst
@@ -272,22 +287,26 @@ def _link_seconds(config: ServeConfig) -> float | None:
     speed (no cap)."""
     if not config.store_link_mbps:
         return None
-    nbytes = adapter_nbytes(checkpoint_shape(config.model), config.rank, ALL_LINEAR)
+    nbytes = serving_adapter_nbytes(model_config(config.model), config.rank)
     return nbytes / (config.store_link_mbps * 1e6)
 
 
 def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int = 0) -> dict:
-    """Both modes on one store; ports 0 pick free ones."""
+    """Both modes on one store; ports 0 pick free ones. On a mixture-of-experts base the
+    result is ``serve-moe`` (its adapters carry LoRA on every routed expert)."""
     store_port = store_port or free_port()
     worker_port = worker_port or free_port()
+    base = model_config(config.model)
+    load_before = os.getloadavg()[0]  # a shared machine: what else ran, at each end
     with tempfile.TemporaryDirectory(prefix="lorastream-serve-") as tmp:
         root = Path(tmp)
         with running_store(root / "store", store_port, config.store_link_mbps, "idle",
                            config.store_link_burst_bytes) as store:
             target = f"127.0.0.1:{store_port}"
             trace = "trace" in config.parts
-            names = [f"a{i}" for i in range(config.adapters)] if trace else []
-            names += [f"probe{i}" for i in range(PROBE_ADAPTERS)] if trace else []
+            per_mode = trace or "loads" in config.parts  # a worker per mode, on and off
+            names = [f"a{i}" for i in range(config.adapters)] if per_mode else []
+            names += [f"probe{i}" for i in range(PROBE_ADAPTERS)] if per_mode else []
             stage_adapters(target, root, config, names, seed=0)
             if "link" in config.parts:
                 stage_adapters(target, root, config, link_adapters(config), seed=2000)
@@ -301,28 +320,37 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
             if "link" in config.parts:
                 cold["cold_link"] = run_link(config, target, worker_args)
             modes = {}
-            for overlap in ("on", "off") if trace else ():
+            for overlap in ("on", "off") if per_mode else ():
                 modes[f"overlap_{overlap}"] = _run_mode(config, overlap, target, worker_port,
-                                                        store.pid)
+                                                        store.pid, trace)
             variants = {name: _run_variant(config, target, worker_port, flags, store.pid)
                         for name, flags in CPU_VARIANTS.items()} if trace else {}
-    head = {"benchmark": "serve", "command": command_line(), "machine": machine_info(),
-            "config": asdict(config)}
-    if not trace:
+    head = {"benchmark": "serve-moe" if base.is_moe else "serve", "command": command_line(),
+            "machine": machine_info(), "config": asdict(config), "base": _base(base),
+            "adapter_mb": round(serving_adapter_nbytes(base, config.rank) / 1e6, 1),
+            "load_average_1m_at_start": round(load_before, 2),
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
+    if not per_mode:
         return {**head, **cold}
     on, off = modes["overlap_on"], modes["overlap_off"]
-    ttft_on, ttft_off = on["trace"]["ttft_ms"]["p50"], off["trace"]["ttft_ms"]["p50"]
     itl_ratio, cold_ratio = on["interference"]["itl_p99_ratio"], on["cold_probe"][
         "cold_vs_link_plus_warm"]
+    loads = {
+        "itl_p99_during_loads_vs_none_overlap_on": itl_ratio,
+        "itl_p99_during_loads_vs_none_overlap_off": off["interference"]["itl_p99_ratio"],
+        "goal_itl_p99_ratio": "<= 1.2",
+        "cold_ttft_vs_link_plus_resident_overlap_on": cold_ratio,
+        "goal_cold_ttft_ratio": "<= 1.25",
+    }
+    if not trace:
+        return {**head, **modes, **loads, **cold}
+    ttft_on, ttft_off = on["trace"]["ttft_ms"]["p50"], off["trace"]["ttft_ms"]["p50"]
     return {
         **head,
         **modes,
         "ttft_p50_on_vs_off": round(ttft_on / ttft_off, 3) if ttft_on and ttft_off else None,
         "goal_ttft_p50_on_vs_off": "<= 0.5",
-        "itl_p99_during_loads_vs_none_overlap_on": itl_ratio,
-        "goal_itl_p99_ratio": "<= 1.2",
-        "cold_ttft_vs_link_plus_resident_overlap_on": cold_ratio,
-        "goal_cold_ttft_ratio": "<= 1.25",
+        **loads,
         # the cold-load and ITL goals met in the same run, overlap on, with the worker's defaults
         "cold_and_itl_goals_met_together": (
             None if itl_ratio is None or cold_ratio is None
@@ -330,6 +358,16 @@ def run_serve_bench(config: ServeConfig, store_port: int = 0, worker_port: int =
         **variants,
         **cold,
     }
+
+
+def _base(config: ModelConfig) -> dict[str, object]:
+    """What the result says of the base model: its family and size, and its experts."""
+    out: dict[str, object] = {"family": config.family, "layers": config.num_layers,
+                              "hidden": config.hidden_size}
+    if config.is_moe:
+        out.update(experts=config.num_experts, experts_per_token=config.experts_per_token,
+                   expert_intermediate=config.moe_intermediate_size)
+    return out
 
 
 def _worker_args(config: ServeConfig, overlap: str, store: str, port: int) -> list[str]:
@@ -374,30 +412,43 @@ def _run_variant(config: ServeConfig, store: str, port: int, flags: tuple[str, .
                 "cold_probe": _run_cold_probe(target, config, PROMPTS[1], loader_cpu)}
 
 
-def _run_mode(config: ServeConfig, overlap: str, store: str, port: int, store_pid: int) -> dict:
-    args = _worker_args(config, overlap, store, port)
+def _run_mode(config: ServeConfig, overlap: str, store: str, port: int, store_pid: int,
+              trace: bool = True) -> dict:
+    """One worker, overlap ``overlap``: the trace (when ``trace``), the interference part and the
+    cold probe, its peak memory and its budgets (the device slots' bytes as the worker counts
+    them: expert storage included on a MoE base)."""
+    metrics_port = free_port()
+    args = [*_worker_args(config, overlap, store, port), "--metrics-port", str(metrics_port)]
     target = f"127.0.0.1:{port}"
     with running(args, port) as worker:
         sampler = RssSampler(worker.pid)
         sampler.start()
         warm_up(target)
-        trace = _run_trace(target, config)
+        traced = {"trace": _run_trace(target, config)} if trace else {}
         interference = _run_interference(target, config, PROMPTS[0])
         cold_probe = _run_cold_probe(target, config, PROMPTS[1],
                                      LoaderCpu(store_pid, worker.pid))
         with WorkerClient(target) as client:
             stats = client.stats()
+        slots = _slot_bytes(f"http://127.0.0.1:{metrics_port}/metrics")
         sampler.stop.set()
     return {
-        "trace": trace,
+        **traced,
         "interference": interference,
         "cold_probe": cold_probe,
         "worker_peak_rss_mb": round(sampler.peak / 1e6),
         "worker_budgets_mb": {
             "host_adapters": round(stats.host_bytes_budget / 1e6),
-            # every slot holds an all-linear adapter of --max-lora-rank (fp32 on the CPU)
-            "device_slots": round(stats.device_slots_total * adapter_nbytes(
-                checkpoint_shape(config.model), config.rank, ALL_LINEAR) / 1e6),
+            "device_slots": round(sum(slots.values()) / 1e6),
             "kv_cache": round(config.kv_cache_bytes / 1e6),
         },
+        "device_slot_mb_by_part": {part: round(n / 1e6) for part, n in slots.items()},
     }
+
+
+def _slot_bytes(url: str) -> dict[str, int]:
+    """The worker's ``lorastream_worker_slot_bytes``: part -> bytes every slot reserves."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {sample.labels["part"]: int(sample.value)
+            for family in text_string_to_metric_families(text)
+            if family.name == "lorastream_worker_slot_bytes" for sample in family.samples}

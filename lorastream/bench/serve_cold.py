@@ -48,12 +48,8 @@ from lorastream.bench.harness import (
     stream,
     warm_up,
 )
-from lorastream.bench.synthetic import (
-    ALL_LINEAR,
-    adapter_nbytes,
-    checkpoint_shape,
-    make_synthetic_adapter,
-)
+from lorastream.bench.serve_adapters import make_serving_adapter, serving_adapter_nbytes
+from lorastream.bench.synthetic import model_config
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.store_client import StoreClient
 from lorastream.core.worker_client import WorkerClient
@@ -76,12 +72,12 @@ WorkerArgs = Callable[[str, str, int], list[str]]  # (overlap, store, port) -> w
 
 def stage_adapters(target: str, root: Path, config: ServeConfig, names: list[str],
                    seed: int) -> None:
-    """Make and preload ``names`` (synthetic, rank ``config.rank``, all linear) into the store."""
-    shape = checkpoint_shape(config.model)
+    """Make and preload ``names`` (synthetic, rank ``config.rank``: all linear, and every routed
+    expert on a MoE base, ``serve_adapters.py``) into the store."""
+    base = model_config(config.model)
     with StoreClient(target) as client:
         for i, name in enumerate(names):
-            path = make_synthetic_adapter(root / name, shape, rank=config.rank,
-                                          targets=ALL_LINEAR, seed=seed + i)
+            path = make_serving_adapter(root / name, base, config.rank, seed + i)
             for _ in client.preload(str(path), name):
                 pass
             (path / "adapter_model.safetensors").unlink()  # staged: free the disk
@@ -114,7 +110,7 @@ def run_burst(config: ServeConfig, root: Path, worker_args: WorkerArgs) -> dict[
 def run_link(config: ServeConfig, store: str, worker_args: WorkerArgs) -> dict[str, object]:
     """The link-limited workload on the benchmark's (capped) store, once per mode; its cold
     adapters (``cold{i}``) are staged there already (:func:`link_adapters`)."""
-    link_s = (adapter_nbytes(checkpoint_shape(config.model), config.rank, ALL_LINEAR)
+    link_s = (serving_adapter_nbytes(model_config(config.model), config.rank)
               / (config.store_link_mbps * 1e6)) if config.store_link_mbps else 0.0
     results = {mode: _in_worker(worker_args(overlap, store, free_port()), flags,
                                 lambda worker, _: _link(worker, config, link_s))

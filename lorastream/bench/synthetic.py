@@ -6,11 +6,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+
+if TYPE_CHECKING:
+    from lorastream.worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -167,11 +171,20 @@ def resolve_model_checkpoint(model: str) -> Path:
     )
 
 
-def checkpoint_shape(model: str) -> BaseShape:
-    """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
+def model_config(model: str) -> ModelConfig:
+    """The :class:`ModelConfig` of a worker ``--model`` (resolved as the worker does)."""
     from lorastream.worker.model.config import ModelConfig
 
-    c = ModelConfig.from_dir(resolve_model_checkpoint(model))
+    return ModelConfig.from_dir(resolve_model_checkpoint(model))
+
+
+def checkpoint_shape(model: str) -> BaseShape:
+    """The projection sizes of a worker ``--model`` (resolved as the worker does)."""
+    return base_shape(model_config(model))
+
+
+def base_shape(c: ModelConfig) -> BaseShape:
+    """The projection sizes of a base model's :class:`ModelConfig`."""
     return BaseShape(
         c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
         qkv_modules=c.qkv_modules, gate_up_modules=c.gate_up_modules,

@@ -14,15 +14,25 @@ from lorastream.cli.common import console, refuse, setup_logging
 
 
 def serve(
-    model: str = typer.Option("default", help="Base model of the worker."),
+    model: str = typer.Option(
+        "default", help="Base model of the worker; on a mixture-of-experts checkpoint (`bench "
+        "moe-checkpoint`) every adapter also adapts each routed expert, and the result is "
+        "serve-moe.",
+    ),
     adapters: int = typer.Option(24, help="Distinct adapters in the store (more than slots)."),
     slots: int = typer.Option(8, help="Worker device slots (--max-loras)."),
-    rank: int = typer.Option(64, help="Rank of every adapter (all linear projections)."),
+    rank: int = typer.Option(
+        64, help="Rank of every adapter (all linear projections, and the experts of a MoE base)."
+    ),
     rate: float = typer.Option(1.0, help="Poisson arrival rate, requests per second."),
     requests: int = typer.Option(32, help="Requests in the trace."),
     popularity: str = typer.Option("zipf:1.2", help="distinct, uniform or zipf:ALPHA."),
     max_tokens: int = typer.Option(32, help="Tokens generated per request."),
     background: int = typer.Option(4, help="Long base-model streams in the interference part."),
+    background_tokens: int = typer.Option(
+        2000, min=1, help="Tokens each of them asks for: enough to outlast every window (a "
+        "window of loads ends early when a stream does)."
+    ),
     store_link_mbps: float = typer.Option(
         125.0, help="Cap on the store's egress in MB/s, standing in for the network between "
         "store and worker (125 = 1 Gb/s); 0 streams at loopback speed.",
@@ -31,11 +41,18 @@ def serve(
         4 << 20, help="Link time, in bytes, the capped store may bank while it is off the CPU "
         "(a socket send buffer draining; 4 MiB is Linux's default TCP maximum).",
     ),
+    host_cache_bytes: int = typer.Option(
+        1 << 30, min=1, help="Worker host budget for adapters (--host-cache-bytes)."
+    ),
+    interference_rounds: int = typer.Option(
+        6, min=1, help="Rounds of a window with no loads, then one with loads."
+    ),
     seed: int = typer.Option(0, help="Seed of the request trace."),
     parts: str = typer.Option(
         "trace,burst,link", help="Parts to run, comma-separated: trace (the Poisson trace, "
-        "interference and cold probe, and the CPU variants), burst (cold adapters beside "
-        "resident ones), link (cold adapters one at a time from the capped store).",
+        "interference and cold probe, and the CPU variants), loads (the interference and cold "
+        "probe alone, overlap on and off), burst (cold adapters beside resident ones), link "
+        "(cold adapters one at a time from the capped store).",
     ),
     burst_cold: int = typer.Option(6, min=1, help="Cold adapters asked for at once (burst)."),
     burst_resident: int = typer.Option(4, min=0, help="Resident-adapter requests in the burst."),
@@ -50,7 +67,9 @@ def serve(
     """Poisson trace over cold adapters with overlapped loading on, then off (goals: TTFT p50
     on <= 0.5x off; running streams' ITL p99 during loads <= 1.2x without loads); a burst of
     cold adapters beside resident ones and cold adapters behind a capped link, overlap on (with
-    and without --load-share) and off (lorastream/bench/serve_cold.py has their goals)."""
+    and without --load-share) and off (lorastream/bench/serve_cold.py has their goals). On a
+    MoE base: `--parts loads` measures the running streams' ITL p99 during cold expert-LoRA loads
+    against none, overlap on and off (serve-moe.json)."""
     require_bench_extra()
     from lorastream.bench.serve import ServeConfig, run_serve_bench
 
@@ -58,14 +77,17 @@ def serve(
     config = ServeConfig(
         model=model, adapters=adapters, slots=slots, rank=rank, rate=rate, requests=requests,
         popularity=popularity, max_tokens=max_tokens, background=background, seed=seed,
+        background_tokens=background_tokens,
+        host_cache_bytes=host_cache_bytes, interference_rounds=interference_rounds,
         store_link_mbps=store_link_mbps, store_link_burst_bytes=store_link_burst_bytes,
         parts=tuple(p.strip() for p in parts.split(",") if p.strip()), burst_cold=burst_cold,
         burst_resident=burst_resident, link_rounds=link_rounds,
         cold_shares=tuple(float(x) for x in load_shares.split(",") if x.strip()),
     )
-    unknown = set(config.parts) - {"trace", "burst", "link"}
+    unknown = set(config.parts) - {"trace", "loads", "burst", "link"}
     if unknown or not config.parts:
-        raise typer.BadParameter(f"{parts!r}: use trace, burst and/or link", param_hint="--parts")
+        raise typer.BadParameter(f"{parts!r}: use trace, loads, burst and/or link",
+                                 param_hint="--parts")
     print_result(run_serve_bench(config), output)
 
 

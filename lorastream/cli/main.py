@@ -44,7 +44,8 @@ def up(
     model: str = typer.Option(
         STACK.model,
         help="Base model: default (embedded SmolLM2-135M-Instruct), gemma3-270m, "
-        "qwen2.5-coder-0.5b, a checkpoint directory or a Hub id.",
+        "qwen2.5-coder-0.5b, a checkpoint directory, a GGUF file or a Hub id (hf://org/name); "
+        "mixture-of-experts bases (Qwen3-MoE, Mixtral, Qwen2-MoE) from any of these.",
     ),
     adapter: list[str] = typer.Option(
         [], "--adapter",

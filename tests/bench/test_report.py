@@ -581,3 +581,43 @@ def test_the_moe_section_shows_the_three_sides_the_goals_the_shape_and_the_ceili
     assert rows["MoE engine decode, multi-adapter / base only"].endswith(f"| {verdict} |")
     assert rows["MoE engine decode, multi-adapter / HF + PEFT"].endswith("| ≥ 3 | met |")
     _assert_no_leaks(page)
+
+
+def _serve_moe(on_ratio: float) -> dict[str, Any]:
+    def mode(ratio: float) -> dict[str, Any]:
+        return {"interference": {"itl_ms_no_loads": {"p50": 20.0}, "itl_ms_during_loads":
+                                 {"p50": 21.0}, "itl_p99_ms_no_loads": 30.0,
+                                 "itl_p99_ms_during_loads": 30.0 * ratio, "itl_p99_ratio": ratio,
+                                 "loads": 11},
+                "cold_probe": {"load_ms": 2100.0, "link_ms": 1990.0, "cold_ttft_ms": 2300.0,
+                               "warm_ttft_ms": 90.0},
+                "worker_peak_rss_mb": 2900, "worker_budgets_mb": {"host_adapters": 1074},
+                "device_slot_mb_by_part": {"projections": 7, "experts": 604}}
+
+    return {"benchmark": "serve-moe", "command": "lorastream bench serve --parts loads",
+            "machine": _machine(),
+            "config": {"model": "/tmp/moe", "adapters": 6, "rank": 128, "slots": 2,
+                       "store_link_mbps": 125.0, "background": 4, "interference_rounds": 4,
+                       "window_s": 5.0},
+            "base": {"family": "qwen3_moe", "layers": 8, "hidden": 512, "experts": 32,
+                     "experts_per_token": 2, "expert_intermediate": 256},
+            "adapter_mb": 248.6, "overlap_on": mode(on_ratio), "overlap_off": mode(1.9),
+            "load_average_1m_at_start": 1.5, "load_average_1m_at_end": 3.25,
+            "itl_p99_during_loads_vs_none_overlap_on": on_ratio,
+            "itl_p99_during_loads_vs_none_overlap_off": 1.9, "goal_itl_p99_ratio": "<= 1.2"}
+
+
+@pytest.mark.parametrize(("on_ratio", "verdict"), [(1.1, "met"), (1.4, "**not met**")])
+def test_serve_moe_section_shows_itl_during_expert_lora_loads_per_mode_and_its_goal(
+        on_ratio: float, verdict: str) -> None:
+    page = render_page({"serve-moe": _serve_moe(on_ratio)}, {})
+    assert "32 experts of width 256 (top 2)" in page
+    assert "each LoRA of rank 128 on q/k/v/o and on every routed expert" in page
+    assert "249 MB each" in page
+    assert "load average was 1.50 at the start and 3.25 at the end (shared)" in page
+    assert "| ITL p99, during loads / none | " + ratio(on_ratio) + " | 1.90× |" in page
+    assert "| device slots, experts (MB) | 604 | 604 |" in page
+    label = ("serve (MoE base) ITL p99 of running streams, cold expert-LoRA loads / none "
+             "(overlap on)")
+    assert f"| {label} | {ratio(on_ratio)} | ≤ 1.2 | {verdict} |" in page
+    assert "Not run: no `serve-moe.json`" in render_page({}, {})

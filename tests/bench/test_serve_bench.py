@@ -94,3 +94,45 @@ def test_the_cold_workloads_report_every_mode_their_phases_and_goals(tiny_model:
         rel=0.01)
     assert link["cold_vs_link_plus_resident_p50_on"] == link["overlap_on"][
         "cold_vs_link_plus_resident_p50"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "qwen2_moe"])
+def test_the_serving_adapter_weighs_what_the_benchmark_counts_experts_included(
+        family: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from lorastream.bench.serve_adapters import make_serving_adapter, serving_adapter_nbytes
+    from lorastream.core.adapter_format import WEIGHTS_FILE
+    from lorastream.worker.model.config import ModelConfig
+    from tests.support.models import make_tiny_family
+
+    config = ModelConfig.from_dir(make_tiny_family(family, tmp_path / "model"))
+    path = make_serving_adapter(tmp_path / "adapter", config, rank=4, seed=0)
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == serving_adapter_nbytes(
+        config, 4)
+    expert_keys = [k for k in tensors if ".experts" in k]
+    assert bool(expert_keys) == config.is_moe  # a MoE base's adapter adapts its experts
+
+
+@pytest.mark.slow
+def test_the_loads_part_on_a_moe_base_reports_itl_during_expert_lora_loads_per_mode(
+        tmp_path: Path) -> None:
+    from tests.support.models import make_tiny_family
+
+    model = make_tiny_family("qwen3_moe", tmp_path / "model", max_position_embeddings=4096)
+    config = ServeConfig(
+        model=str(model), adapters=4, slots=2, rank=4, background=1, background_tokens=3000,
+        interference_rounds=2, window_s=1.0, host_cache_bytes=100_000, parts=("loads",),
+    )
+    result = run_serve_bench(config)
+    assert result["benchmark"] == "serve-moe"
+    assert result["base"]["experts"] == 4
+    for mode in ("overlap_on", "overlap_off"):
+        assert "trace" not in result[mode]
+        assert result[mode]["interference"]["loads"] >= 1  # a shared box may allow only one
+        assert result[mode]["cold_probe"]["cold_ttft_ms"] > 0
+        assert result[mode]["device_slot_mb_by_part"].keys() == {"experts", "projections"}
+        ratio = result[mode]["interference"]["itl_p99_ratio"]
+        assert result[f"itl_p99_during_loads_vs_none_{mode}"] == ratio
+    assert not any(name in result for name in CPU_VARIANTS)

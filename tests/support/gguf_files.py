@@ -109,3 +109,111 @@ class CopyConverter:
 def cache_entries(cache: Path) -> list[str]:
     """What a model cache holds besides its lock files."""
     return sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock"))
+
+
+# GGUF architecture of each MoE family llama.cpp writes (Mixtral is a "llama" with experts).
+MOE_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe"}
+
+
+def write_moe_gguf(checkpoint: Path, source: Path, out: Path, per_expert: bool = False) -> Path:
+    """``out``: the HF MoE ``checkpoint`` (Qwen3-MoE, Mixtral or Qwen2-MoE, fp32) as llama.cpp
+    writes it,
+    F32 throughout, with ``source``'s tokenizer metadata (the checkpoint's vocabulary must be
+    that size). Experts stacked (``blk.N.ffn_{gate,up,down}_exps``, ``[E, out, in]``), or with
+    ``per_expert`` one tensor each (``blk.N.ffn_{gate,up,down}.E``, older Mixtral files). A
+    "llama" file's q/k rows are permuted as llama.cpp's converter does."""
+    import json
+
+    import gguf
+    import torch
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    family = config["model_type"]
+    arch = MOE_GGUF_ARCH[family]
+    heads, kvh = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    experts = config.get("num_experts") or config["num_local_experts"]
+    expert_width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    dims = {
+        "block_count": config["num_hidden_layers"], "context_length":
+        config["max_position_embeddings"], "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"], "attention.head_count": heads,
+        "attention.head_count_kv": kvh,
+        "rope.freq_base": float(config.get("rope_theta")
+                                or config["rope_parameters"]["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "expert_count": experts, "expert_used_count": config["num_experts_per_tok"],
+        "expert_feed_forward_length": expert_width, "rope.dimension_count": head_dim,
+
+        "attention.key_length": head_dim, "attention.value_length": head_dim,
+    }
+    if config.get("shared_expert_intermediate_size"):
+        dims["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for key, value in dims.items():
+        kind = (gguf.GGUFValueType.FLOAT32 if isinstance(value, float)
+                else gguf.GGUFValueType.UINT32)
+        writer.add_key_value(f"{arch}.{key}", value, kind)
+    from transformers import AutoModelForCausalLM
+
+    # transformers' own (fused) names and layout, whichever layout the files on disk have
+    state = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+
+    def permuted(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's q/k permutation
+        if arch != "llama":
+            return w
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(
+            1, 2).reshape(w.shape)
+
+    def add(name: str, tensor: object) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(np.asarray(tensor, dtype=np.float32)))
+
+    add("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        add(f"blk.{i}.attn_norm.weight", state[f"{layer}.input_layernorm.weight"].numpy())
+        add(f"blk.{i}.ffn_norm.weight", state[f"{layer}.post_attention_layernorm.weight"].numpy())
+        add(f"blk.{i}.attn_q.weight",
+            permuted(state[f"{layer}.self_attn.q_proj.weight"].numpy(), heads))
+        add(f"blk.{i}.attn_k.weight",
+            permuted(state[f"{layer}.self_attn.k_proj.weight"].numpy(), kvh))
+        add(f"blk.{i}.attn_v.weight", state[f"{layer}.self_attn.v_proj.weight"].numpy())
+        add(f"blk.{i}.attn_output.weight", state[f"{layer}.self_attn.o_proj.weight"].numpy())
+        for norm in ("q_norm", "k_norm"):
+            if f"{layer}.self_attn.{norm}.weight" in state:
+                add(f"blk.{i}.attn_{norm}.weight",
+                    state[f"{layer}.self_attn.{norm}.weight"].numpy())
+        for proj, short in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+            if f"{layer}.self_attn.{proj}.bias" in state:  # Qwen2-MoE
+                add(f"blk.{i}.attn_{short}.bias", state[f"{layer}.self_attn.{proj}.bias"].numpy())
+        add(f"blk.{i}.ffn_gate_inp.weight", state[f"{layer}.mlp.gate.weight"].numpy())
+        if f"{layer}.mlp.shared_expert_gate.weight" in state:  # Qwen2-MoE's shared expert
+            for proj in ("gate", "up", "down"):
+                add(f"blk.{i}.ffn_{proj}_shexp.weight",
+                    state[f"{layer}.mlp.shared_expert.{proj}_proj.weight"].numpy())
+            add(f"blk.{i}.ffn_gate_inp_shexp.weight",  # [H]: llama.cpp drops the leading 1
+                state[f"{layer}.mlp.shared_expert_gate.weight"].numpy()[0])
+        gate_up = state[f"{layer}.mlp.experts.gate_up_proj"].numpy()  # [E, 2 I, H]
+        stacked = {"gate": gate_up[:, :expert_width], "up": gate_up[:, expert_width:],
+                   "down": state[f"{layer}.mlp.experts.down_proj"].numpy()}  # down [E, H, I]
+        for proj, weights in stacked.items():
+            if per_expert:
+                for e in range(experts):
+                    add(f"blk.{i}.ffn_{proj}.{e}.weight", weights[e])
+            else:
+                add(f"blk.{i}.ffn_{proj}_exps.weight", weights)
+    add("output_norm.weight", state["model.norm.weight"].numpy())
+    if not config.get("tie_word_embeddings"):  # tied: llama.cpp writes no output.weight
+        add("output.weight", state["lm_head.weight"].numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

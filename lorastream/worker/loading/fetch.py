@@ -159,7 +159,12 @@ class HostLoader:
             return
         assert entry.manifest is not None
         need = host_nbytes(entry.manifest)
-        if need > self.host.budget or not self.host.reserve(entries, entry, need, arena=False):
+        if need > self.host.budget:
+            raise CapacityExhausted(
+                f"adapter {entry.name} needs {need} bytes of host memory, more than the "
+                f"whole host budget ({self.host.budget}); raise --host-cache-bytes"
+            )
+        if not self.host.reserve(entries, entry, need, arena=False):
             raise CapacityExhausted(
                 f"adapter {entry.name} needs {need} bytes of host memory; the host budget "
                 f"({self.host.budget}) is held by adapters in use or pinned: retry later "

@@ -39,6 +39,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from lorastream.core.errors import InvalidArgument
+from lorastream.worker.model import gguf_moe
 from lorastream.worker.model.checkpoint_dir import check_checkpoint_dir
 
 log = logging.getLogger(__name__)
@@ -185,18 +186,25 @@ def require_gguf_loader() -> None:
 def convert_gguf(gguf: Path, out_dir: Path, *, require_chat_template: bool = False) -> None:
     """Dequantize a GGUF file with transformers and save fp32 safetensors + tokenizer.
 
-    Any family transformers' GGUF loader knows; the chat template is kept when the file has
-    one (a base model's has none: it serves completions only).
+    Any family transformers' GGUF loader knows, and MoE files it reads short or not at all
+    (``gguf_moe.py``: Qwen3-MoE / Qwen2-MoE experts' widths, Mixtral); the chat template is
+    kept when the file has one (a base model's has none: it serves completions only).
     """
     require_gguf_loader()
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    reader = GGUFReader(gguf)
+    if gguf_moe.is_llama_moe(reader):  # Mixtral: transformers would read a dense Llama
+        gguf_moe.convert_llama_moe(gguf, reader, out_dir)
+        return
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if require_chat_template and not tokenizer.chat_template:
         raise InvalidArgument(f"{gguf}: the GGUF file carries no chat template")
     quantized = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        **gguf_moe.config_overrides(reader),  # the experts' widths it does not read
     )
     # A model loaded from GGUF is flagged as quantized and refuses save_pretrained: move its
     # (already dequantized) tensors into a plain model built from the same config.

@@ -29,6 +29,7 @@ from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.operations import WorkerOperations
 from tests.support.families import BASE, NEW_TOKENS, PROMPTS, reference_tokens
+from tests.support.hub_server import HubServer
 from tests.support.models import (
     EXPERT_PARAMETERS,
     MOE_CONFIGS,
@@ -267,5 +268,35 @@ def test_a_local_moe_checkpoint_starts_a_worker_as_up_model_does(
     try:
         assert engine.model.config.family == case.family
         assert _run(engine, [(BASE, 0)])[(BASE, 0)] == case.reference[(BASE, 0)]
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("layout", ["fused", "per-expert"])
+def test_a_moe_repo_on_the_hub_starts_a_worker_as_up_model_hf_does(
+    case: MoeCase, tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model hf://org/name`` of a MoE repo: downloaded from the Hub (the test Hub on port
+    0), checked and served, giving transformers' greedy tokens."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # nothing from the machine's Hub
+    for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    checkpoint = case.checkpoints[layout]
+    with HubServer() as hub:
+        repo = f"org/{case.family}-{layout}"
+        sha = hub.publish(repo, {p.name: p.read_bytes() for p in checkpoint.iterdir()})
+        engine = build_engine(WorkerSettings(
+            model=f"hf://{repo}", served_model_name=BASE, kv_cache_bytes=1 << 20,
+            model_cache_dir=tmp_path / "models", hf_endpoint=hub.url,
+        ))
+        assert hub.requests_for(f"/{repo}/resolve/")  # fetched from the Hub
+    try:
+        assert engine.model.config.family == case.family and engine.model.config.is_moe
+        # the snapshot of the published commit, in the worker's model cache
+        assert [d for d in (tmp_path / "models").rglob(sha) if d.is_dir()]
+        keys = [(BASE, i) for i in range(len(PROMPTS))]
+        results = _run(engine, keys)
+        for key in keys:
+            assert results[key] == case.reference[key], f"{case.family} {layout} {key}"
     finally:
         engine.stop()
