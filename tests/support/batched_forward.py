@@ -9,7 +9,7 @@ prompt for every name in one batch per chunk and returns each row's last logits;
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from lorastream.store.server import create_server as create_store
 from lorastream.worker.device.device import Device
 from lorastream.worker.loading.adapter import adapter_weights
 from lorastream.worker.loading.fetch import AdapterFetcher
-from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
+from lorastream.worker.lora.backend import LoraStep, RowLora, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
@@ -52,11 +52,12 @@ def model_and_slots(
 
 
 def prefill_last_logits(
-    model: DecoderModel, slots: LoraSlots, slot_of: dict[str, int], names: list[str],
+    model: DecoderModel, slots: LoraSlots, slot_of: Mapping[str, RowLora], names: list[str],
     prompt: list[int], chunk: int | None = None,
 ) -> torch.Tensor:  # [names, V]
-    """Every name's prefill of ``prompt`` (a name without a slot: the base model) in one batch
-    per chunk of ``chunk`` tokens (None: the whole prompt); the last token's logits."""
+    """Every name's prefill of ``prompt`` in one batch per chunk of ``chunk`` tokens (None: the
+    whole prompt); the last token's logits. ``slot_of``: a name's slot or weighted mix of
+    ``(slot, weight)`` (the backend's ``RowLora``); a name without one: the base model."""
     config = model.config
     kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8 << 20,
                  torch.float32, CPU)
@@ -69,7 +70,7 @@ def prefill_last_logits(
         ids: list[int] = []
         positions: list[int] = []
         cache: list[int] = []
-        token_slots: list[int] = []
+        token_slots: list[RowLora] = []
         spans, rows = [], []
         for name in names:
             table, start = tables[name], len(ids)

@@ -48,6 +48,25 @@ def reference_model(checkpoint: Path, adapter: Path | None) -> torch.nn.Module:
     return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
 
 
+def peft_mix_model(
+    checkpoint: Path, adapters: dict[str, Path], mix: tuple[tuple[str, float], ...]
+) -> torch.nn.Module:
+    """:func:`reference_model` with PEFT's ``add_weighted_adapter(combination_type="cat")`` of
+    ``mix`` (adapter name, weight) active: the reference a weighted mix must match. The first
+    component must not be rsLoRA (PEFT copies its config, so the new adapter's scaling would not
+    be 1)."""
+    from peft import PeftModel
+
+    names = [name for name, _ in mix]
+    model = PeftModel.from_pretrained(
+        reference_model(checkpoint, None), adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model.add_weighted_adapter(names, [w for _, w in mix], "mix", combination_type="cat")
+    model.set_adapter("mix")
+    return model.eval()
+
+
 def reference_tokens(checkpoint: Path, adapter: Path | None) -> dict[int, list[int]]:
     """Greedy tokens (up to NEW_TOKENS, stopping at eos) for every prompt."""
     model = reference_model(checkpoint, adapter)

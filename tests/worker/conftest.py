@@ -74,25 +74,6 @@ def peft_model(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:
     return base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
-def peft_mix_model(
-    base_dir: Path, adapters: dict[str, Path], mix: tuple[tuple[str, float], ...]
-) -> torch.nn.Module:
-    """The base with PEFT's ``add_weighted_adapter(combination_type="cat")`` of ``mix`` (adapter
-    name, weight) active: the reference a weighted mix must match. The first component must not
-    be rsLoRA (PEFT copies its config, so the new adapter's scaling would not be 1)."""
-    from peft import PeftModel
-    from transformers import LlamaForCausalLM
-
-    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    names = [name for name, _ in mix]
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    model.add_weighted_adapter(names, [w for _, w in mix], "mix", combination_type="cat")
-    model.set_adapter("mix")
-    return model.eval()
-
-
 def reference_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
     """HF greedy generation of up to ``new_tokens`` (stops at eos), generated ids only."""
     with torch.no_grad():

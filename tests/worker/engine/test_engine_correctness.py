@@ -22,6 +22,7 @@ from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.service.operations import WorkerOperations
 from tests.support.batched_forward import model_and_slots, prefill_last_logits
+from tests.support.families import peft_mix_model
 from tests.support.models import (
     ALORA_INVOCATION,
     ATTENTION,
@@ -33,7 +34,6 @@ from tests.worker.conftest import (
     NEW_TOKENS,
     PROMPTS,
     EngineFactory,
-    peft_mix_model,
     peft_model,
     reference_greedy,
 )

@@ -13,11 +13,11 @@ import pytest
 
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.worker.service.operations import WorkerOperations
+from tests.support.families import peft_mix_model
 from tests.worker.conftest import (
     ADAPTERS,
     PROMPTS,
     EngineFactory,
-    peft_mix_model,
     reference_greedy,
 )
 
