@@ -359,9 +359,8 @@ class Engine:
             (len(seq.mix) - 1) * count for seq, count in
             [*((seq, 1) for seq in plan.decode), *plan.prefill] if seq.mix
         )
-        inputs = build_step_inputs(
-            plan, self.staging, extra=staged_size(units, self.slots.num_slots)
-        )
+        inputs = build_step_inputs(plan, self.staging, extra=staged_size(
+            units, self.slots.num_slots, self.slots.token_width))
         batch = inputs.batch
         lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots, self.model.dtype,
                                  self.model.device, inputs.arena)

@@ -206,10 +206,12 @@ class LoraBackend(Protocol[MetaT]):
         """out[p] += scaling * (B[s, e] @ (A[s, e] @ x[p])) per assignment (``lora/experts.py``)."""
 
 
-def staged_size(num_rows: int, num_slots: int) -> int:
+def staged_size(num_rows: int, num_slots: int, token_width: int = 0) -> int:
     """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row and 1
-    per slot) stage for ``num_rows`` rows (entries, in a step with a mix row)."""
-    return int(PADDING_LIMIT * num_rows) + 6 * num_rows + 2 * num_slots + 8  # + vocab's row_slot
+    per slot; ``build_vocab_step``: ``token_width + 2`` per row, ``token_width`` the slots' most
+    new token rows) stage for ``num_rows`` rows (entries, in a step with a mix row)."""
+    return (int(PADDING_LIMIT * num_rows) + (8 + token_width) * num_rows + 2 * num_slots
+            + 8)
 
 
 def build_meta(

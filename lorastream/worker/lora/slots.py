@@ -57,7 +57,7 @@ from typing import Protocol
 import torch
 
 from lorastream.core.adapter_format import MAGNITUDE, VOCAB_MODULES, per_expert
-from lorastream.worker.lora.vocab import VocabBudget, VocabParts, plan_parts
+from lorastream.worker.lora.vocab import VocabBudget, VocabParts, plan_parts, token_width
 from lorastream.worker.model.config import ModelConfig
 
 RANK_ALIGN = 8  # keeps every stride a multiple of 16 bytes (grouped_mm needs it) in fp16 and up
@@ -282,6 +282,11 @@ class LoraSlots:
     def vocab_nbytes(self) -> int:
         """Bytes the slots' vocabulary modules take (beside :attr:`nbytes`)."""
         return sum(p.nbytes for p in self.vocab.values())
+
+    @property
+    def token_width(self) -> int:
+        """The most new token rows of any slot's adapter (0: none has any)."""
+        return token_width(self.vocab)
 
     def set_vocab(self, slot: int, parts: VocabParts | None) -> None:
         if parts is None:

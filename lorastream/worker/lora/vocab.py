@@ -22,8 +22,9 @@ V 151,936 and H 896 in bf16 one saved ``embed_tokens`` is 272 MB, a rank-16 LoRA
 projections a few MB. The device tier evicts idle adapters by these bytes as it does by slots.
 
 A step with no such row does no work here (:func:`build_vocab_step` gives
-None); a step with some runs, per vocabulary slot in it, a few masked ops over the step's rows,
-so base-model and plain-LoRA rows keep their values exactly.
+None); a step with some runs a few ops over the step's rows for the new token rows of all its
+slots at once (:class:`VocabStep`), and a few masked ops per slot with a saved module or a
+vocabulary LoRA, so base-model and plain-LoRA rows keep their values exactly.
 """
 
 from __future__ import annotations
@@ -126,25 +127,44 @@ class VocabStep:
     Example: rows' slots [2, -1, 0, 2], slot 2 with new token rows -> row_slot [2, -1, 0, 2],
     parts {2: ...}; the embedding of rows 0 and 3 reads slot 2's rows where their token is
     one of its token ids, rows 1 and 2 are left alone.
+
+    New token rows run in a few ops for all slots at once: the step's slots' token ids and rows
+    are concatenated (``flat_ids`` [F], ``flat_rows`` [F, H]) and each row names its slot's
+    columns of them (``row_cols`` [T, k], k the most rows of a step's slot; a slot with fewer
+    repeats its first column, a row without new rows names column 0 and has ``has_rows`` 0).
+    Example, slot 2 with 3 token rows and slot 0 with 1, slot 0 first: row_cols of a slot-2 row
+    [1, 2, 3], of a slot-0 row [0, 0, 0].
     """
 
     def __init__(self, row_slot: torch.Tensor, parts: dict[int, VocabParts],
-                 tied: bool) -> None:
+                 tied: bool, row_cols: torch.Tensor | None = None,
+                 has_rows: torch.Tensor | None = None) -> None:
         self.row_slot = row_slot  # [T] int64, -1: base model
         self.parts = parts
         self.tied = tied  # the base ties lm_head to embed_tokens: new rows reach the logits
+        self.row_cols = row_cols  # [T, k] int64; None: no slot of the step has new token rows
+        self.has_rows = has_rows  # [T] int64, 1: the row's slot has new token rows
+        tokens = [(p.token_ids, p.token_rows) for p in parts.values()
+                  if p.token_ids is not None and p.token_rows is not None]
+        self.flat_ids = torch.cat([i for i, _ in tokens]) if tokens else None  # [F]
+        self.flat_rows = torch.cat([r for _, r in tokens]) if tokens else None  # [F, H]
 
     def embed(self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
               ) -> torch.Tensor:  # ids [T], x [T, H] (scaled) -> [T, H]
-        for slot, p in self.parts.items():
-            mine = (self.row_slot == slot).unsqueeze(1)  # [T, 1]
+        for slot, p in self.parts.items():  # saved embeddings (a row with one has no new rows)
             if p.embed_full is not None:
+                mine = (self.row_slot == slot).unsqueeze(1)  # [T, 1]
                 x = torch.where(mine, _scaled(p.embed_full[ids], scale), x)
-            if p.token_rows is not None and p.token_ids is not None:
-                match = (ids.unsqueeze(1) == p.token_ids.unsqueeze(0)) & mine  # [T, k]
-                rows = p.token_rows[match.int().argmax(1)]  # [T, H]
-                x = torch.where(match.any(1, keepdim=True), _scaled(rows, scale), x)
+        if self.row_cols is not None:
+            assert self.has_rows is not None
+            assert self.flat_ids is not None and self.flat_rows is not None
+            cand = self.flat_ids[self.row_cols]  # [T, k]
+            match = (ids.unsqueeze(1) == cand) & (self.has_rows.unsqueeze(1) != 0)  # [T, k]
+            col = self.row_cols.gather(1, match.int().argmax(1, keepdim=True)).squeeze(1)  # [T]
+            x = torch.where(match.any(1, keepdim=True), _scaled(self.flat_rows[col], scale), x)
+        for slot, p in self.parts.items():
             if p.embed_a is not None and p.embed_b is not None:
+                mine = (self.row_slot == slot).unsqueeze(1)  # [T, 1]
                 after_a = p.embed_a.t()[ids]  # [T, r]
                 delta = _scaled((after_a @ p.embed_b.t()) * p.scaling, scale)  # [T, H]
                 x = x + delta * mine
@@ -155,14 +175,20 @@ class VocabStep:
         """The logits of batch rows ``rows`` (the ``logit_rows``), each from its adapter's head."""
         slots = self.row_slot[rows]  # [n]
         for slot, p in self.parts.items():
-            mine = (slots == slot).unsqueeze(1)  # [n, 1]
             if p.head_full is not None:
+                mine = (slots == slot).unsqueeze(1)  # [n, 1]
                 logits = torch.where(mine, h @ p.head_full.t(), logits)
-            if self.tied and p.token_rows is not None and p.token_ids is not None:
-                new = h @ p.token_rows.t()  # [n, k]
-                logits = logits.index_copy(
-                    1, p.token_ids, torch.where(mine, new, logits[:, p.token_ids]))
+        if self.tied and self.row_cols is not None:
+            assert self.has_rows is not None
+            assert self.flat_ids is not None and self.flat_rows is not None
+            cols = self.row_cols[rows]  # [n, k] columns of the flat rows
+            new = (h @ self.flat_rows.t()).gather(1, cols)  # [n, k]
+            vocab = self.flat_ids[cols]  # [n, k] their token ids
+            has = self.has_rows[rows].unsqueeze(1) != 0  # [n, 1]
+            logits = logits.scatter(1, vocab, torch.where(has, new, logits.gather(1, vocab)))
+        for slot, p in self.parts.items():
             if p.head_a is not None and p.head_b is not None:
+                mine = (slots == slot).unsqueeze(1)  # [n, 1]
                 delta = ((h @ p.head_a.t()) @ p.head_b.t()) * p.scaling  # [n, V]
                 logits = logits + delta * mine
         return logits
@@ -176,9 +202,31 @@ def build_vocab_step(
     token_slots: list[int], parts: dict[int, VocabParts], tied: bool,
     longs: Callable[[list[int]], torch.Tensor],
 ) -> VocabStep | None:
-    """The step's :class:`VocabStep`, its row index staged by ``longs``; None when no row's slot
-    has vocabulary parts."""
+    """The step's :class:`VocabStep`, its row indices staged by ``longs`` (``len(token_slots)``
+    times one more than :func:`token_width` entries at most); None when no row's slot has
+    vocabulary parts."""
     present = {s: parts[s] for s in sorted(set(token_slots)) if s in parts}
     if not present:
         return None
-    return VocabStep(longs(token_slots), present, tied)
+    first: dict[int, tuple[int, int]] = {}  # slot -> (its first flat column, its token rows)
+    total = 0
+    for slot, p in present.items():
+        if p.token_rows is not None and p.token_ids is not None:
+            first[slot] = (total, p.token_ids.shape[0])
+            total += p.token_ids.shape[0]
+    if not first:
+        return VocabStep(longs(token_slots), present, tied)
+    width = max(k for _, k in first.values())
+    cols: list[int] = []
+    for slot in token_slots:
+        start, k = first.get(slot, (0, 1))
+        cols.extend([*range(start, start + k), *[start] * (width - k)])
+    has = longs([int(s in first) for s in token_slots])  # read after the arena's flush
+    return VocabStep(longs(token_slots), present, tied,
+                     longs(cols).view(len(token_slots), width), has)
+
+
+def token_width(parts: dict[int, VocabParts]) -> int:
+    """The most new token rows of any slot (0: none has any)."""
+    return max((p.token_ids.shape[0] for p in parts.values() if p.token_ids is not None),
+               default=0)

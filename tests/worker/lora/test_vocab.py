@@ -45,6 +45,8 @@ def _adapters(checkpoint: Path, root: Path, family: str) -> dict[str, Path]:
     q = [attention[0]]
     kinds: dict[str, dict[str, object]] = {
         "new-tokens": dict(target_modules=q, trainable_token_indices=NEW_ROWS),
+        # fewer rows, some at the same ids: each row reads its own slot's in the batched lookup
+        "new-tokens-3": dict(target_modules=q, trainable_token_indices=NEW_ROWS[1:4]),
         "embed-lora": dict(target_modules=["embed_tokens", *q]),
         "head-lora": dict(target_modules=["lm_head", attention[-1]]),
         "head-lora-base-saved": dict(target_modules=["lm_head"], save_embedding_layers=True),
