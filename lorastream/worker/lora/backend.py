@@ -36,7 +36,9 @@ the bmm path runs 18 ops per layer.
 *entries* (:class:`MixEntries`), one per (row, slot) pair -- a plain row is one entry of weight
 1, a k-adapter mix row k entries -- with the layouts above built over entries instead of rows,
 and the deltas added back with a scatter-add (``index_add_``) into their rows. Only steps that
-hold a mix row take that path (no identity layout, no native op); every other step keeps its own.
+hold a mix row take that path (no identity layout); every other step keeps its own. With
+``native``, a slot-major mix step runs ``lora_rows`` over its entry layout (x gathered into it,
+the deltas into a zeroed block) and adds that block into the rows with one ``index_add_``.
 Example, rows [2, mix((0, 0.7), (2, 0.3)), -1]::
 
     entries: rows [0, 1, 1]   slots [2, 0, 2]   scale [s2, 0.7 s0, 0.3 s2]
@@ -157,6 +159,9 @@ class LoraStepMeta:
     sorted_slots: torch.Tensor | None = None  # [P] int64 (fallback gather path)
     dora: DoraRows | None = None  # the DoRA rows of the step, None if none
     entry_rows: torch.Tensor | None = None  # [E] batch row of each entry; None without a mix
+    # a slot-major mix step: each layout row's entry scale (padding: 0); its batch row, where
+    # its delta goes, is its layout_rows entry
+    layout_scale: torch.Tensor | None = None  # [P] fp32
 
     @property
     def slot_major(self) -> bool:
@@ -240,13 +245,21 @@ def build_meta(
     per_slot = max(len(v) for v in by_slot.values())
     slot_major = slot_range * per_slot <= PADDING_LIMIT * num_units
     output_rows = [0] * len(unit_slots)
+    scale = [table[s].scaling if s >= 0 else 0.0 for s in unit_slots]
+    if mixes is not None:
+        scale = [s * w for s, w in zip(scale, mixes.weights, strict=True)]
+    layout_scale: list[float] | None = None
     if slot_major:  # layout row of (slot, j) is (slot - lo) * per_slot + j; padding reads row 0
         size = slot_range * per_slot
         layout_rows = [0] * size
+        if mixes is not None:
+            layout_scale = [0.0] * size
         for slot in active:
             for j, unit in enumerate(by_slot[slot]):
                 layout_rows[(slot - lo) * per_slot + j] = row_of(unit)
                 output_rows[unit] = (slot - lo) * per_slot + j
+                if layout_scale is not None:
+                    layout_scale[(slot - lo) * per_slot + j] = scale[unit]
     else:  # units sorted by slot
         size = num_units
         units = [unit for slot in active for unit in by_slot[slot]]
@@ -261,9 +274,9 @@ def build_meta(
             return arena.longs(values)
         return torch.tensor(values, dtype=torch.long).to(device)
 
-    scale = [table[s].scaling if s >= 0 else 0.0 for s in unit_slots]
-    if mixes is not None:
-        scale = [s * w for s, w in zip(scale, mixes.weights, strict=True)]
+    def floats(values: list[float]) -> torch.Tensor:
+        return arena.floats(values) if arena is not None else torch.tensor(values).to(device)
+
     row_scale = (
         arena.floats(scale) if arena is not None else torch.tensor(scale).to(device)
     ).to(dtype).unsqueeze(1)  # [U, 1]; the cast runs on the device after the flush
@@ -275,6 +288,7 @@ def build_meta(
         output_rows=None if identity else longs(output_rows),
         dora=build_dora_rows(token_slots, slots, longs),
         entry_rows=None if mixes is None else longs(mixes.rows),
+        layout_scale=None if layout_scale is None else floats(layout_scale).to(dtype),
     )
     if slot_major:
         return replace(common, slot_lo=lo, slot_range=slot_range, per_slot=per_slot)
@@ -299,6 +313,33 @@ def _grouped_ok(t: torch.Tensor) -> bool:
     size = t.element_size()
     dims = zip(t.stride(), t.shape, strict=True)
     return all(st * size % 16 == 0 for st, n in dims if st != 1 and n > 1)
+
+
+def _native_mix(
+    x: torch.Tensor,  # [T, K]
+    a: torch.Tensor,  # [S, G * R, K]
+    bs: list[torch.Tensor],  # G x [S, N_g, R]
+    out: torch.Tensor,  # [T, N_total]
+    cols: list[int],
+    meta: LoraStepMeta,
+) -> None:
+    """A slot-major mix step's deltas with the C++ ``lora_rows``: run over the step's entry
+    layout (x gathered into it), into a zeroed block of the G projections' columns, then added
+    into each entry's batch row with one ``index_add_`` (a mix row takes several).
+
+    Semantics::
+
+        y[p] = layout_scale[p] * B[slot(p)] A[slot(p)] x[layout_rows[p]]    (padding: 0)
+        out[layout_rows[p], cols] += y[p]
+    """
+    assert meta.layout_rows is not None and meta.layout_scale is not None
+    lo = min(cols)
+    hi = max(c + b.shape[1] for c, b in zip(cols, bs, strict=True))
+    xs = x.index_select(0, meta.layout_rows)  # [P, K]
+    y = out.new_zeros(xs.shape[0], hi - lo)  # [P, N]
+    lora_rows(xs, a, bs, [c - lo for c in cols], meta.layout_scale, meta.slot_lo,
+              meta.per_slot, meta.max_rank, y)
+    out[:, lo:hi].index_add_(0, meta.layout_rows, y)
 
 
 class TorchLoraBackend:
@@ -333,6 +374,9 @@ class TorchLoraBackend:
             lora_rows(x.contiguous(), a, [b], [col], meta.row_scale.view(-1), meta.slot_lo,
                       meta.per_slot, meta.max_rank, out)
             return
+        if self.native and meta.layout_scale is not None:
+            _native_mix(x, a, [b], out, [col], meta)
+            return
         r, n = meta.max_rank, b.shape[1]
         xs = _in_layout(x, meta)  # [P, K]
         if meta.slot_major:
@@ -366,6 +410,9 @@ class TorchLoraBackend:
         if self.native and meta.rows_are_layout:  # any rank up to the slots'
             lora_rows(x.contiguous(), a, bs, cols, meta.row_scale.view(-1), meta.slot_lo,
                       meta.per_slot, meta.max_rank, out)
+            return True
+        if self.native and meta.layout_scale is not None:  # a slot-major mix step
+            _native_mix(x, a, bs, out, cols, meta)
             return True
         if not meta.slot_major or meta.max_rank != rank:
             return False

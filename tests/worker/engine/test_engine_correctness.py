@@ -14,6 +14,7 @@ import torch
 from lorastream.core.adapter_mix import mix_model
 from lorastream.core.errors import AdapterNotFound, InvalidArgument, LorastreamError
 from lorastream.core.generation import FinishReason, PromptInput
+from lorastream.kernels.cpu import ops as cpu_ops
 from lorastream.worker.engine.sampling import SamplingParams
 from lorastream.worker.engine.sequence import RequestStream
 from lorastream.worker.lora import backend as lora_backend
@@ -176,24 +177,28 @@ def test_weighted_mixes_beside_single_adapters_and_the_base_give_peft_cat_greedy
                        for i in range(len(PROMPTS))), (name, component)
 
 
-@pytest.mark.parametrize("padding_limit", [0.0, 1e9], ids=["grouped", "slot-major"])
+@pytest.mark.parametrize(("padding_limit", "native"), [(0.0, False), (1e9, False), (1e9, True)],
+                         ids=["grouped", "slot-major", "slot-major-native"])
 @pytest.mark.parametrize("dropped", [None, "weight", "component"])
 def test_mix_rows_logits_agree_with_peft_cat_and_a_dropped_weight_fails(
     tiny_model: Path,
     tiny_adapters: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
     padding_limit: float,
+    native: bool,
     dropped: str | None,
 ) -> None:
-    """One prefill batch of the base, a single adapter and two mixes in both layouts; with a
-    mix weight forced to 1 or a component left out of the step (the faults the comparison
-    must catch), the logits no longer match."""
+    """One prefill batch of the base, a single adapter and two mixes in both layouts (the
+    slot-major one also with the C++ ``lora_rows`` over its entries); with a mix weight forced
+    to 1 or a component left out of the step (the faults the comparison must catch), the
+    logits no longer match."""
     monkeypatch.setattr(lora_backend, "PADDING_LIMIT", padding_limit)
+    assert not native or cpu_ops.load() is None
     model, slots, slot_of = model_and_slots(tiny_model, tiny_adapters, rank=64, first_slot=1)
     config = model.config
     kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8 << 20,
                  torch.float32, model.device)
-    backend = TorchLoraBackend(torch.float32, model.device)
+    backend = TorchLoraBackend(torch.float32, model.device, native)
     rows: dict[str, lora_backend.RowLora] = {"base": -1, "attn-r4": slot_of["attn-r4"]}
     for name in ("mix-a", "mix-b"):
         mix = tuple((slot_of[a], w) for a, w in MIXES[name])
