@@ -34,8 +34,9 @@ from tests.support.families import (
     make_family_case,
     reference_model,
 )
+from tests.support.models import FAMILY_CONFIGS
 
-FAMILIES = ["llama", "qwen2", "phi3", "gemma2"]
+FAMILIES = list(FAMILY_CONFIGS)  # the dense families
 CPU = torch.device("cpu")
 
 

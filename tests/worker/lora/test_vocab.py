@@ -29,13 +29,14 @@ from tests.support.families import (
     reference_tokens,
 )
 from tests.support.models import (
+    FAMILY_CONFIGS,
     FAMILY_TARGETS,
     make_family_adapter,
     make_tiny_family,
     make_vocab_adapter,
 )
 
-FAMILIES = ["llama", "qwen2", "gemma2"]
+FAMILIES = list(FAMILY_CONFIGS)  # the dense families
 CPU = torch.device("cpu")
 NEW_ROWS = [5, 9, 64, 70, 200, 17]  # token ids of the prompts whose rows the adapter replaces
 
