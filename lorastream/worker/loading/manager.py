@@ -202,14 +202,13 @@ class AdapterManager:
         """Take a reference for a queued request; with overlap, start its store fetch now, not
         at the next step, unless it is ready in a slot (its host copy may have been dropped
         since: nothing needs it again while the slot holds it)."""
-        entry = self._acquire(adapter_id)
-        if self.overlap:
-            with self._lock:
-                resident = self._device_tier.ready(entry)
-            if not resident:
-                self._ensure(entry)
+        entry, resident = self._acquire(adapter_id)
+        if self.overlap and not resident:
+            self._ensure(entry)
 
-    def _acquire(self, adapter_id: str) -> AdapterEntry:
+    def _acquire(self, adapter_id: str) -> tuple[AdapterEntry, bool]:
+        """A reference on the adapter, its hit or miss counted; and whether it was ready in a
+        slot then."""
         with self._lock:
             entry = self._records.get(adapter_id)
             if entry is None:
@@ -219,13 +218,14 @@ class AdapterManager:
                 )
             entry.acquire()  # a new request retries a failed load
             m = self.metrics
-            if self._device_tier.ready(entry):
+            resident = self._device_tier.ready(entry)
+            if resident:
                 m.hits.labels("device").inc()
             else:
                 entry.time_load()
                 m.misses.labels("device").inc()
                 (m.hits if entry.weights is not None else m.misses).labels("host").inc()
-            return entry
+            return entry, resident
 
     def release(self, adapter_id: str) -> None:
         with self._lock:
@@ -497,7 +497,7 @@ class AdapterManager:
             if pin:
                 with self._lock:
                     entry.pin()
-        entry = self._acquire(entry.adapter_id)  # keep it from being evicted while we wait
+        entry, _ = self._acquire(entry.adapter_id)  # keep it from being evicted while we wait
         try:
             deadline = time.monotonic() + timeout_s
             self._wait_on_host(entry, deadline, f"loading {name} took over {timeout_s:.0f}s")
