@@ -115,11 +115,13 @@ LORASTREAM := $(VENV)/bin/lorastream
 bench: install-dev gemma qwen
 	mkdir -p $(BENCH_RESULTS)
 	$(LORASTREAM) bench transfer --chunk-sizes 64K,256K,1M,4M --output $(BENCH_RESULTS)/transfer.json
-	$(LORASTREAM) bench engine --repeats 2 --output $(BENCH_RESULTS)/engine.json
+	$(LORASTREAM) bench engine --repeats 2 --dora --tokens 8 --mix --vocab embed-lora,head-lora,saved-embed,saved-head --output $(BENCH_RESULTS)/engine.json
 	$(LORASTREAM) bench engine --model gemma3-270m --repeats 2 --output $(BENCH_RESULTS)/engine-gemma3-270m.json
 	$(LORASTREAM) bench engine --model qwen2.5-coder-0.5b --repeats 2 --output $(BENCH_RESULTS)/engine-qwen2.5-coder-0.5b.json
 	$(LORASTREAM) bench engine --quantization int8,int8-dynamic --repeats 4 --output $(BENCH_RESULTS)/engine-int8.json
 	$(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve.json
+	$(LORASTREAM) bench moe-checkpoint /tmp/lorastream-moe-a3b
+	$(LORASTREAM) bench engine --model /tmp/lorastream-moe-a3b --adapters 32 --prompts 32 --new-tokens 16 --repeats 2 --peft-new-tokens 4 --output $(BENCH_RESULTS)/engine-moe.json
 	$(LORASTREAM) bench moe-checkpoint /tmp/lorastream-moe-base --experts 32
 	$(LORASTREAM) bench serve --model /tmp/lorastream-moe-base --parts loads --adapters 6 --slots 2 --rank 128 --background-tokens 4000 --interference-rounds 4 --output $(BENCH_RESULTS)/serve-moe.json
 	$(LORASTREAM) bench saturate --output $(BENCH_RESULTS)/saturate.json

@@ -73,6 +73,13 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
     if "engine_mix_decode_tok_s" in r:
         rows.append(["engine, every prompt a 0.5/0.5 mix of two of the adapters (`--mix`)",
                      number(r.get("engine_mix_decode_tok_s"))])
+    kinds = r.get("vocab_kinds")
+    vocab = kinds if isinstance(kinds, dict) else {}
+    for key, what in VOCAB_SIDES.items():
+        if key in vocab:
+            rows.append([f"engine, the same adapters {what} (`--vocab {key.replace('_', '-')}`), "
+                         f"{text(get(vocab, key, 'adapters'))} distinct",
+                         number(r.get(f"engine_{key}_decode_tok_s"))])
     parts = [
         f"Model {text(r.get('model'))}; {text(r.get('adapters'))} adapters of rank "
         f"{text(r.get('rank'))} on {text(r.get('targets'))} layers; {text(prompts)} prompts; "
@@ -80,6 +87,7 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
         "of the repeats. Decode tok/s = prompts × (new_tokens − 1) / (t(new_tokens) − t(1)), "
         "so prefill cancels out.",
         table(["", "decode tok/s"], rows),
+        _kind_costs(r),
         table(GOALS_HEADER, engine_goals(r)),
         _load(r),
         _bandwidth_ceiling(r),
@@ -92,6 +100,30 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
         "ordered by slot so that no gather is needed; the delta added with one `addcmul_`.",
     ]
     return paragraphs(parts)
+
+
+VOCAB_SIDES = {  # result key -> what the side adds to the plain adapters
+    "embed_lora": "each with a LoRA of the same rank on embed_tokens",
+    "head_lora": "each with a LoRA of the same rank on lm_head",
+    "saved_embed": "each with a whole saved embed_tokens (modules_to_save)",
+    "saved_head": "each with a whole saved lm_head (modules_to_save)",
+}
+KIND_NAMES = {"dora": "DoRA", "tokens": "new token rows", "mix": "two-adapter 0.5/0.5 mix",
+              "embed_lora": "LoRA on embed_tokens", "head_lora": "LoRA on lm_head",
+              "saved_embed": "saved embed_tokens", "saved_head": "saved lm_head"}
+
+
+def _kind_costs(r: Result) -> str:
+    """Each adapter kind's decode against the plain LoRAs of the same rank in the same run."""
+    rows = [[name, number(r.get(f"engine_{key}_decode_tok_s")), ratio(r.get(f"{key}_vs_lora"))]
+            for key, name in KIND_NAMES.items() if f"{key}_vs_lora" in r]
+    if not rows:
+        return ""
+    return paragraphs([
+        "What each adapter kind costs against the plain LoRAs of the same rank on the same "
+        "modules and prompts (the first row), in the same run:",
+        table(["kind", "decode tok/s", "× plain LoRA"], rows),
+    ])
 
 
 def engine_gemma_section(r: Result, plots: Mapping[str, str]) -> str:

@@ -58,6 +58,13 @@ class BaseShape:
 SMOLLM2_135M = BaseShape(576, 1536, 30, 9, 3, 64)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+# What ``vocab=`` adds to a synthetic LoRA: kind -> (module, how PEFT trains it).
+VOCAB_KINDS = {
+    "embed-lora": ("embed_tokens", "target_modules"),  # lora_embedding_A [r, V], _B [H, r]
+    "head-lora": ("lm_head", "target_modules"),  # lora_A [r, H], lora_B [V, r]
+    "saved-embed": ("embed_tokens", "modules_to_save"),  # the whole [V, H]
+    "saved-head": ("lm_head", "modules_to_save"),  # the whole [V, H]
+}
 
 
 def adapter_nbytes(shape: BaseShape, rank: int, targets: tuple[str, ...], itemsize: int = 4) -> int:
@@ -79,6 +86,8 @@ def synthetic_lora(
     base_weights: Callable[[str], torch.Tensor] | None = None,
     alora_invocation_tokens: list[int] | None = None,
     token_ids: tuple[int, ...] = (),
+    vocab: tuple[str, ...] = (),
+    vocab_size: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """A PEFT LoRA in memory: its state dict (PEFT's saved key form) with random A and B (B
     non-zero) of the base's real shapes, and its ``adapter_config.json`` as a dict; ``targets``
@@ -87,7 +96,10 @@ def synthetic_lora(
     ``||W + s B A||`` per row, when ``base_weights`` (checkpoint key -> W ``[out, in]``) is given
     (as trained DoRA magnitudes stay near it), else ones. ``alora_invocation_tokens``: an
     activated LoRA invoked by those token ids. ``token_ids``: TrainableTokens'
-    new embedding rows for these ids too (random, ``[k, hidden]``)."""
+    new embedding rows for these ids too (random, ``[k, hidden]``). ``vocab``: ``VOCAB_KINDS``
+    keys, each adding that vocabulary module over a base of ``vocab_size`` tokens: a LoRA of
+    the same rank (random A and B) or a whole saved matrix (random, ``[vocab_size, hidden]``;
+    its values do not matter to a benchmark that ignores EOS)."""
     targets = shape.modules if targets is None else targets
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -111,6 +123,27 @@ def synthetic_lora(
         rows = torch.randn(len(token_ids), shape.hidden, generator=gen)  # [k, H]
         key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
         tensors[key] = rows.to(dtype)
+    if vocab and vocab_size <= 0:
+        raise ValueError("vocab modules need the base's vocab_size")
+    saved: list[str] = []
+    for kind in vocab:
+        module, how = VOCAB_KINDS[kind]
+        prefix = f"base_model.model.{'model.' if module == 'embed_tokens' else ''}{module}"
+        if how == "modules_to_save":
+            full = torch.randn(vocab_size, shape.hidden, generator=gen) * std  # [V, H]
+            tensors[f"{prefix}.weight"] = full.to(dtype)
+            saved.append(module)
+        elif module == "embed_tokens":
+            a = torch.randn(rank, vocab_size, generator=gen) * std  # [r, V]
+            b = torch.randn(shape.hidden, rank, generator=gen) * std  # [H, r]
+            tensors[f"{prefix}.lora_embedding_A"] = a.to(dtype)
+            tensors[f"{prefix}.lora_embedding_B"] = b.to(dtype)
+        else:
+            a = torch.randn(rank, shape.hidden, generator=gen) * std  # [r, H]
+            b = torch.randn(vocab_size, rank, generator=gen) * std  # [V, r]
+            tensors[f"{prefix}.lora_A.weight"] = a.to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = b.to(dtype)
+    lora_vocab = [VOCAB_KINDS[k][0] for k in vocab if VOCAB_KINDS[k][1] == "target_modules"]
     config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -118,7 +151,8 @@ def synthetic_lora(
         "r": rank,
         "lora_alpha": alpha,
         "use_rslora": False,
-        "target_modules": list(targets),
+        "target_modules": [*targets, *lora_vocab],
+        "modules_to_save": saved or None,
         "lora_dropout": 0.0,
         "bias": "none",
         "use_dora": dora,
@@ -146,12 +180,15 @@ def make_synthetic_adapter(
     base_weights: Callable[[str], torch.Tensor] | None = None,
     alora_invocation_tokens: list[int] | None = None,
     token_ids: tuple[int, ...] = (),
+    vocab: tuple[str, ...] = (),
+    vocab_size: int = 0,
 ) -> Path:
     """Write :func:`synthetic_lora` as a PEFT LoRA directory."""
     tensors, config = synthetic_lora(
         shape, rank=rank, alpha=alpha, targets=targets, dtype=dtype, seed=seed, std=std,
         base_model=base_model, dora=dora, base_weights=base_weights,
-        alora_invocation_tokens=alora_invocation_tokens, token_ids=token_ids,
+        alora_invocation_tokens=alora_invocation_tokens, token_ids=token_ids, vocab=vocab,
+        vocab_size=vocab_size,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -170,6 +170,16 @@ def engine(
         False, "--mix/--no-mix", help="Also run every prompt as a 0.5/0.5 mix of two of the "
         "plain adapters, in the same run (goal: decode >= 0.8x the plain LoRAs')."
     ),
+    vocab: str = typer.Option(
+        "", help="Vocabulary modules, comma-separated, a side each in the same run: embed-lora, "
+        "head-lora (a LoRA of the same rank on embed_tokens / lm_head), saved-embed, saved-head "
+        "(a whole saved embed_tokens / lm_head, modules_to_save), each added to the plain "
+        "adapters. The page shows each one's decode cost against the plain LoRAs'."
+    ),
+    saved_adapters: int = typer.Option(
+        8, min=1, help="Distinct adapters on the saved-embed / saved-head sides (each holds a "
+        "whole vocabulary x hidden matrix)."
+    ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),
 ) -> None:
@@ -179,12 +189,19 @@ def engine(
 
     tune_native_libraries()  # as `worker serve` does, before torch loads
     from lorastream.bench.engine import run_engine_bench
+    from lorastream.bench.synthetic import VOCAB_KINDS
 
+    kinds = tuple(k.strip() for k in vocab.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(VOCAB_KINDS))
+    if unknown:
+        raise typer.BadParameter(f"unknown kind {', '.join(unknown)}; known: "
+                                 f"{', '.join(VOCAB_KINDS)}", param_hint="--vocab")
     setup_logging(log_level)
     result = run_engine_bench(
         model=model, adapters=adapters, rank=rank, prompts=prompts, new_tokens=new_tokens,
         repeats=repeats, include_peft=peft, quantization=quantization, dora=dora,
         tokens=tokens, mix=mix, peft_new_tokens=peft_new_tokens,
+        vocab=kinds, saved_adapters=saved_adapters,
     )
     print_result(result, output)
 

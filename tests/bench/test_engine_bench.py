@@ -5,6 +5,7 @@ of any family."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from lorastream.bench.engine import read_ms, step_read_views
 from lorastream.bench.synthetic import (
     ALL_LINEAR,
+    VOCAB_KINDS,
     BaseShape,
     adapter_nbytes,
     checkpoint_shape,
@@ -126,3 +128,83 @@ def test_the_moe_read_ceiling_counts_each_rows_adapter_and_the_experts_it_visits
     base = (shape.layers * layer + 100 * h) * 4 / 1e6
     assert got["base_step_mb"] == round(base, 1)
     assert got["multi_vs_base_ceiling"] == round(base / (base + adapter), 3)
+
+
+@pytest.mark.parametrize("kind", sorted(VOCAB_KINDS))
+def test_a_synthetic_vocab_adapter_carries_its_module_to_the_worker(
+    kind: str, tmp_path: Path
+) -> None:
+    """``bench engine --vocab KIND`` adds that module to the plain adapter: the store takes it,
+    and the worker maps its tensors at the base's shapes beside the same projections."""
+    from lorastream.core.adapter_format import FULL, parse_vocab_key, vocab_shape
+    from lorastream.core.adapter_validation import validate_adapter_dir
+    from lorastream.worker.device.device import Device
+    from lorastream.worker.loading.adapter import adapter_weights
+    from lorastream.worker.loading.fetch import AdapterFetcher
+    from tests.support.models import make_tiny_family
+
+    checkpoint = make_tiny_family("llama", tmp_path / "model")
+    config = ModelConfig.from_dir(checkpoint)
+    shape = checkpoint_shape(str(checkpoint))
+    module, how = VOCAB_KINDS[kind]
+    adapter = make_synthetic_adapter(tmp_path / "a", shape, rank=4, vocab=(kind,),
+                                     vocab_size=config.vocab_size)
+    plain = make_synthetic_adapter(tmp_path / "p", shape, rank=4)
+    validate_adapter_dir(adapter)
+    buffer = AdapterFetcher(Device("cpu"), None).read_local("a", adapter)
+    blocks = adapter_weights(buffer, config, 4).blocks
+    vocab = {(m, k): tuple(b.shape[1:]) for _, m, k, b in blocks if m in ("embed_tokens",
+                                                                          "lm_head")}
+    kinds = {FULL} if how == "modules_to_save" else {"A", "B"}
+    assert vocab == {(module, k): vocab_shape(module, k, 4, config.vocab_size,
+                                              config.hidden_size, 0) for k in kinds}
+    keys = {k for k in load_file_keys(adapter) if parse_vocab_key(k) is None}
+    assert keys == load_file_keys(plain)  # the projections' LoRA unchanged
+    config_json = json.loads((adapter / "adapter_config.json").read_text())
+    assert (module in config_json["target_modules"]) == (how == "target_modules")
+    assert config_json["modules_to_save"] == ([module] if how == "modules_to_save" else None)
+
+
+def load_file_keys(adapter: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_the_engine_bench_runs_a_side_per_kind_against_the_plain_loras(tmp_path: Path) -> None:
+    """Every kind's side runs in the same run as the plain LoRAs; the saved kinds cycle over
+    ``saved_adapters`` adapters; the page shows each kind's cost."""
+    from benchpage.report import render_page
+    from lorastream.bench.engine import run_engine_bench
+    from tests.support.models import make_tiny_family
+
+    checkpoint = make_tiny_family("llama", tmp_path / "m")
+    result = run_engine_bench(
+        model=str(checkpoint), adapters=3, rank=4, prompts=4, new_tokens=3, repeats=1,
+        include_peft=False, dora=True, tokens=2, mix=True, vocab=tuple(VOCAB_KINDS),
+        saved_adapters=2,
+    )
+    multi = result["engine_multi_adapter_decode_tok_s"]
+    assert isinstance(multi, float) and multi > 0
+    for key in ("dora", "tokens", "mix", "embed_lora", "head_lora", "saved_embed", "saved_head"):
+        rate = result[f"engine_{key}_decode_tok_s"]
+        assert isinstance(rate, float) and rate > 0
+        assert result[f"{key}_vs_lora"] == round(rate / multi, 3)
+    assert result["vocab_kinds"] == {
+        "embed_lora": {"adapters": 3, "module": "embed_tokens", "as": "target_modules"},
+        "head_lora": {"adapters": 3, "module": "lm_head", "as": "target_modules"},
+        "saved_embed": {"adapters": 2, "module": "embed_tokens", "as": "modules_to_save"},
+        "saved_head": {"adapters": 2, "module": "lm_head", "as": "modules_to_save"},
+    }
+    assert "goal_saved_head_vs_lora" not in result  # the issue sets no goal for these
+    page = render_page({"engine": result}, {})
+    assert "(`--vocab saved-head`), 2 distinct |" in page
+    assert f"| saved lm_head | {result['engine_saved_head_decode_tok_s']:,.1f} |" in page
+
+
+def test_an_unknown_vocab_kind_is_refused_before_anything_runs() -> None:
+    from lorastream.bench.engine import run_engine_bench
+
+    with pytest.raises(ValueError, match="unknown --vocab kind lm-head"):
+        run_engine_bench(vocab=("lm-head",))

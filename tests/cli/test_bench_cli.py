@@ -62,3 +62,16 @@ def test_sigterm_stops_the_store_a_serving_benchmark_spawned(tmp_path: Path) -> 
         for pid in children:  # what a failed run left behind
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_bench_engine_refuses_an_unknown_vocab_kind_naming_the_known_ones() -> None:
+    from typer.testing import CliRunner
+
+    from lorastream.cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "engine", "--vocab", "embed-lora,lm-head"],
+                                env={"COLUMNS": "400"})
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "unknown kind lm-head; known: embed-lora, head-lora, saved-embed, saved-head" in (
+        message)
