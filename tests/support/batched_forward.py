@@ -9,7 +9,7 @@ prompt for every name in one batch per chunk and returns each row's last logits;
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,15 +53,18 @@ def model_and_slots(
 
 def prefill_last_logits(
     model: DecoderModel, slots: LoraSlots, slot_of: Mapping[str, RowLora], names: list[str],
-    prompt: list[int], chunk: int | None = None,
+    prompt: list[int], chunk: int | None = None, backend: TorchLoraBackend | None = None,
+    on_step: Callable[[LoraStep], None] | None = None,
 ) -> torch.Tensor:  # [names, V]
     """Every name's prefill of ``prompt`` in one batch per chunk of ``chunk`` tokens (None: the
     whole prompt); the last token's logits. ``slot_of``: a name's slot or weighted mix of
-    ``(slot, weight)`` (the backend's ``RowLora``); a name without one: the base model."""
+    ``(slot, weight)`` (the backend's ``RowLora``); a name without one: the base model.
+    ``backend``: the LoRA backend (None: torch's, Python ops); ``on_step``: shown each step's
+    :class:`LoraStep` before its forward pass (a test's look at the layout chosen)."""
     config = model.config
     kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8 << 20,
                  torch.float32, CPU)
-    backend = TorchLoraBackend(torch.float32, CPU)
+    backend = backend or TorchLoraBackend(torch.float32, CPU)
     tables = {name: kv.allocator.allocate(len(prompt)) for name in names}
     chunk = chunk or len(prompt)
     done, logits = 0, torch.empty(0)
@@ -86,6 +89,8 @@ def prefill_last_logits(
             torch.zeros(0, dtype=torch.long), tuple(spans), torch.tensor(rows),
         )
         lora = LoraStep.for_step(slots, backend, token_slots, torch.float32, CPU)
+        if on_step is not None and lora is not None:
+            on_step(lora)
         logits = model.forward(batch, kv, lora)  # [names, V]
         done += length
     return logits

@@ -19,8 +19,6 @@ from lorastream.worker.engine.sampling import SamplingParams
 from lorastream.worker.engine.sequence import RequestStream
 from lorastream.worker.lora import backend as lora_backend
 from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
-from lorastream.worker.model.forward_batch import ForwardBatch, PrefillSpan
-from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.service.operations import WorkerOperations
 from tests.support.batched_forward import model_and_slots, prefill_last_logits
 from tests.support.families import peft_mix_model
@@ -195,10 +193,6 @@ def test_mix_rows_logits_agree_with_peft_cat_and_a_dropped_weight_fails(
     monkeypatch.setattr(lora_backend, "PADDING_LIMIT", padding_limit)
     assert not native or cpu_ops.load() is None
     model, slots, slot_of = model_and_slots(tiny_model, tiny_adapters, rank=64, first_slot=1)
-    config = model.config
-    kv = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 8 << 20,
-                 torch.float32, model.device)
-    backend = TorchLoraBackend(torch.float32, model.device, native)
     rows: dict[str, lora_backend.RowLora] = {"base": -1, "attn-r4": slot_of["attn-r4"]}
     for name in ("mix-a", "mix-b"):
         mix = tuple((slot_of[a], w) for a, w in MIXES[name])
@@ -208,26 +202,14 @@ def test_mix_rows_logits_agree_with_peft_cat_and_a_dropped_weight_fails(
             mix = mix[:1]
         rows[name] = mix
     prompt = PROMPTS[1]
-    ids, positions, cache, row_lora, spans, last = [], [], [], [], [], []
-    for lora in rows.values():
-        table = kv.allocator.allocate(len(prompt))
-        start = len(ids)
-        ids += prompt
-        positions += range(len(prompt))
-        cache += [table[j // 16] * 16 + j % 16 for j in range(len(prompt))]
-        row_lora += [lora] * len(prompt)
-        spans.append(PrefillSpan(start, len(prompt), len(prompt), torch.tensor(table)))
-        last.append(len(ids) - 1)
-    batch = ForwardBatch(
-        torch.tensor(ids), torch.tensor(positions), torch.tensor(positions) + 1,
-        torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
-        torch.zeros(0, dtype=torch.long), tuple(spans), torch.tensor(last),
-    )
-    lora = LoraStep.for_step(slots, backend, row_lora, torch.float32, model.device)
-    assert lora is not None
-    meta = lora._meta  # the layout the parameter asks for
+    steps: list[LoraStep] = []
+    out = prefill_last_logits(model, slots, rows, list(rows), prompt,
+                              backend=TorchLoraBackend(torch.float32, model.device, native),
+                              on_step=steps.append)  # [rows, V]
+    assert len(steps) == 1
+    meta = steps[0]._meta  # the layout the parameter asks for
     assert meta.slot_major is (padding_limit > 1) and meta.entry_rows is not None
-    logits = dict(zip(rows, model.forward(batch, kv, lora), strict=True))
+    logits = dict(zip(rows, out, strict=True))
     for name in rows:
         if name in MIXES:
             ref_model = peft_mix_model(tiny_model, tiny_adapters, MIXES[name])
