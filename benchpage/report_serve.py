@@ -102,6 +102,10 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
             "one arrive at once (store at loopback speed).",
             table(header, [
                 row(burst, "resident TTFT p50 (ms)", "resident_ttft_ms", "p50"),
+                row(burst, "resident TTFT p50, same burst all resident (ms)",
+                    "resident_ttft_ms_resident_burst", "p50"),
+                row(burst, "resident TTFT, burst / same burst all resident",
+                    "resident_ttft_p50_vs_resident_burst", fmt=ratio),
                 row(burst, "cold TTFT p50 (ms)", "cold_ttft_ms", "p50"),
                 row(burst, "cold TTFT p90 (ms)", "cold_ttft_ms", "p90"),
                 row(burst, "running stream's worst gap before (ms)", "worst_gap_ms_before"),

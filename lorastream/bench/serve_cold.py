@@ -6,7 +6,8 @@ on the device waits for on a busy CPU worker, overlapped loading on against off,
 resident one arrive at once. Reported: the resident and the cold requests' TTFT (p50 and every
 sample), and the running stream's worst inter-token gap while the cold requests wait against its
 worst gap in as long a window before the burst, and against its worst gap in the same burst sent
-again once every adapter is resident (the burst's prefills alone, no load). Goals: resident
+again once every adapter is resident (the burst's prefills alone, no load); the resident
+requests' TTFT in that second burst is their control too. Goals: resident
 TTFT on / off <= 0.5; cold TTFT on / off <= 1.5; worst gap during / before <= 1.2 (overlap on).
 
 **Link-limited** (the benchmark's store, its egress capped at ``store_link_mbps``): ``background``
@@ -104,6 +105,7 @@ def run_burst(config: ServeConfig, root: Path, worker_args: WorkerArgs) -> dict[
         "worst_gap_during_vs_before_on": on["worst_gap_ratio"],
         "goal_worst_gap_ratio": "<= 1.2",
         "worst_gap_during_vs_resident_burst_on": on["worst_gap_during_vs_resident_burst"],
+        "resident_ttft_p50_vs_resident_burst_on": on["resident_ttft_p50_vs_resident_burst"],
     }
 
 
@@ -187,14 +189,21 @@ def _burst(worker: str, config: ServeConfig, cold: list[str]) -> dict[str, Any]:
     # as long a window just before the burst: the same odds of a slow step on a shared box
     worst_before = worst((max(quiet_began, 2 * burst_began - during[1]), burst_began))
     worst_warm = worst(window(warm, warm_began))
-    cold_ttft = [r.first_token - r.arrival for n, r in requests if n != RESIDENT and r.first_token]
-    resident_ttft = [r.first_token - r.arrival for n, r in requests
-                     if n == RESIDENT and r.first_token]
+    def ttft(fired: list[tuple[str, RequestResult]], resident: bool) -> list[float]:
+        return [r.first_token - r.arrival for n, r in fired
+                if (n == RESIDENT) == resident and r.first_token]
+
+    cold_ttft, resident_ttft = ttft(requests, False), ttft(requests, True)
+    # the same requests for the resident adapter once nothing loads: their prefills alone
+    resident_warm = ttft(warm, True)
     return {
         "cold_requests": len(cold), "resident_requests": config.burst_resident,
         "errors": len(errors),
         "cold_ttft_ms": percentiles(cold_ttft),
         "resident_ttft_ms": percentiles(resident_ttft),
+        "resident_ttft_ms_resident_burst": percentiles(resident_warm),
+        "resident_ttft_p50_vs_resident_burst": _ratio(_median(resident_ttft),
+                                                      _median(resident_warm)),
         "worst_gap_ms_before": round(worst_before * 1000, 1),
         "worst_gap_ms_during": round(worst_during * 1000, 1),
         "worst_gap_ratio": _ratio(worst_during, worst_before),
@@ -316,6 +325,10 @@ def _phase_means(before: dict[tuple[str, str], tuple[float, float]],
         assert isinstance(entry, dict)
         entry[f"{clock}_ms"] = round(total / count * 1000, 1)
     return {"loads": loads, **out}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -476,7 +476,9 @@ def _cold_mode(cold: float, resident: float, **extra: Any) -> dict[str, Any]:
 
 def test_the_cold_workloads_show_every_mode_their_phases_goals_and_plot(tmp_path: Path) -> None:
     burst = {mode: _cold_mode(cold, 200.0, worst_gap_ms_before=100.0, worst_gap_ms_during=110.0,
-                              worst_gap_ratio=1.1)
+                              worst_gap_ratio=1.1,
+                              resident_ttft_ms_resident_burst={"p50": 160.0},
+                              resident_ttft_p50_vs_resident_burst=1.25)
              for mode, cold in (("overlap_on", 900.0), ("overlap_on_share_0", 2700.0),
                                 ("overlap_on_share_0.3", 800.0), ("overlap_off", 700.0))}
     burst |= {"resident_ttft_p50_on_vs_off": 0.4, "goal_resident_ttft_p50_on_vs_off": "<= 0.5",
@@ -495,6 +497,8 @@ def test_the_cold_workloads_show_every_mode_their_phases_goals_and_plot(tmp_path
     assert ("|  | overlap on | on, --load-share 0 | on, --load-share 0.3 | overlap off |"
             in page)
     assert "| cold TTFT p50 (ms) | 900.0 | 2,700.0 | 800.0 | 700.0 |" in page
+    assert "| resident TTFT p50, same burst all resident (ms) | 160.0 | 160.0 |" in page
+    assert "| resident TTFT, burst / same burst all resident | 1.25× | 1.25× |" in page
     assert "| cold load: stream (ms) | 400.0 (CPU 30.0) |" in page
     assert "burst: cold TTFT p50, overlap on / off | 1.29× | ≤ 1.5 | met" in page
     assert "link: cold TTFT / (link + resident TTFT), p50 (on) | 1.30× | ≤ 1.25 | **not met**" in (

@@ -83,6 +83,9 @@ def test_the_cold_workloads_report_every_mode_their_phases_and_goals(tiny_model:
         b, lk = burst[mode], link[mode]
         assert b["errors"] == 0 and len(b["samples"]["cold_ttft_ms"]) == 2
         assert len(b["samples"]["resident_ttft_ms"]) == 1
+        control = b["resident_ttft_ms_resident_burst"]["p50"]  # the same request, no load
+        assert control > 0 and b["resident_ttft_p50_vs_resident_burst"] == pytest.approx(
+            b["resident_ttft_ms"]["p50"] / control, rel=0.01)
         assert b["load_phases"]["loads"] == 2  # each cold adapter's load, timed once
         assert lk["rounds"] == 2 and len(lk["cold_vs_link_plus_resident"]) == 2
         assert lk["load_phases"]["loads"] == 2
@@ -92,6 +95,8 @@ def test_the_cold_workloads_report_every_mode_their_phases_and_goals(tiny_model:
     assert burst["cold_ttft_p50_on_vs_off"] == pytest.approx(
         burst["overlap_on"]["cold_ttft_ms"]["p50"] / burst["overlap_off"]["cold_ttft_ms"]["p50"],
         rel=0.01)
+    assert burst["resident_ttft_p50_vs_resident_burst_on"] == burst["overlap_on"][
+        "resident_ttft_p50_vs_resident_burst"]
     assert link["cold_vs_link_plus_resident_p50_on"] == link["overlap_on"][
         "cold_vs_link_plus_resident_p50"]
 
