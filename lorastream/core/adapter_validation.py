@@ -177,7 +177,9 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
         )
     parameters = config.get("target_parameters") or []
     fused = [f"experts.{p}" for p in FUSED_EXPERT_PARAMETERS]
-    allowed = (*fused, ROUTER_PARAMETER)
+    # PEFT matches a target parameter by the end of its name, and its "all-linear" on a MoE
+    # base writes the bare names: only a fused expert parameter is called gate_up_proj/down_proj
+    allowed = (*fused, *FUSED_EXPERT_PARAMETERS, ROUTER_PARAMETER)
     raw_parameters = [str(t) for t in parameters if not _at_part(str(t), allowed)]
     if raw_parameters or not isinstance(parameters, list):
         raise InvalidAdapter(

@@ -1,7 +1,7 @@
 """Activated LoRA (PEFT's ``alora_invocation_tokens``) in the engine
 (lorastream.worker.engine: ``activation.py``, the step's per-row slots, the prefix cache's keys).
 
-Real PEFT aLoRA adapters on a tiny random checkpoint of every dense family (B drawn at
+Real PEFT aLoRA adapters on a tiny random checkpoint of every family, dense and MoE (B drawn at
 random): the delta applies from the last invocation sequence of the prompt on, and to every
 generated token; a prompt without it runs the base model. Greedy tokens equal PEFT's in ONE
 mixed batch with a plain LoRA and the base model, with prefix caching on and off (a small token
@@ -34,6 +34,7 @@ from tests.support.models import (
     ALORA_INVOCATION,
     FAMILY_CONFIGS,
     FAMILY_TARGETS,
+    MOE_CONFIGS,
     make_family_adapter,
     make_tiny_family,
 )
@@ -48,7 +49,9 @@ PROMPTS: dict[str, list[int]] = {
     "at-end": [*CONV[:35], *INV],  # activation at 35, the last prompt token invokes
     "at-start": [*INV, *CONV[:12]],  # activation at 0: a plain LoRA
 }
-FAMILIES = list(FAMILY_CONFIGS)  # the dense families (sliding windows, soft-caps, fused qkv)
+# the dense families (sliding windows, soft-caps, fused qkv) and the MoE ones ("all-linear":
+# attention, the router and Qwen2-MoE's shared expert)
+FAMILIES = [*FAMILY_CONFIGS, *MOE_CONFIGS]
 ADAPTERS = ("lora-r8", "alora-attn-r4", "alora-all-r8")
 MODELS = (BASE, *ADAPTERS)
 NEW_TOKENS = 6
@@ -58,12 +61,14 @@ def specs(family: str) -> dict[str, dict[str, object]]:
     """name -> make_family_adapter keywords: a plain LoRA and two activated ones on the same
     tokens (attention only, B large enough to change Gemma's soft-capped tokens; every
     projection, rsLoRA), in the family's module names."""
-    attention, _ = FAMILY_TARGETS[family]
+    # MoE bases: attention only (PEFT has no activated LoRA of a router)
+    attention, _ = FAMILY_TARGETS.get(family, (["q_proj", "k_proj", "v_proj", "o_proj"], []))
+    every = "all-linear" if family in FAMILY_TARGETS else attention
     return {
-        "lora-r8": dict(rank=8, targets="all-linear", seed=21),
+        "lora-r8": dict(rank=8, targets=every, seed=21),
         "alora-attn-r4": dict(rank=4, targets=attention, seed=31, b_std=0.5,
                               alora_invocation_tokens=INV),
-        "alora-all-r8": dict(rank=8, targets="all-linear", use_rslora=True, seed=32,
+        "alora-all-r8": dict(rank=8, targets=every, use_rslora=True, seed=32,
                              alora_invocation_tokens=INV),
     }
 
