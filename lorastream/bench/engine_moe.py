@@ -147,12 +147,13 @@ def make_moe_checkpoint(out_dir: Path, shape: MoeShape = MoeShape(), seed: int =
 
 
 def expert_lora(
-    config: Any, rank: int, seed: int, std: float = 0.02
+    config: Any, rank: int, seed: int, std: float = 0.02, dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """A PEFT LoRA (fused expert form + attention) for the ``ModelConfig`` ``config``: its
-    state dict in PEFT's saved key form and its ``adapter_config.json``. Keys of layer ``l``:
-    ``mlp.experts.base_layer.lora_A [E r, H]`` / ``lora_B [2 I, E r]`` (gate_up_proj, the inner
-    wrapper) and ``mlp.experts.lora_A [E r, I]`` / ``lora_B [H, E r]`` (down_proj)."""
+    state dict in PEFT's saved key form, drawn in ``dtype``, and its ``adapter_config.json``.
+    Keys of layer ``l``: ``mlp.experts.base_layer.lora_A [E r, H]`` / ``lora_B [2 I, E r]``
+    (gate_up_proj, the inner wrapper) and ``mlp.experts.lora_A [E r, I]`` / ``lora_B [H, E r]``
+    (down_proj)."""
     gen = torch.Generator().manual_seed(seed)
     h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     q, kv = config.q_size, config.kv_size
@@ -160,8 +161,8 @@ def expert_lora(
     tensors: dict[str, torch.Tensor] = {}
 
     def pair(prefix: str, a: tuple[int, int], b: tuple[int, int]) -> None:
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(*a, generator=gen) * std
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(*b, generator=gen) * std
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(*a, generator=gen, dtype=dtype).mul_(std)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(*b, generator=gen, dtype=dtype).mul_(std)
 
     for layer in range(config.num_layers):
         base = f"base_model.model.model.layers.{layer}"
@@ -180,8 +181,9 @@ def expert_lora(
     return tensors, adapter_config
 
 
-def write_expert_lora(out_dir: Path, config: Any, rank: int, seed: int) -> Path:
-    tensors, adapter_config = expert_lora(config, rank, seed)
+def write_expert_lora(out_dir: Path, config: Any, rank: int, seed: int,
+                      dtype: torch.dtype = torch.float32) -> Path:
+    tensors, adapter_config = expert_lora(config, rank, seed, dtype=dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2))
