@@ -4,8 +4,8 @@ The GPU machine reaches no registry and carries 64 MiB, so no checkpoint travels
 benchmarks build the default model's shapes (SmolLM2-135M-Instruct), a Llama-3.1-8B-shaped model
 (bf16, 16 GB) and a Qwen3-30B-A3B-shaped mixture of experts (bf16, 61 GB: 48 sparse layers of
 128 experts) from random weights on the device, and their adapters on the host there: synthetic
-all-linear PEFT LoRAs (``synthetic.py``) for a dense shape, expert LoRAs (q/k/v/o and every
-expert's gate_up/down through ``target_parameters``, ``engine_moe.py``) for a MoE one. Speed
+all-linear PEFT LoRAs for a dense shape, expert LoRAs (q/k/v/o and every expert's gate_up/down
+through ``target_parameters``) for a MoE one (``serve_adapters.py``). Speed
 does not depend on what the weights are; the figures measured on these models are about the
 engine's time, never its text (greedy-token checks against PEFT run on small real checkpoints,
 in tests/gpu).
@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from lorastream.bench.engine_moe import write_expert_lora
-from lorastream.bench.synthetic import BaseShape, make_synthetic_adapter
+from lorastream.bench.serve_adapters import make_serving_adapter
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
 from lorastream.worker.loading.fetch import AdapterFetcher
@@ -92,12 +91,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def model_config(shape: str) -> ModelConfig:
     return ModelConfig.from_dict(SHAPES[shape], shape)
-
-
-def base_shape(config: ModelConfig) -> BaseShape:
-    """The projection sizes adapters of ``config`` are made for."""
-    return BaseShape(config.hidden_size, config.intermediate_size, config.num_layers,
-                     config.num_heads, config.num_kv_heads, config.head_dim)
 
 
 def _buildable(config: ModelConfig) -> str | None:
@@ -223,17 +216,16 @@ def random_engine(
 def make_adapters(root: Path, config: ModelConfig, count: int, rank: int,
                   dtype: torch.dtype, first_seed: int = 0) -> list[Path]:
     """``count`` PEFT LoRAs of ``config``'s shapes (random A and non-zero B) under ``root``,
-    made on the host of the machine that runs the benchmark: all-linear for a dense model;
-    for a MoE model, q/k/v/o and every expert's gate_up and down (``target_parameters``). A few
-    at a time on threads (the draws and writes leave the GIL): a rank-16 expert LoRA of
-    Qwen3-30B-A3B is 1.26 GB of bf16."""
+    made on the host of the machine that runs the benchmark, as the serving benchmarks make
+    theirs (``serve_adapters.py``): all-linear for a dense model; for a MoE model, q/k/v/o and
+    every expert's gate_up and down (``target_parameters``). A few at a time on threads (the
+    draws and writes leave the GIL): a rank-16 expert LoRA of Qwen3-30B-A3B is 1.26 GB of
+    bf16."""
 
     def make(i: int) -> Path:
-        out = root / f"a{first_seed + i}"
-        if config.is_moe:
-            return write_expert_lora(out, config, rank, seed=first_seed + i, dtype=dtype)
-        return make_synthetic_adapter(out, base_shape(config), rank=rank, dtype=dtype,
-                                      seed=first_seed + i)
+        return make_serving_adapter(root / f"a{first_seed + i}", config, rank,
+                                    seed=first_seed + i, dtype=dtype)
 
-    with ThreadPoolExecutor(max_workers=max(1, min(count, 8, (os.cpu_count() or 1) // 2))) as pool:
+    workers = max(1, min(count, 8, (os.cpu_count() or 1) // 2))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(make, range(count)))
