@@ -110,7 +110,7 @@ def gpu_section(results: Mapping[str, Result | None]) -> str:
         "with 32 distinct adapters against the base model; the same streams' ITL p99 and decode "
         "on a Qwen3-30B-A3B-shaped mixture of experts (random bf16 weights, 128 experts in each "
         "of 48 layers) with 8 streams and rank-16 expert LoRAs (q/k/v/o and every expert's "
-        "gate_up and down, 1.26 GB each) loading cold. One call on a CUDA machine with no "
+        "gate_up and down, 1.29 GB each) loading cold. One call on a CUDA machine with no "
         "network runs them, after tests/gpu (README, \"GPU tests\"):",
         code_block(COMMAND),
         status,

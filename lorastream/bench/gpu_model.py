@@ -219,7 +219,7 @@ def make_adapters(root: Path, config: ModelConfig, count: int, rank: int,
     made on the host of the machine that runs the benchmark, as the serving benchmarks make
     theirs (``serve_adapters.py``): all-linear for a dense model; for a MoE model, q/k/v/o and
     every expert's gate_up and down (``target_parameters``). A few at a time on threads (the
-    draws and writes leave the GIL): a rank-16 expert LoRA of Qwen3-30B-A3B is 1.26 GB of
+    draws and writes leave the GIL): a rank-16 expert LoRA of Qwen3-30B-A3B is 1.29 GB of
     bf16."""
 
     def make(i: int) -> Path:

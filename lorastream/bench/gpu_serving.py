@@ -3,7 +3,7 @@
 
 The shape decides the adapters and the counts: all-linear LoRAs on a dense shape (32 streams,
 8 cold adapters by default); on a mixture of experts (``--shape qwen3-30b-a3b``), expert LoRAs on
-q/k/v/o and every expert's gate_up and down, 1.26 GB each in bf16 at rank 16, so the files made
+q/k/v/o and every expert's gate_up and down, 1.29 GB each in bf16 at rank 16, so the files made
 on the host decide the run's time and disk: 8 streams and 6 cold adapters by default (the cold
 ones must outnumber the ``SPARE_SLOTS``), recorded in the result with each adapter's and each
 slot's MB.
@@ -336,6 +336,9 @@ def _summary(raw: dict[str, Any], shape: str, config: ModelConfig, device: torch
         "lora_backend": lora_backend,
         "adapters": f"{kind}, rank {counts['rank']}, {counts['adapter_mb']:.1f} MB each",
         **counts,
+        "counts_note": (f"few streams and cold adapters: each adapter is "
+                        f"{counts['adapter_mb']:.0f} MB, so the files made on the host decide "
+                        "the run's time and disk" if config.is_moe else None),
         "new_tokens": new_tokens,
         "prompt_tokens": prompt_tokens,
         "decode": on["decode"],

@@ -112,6 +112,7 @@ def test_the_gpu_serving_benchmark_runs_its_phases_on_a_tiny_cpu_model(
     assert result["device"] == "cpu" and result["resident_on_device"] == 3
     assert result["moe"] is (shape == "tiny-moe") and result["adapters"].startswith(adapters)
     assert (result["streams"], result["cold_adapters"]) == (3, 5)
+    assert (result["counts_note"] is not None) is result["moe"]
     assert result["adapter_mb"] > 0 and result["slot_mb"] > 0
     assert result["host_cache_mb"] >= 8 * result["adapter_mb"]  # every adapter fits in it
     itl = result["itl"]
