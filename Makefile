@@ -146,6 +146,7 @@ bench-gpu: install-dev
 	TRITON_INTERPRET=0 $(PY) -m lorastream.kernels.bench --output $(BENCH_RESULTS)/kernels-gpu.json
 	$(PY) -m lorastream.bench.h2d --output $(BENCH_RESULTS)/h2d-gpu.json
 	TRITON_INTERPRET=0 $(PY) -m lorastream.bench.gpu_serving --output $(BENCH_RESULTS)/gpu-serving-8b.json
+	TRITON_INTERPRET=0 $(PY) -m lorastream.bench.gpu_serving --shape qwen3-30b-a3b --output $(BENCH_RESULTS)/gpu-serving-moe.json
 	TRITON_INTERPRET=0 $(PY) -m lorastream.bench.gpu_serving --shape smollm2-135m --output $(BENCH_RESULTS)/gpu-serving-smollm2.json
 	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench serve --output $(BENCH_RESULTS)/serve-gpu.json
 	LORASTREAM_WORKER_DEVICE=cuda $(LORASTREAM) bench engine --quantization int8,int8-dynamic,fp8 --repeats 4 --output $(BENCH_RESULTS)/engine-quant-gpu.json

@@ -2,7 +2,8 @@
 GPU run's result is in the results directory.
 
 ``scripts/gpu_check.sh`` writes the results on a CUDA machine (``kernels-gpu.json``,
-``h2d-gpu.json``, ``gpu-serving-8b.json``, ``gpu-serving-smollm2.json``); copied into the results
+``h2d-gpu.json``, ``gpu-serving-8b.json``, ``gpu-serving-moe.json``, ``gpu-serving-smollm2.json``);
+copied into the results
 directory, they fill this section. A result that does not name a CUDA device (a code-path run on
 a CPU) is refused: no CPU number ever stands in for a GPU figure.
 """
@@ -25,7 +26,7 @@ from benchpage.report_format import (
 )
 
 Result = Mapping[str, Any]
-RESULTS = ("kernels-gpu", "h2d-gpu", "gpu-serving-8b", "gpu-serving-smollm2")
+RESULTS = ("kernels-gpu", "h2d-gpu", "gpu-serving-8b", "gpu-serving-moe", "gpu-serving-smollm2")
 HEADER = ("figure", "result", "target", "verdict", "measured on")
 COMMAND = "make gpu-wheelhouse  # here, then on the GPU machine, with .gpu-wheelhouse carried:\n" \
           "scripts/gpu_check.sh OUT"
@@ -68,6 +69,15 @@ FIGURES: tuple[tuple[str, str, Callable[[Result], Any], str, Callable[[float], b
     ("8B-shaped decode tok/s: 32 distinct adapters / base model alone",
      "gpu-serving-8b", lambda r: get(r, "decode", "multi_vs_base"), "≥ 0.85",
      lambda v: v >= 0.85),
+    ("Qwen3-30B-A3B-shaped (MoE), 8 streams: ITL p99 while expert LoRAs load, overlap on / "
+     "no loads", "gpu-serving-moe", lambda r: get(r, "itl", "itl_p99_on_vs_none"), "≤ 1.2",
+     lambda v: v <= 1.2),
+    ("Qwen3-30B-A3B-shaped (MoE), 8 streams: ITL p99 while expert LoRAs load, overlap off / "
+     "no loads (contrast)", "gpu-serving-moe", lambda r: get(r, "itl", "itl_p99_off_vs_none"),
+     MISSING, None),
+    ("Qwen3-30B-A3B-shaped (MoE) decode tok/s: 8 distinct expert LoRAs / base model alone",
+     "gpu-serving-moe", lambda r: get(r, "decode", "multi_vs_base"), "≥ 0.7",
+     lambda v: v >= 0.7),
     ("default model's shapes, decode tok/s: 32 distinct adapters / base model alone",
      "gpu-serving-smollm2", lambda r: get(r, "decode", "multi_vs_base"), MISSING, None),
 )
@@ -97,7 +107,10 @@ def gpu_section(results: Mapping[str, Result | None]) -> str:
         "latency while adapters load and the cold-adapter TTFT on a Llama-3.1-8B-shaped model "
         "(random bf16 weights of its shapes, built on the device; rank-16 all-linear adapters "
         "made there), the Triton SGMV kernels against the base matmul, and decode throughput "
-        "with 32 distinct adapters against the base model. One call on a CUDA machine with no "
+        "with 32 distinct adapters against the base model; the same streams' ITL p99 and decode "
+        "on a Qwen3-30B-A3B-shaped mixture of experts (random bf16 weights, 128 experts in each "
+        "of 48 layers) with 8 streams and rank-16 expert LoRAs (q/k/v/o and every expert's "
+        "gate_up and down, 1.29 GB each) loading cold. One call on a CUDA machine with no "
         "network runs them, after tests/gpu (README, \"GPU tests\"):",
         code_block(COMMAND),
         status,

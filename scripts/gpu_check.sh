@@ -13,11 +13,15 @@
 #      failure and its reason;
 #   4. the GPU benchmarks, shortened: SGMV kernels (rank 16; 1, 32 and 256 rows of distinct
 #      adapters; Llama-3-8B shapes), host -> device load path, and the serving figures on
-#      random-weight models of Llama-3.1-8B's (bf16) and the default model's shapes -> JSON.
+#      random-weight models (bf16, built on the device) of Llama-3.1-8B's shapes, then of
+#      Qwen3-30B-A3B's (MoE, 61 GB; 8 streams and 6 cold expert LoRAs of 1.29 GB made on the
+#      host: ~18 GB of disk), then of the default model's -> JSON. The limits add up to more than
+#      the budget: a step that finishes early leaves its time to the next, and the step least
+#      needed (the default model's shapes) goes last, where the budget may run out.
 #
 # Everything lands in OUT (first argument, else $OUT, else gpu-check-out/): summary.txt (read it
 # first), gpu-check.log, gpu-tests.xml, kernels-gpu.json, h2d-gpu.json, gpu-serving-8b.json,
-# gpu-serving-smollm2.json. Exit status: 0 when every step passed, 1 when one failed or ran out
+# gpu-serving-moe.json, gpu-serving-smollm2.json. Exit status: 0 when every step passed, 1 when one failed or ran out
 # of time, 2 when there is no CUDA device (with --dry-run: the CPU rehearsal of
 # scripts/gpu_dry_run.sh, where every test must skip for want of CUDA and every benchmark must
 # refuse to run).
@@ -107,7 +111,7 @@ setup_venv() {
 }
 export image_python venv wheelhouse system_site
 export -f setup_venv
-step "venv over the image + wheelhouse ($wheelhouse)" 120 0 bash -c setup_venv
+step "venv over the image + wheelhouse ($wheelhouse)" 90 0 bash -c setup_venv
 py=$venv/bin/python
 if [ "$failed" = 1 ]; then
   note "stopped: without its venv nothing else can run"
@@ -149,12 +153,12 @@ else
   [ "$dry_run" = 1 ] && failed=1
 fi
 rm -f "$out/pip-check.txt"
-step "imports (scripts/gpu_imports.py)" 60 0 "$py" scripts/gpu_imports.py
+step "imports (scripts/gpu_imports.py)" 45 0 "$py" scripts/gpu_imports.py
 
 # 3. tests/gpu, a file per pytest-xdist worker (the SGMV file's Triton compiles beside the
 # engine tests): a quarter of the cores, at most 4 (the H200's 16 cores: 4; 0 runs in-process).
 workers=${LORASTREAM_GPU_TEST_WORKERS:-$(( $(nproc) / 4 > 4 ? 4 : $(nproc) / 4 ))}
-step "tests/gpu (TRITON_INTERPRET=0, $workers xdist workers)" 200 0 "$py" -m pytest -q -rs \
+step "tests/gpu (TRITON_INTERPRET=0, $workers xdist workers)" 170 0 "$py" -m pytest -q -rs \
   -p no:cacheprovider -n "$workers" --dist loadfile --timeout=120 tests/gpu \
   --junitxml="$out/gpu-tests.xml"
 if [ -f "$out/gpu-tests.xml" ]; then
@@ -168,14 +172,17 @@ if [ -f "$out/gpu-tests.xml" ]; then
 fi
 
 # 4. The benchmarks, shortened to fit.
-step "bench: SGMV kernels" 60 "$bench_expect" "$py" -m lorastream.kernels.bench \
+step "bench: SGMV kernels" 50 "$bench_expect" "$py" -m lorastream.kernels.bench \
   --batch-sizes 1,32,256 --ranks 16 --popularities distinct --warmup 5 --repeat 20 \
   --output "$out/kernels-gpu.json"
-step "bench: host -> device load path" 40 "$bench_expect" "$py" -m lorastream.bench.h2d \
+step "bench: host -> device load path" 30 "$bench_expect" "$py" -m lorastream.bench.h2d \
   --repeats 10 --output "$out/h2d-gpu.json"
-step "bench: serving, Llama-3.1-8B shapes" 130 "$bench_expect" "$py" -m \
+step "bench: serving, Llama-3.1-8B shapes" 110 "$bench_expect" "$py" -m \
   lorastream.bench.gpu_serving --shape llama-3.1-8b --repeats 2 --output "$out/gpu-serving-8b.json"
-step "bench: serving, default model's shapes" 50 "$bench_expect" "$py" -m \
+step "bench: serving, Qwen3-30B-A3B shapes (MoE)" 180 "$bench_expect" "$py" -m \
+  lorastream.bench.gpu_serving --shape qwen3-30b-a3b --streams 8 --cold-adapters 6 --repeats 2 \
+  --output "$out/gpu-serving-moe.json"
+step "bench: serving, default model's shapes" 40 "$bench_expect" "$py" -m \
   lorastream.bench.gpu_serving --shape smollm2-135m --repeats 2 \
   --output "$out/gpu-serving-smollm2.json"
 

@@ -5,7 +5,8 @@ here).
 
 Every adapter is PEFT's fused form as transformers 5 trains it: ``target_parameters`` on
 ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj`` of every sparse layer, plus LoRA on
-q/k/v/o (random A and B, B non-zero). Decode tok/s is measured as in ``decode_rate.py``.
+q/k/v/o (random A and B, B non-zero; ``expert_lora.py``). Decode tok/s is measured as in
+``decode_rate.py``.
 
 PEFT 0.21 refuses mixed-adapter batches with LoRA on expert parameters (``lora.ParamWrapper
 does not support mixed adapter batches yet``), so the peer serves the same prompts adapter by
@@ -30,15 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from lorastream.bench.decode_rate import QUESTIONS, decode_rates
+from lorastream.bench.expert_lora import write_expert_lora
 from lorastream.bench.machine import command_line, machine_info
-from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
+from lorastream.core.adapter_format import WEIGHTS_FILE
 from lorastream.core.generation import PromptInput, SamplingParams
-
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 @dataclass(frozen=True)
@@ -143,48 +141,6 @@ def make_moe_checkpoint(out_dir: Path, shape: MoeShape = MoeShape(), seed: int =
                  "generation_config.json"):
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out_dir / name)
-    return out_dir
-
-
-def expert_lora(
-    config: Any, rank: int, seed: int, std: float = 0.02
-) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """A PEFT LoRA (fused expert form + attention) for the ``ModelConfig`` ``config``: its
-    state dict in PEFT's saved key form and its ``adapter_config.json``. Keys of layer ``l``:
-    ``mlp.experts.base_layer.lora_A [E r, H]`` / ``lora_B [2 I, E r]`` (gate_up_proj, the inner
-    wrapper) and ``mlp.experts.lora_A [E r, I]`` / ``lora_B [H, E r]`` (down_proj)."""
-    gen = torch.Generator().manual_seed(seed)
-    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    q, kv = config.q_size, config.kv_size
-    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-    tensors: dict[str, torch.Tensor] = {}
-
-    def pair(prefix: str, a: tuple[int, int], b: tuple[int, int]) -> None:
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(*a, generator=gen) * std
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(*b, generator=gen) * std
-
-    for layer in range(config.num_layers):
-        base = f"base_model.model.model.layers.{layer}"
-        for module, (fan_in, fan_out) in attention.items():
-            pair(f"{base}.self_attn.{module}", (rank, fan_in), (fan_out, rank))
-        if config.is_moe_layer(layer):
-            pair(f"{base}.mlp.experts.base_layer", (e * rank, h), (2 * i, e * rank))
-            pair(f"{base}.mlp.experts", (e * rank, i), (h, e * rank))
-    adapter_config: dict[str, object] = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
-        "r": rank, "lora_alpha": 2 * rank, "use_rslora": False,
-        "target_modules": list(ATTENTION), "target_parameters": list(EXPERT_PARAMETERS),
-        "lora_dropout": 0.0, "bias": "none", "use_dora": False,
-        "rank_pattern": {}, "alpha_pattern": {},
-    }
-    return tensors, adapter_config
-
-
-def write_expert_lora(out_dir: Path, config: Any, rank: int, seed: int) -> Path:
-    tensors, adapter_config = expert_lora(config, rank, seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2))
     return out_dir
 
 

@@ -1,15 +1,17 @@
-"""The adapters the serving benchmarks (``bench serve``, ``serve_cold.py``) stage for a base
-model: LoRA on every linear projection of a dense base; on a mixture-of-experts base, LoRA on
-q/k/v/o and on every routed expert of every sparse layer, PEFT's fused ``target_parameters``
-form (``engine_moe.expert_lora``) -- with tens of experts, hundreds of MB at a rank where a dense
-model's adapter takes a few MB."""
+"""The adapters the serving benchmarks (``bench serve``, ``serve_cold.py``, ``gpu_serving.py``)
+stage for a base model: LoRA on every linear projection of a dense base; on a mixture-of-experts
+base, LoRA on q/k/v/o and on every routed expert of every sparse layer, PEFT's fused
+``target_parameters`` form (``expert_lora.py``) -- with tens of experts, hundreds of MB at a rank
+where a dense model's adapter takes a few MB."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lorastream.bench.engine_moe import write_expert_lora
+import torch
+
+from lorastream.bench.expert_lora import write_expert_lora
 from lorastream.bench.synthetic import (
     ALL_LINEAR,
     adapter_nbytes,
@@ -35,10 +37,11 @@ def serving_adapter_nbytes(config: ModelConfig, rank: int) -> int:
     return 4 * (config.num_layers * attention + sparse * experts)
 
 
-def make_serving_adapter(out_dir: Path, config: ModelConfig, rank: int, seed: int) -> Path:
+def make_serving_adapter(out_dir: Path, config: ModelConfig, rank: int, seed: int,
+                         dtype: torch.dtype = torch.float32) -> Path:
     """The serving benchmarks' adapter for a base (module docstring), written as a PEFT LoRA
-    directory."""
+    directory of ``dtype`` tensors."""
     if config.is_moe:
-        return write_expert_lora(out_dir, config, rank, seed)
+        return write_expert_lora(out_dir, config, rank, seed, dtype=dtype)
     return make_synthetic_adapter(out_dir, base_shape(config), rank=rank, targets=ALL_LINEAR,
-                                  seed=seed)
+                                  dtype=dtype, seed=seed)

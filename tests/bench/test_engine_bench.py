@@ -103,7 +103,8 @@ def test_the_moe_read_ceiling_counts_each_rows_adapter_and_the_experts_it_visits
     the base bytes count the same visited experts of the checkpoint's."""
     from transformers import Qwen3MoeConfig
 
-    from lorastream.bench.engine_moe import MoeShape, expert_lora, read_ceiling
+    from lorastream.bench.engine_moe import MoeShape, read_ceiling
+    from lorastream.bench.expert_lora import expert_lora
 
     shape = MoeShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
                      moe_intermediate=32)

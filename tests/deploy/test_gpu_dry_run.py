@@ -5,8 +5,9 @@ image, every import, tests/gpu skipping for want of CUDA).
 - every third-party package the GPU path imports is in the GPU image or the wheelhouse;
 - the wheelhouse's pins are the locked versions (the GPU runs what CI tested);
 - scripts/gpu_check.sh refuses a machine without CUDA, and says so;
-- the serving benchmark's code path runs end to end on a tiny random model on the CPU (its
-  figures are never a GPU figure), and its command refuses to run without CUDA.
+- the serving benchmark's code path runs end to end on a tiny random model on the CPU, dense and
+  mixture-of-experts (its figures are never a GPU figure), and its command refuses to run
+  without CUDA, for every shape the GPU check runs.
 """
 
 from __future__ import annotations
@@ -85,20 +86,35 @@ def test_the_gpu_check_refuses_a_machine_without_cuda(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("args", [
+    [],  # the Llama-3.1-8B shapes
+    ["--shape", "qwen3-30b-a3b", "--streams", "8", "--cold-adapters", "6"],
+])
 def test_the_gpu_serving_command_refuses_to_run_without_cuda(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert gpu_serving_main(["--output", str(tmp_path / "out.json")]) == 2
+    assert gpu_serving_main([*args, "--output", str(tmp_path / "out.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
 
 
-def test_the_gpu_serving_benchmark_runs_its_phases_on_a_tiny_cpu_model() -> None:
-    result = run_gpu_serving_bench(shape="tiny", streams=3, rank=8, new_tokens=6,
+@pytest.mark.parametrize(("shape", "adapters"), [
+    ("tiny", "all-linear"),
+    ("tiny-moe", "q/k/v/o + every expert's gate_up and down (target_parameters)"),
+])
+def test_the_gpu_serving_benchmark_runs_its_phases_on_a_tiny_cpu_model(
+    shape: str, adapters: str
+) -> None:
+    result = run_gpu_serving_bench(shape=shape, streams=3, rank=8, new_tokens=6,
                                    prompt_tokens=8, cold_adapters=5, repeats=1,
                                    lora_backend="torch", device="cpu")
     json.dumps(result)  # what the command writes
     assert result["device"] == "cpu" and result["resident_on_device"] == 3
+    assert result["moe"] is (shape == "tiny-moe") and result["adapters"].startswith(adapters)
+    assert (result["streams"], result["cold_adapters"]) == (3, 5)
+    assert (result["counts_note"] is not None) is result["moe"]
+    assert result["adapter_mb"] > 0 and result["slot_mb"] > 0
+    assert result["host_cache_mb"] >= 8 * result["adapter_mb"]  # every adapter fits in it
     itl = result["itl"]
     assert itl["none"]["slot_loads"] == 0 and itl["overlap_off_none"]["slot_loads"] == 0
     # every stream decoded while cold adapters were copied into slots, on both engines

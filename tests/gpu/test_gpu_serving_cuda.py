@@ -1,6 +1,7 @@
-"""The GPU serving benchmark's code path on CUDA, on a tiny random model (scripts/gpu_check.sh
-runs it for its figures on the Llama-3.1-8B and default shapes): the Triton LoRA backend, cold
-adapters copied into slots by the load stream while streams decode, on both engines."""
+"""The GPU serving benchmark's code path on CUDA, on tiny random models, dense and MoE
+(scripts/gpu_check.sh runs it for its figures on the Llama-3.1-8B, Qwen3-30B-A3B and default
+shapes): the Triton LoRA backend (expert deltas too), cold adapters copied into slots by the load
+stream while streams decode, on both engines."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import pytest
 from lorastream.bench.gpu_serving import run_gpu_serving_bench
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(("shape", "backend"), [
+    ("tiny", "triton"), ("tiny", "torch"), ("tiny-moe", "triton"),
+])
 def test_the_serving_benchmark_loads_cold_adapters_while_streams_decode_on_cuda(
-    backend: str,
+    shape: str, backend: str,
 ) -> None:
-    result = run_gpu_serving_bench(shape="tiny", streams=4, rank=8, new_tokens=8,
+    result = run_gpu_serving_bench(shape=shape, streams=4, rank=8, new_tokens=8,
                                    prompt_tokens=16, cold_adapters=6, repeats=1,
                                    lora_backend=backend, device="cuda")
     assert result["dtype"] == "bfloat16" and result["resident_on_device"] == 4
