@@ -6,9 +6,10 @@ change them. On the MoE families the adapters are PEFT's "all-linear" (which giv
 gate_up_proj twice the rank and alpha), once as PEFT writes it and once with patterns of our
 own put first (first key wins) so the ratio folded into B is not 1. On the dense families (Llama,
 and Phi-3's fused projections) q (qkv) gets rank 4 with its own alpha, the others rank 8, with
-and without rsLoRA; a DoRA adapter with patterns and a weighted mix of two patterned adapters
-ride along. The patterned adapter is also written into a slot that held a full-rank adapter
-before: its padding must be zeros again.
+and without rsLoRA; a DoRA adapter with patterns, a LoRA on embed_tokens and lm_head of their
+own ranks and alphas, and a weighted mix of two patterned adapters ride along. The patterned
+adapter is also written into a slot that held a full-rank adapter before: its padding must be
+zeros again. The worker's --max-lora-rank is compared with the largest module rank.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from lorastream.worker.lora.backend import RowLora
 from lorastream.worker.model.config import ModelConfig
 from tests.support.batched_forward import model_and_slots, prefill_last_logits
 from tests.support.families import BASE, PROMPTS, peft_mix_model, reference_model
-from tests.support.models import MOE_CONFIGS, make_family_adapter, make_tiny_family
+from tests.support.models import (
+    MOE_CONFIGS,
+    make_family_adapter,
+    make_tiny_family,
+    make_vocab_adapter,
+)
 
 SLOT_RANK = 16  # model_and_slots' slots: every adapter here is padded in them
 
@@ -107,6 +113,11 @@ def test_dense_rank_and_alpha_patterns_give_peft_logits(
             checkpoint, tmp_path / "patterned-2", rank=4, alpha=8.0, targets="all-linear",
             rank_pattern={"o_proj": 2, "gate_up_proj|gate_proj": 6}, seed=71),
         "dora-patterned": patterned("dora-patterned", 72, use_dora=True),
+        "vocab-patterned": make_vocab_adapter(
+            checkpoint, tmp_path / "vocab-patterned", rank=4, seed=75,
+            target_modules=["q_proj", "embed_tokens", "lm_head"],
+            rank_pattern={"embed_tokens": 2, "lm_head": 6},
+            alpha_pattern={"embed_tokens": 5.0, "lm_head": 3.0}),
         "plain": make_family_adapter(checkpoint, tmp_path / "plain", rank=8,
                                      targets=["o_proj"], seed=73),
         "filler": make_family_adapter(checkpoint, tmp_path / "filler", rank=SLOT_RANK,
@@ -115,3 +126,18 @@ def test_dense_rank_and_alpha_patterns_give_peft_logits(
     # PEFT's cat mix copies its first component's config: a plain (not rsLoRA) one first
     mix = (("patterned-2", 0.6), ("patterned", -0.5))
     _logits_match_peft(Case(family, checkpoint, adapters, mix), "patterned")
+
+
+def test_max_lora_rank_is_compared_with_the_largest_module_rank(tmp_path: Path) -> None:
+    """PEFT's all-linear at r 4 on a MoE base holds gate_up_proj at rank 8: a worker of
+    --max-lora-rank 4 refuses it before a slot, one of 8 takes it."""
+    from lorastream.core.errors import InvalidAdapter
+
+    checkpoint = make_tiny_family("qwen3_moe", tmp_path / "model")
+    adapter = make_family_adapter(checkpoint, tmp_path / "all-linear", rank=4,
+                                  targets="all-linear", seed=80)
+    config = ModelConfig.from_dir(checkpoint)
+    fetcher = AdapterFetcher(Device("cpu"), None)
+    with pytest.raises(InvalidAdapter, match=r"has rank 8, above this worker's --max-lora-rank 4"):
+        adapter_weights(fetcher.read_local("all-linear", adapter), config, 4)
+    assert adapter_weights(fetcher.read_local("all-linear", adapter), config, 8).rank == 8
