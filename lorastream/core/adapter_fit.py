@@ -22,6 +22,7 @@ from lorastream.core.adapter_format import (
     TOKENS,
     VOCAB_MODULES,
     fused_depth,
+    lora_parameter,
     parse_lora_key,
     parse_vocab_key,
     per_expert,
@@ -71,8 +72,9 @@ def expert_misfit(
     if layer not in experts.layers:
         return (f"tensor {info.name} adapts the experts of layer {layer}, which has a dense MLP "
                 f"in the base model (its expert layers are {sorted(experts.layers)})")
-    r, count = manifest.rank, experts.num_experts
+    count = experts.num_experts
     one = per_expert(module)
+    r = manifest.module_rank(info.name, None if one else lora_parameter(module, names))
     if one is not None:
         expert, name = one
         if expert >= count:
@@ -112,7 +114,8 @@ def vocab_misfit(manifest: AdapterManifest, vocab: int, hidden: int) -> str | No
         key = parse_vocab_key(info.name)
         if key is None:
             continue
-        expected = vocab_shape(key.module, key.kind, manifest.rank, vocab, hidden, len(tokens))
+        rank = manifest.module_rank(info.name)
+        expected = vocab_shape(key.module, key.kind, rank, vocab, hidden, len(tokens))
         if tuple(info.shape) != expected:
             what = "rows" if key.kind == TOKENS else "shape"
             return (f"tensor {info.name} is {list(info.shape)}, but the base model needs "
@@ -184,7 +187,8 @@ def misfit(manifest: AdapterManifest, base: BaseShape) -> str | None:
             return (f"it adapts layer {key.layer}, but the base model has {base.num_layers} "
                     "layers")
         fan_in, fan_out = base.modules[key.module]
-        expected = expected_shape(key.ab, manifest.rank, fan_in, fan_out)
+        rank = manifest.module_rank(info.name, lora_parameter(key.module, names))
+        expected = expected_shape(key.ab, rank, fan_in, fan_out)
         if tuple(info.shape) != expected:
             return (f"layer {key.layer} {key.module} {tensor_kind(key.ab)} is "
                     f"{list(info.shape)}, but the base model needs {list(expected)} "

@@ -187,6 +187,18 @@ def resolve_fused_experts(
     return resolved
 
 
+def lora_parameter(module: str, fused: dict[str, str]) -> str | None:
+    """The raw parameter a LoRA of ``module`` (a :class:`LoraKey`'s) adapts, which PEFT names
+    it by (``core/module_patterns.py``): the router's ``weight``, a fused expert module's
+    ``gate_up_proj`` / ``down_proj`` (``fused``: :func:`resolve_fused_experts`'s answer);
+    None for a module."""
+    if module == ROUTER_PARAMETER.split(".")[0]:
+        return ROUTER_PARAMETER.split(".")[1]
+    if fused_depth(module) is not None:
+        return fused[module].split(".")[-1]
+    return None
+
+
 def short_module_name(target: str) -> str:
     """``model.layers.1.self_attn.o_proj`` -> ``o_proj``; ``q_proj`` -> ``q_proj``."""
     return target.rsplit(".", 1)[-1]

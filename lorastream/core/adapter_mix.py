@@ -93,7 +93,10 @@ def unmixable(manifest: AdapterManifest) -> str | None:
     """Why an adapter cannot be part of a mix (None: it can). A mix serves only plain LoRA
     deltas: DoRA rescales the whole projection by its own norm, vocabulary modules replace
     embedding rows, an activated LoRA starts at its own position, expert LoRA adapts a MoE
-    base's routed experts; none of them is a term of PEFT's ``cat`` sum here. An adapter that
+    base's routed experts; none of them is a term of PEFT's ``cat`` sum here. Per-module ranks
+    and alphas (``rank_pattern`` / ``alpha_pattern``) are no reason: each module's scaling is
+    folded into its B when placed (``lora/slots.py``), so a slot's delta is PEFT's for every
+    module and a weighted sum of slots is exact. An adapter that
     ships its own tokenizer or generation config is refused too: a mix is encoded, decoded and
     stopped with the base model's, which would silently not be that adapter's."""
     if manifest.files:

@@ -1,11 +1,12 @@
 """Validation of a staged PEFT LoRA directory, without loading a single tensor into torch.
 
 ``adapter_config.json`` is parsed and refused when it asks for a LoRA variant lorastream does not
-serve (per-layer ranks, biases, saved modules other than the vocabulary's, ...); DoRA
+serve (biases, saved modules other than the vocabulary's, ...); DoRA
 (``use_dora``), TrainableTokens (``trainable_token_indices``), LoRA on ``embed_tokens`` and
 ``lm_head`` and ``modules_to_save`` of those two are served (``_check_vocab``), and so is
 activated LoRA (``alora_invocation_tokens``: a non-empty list of token ids, not with DoRA, as
-PEFT allows).
+PEFT allows), and so are per-module ranks and alphas (``rank_pattern``, ``alpha_pattern``:
+``core/module_patterns.py``), each tensor checked against the rank its module resolves to.
 ``adapter_model.safetensors`` is checked from its header alone (8-byte little-endian length,
 then JSON), with a size cap against header bombs:
 
@@ -15,7 +16,7 @@ then JSON), with a size cap against header bombs:
 Offsets are relative to the start of data; together they must tile the data exactly (no holes, no
 overlaps, nothing past the end), and every ``end - begin == prod(shape) * itemsize``. Keys must be
 LoRA A/B weights of supported projections; each (layer, module) has both A ``[r, in]`` and B
-``[out, r]`` with the config's ``r``, and with ``use_dora`` a magnitude vector ``[out]`` too
+``[out, r]`` with its module's ``r``, and with ``use_dora`` a magnitude vector ``[out]`` too
 (without it, none). Then every tensor's raw bytes are hashed (sha256 and the fast
 digest, in one read pass) in bounded chunks, so memory stays flat whatever the adapter's size.
 
@@ -52,6 +53,7 @@ from lorastream.core.adapter_format import (
     VOCAB_MODULES,
     WEIGHTS_FILE,
     fused_depth,
+    lora_parameter,
     parse_lora_key,
     parse_vocab_key,
     per_expert,
@@ -67,6 +69,13 @@ from lorastream.core.adapter_tokenizer import (
 from lorastream.core.checksum import DEFAULT_TENSOR_DIGEST, TensorDigests
 from lorastream.core.errors import InvalidAdapter
 from lorastream.core.manifest import DTYPE_SIZES, AdapterFile, AdapterManifest, TensorInfo
+from lorastream.core.module_patterns import (
+    Pattern,
+    module_name,
+    parse_pattern,
+    pattern_key,
+    pattern_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +100,7 @@ class ValidatedAdapter:
     """What validation learned about an adapter: the content half of an AdapterManifest."""
 
     base_model: str
-    rank: int
+    rank: int  # the largest module rank (rank_pattern), else r
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...]  # short names present in the weights, sorted
@@ -101,6 +110,9 @@ class ValidatedAdapter:
     token_indices: tuple[int, ...] = ()  # TrainableTokens' token ids, in its rows' order
     files: tuple[AdapterFile, ...] = ()  # its tokenizer's files (core/adapter_tokenizer.py)
     tokenizer_vocab: int = 0  # that tokenizer's highest id + 1; 0 without one
+    rank_pattern: Pattern = ()  # core/module_patterns.py
+    alpha_pattern: Pattern = ()
+    default_rank: int = 0  # adapter_config.json's r when rank_pattern is set; 0: rank
 
     def manifest(
         self,
@@ -133,6 +145,9 @@ class ValidatedAdapter:
             token_indices=self.token_indices,
             files=self.files,
             tokenizer_vocab=self.tokenizer_vocab,
+            rank_pattern=self.rank_pattern,
+            alpha_pattern=self.alpha_pattern,
+            default_rank=self.default_rank,
         )
 
 
@@ -147,13 +162,24 @@ class LoraConfigFields:
     use_dora: bool = False
     alora_invocation_tokens: tuple[int, ...] = ()
     token_indices: tuple[int, ...] = ()  # trainable_token_indices (of embed_tokens)
+    rank_pattern: Pattern = ()  # core/module_patterns.py
+    alpha_pattern: Pattern = ()
+
+    def module_rank(self, name: str) -> int:
+        """The rank of module ``name`` (its full name, ``module_patterns.module_name``)."""
+        return int(pattern_value(self.rank_pattern, name, self.rank))
+
+    def pattern_note(self, name: str) -> str:
+        """Where module ``name``'s rank comes from, for messages."""
+        key = pattern_key(self.rank_pattern, name)
+        if key is None:
+            return f"r={self.rank}"
+        return f"rank_pattern[{key!r}]={self.module_rank(name)}"
 
 
 # Config fields that switch on a LoRA variant lorastream cannot serve:
 # (key, "is it switched on?", what to tell the user).
 _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("rank_pattern", bool, "per-module ranks (rank_pattern) are not supported; use one r"),
-    ("alpha_pattern", bool, "per-module alphas (alpha_pattern) are not supported; use one alpha"),
     ("bias", lambda v: v not in (None, "none"), "bias training is not supported; use bias='none'"),
     ("lora_bias", bool, "lora_bias=true is not supported"),
     ("layer_replication", bool, "layer_replication is not supported"),
@@ -203,6 +229,11 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     if not isinstance(use_dora, bool):
         raise InvalidAdapter(f"{label}: use_dora must be true or false, got {use_dora!r}")
     invocation = _invocation_tokens(config.get("alora_invocation_tokens"), use_dora, label)
+    try:
+        rank_pattern = parse_pattern(config.get("rank_pattern"), "rank_pattern", integer=True)
+        alpha_pattern = parse_pattern(config.get("alpha_pattern"), "alpha_pattern", integer=False)
+    except ValueError as err:
+        raise InvalidAdapter(f"{label}: {err} ({CONFIG_FILE})") from err
     targets = config.get("target_modules")
     if isinstance(targets, list):
         short = {short_module_name(str(t)) for t in targets}
@@ -224,7 +255,8 @@ def parse_adapter_config(raw: bytes, label: str) -> LoraConfigFields:
     if not isinstance(base_model, str):
         raise InvalidAdapter(f"{label}: base_model_name_or_path must be a string or null")
     return LoraConfigFields(base_model, rank, float(alpha), use_rslora, use_dora, invocation,
-                            _token_indices(config.get("trainable_token_indices"), label))
+                            _token_indices(config.get("trainable_token_indices"), label),
+                            rank_pattern, alpha_pattern)
 
 
 _MAX_TOKEN_ID = (1 << 31) - 1  # the wire carries token ids as int32
@@ -379,14 +411,15 @@ def _check_tiling(entries: list[_HeaderEntry], data_bytes: int, label: str) -> N
 
 
 def _check_vocab(
-    entries: list[_HeaderEntry], rank: int, token_indices: tuple[int, ...], label: str,
-    tokens: int = 0,
-) -> tuple[str, ...]:
+    entries: list[_HeaderEntry], config: LoraConfigFields, label: str, tokens: int = 0,
+) -> tuple[tuple[str, ...], int]:
     """The vocabulary modules' tensors (``adapter_format``: parse_vocab_key): one kind per
     module (new rows, a LoRA pair, or the whole module, a LoRA's saved base layer beside its
     pair), each of its kind's shape with one vocabulary V and hidden size H across them all,
     every trainable token id below V, and the adapter's tokenizer (``tokens`` ids, 0: none)
-    within V. Returns the modules with a LoRA pair (target names)."""
+    within V. Returns the modules with a LoRA pair (target names) and their largest rank."""
+    token_indices = config.token_indices
+    largest = 0
     kinds: dict[str, dict[str, _HeaderEntry]] = {}
     for e in entries:
         key = parse_vocab_key(e.key)
@@ -434,9 +467,11 @@ def _check_vocab(
             else:
                 r, (v_or_h, size) = (rows, ("V" if module == "embed_tokens" else "H", cols)) \
                     if kind == "A" else (cols, ("H" if module == "embed_tokens" else "V", rows))
-                if r != rank:
+                name = module_name(e.key)
+                if r != config.module_rank(name):
                     raise InvalidAdapter(f"{label}: tensor {e.key} has rank {r} but "
-                                         f"{CONFIG_FILE} says r={rank}")
+                                         f"{CONFIG_FILE} says {config.pattern_note(name)}")
+                largest = max(largest, r)
                 agree(v_or_h, size, e.key)
         if lora:
             lora_modules.append(module)
@@ -447,15 +482,17 @@ def _check_vocab(
         raise InvalidAdapter(
             f"{label}: trainable token {max(token_indices)} is beyond the vocabulary of "
             f"{vocab[0]} ({vocab[1]}); new tokens beyond the base vocabulary are not supported")
-    return tuple(lora_modules)
+    return tuple(lora_modules), largest
 
 
 def _check_lora_pairs(
-    entries: list[_HeaderEntry], rank: int, use_dora: bool, label: str
-) -> tuple[str, ...]:
+    entries: list[_HeaderEntry], config: LoraConfigFields, label: str
+) -> tuple[tuple[str, ...], int]:
     """Every key a LoRA A/B (or, with ``use_dora``, magnitude) of a supported module, pairs
-    complete, ranks equal to ``rank``, each magnitude ``[out]`` of its B's ``out``
-    (vocabulary modules' keys are :func:`_check_vocab`'s)."""
+    complete, ranks those of their modules (``config.module_rank``), each magnitude ``[out]``
+    of its B's ``out`` (vocabulary modules' keys are :func:`_check_vocab`'s). Returns the
+    target names and the largest module rank."""
+    use_dora = config.use_dora
     pairs: dict[tuple[int, str], dict[str, _HeaderEntry]] = {}
     vocab = False
     for e in entries:
@@ -475,6 +512,7 @@ def _check_lora_pairs(
         slot[key.ab] = e
     if not pairs and not vocab:
         raise InvalidAdapter(f"{label}: {WEIGHTS_FILE} holds no LoRA tensors")
+    largest = 0
     for (layer, module), slot in sorted(pairs.items()):
         where = f"{label}: layer {layer} {module}"
         if not {"A", "B"} <= set(slot):
@@ -489,17 +527,39 @@ def _check_lora_pairs(
                 f"{where}: rank mismatch: lora_A is {list(a.shape)} ([r, in]) but lora_B is "
                 f"{list(b.shape)} ([out, r])"
             )
+        names = [module_name(a.key, p) for p in _parameters(module, layer, pairs)]
+        ranks = [config.module_rank(n) for n in names]
+        note = " or ".join(config.pattern_note(n) for n in names)
         if fused_depth(module) is not None:  # [E * r, in], [out, E * r]: every expert's r
-            if a.shape[0] % rank:
+            if all(a.shape[0] % r for r in ranks):
                 raise InvalidAdapter(
                     f"{where}: lora_A is {list(a.shape)}, not [experts * r, in] with "
-                    f"r={rank} from {CONFIG_FILE}"
+                    f"{note} from {CONFIG_FILE}"
                 )
-        elif a.shape[0] != rank:
+            largest = max(largest, *(r for r in ranks if a.shape[0] % r == 0))
+        elif a.shape[0] != ranks[0]:
             raise InvalidAdapter(
-                f"{where} has rank {a.shape[0]} but {CONFIG_FILE} says r={rank}"
+                f"{where} has rank {a.shape[0]} but {CONFIG_FILE} says {note}"
             )
-    return tuple(sorted({_target_name(module) for _, module in pairs}))
+        else:
+            largest = max(largest, a.shape[0])
+    return tuple(sorted({_target_name(module) for _, module in pairs})), largest
+
+
+def _parameters(module: str, layer: int, pairs: Mapping[tuple[int, str], object]
+                ) -> list[str | None]:
+    """The raw parameters a LoRA of ``module`` may adapt (``adapter_format.lora_parameter``;
+    [None] for a module): a fused expert wrapper alone in its layer is either of
+    FUSED_EXPERT_PARAMETERS, as only the base's sizes tell (the worker checks them)."""
+    if fused_depth(module) is None:
+        return [lora_parameter(module, {})]
+    depths = sorted((fused_depth(m) or 0, m) for (at, m) in pairs
+                    if at == layer and fused_depth(m) is not None)
+    if len(depths) == len(FUSED_EXPERT_PARAMETERS):  # innermost: gate_up_proj
+        named = {m: p for (_, m), p in zip(reversed(depths), FUSED_EXPERT_PARAMETERS,
+                                           strict=True)}
+        return [named[module]]
+    return list(FUSED_EXPERT_PARAMETERS)
 
 
 def _at_part(name: str, endings: tuple[str, ...]) -> bool:
@@ -614,11 +674,14 @@ def validate_adapter_dir(
             raise InvalidAdapter(f"{label}: {path.name} is missing; expected a PEFT LoRA directory")
     config = parse_adapter_config(config_path.read_bytes(), label)
     entries, data_start = read_safetensors_header(weights_path, max_header_bytes, label)
-    targets = _check_lora_pairs(entries, config.rank, config.use_dora, label)
+    targets, largest = _check_lora_pairs(entries, config, label)
     extra = staged_files(directory)[len(STAGED_FILES):]
     tokens = tokenizer_vocab(directory, label) if extra else 0
-    targets = tuple(sorted(targets + _check_vocab(entries, config.rank, config.token_indices,
-                                                  label, tokens)))
+    vocab_targets, vocab_largest = _check_vocab(entries, config, label, tokens)
+    targets = tuple(sorted(targets + vocab_targets))
+    patterned = bool(config.rank_pattern or config.alpha_pattern)
+    rank = max(largest, vocab_largest) if config.rank_pattern else config.rank
+    rank = rank or config.rank
     files = tuple(AdapterFile(name, (directory / name).stat().st_size,
                               file_sha256(directory / name)) for name in extra)
     fd = os.open(weights_path, os.O_RDONLY)
@@ -638,10 +701,10 @@ def validate_adapter_dir(
     finally:
         os.close(fd)
     tensors.sort(key=lambda t: layer_order(t.info.name))  # read in file order, listed by layer
-    log.debug("%s: %d tensors, rank %d, targets %s", label, len(tensors), config.rank, targets)
+    log.debug("%s: %d tensors, rank %d, targets %s", label, len(tensors), rank, targets)
     return ValidatedAdapter(
         base_model=config.base_model,
-        rank=config.rank,
+        rank=rank,
         alpha=config.alpha,
         use_rslora=config.use_rslora,
         target_modules=targets,
@@ -651,4 +714,7 @@ def validate_adapter_dir(
         token_indices=config.token_indices,
         files=files,
         tokenizer_vocab=tokens,
+        rank_pattern=config.rank_pattern,
+        alpha_pattern=config.alpha_pattern,
+        default_rank=config.rank if patterned else 0,
     )

@@ -85,6 +85,9 @@ def manifest_to_pb(m: AdapterManifest) -> common_pb2.AdapterManifest:
         files=[common_pb2.AdapterFile(name=f.name, nbytes=f.nbytes, checksum=f.checksum)
                for f in m.files],
         tokenizer_vocab=m.tokenizer_vocab,
+        rank_pattern=[common_pb2.ModulePattern(pattern=k, value=v) for k, v in m.rank_pattern],
+        alpha_pattern=[common_pb2.ModulePattern(pattern=k, value=v) for k, v in m.alpha_pattern],
+        default_rank=m.default_rank,
     )
 
 
@@ -107,6 +110,9 @@ def manifest_from_pb(msg: common_pb2.AdapterManifest) -> AdapterManifest:
         token_indices=tuple(msg.token_indices),
         files=tuple(AdapterFile(f.name, f.nbytes, f.checksum) for f in msg.files),
         tokenizer_vocab=msg.tokenizer_vocab,
+        rank_pattern=tuple((p.pattern, p.value) for p in msg.rank_pattern),
+        alpha_pattern=tuple((p.pattern, p.value) for p in msg.alpha_pattern),
+        default_rank=msg.default_rank,
     )
 
 

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorastream.core.module_patterns import Pattern, module_name, pattern_value, scaling
+
 # safetensors dtype string -> bytes per element. Only floating dtypes are valid LoRA weights.
 DTYPE_SIZES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
 
@@ -64,6 +66,12 @@ class AdapterManifest:
     # highest token id + 1 (0 without one)
     files: tuple[AdapterFile, ...] = ()
     tokenizer_vocab: int = 0
+    # PEFT's rank_pattern / alpha_pattern (core/module_patterns.py): modules of their own rank
+    # and alpha. With them ``rank`` is the largest module rank (what a slot must hold) and
+    # ``default_rank`` adapter_config.json's ``r``, the rank of every other module (0: rank)
+    rank_pattern: Pattern = ()
+    alpha_pattern: Pattern = ()
+    default_rank: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -71,8 +79,23 @@ class AdapterManifest:
 
     @property
     def scaling(self) -> float:
-        """alpha / r, or alpha / sqrt(r) with rsLoRA (as PEFT computes it)."""
-        return self.alpha / (self.rank**0.5) if self.use_rslora else self.alpha / self.rank
+        """The adapter's one scaling, its modules' without a pattern: alpha / r, or
+        alpha / sqrt(r) with rsLoRA (as PEFT computes it)."""
+        return scaling(self.alpha, self.default_rank or self.rank, self.use_rslora)
+
+    def module_rank(self, tensor_key: str, parameter: str | None = None) -> int:
+        """The rank of the module a tensor adapts (``module_patterns.module_name``)."""
+        if not self.rank_pattern:
+            return self.rank
+        name = module_name(tensor_key, parameter)
+        return int(pattern_value(self.rank_pattern, name, self.default_rank or self.rank))
+
+    def module_scaling(self, tensor_key: str, parameter: str | None = None) -> float:
+        """The scaling of the module a tensor adapts: its alpha over its rank."""
+        if not self.rank_pattern and not self.alpha_pattern:
+            return self.scaling
+        alpha = pattern_value(self.alpha_pattern, module_name(tensor_key, parameter), self.alpha)
+        return scaling(alpha, self.module_rank(tensor_key, parameter), self.use_rslora)
 
     def replace(self, **changes: Any) -> AdapterManifest:
         return dataclasses.replace(self, **changes)

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from lorastream.core.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from lorastream.core.manifest import AdapterManifest
+from lorastream.core.module_patterns import pattern_dict
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -21,7 +22,7 @@ def peft_config(manifest: AdapterManifest) -> dict[str, object]:
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": manifest.base_model or None,
-        "r": manifest.rank,
+        "r": manifest.default_rank or manifest.rank,
         "lora_alpha": manifest.alpha,
         "use_rslora": manifest.use_rslora,
         "target_modules": list(manifest.target_modules),
@@ -30,6 +31,8 @@ def peft_config(manifest: AdapterManifest) -> dict[str, object]:
         "fan_in_fan_out": False,
         "inference_mode": True,
         "trainable_token_indices": list(manifest.token_indices) or None,
+        "rank_pattern": dict(pattern_dict(manifest.rank_pattern, integer=True)),
+        "alpha_pattern": dict(pattern_dict(manifest.alpha_pattern, integer=False)),
     }
     if manifest.alora_invocation_tokens:
         config["alora_invocation_tokens"] = list(manifest.alora_invocation_tokens)

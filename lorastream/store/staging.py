@@ -128,6 +128,9 @@ def _manifest_json(prepared: PreparedAdapter) -> dict[str, object]:
         "token_indices": list(c.token_indices),
         "files": [{"name": f.name, "nbytes": f.nbytes, "checksum": f.checksum} for f in c.files],
         "tokenizer_vocab": c.tokenizer_vocab,
+        "rank_pattern": [list(p) for p in c.rank_pattern],
+        "alpha_pattern": [list(p) for p in c.alpha_pattern],
+        "default_rank": c.default_rank,
         "tensors": [
             {
                 "name": t.info.name,
@@ -172,6 +175,10 @@ def _content_from_json(doc: dict[str, Any]) -> ValidatedAdapter:
         files=tuple(AdapterFile(f["name"], f["nbytes"], f["checksum"])
                     for f in doc.get("files", ())),
         tokenizer_vocab=int(doc.get("tokenizer_vocab", 0)),
+        # () / 0 when staged before per-module ranks were served (such adapters were refused)
+        rank_pattern=tuple((str(k), float(v)) for k, v in doc.get("rank_pattern", ())),
+        alpha_pattern=tuple((str(k), float(v)) for k, v in doc.get("alpha_pattern", ())),
+        default_rank=int(doc.get("default_rank", 0)),
     )
 
 

@@ -293,8 +293,20 @@ BAD_ADAPTERS = [
      "trainable_token_indices"),
     ("trainable-tokens-of-lm-head", _config(trainable_token_indices={"lm_head": [3]}), {},
      "trainable_token_indices is supported only for embed_tokens, not lm_head"),
-    ("rank-pattern", _config(rank_pattern={"q_proj": 8}), {}, "rank_pattern"),
-    ("alpha-pattern", _config(alpha_pattern={"q_proj": 8}), {}, "alpha_pattern"),
+    ("rank-pattern-disagrees", _config(rank_pattern={"q_proj": 8}), {},
+     r"layer 0 q_proj has rank 4 but adapter_config.json says rank_pattern\['q_proj'\]=8"),
+    ("rank-pattern-exact-name", _config(rank_pattern={"model.layers.1.self_attn.k_proj": 2}),
+     {}, r"layer 1 k_proj has rank 4 but .* rank_pattern\['model.layers.1.self_attn.k_proj'\]=2"),
+    ("rank-pattern-zero", _config(rank_pattern={"q_proj": 0}), {},
+     r"rank_pattern\['q_proj'\] is 0; a rank must be a positive integer"),
+    ("rank-pattern-not-int", _config(rank_pattern={"q_proj": 4.5}), {},
+     r"rank_pattern\['q_proj'\] is 4.5; a rank must be a positive integer"),
+    ("rank-pattern-list", _config(rank_pattern=["q_proj"]), {},
+     "rank_pattern must be a JSON object of module pattern -> value"),
+    ("rank-pattern-bad-regex", _config(rank_pattern={"q_proj(": 4}), {},
+     r"rank_pattern key 'q_proj\(' is not a regular expression"),
+    ("alpha-pattern-text", _config(alpha_pattern={"q_proj": "16"}), {},
+     r"alpha_pattern\['q_proj'\] is '16'; an alpha must be a finite number"),
     ("bias-all", _config(bias="all"), {}, "bias"),
     ("modules-to-save-other", _config(modules_to_save=["lm_head", "score"]), {},
      "modules_to_save is supported only for embed_tokens and lm_head, not score"),
@@ -389,3 +401,45 @@ def test_well_formed_names_are_accepted(
     store = store_factory()
     assert store.preload(str(tiny_adapters["attn-r4"]), name).name == name
     assert store.describe(name).name == name
+
+
+@pytest.mark.parametrize(
+    ("rank_pattern", "alpha_pattern", "rank"),
+    [
+        ({"q_proj": 2}, {}, 4),  # smaller q: the adapter's rank stays r
+        ({"q_proj": 8, "model.layers.1.self_attn.k_proj": 2}, {"q_proj": 3.0}, 8),  # largest
+        ({}, {"v_proj": 12.0}, 4),  # alphas only
+    ],
+    ids=["smaller-q", "larger-q-exact-k", "alpha-only"],
+)
+def test_rank_and_alpha_patterns_resolve_per_module_and_survive_staging(
+    store_factory: StoreFactory, tmp_path: Path, rank_pattern: dict[str, int],
+    alpha_pattern: dict[str, float], rank: int,
+) -> None:
+    """A PEFT adapter with per-module ranks and alphas: its rank is the largest module's, each
+    tensor's module resolves as PEFT resolves it, and the patterns survive the store's staging
+    (a restart reads them back) and the wire."""
+    from lorastream.core.codec import manifest_from_pb, manifest_to_pb
+    from tests.support.models import make_family_adapter, make_tiny_family
+
+    base = make_tiny_family("llama", tmp_path / "base", num_hidden_layers=2)
+    adapter = make_family_adapter(base, tmp_path / "adapter", rank=4, alpha=8.0,
+                                  targets=["q_proj", "k_proj", "v_proj"],
+                                  rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+    staged = store_factory().preload(str(adapter), "patterned")
+    restarted = store_factory().list()[0]
+    for manifest in (staged, restarted, manifest_from_pb(manifest_to_pb(restarted))):
+        assert manifest.rank == rank
+        assert manifest.default_rank == 4
+        assert dict(manifest.rank_pattern) == rank_pattern
+        assert dict(manifest.alpha_pattern) == alpha_pattern
+        for info in manifest.tensors:
+            assert info.shape[0 if ".lora_A." in info.name else 1] == \
+                manifest.module_rank(info.name)
+    q_a, k1_a = (next(t.name for t in staged.tensors if t.name.endswith(end))
+                 for end in ("layers.0.self_attn.q_proj.lora_A.weight",
+                             "layers.1.self_attn.k_proj.lora_A.weight"))
+    q_rank, q_alpha = rank_pattern.get("q_proj", 4), alpha_pattern.get("q_proj", 8.0)
+    assert staged.module_scaling(q_a) == q_alpha / q_rank
+    assert staged.module_rank(k1_a) == rank_pattern.get("model.layers.1.self_attn.k_proj", 4)
+    assert staged.scaling == 8.0 / 4

@@ -46,7 +46,7 @@ def model_and_slots(
     slot_of = {}
     for slot, (name, path) in enumerate(adapters.items(), start=first_slot):
         w = adapter_weights(fetcher.read_local(name, path), config, rank)
-        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks))
+        slots.write(slot, w.adapter_id, w.rank, w.scaling, list(w.blocks), folds=w.folds)
         slot_of[name] = slot
     return model, slots, slot_of
 

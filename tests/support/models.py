@@ -205,8 +205,13 @@ def make_family_adapter(
     b_std: float = 0.2,
     use_dora: bool = False,
     alora_invocation_tokens: list[int] | None = None,
+    alpha: float | None = None,
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
 ) -> Path:
-    """A PEFT LoRA adapter (random, non-zero B) for a checkpoint of any family. ``use_dora``:
+    """A PEFT LoRA adapter (random, non-zero B) for a checkpoint of any family (``alpha``:
+    2 ``rank`` unless given; ``rank_pattern`` / ``alpha_pattern``: PEFT's per-module ones,
+    which PEFT adds to, as its "all-linear" on a MoE base does). ``use_dora``:
     a DoRA adapter whose magnitudes are drawn too (PEFT sets them to ||W|| while B is still
     zero), within 30% of that, so that every part of DoRA shows in the output.
     ``alora_invocation_tokens``: an activated LoRA (PEFT's aLoRA), a causal-LM task as PEFT
@@ -216,9 +221,11 @@ def make_family_adapter(
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora,
-        lora_dropout=0.0, use_dora=use_dora, alora_invocation_tokens=alora_invocation_tokens,
+        r=rank, lora_alpha=2 * rank if alpha is None else alpha, target_modules=targets,
+        use_rslora=use_rslora, lora_dropout=0.0, use_dora=use_dora,
+        alora_invocation_tokens=alora_invocation_tokens,
         task_type="CAUSAL_LM" if alora_invocation_tokens else None,
+        rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {},
     )
     torch.manual_seed(seed)
     model = get_peft_model(base, config)

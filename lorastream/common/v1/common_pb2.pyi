@@ -35,7 +35,7 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., fast_checksum: _Optional[str] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("adapter_id", "name", "source_uri", "revision", "base_model", "rank", "alpha", "use_rslora", "target_modules", "tensors", "total_bytes", "created_at", "pinned", "last_used_at", "alora_invocation_tokens", "token_indices", "files", "tokenizer_vocab")
+    __slots__ = ("adapter_id", "name", "source_uri", "revision", "base_model", "rank", "alpha", "use_rslora", "target_modules", "tensors", "total_bytes", "created_at", "pinned", "last_used_at", "alora_invocation_tokens", "token_indices", "files", "tokenizer_vocab", "rank_pattern", "alpha_pattern", "default_rank")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class AdapterManifest(_message.Message):
     TOKEN_INDICES_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_VOCAB_FIELD_NUMBER: _ClassVar[int]
+    RANK_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_RANK_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     name: str
     source_uri: str
@@ -72,7 +75,18 @@ class AdapterManifest(_message.Message):
     token_indices: _containers.RepeatedScalarFieldContainer[int]
     files: _containers.RepeatedCompositeFieldContainer[AdapterFile]
     tokenizer_vocab: int
-    def __init__(self, adapter_id: _Optional[str] = ..., name: _Optional[str] = ..., source_uri: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., last_used_at: _Optional[float] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., token_indices: _Optional[_Iterable[int]] = ..., files: _Optional[_Iterable[_Union[AdapterFile, _Mapping]]] = ..., tokenizer_vocab: _Optional[int] = ...) -> None: ...
+    rank_pattern: _containers.RepeatedCompositeFieldContainer[ModulePattern]
+    alpha_pattern: _containers.RepeatedCompositeFieldContainer[ModulePattern]
+    default_rank: int
+    def __init__(self, adapter_id: _Optional[str] = ..., name: _Optional[str] = ..., source_uri: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., use_rslora: _Optional[bool] = ..., target_modules: _Optional[_Iterable[str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., last_used_at: _Optional[float] = ..., alora_invocation_tokens: _Optional[_Iterable[int]] = ..., token_indices: _Optional[_Iterable[int]] = ..., files: _Optional[_Iterable[_Union[AdapterFile, _Mapping]]] = ..., tokenizer_vocab: _Optional[int] = ..., rank_pattern: _Optional[_Iterable[_Union[ModulePattern, _Mapping]]] = ..., alpha_pattern: _Optional[_Iterable[_Union[ModulePattern, _Mapping]]] = ..., default_rank: _Optional[int] = ...) -> None: ...
+
+class ModulePattern(_message.Message):
+    __slots__ = ("pattern", "value")
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    pattern: str
+    value: float
+    def __init__(self, pattern: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
 
 class AdapterFile(_message.Message):
     __slots__ = ("name", "nbytes", "checksum")

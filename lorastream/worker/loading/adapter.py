@@ -41,6 +41,7 @@ from lorastream.core.adapter_fit import (
 from lorastream.core.adapter_format import (
     MAGNITUDE,
     fused_depth,
+    lora_parameter,
     parse_lora_key,
     parse_vocab_key,
     per_expert,
@@ -201,6 +202,9 @@ class AdapterWeights:
     # buffer
     blocks: tuple[tuple[int, str, str, torch.Tensor], ...]
     nbytes: int
+    # (layer, module, its scaling / ``scaling``) of the modules of their own scaling (PEFT's
+    # rank_pattern / alpha_pattern), folded into their B when placed (lora/slots.py)
+    folds: tuple[tuple[int, str, float], ...] = ()
 
 
 def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int,
@@ -256,7 +260,8 @@ def check_fits(manifest: AdapterManifest, config: ModelConfig, max_rank: int,
                 f"but {base} has {config.num_layers} layers"
             )
         fan_in, fan_out = shapes[key.module]
-        expected = expected_shape(key.ab, manifest.rank, fan_in, fan_out)
+        rank = manifest.module_rank(info.name, lora_parameter(key.module, names))
+        expected = expected_shape(key.ab, rank, fan_in, fan_out)
         if tuple(info.shape) != expected:
             raise InvalidAdapter(
                 f"{label} was trained for a different base model: layer {key.layer} "
@@ -313,7 +318,31 @@ def adapter_weights(
         scaling=manifest.scaling,
         blocks=blocks,
         nbytes=manifest.total_bytes,
+        folds=folds(manifest, names),
     )
+
+
+def folds(manifest: AdapterManifest, names: dict[str, str]) -> tuple[tuple[int, str, float], ...]:
+    """(layer, module as the blocks name it, ratio) of each module whose scaling is not the
+    adapter's one (``AdapterManifest.module_scaling``); () for an adapter without patterns."""
+    if not manifest.rank_pattern and not manifest.alpha_pattern:
+        return ()
+    found: list[tuple[int, str, float]] = []
+    for info in manifest.tensors:
+        vocab = parse_vocab_key(info.name)
+        key = parse_lora_key(info.name) if vocab is None else None
+        if vocab is not None and vocab.kind == "B":
+            layer, module, parameter = 0, vocab.module, None
+        elif key is not None and key.ab == "B":
+            layer, module = key.layer, names.get(key.module, key.module)
+            parameter = lora_parameter(key.module, names) if per_expert(key.module) is None \
+                else None
+        else:
+            continue
+        ratio = manifest.module_scaling(info.name, parameter) / manifest.scaling
+        if ratio != 1.0:
+            found.append((layer, module, ratio))
+    return tuple(found)
 
 
 @dataclass(frozen=True)

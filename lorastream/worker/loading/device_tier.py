@@ -170,7 +170,8 @@ class DeviceTier:
             self.cost_model.observe_copy(weights.nbytes, elapsed)
 
         ops = self.slots.write_ops(
-            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
+            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks),
+            folds=weights.folds,
         )
         return [start, *ops, observe]
 

@@ -128,7 +128,8 @@ class LayeredSlots:
             return False
         slot, last_read = taken
         plan = self.tier.slots.copy_plan(
-            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks)
+            slot, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks),
+            folds=weights.folds,
         )
         copy = LayeredCopy(self.tier.device.load_stream, plan, after=last_read)
         copy.land(landed)

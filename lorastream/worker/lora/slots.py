@@ -3,8 +3,13 @@
 Per adaptable module ``m`` of the base model (``ModelConfig.lora_targets``: q, k, v, o, gate,
 up, down for most families; Phi-3's fused qkv_proj, o_proj, gate_up_proj, down_proj)::
 
-    a[m]: [num_layers, S, R, in_m]     lora_A of slot s in rows :rank_s, zeros beyond
-    b[m]: [num_layers, S, out_m, R]    lora_B of slot s in columns :rank_s, zeros beyond
+    a[m]: [num_layers, S, R, in_m]     lora_A of slot s in rows :r, zeros beyond
+    b[m]: [num_layers, S, out_m, R]    lora_B of slot s in columns :r, zeros beyond
+
+``r`` is the module's own rank: the adapter's rank ``rank_s`` unless PEFT's ``rank_pattern``
+gives the module a smaller one (zeros pad it to ``rank_s``, which the batched ops read). Each
+slot has one scaling; a module of its own scaling (``alpha_pattern``, or its own rank) has the
+ratio of the two folded into its B once, when placed (``Folds``), so a step never asks.
 
 The A of projections that read the same input (q/k/v, gate/up) are views of one tensor per
 group, ``a_groups[(q, k, v)]: [num_layers, S, 3 R, in]``, so one matmul shrinks that input for
@@ -89,6 +94,9 @@ class DoraBase(Protocol):
 
 Op = Callable[[], None]  # one load-stream operation
 Blocks = list[tuple[int, str, str, torch.Tensor]]  # (first layer, module, "A"|"B"|"M", block)
+# (layer, module as blocks name it, ratio): the module's scaling over the slot's, multiplied
+# into its B after the copy (module docstring); layers and modules not listed have ratio 1
+Folds = tuple[tuple[int, str, float], ...]
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -103,16 +111,21 @@ def _fill(target: torch.Tensor, value: float) -> None:
     target.fill_(value)
 
 
-def _runs(first: int, stop: int, covered: set[int]) -> list[tuple[int, int, bool]]:
-    """Layers ``first .. stop - 1`` as runs of consecutive layers in or out of ``covered``:
-    ``(start, end, in covered)``. Example: 0..5 with {1, 2} -> (0, 1, F), (1, 3, T), (3, 5, F)."""
-    runs: list[tuple[int, int, bool]] = []
+def _scale(target: torch.Tensor, ratio: float) -> None:
+    target.mul_(ratio)
+
+
+def _runs(first: int, stop: int, covered: dict[int, int]) -> list[tuple[int, int, int]]:
+    """Layers ``first .. stop - 1`` as runs of consecutive layers of one rank in ``covered``
+    (layer -> rank), 0 for the layers it leaves out: ``(start, end, rank)``. Example: 0..5 with
+    {1: 8, 2: 8, 3: 4} -> (0, 1, 0), (1, 3, 8), (3, 4, 4), (4, 5, 0)."""
+    runs: list[tuple[int, int, int]] = []
     for layer in range(first, stop):
-        inside = layer in covered
-        if runs and runs[-1][2] == inside:
-            runs[-1] = (runs[-1][0], layer + 1, inside)
+        rank = covered.get(layer, 0)
+        if runs and runs[-1][2] == rank:
+            runs[-1] = (runs[-1][0], layer + 1, rank)
         else:
-            runs.append((layer, layer + 1, inside))
+            runs.append((layer, layer + 1, rank))
     return runs
 
 
@@ -121,9 +134,10 @@ class SlotCopy:
     """The copy of one adapter into one slot, as operations for the load stream to run in order.
 
     :meth:`layers` makes layers ``first .. stop - 1`` of the slot the adapter's: it zeroes what
-    the blocks leave alone there (ranks beyond ``rank``, the layers and modules the adapter does
-    not adapt: the batched ops read them), copies the blocks' layers in, a few layers at a
-    time (at most ``piece_bytes``, or one layer), and for a DoRA adapter (``"M"`` blocks
+    the blocks leave alone there (ranks beyond each module's, the layers and modules the
+    adapter does not adapt: the batched ops read them), copies the blocks' layers in, a few
+    layers at a time (at most ``piece_bytes``, or one layer), multiplies the B of each
+    module of its own scaling by its ``folds`` ratio, and for a DoRA adapter (``"M"`` blocks
     ``[n, out]``) sets each layer's factors (:meth:`LoraSlots.dora_ops`). :meth:`record` writes
     the slot's table entry (adapter, rank, scaling). Two ways to run it:
 
@@ -144,10 +158,11 @@ class SlotCopy:
     slot: int
     info: SlotInfo
     blocks: Blocks
-    covered: dict[tuple[str, str], set[int]]  # (module, "A"|"B") -> the layers blocks write
+    covered: dict[tuple[str, str], dict[int, int]]  # (module, "A"|"B") -> {layer: its rank}
     piece_bytes: int = PIECE_BYTES
     vocab: VocabParts | None = None  # its vocabulary modules' storage (lora/vocab.py)
     vocab_ops: list[Op] = field(default_factory=list)  # the copies into ``vocab``
+    folds: Folds = ()  # (layer, module, ratio): B rescaled to the slot's scaling
 
     @property
     def num_layers(self) -> int:
@@ -166,41 +181,47 @@ class SlotCopy:
         ops: list[Op] = list(self.vocab_ops) if first == 0 else []  # streamed before layer 0
         slots, slot, rank, covered = self.slots, self.slot, self.info.rank, self.covered
         for layer in range(first, stop):  # a MoE base's routed experts (lora/experts.py)
-            ops.extend(slots.expert_ops(slot, rank, self.blocks, layer))
+            ops.extend(slots.expert_ops(slot, self.blocks, layer, self.folds))
         for module in slots.a:
             a, b = slots.a[module][:, slot], slots.b[module][:, slot]  # [L, R, in], [L, out, R]
             for ab, rows in (("A", a), ("B", b)):
-                for start, end, inside in _runs(first, stop, covered.get((module, ab), set())):
-                    if not inside:
+                for start, end, r in _runs(first, stop, covered.get((module, ab), {})):
+                    if not r:
                         ops.append(partial(_zero, rows[start:end]))
-                    elif rank < slots.storage_rank:  # the ranks beyond the adapter's
-                        tail = rows[start:end, rank:] if ab == "A" else rows[start:end, :, rank:]
+                    elif r < slots.storage_rank:  # the ranks beyond the module's
+                        tail = rows[start:end, r:] if ab == "A" else rows[start:end, :, r:]
                         ops.append(partial(_zero, tail))
         for layer, module, ab, block in self.blocks:
             lo, hi = max(first, layer), min(stop, layer + block.shape[0])
             if lo >= hi or module.startswith("experts.") or module in VOCAB_MODULES:
                 continue
-            if ab == "A":
-                target = slots.a[module][:, slot, :rank]  # [L, r, in]
+            if ab == "A":  # block [n, r, in]
+                target = slots.a[module][:, slot, : block.shape[1]]  # [L, r, in]
             elif ab == MAGNITUDE:  # [L, out]: the factor's numerator, divided below
                 target = slots.dora_scale[module][:, slot]
-            else:
-                target = slots.b[module][:, slot, :, :rank]  # [L, out, r]
+            else:  # block [n, out, r]
+                target = slots.b[module][:, slot, :, : block.shape[2]]  # [L, out, r]
             layer_bytes = block[0].numel() * block.element_size()
             step = max(1, self.piece_bytes // max(layer_bytes, 1))
             for start in range(lo, hi, step):
                 end = min(start + step, hi)
                 ops.append(partial(_copy, target[start:end], block[start - layer : end - layer]))
+        for layer, module, ratio in self.folds:  # after the copies, before DoRA's norms
+            if first <= layer < stop and module in slots.b:
+                ops.append(partial(_scale, slots.b[module][layer, slot], ratio))
         for layer in range(first, stop):  # DoRA: each layer's factors once its tensors landed
             ops.extend(slots.dora_ops(slot, rank, self.info.scaling, self.blocks, layer))
         return ops
 
 
-def _covered(blocks: Blocks) -> dict[tuple[str, str], set[int]]:
-    """(module, "A"|"B") -> the layers ``blocks`` write."""
-    covered: dict[tuple[str, str], set[int]] = {}
+def _covered(blocks: Blocks) -> dict[tuple[str, str], dict[int, int]]:
+    """(module, "A"|"B"|"M") -> {layer ``blocks`` write: the module's rank there} (A
+    ``[n, r, in]``, B ``[n, out, r]``; a magnitude's rank is its width, unused)."""
+    covered: dict[tuple[str, str], dict[int, int]] = {}
     for layer, module, ab, block in blocks:
-        covered.setdefault((module, ab), set()).update(range(layer, layer + block.shape[0]))
+        rank = block.shape[1] if ab == "A" else block.shape[-1]
+        covered.setdefault((module, ab), {}).update(
+            dict.fromkeys(range(layer, layer + block.shape[0]), rank))
     return covered
 
 
@@ -325,8 +346,8 @@ class LoraSlots:
         ``dora_scale * (W x + scaling B A x) + bias``."""
         if self.base is None:
             raise RuntimeError("a DoRA adapter needs LoraSlots(base=the model) to be placed")
-        a = self.a[module][layer, slot, :rank]  # [r, K]
-        b = self.b[module][layer, slot, :, :rank]  # [N, r]
+        a = self.a[module][layer, slot, :rank]  # [r, K], zeros beyond the module's rank
+        b = self.b[module][layer, slot, :, :rank]  # [N, r], its scaling's ratio folded in
         scale = self.dora_scale[module][layer, slot]  # [N], the magnitude m until now
         norm = self.base.dora_norms(layer, module, b * scaling, a)  # [N] fp32
         factor = scale.float() / norm  # [N]
@@ -362,9 +383,11 @@ class LoraSlots:
                          "down_proj": self.expert_b_down}
 
 
-    def expert_ops(self, slot: int, rank: int, blocks: Blocks, layer: int) -> list[Op]:
+    def expert_ops(self, slot: int, blocks: Blocks, layer: int, folds: Folds = ()) -> list[Op]:
         """The operations that write ``blocks``' expert tensors of ``layer`` into ``slot``: zero
-        the slot's experts in that layer, then copy (none without routed experts). Blocks of
+        the slot's experts in that layer, copy, then multiply the B of a module of its own
+        scaling by its ``folds`` ratio (none without routed experts). Each block's rank ``r``
+        is its own (its shape's). Blocks of
         the fused form (module
         ``experts.gate_up_proj`` or ``experts.down_proj``): A ``[n, E * r, in]`` -- expert e's
         rows ``e r .. e r + r - 1`` -- and B ``[n, out, E * r]`` -- expert e's column j at
@@ -378,24 +401,37 @@ class LoraSlots:
         for first, module, ab, block in blocks:
             if not module.startswith("experts.") or not first <= layer < first + block.shape[0]:
                 continue
-            for target, source in self._expert_copies(row, slot, rank, module,
+            for target, source in self._expert_copies(row, slot, module,
                                                       per_expert(module), ab, block[layer - first]):
                 ops.append(partial(_copy, target, source))
+        for at, module, ratio in folds:
+            if at == layer and module.startswith("experts."):
+                ops.append(partial(_scale, self._expert_b_of(row, slot, module), ratio))
         return ops
 
+    def _expert_b_of(self, row: int, slot: int, module: str) -> torch.Tensor:
+        """The B storage of an expert module (either form) in one row and slot."""
+        one = per_expert(module)
+        if one is not None:
+            return self.expert_b[one[1]][row, slot, one[0]]  # [out, R]
+        if module == "experts.gate_up_proj":
+            return self.expert_b_gate_up[row, slot]  # [E, 2 I, R]
+        return self.expert_b_down[row, slot]  # [E, H, R]
+
     def _expert_copies(
-        self, layer: int, slot: int, rank: int, module: str, one: tuple[int, str] | None,
+        self, layer: int, slot: int, module: str, one: tuple[int, str] | None,
         ab: str, block: torch.Tensor,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(target, source) pairs of one layer's expert tensor (:meth:`expert_ops`); ``layer``
         is the layer's row of the expert storage."""
-        if one is not None:
+        if one is not None:  # A [r, in], B [out, r]
             expert, proj = one
             if ab == "A":
-                return [(self.expert_a[proj][layer, slot, expert, :rank], block)]
-            return [(self.expert_b[proj][layer, slot, expert, :, :rank], block)]
+                return [(self.expert_a[proj][layer, slot, expert, : block.shape[0]], block)]
+            return [(self.expert_b[proj][layer, slot, expert, :, : block.shape[1]], block)]
         e = self.expert_a_down.shape[2]
         gate_up = module == "experts.gate_up_proj"
+        rank = block.shape[0 if ab == "A" else 1] // e  # A [E r, in], B [out, E r]
         if ab == "A":  # [E r, in] -> [E, r, in]
             a = block.view(e, rank, -1)
             if gate_up:
@@ -413,27 +449,29 @@ class LoraSlots:
         return None
 
     def write(self, slot: int, adapter_id: str, rank: int, scaling: float,
-              blocks: Blocks) -> None:
+              blocks: Blocks, folds: Folds = ()) -> None:
         """Copy an adapter into ``slot`` at once (:meth:`write_ops`, run in order)."""
-        for op in self.write_ops(slot, adapter_id, rank, scaling, blocks):
+        for op in self.write_ops(slot, adapter_id, rank, scaling, blocks, folds=folds):
             op()
 
     def copy_plan(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,
-                  piece_bytes: int = PIECE_BYTES) -> SlotCopy:
+                  piece_bytes: int = PIECE_BYTES, folds: Folds = ()) -> SlotCopy:
         """The copy of ``(first layer, module, "A"|"B"|"M", block)`` (``[n, r, in]`` for A,
-        ``[n, out, r]`` for B, ``[n, out]`` for a DoRA magnitude, ``n`` consecutive layers)
-        into ``slot``: :class:`SlotCopy`."""
+        ``[n, out, r]`` for B, ``[n, out]`` for a DoRA magnitude, ``n`` consecutive layers,
+        ``r`` at most ``rank``) into ``slot``, with the B of ``folds``' modules rescaled to
+        the slot's ``scaling``: :class:`SlotCopy`."""
         info = SlotInfo(adapter_id, rank, scaling, frozenset(m for _, m, _, _ in blocks),
                         dora=any(ab == MAGNITUDE for _, _, ab, _ in blocks))
-        vocab, vocab_ops = plan_parts(blocks, scaling, self._dtype, self._device)
+        vocab, vocab_ops = plan_parts(blocks, scaling, self._dtype, self._device, folds)
         return SlotCopy(self, slot, info, blocks, _covered(blocks), piece_bytes, vocab,
-                        vocab_ops)
+                        vocab_ops, folds)
 
     def write_ops(self, slot: int, adapter_id: str, rank: int, scaling: float, blocks: Blocks,
-                  piece_bytes: int = PIECE_BYTES) -> list[Op]:
+                  piece_bytes: int = PIECE_BYTES, folds: Folds = ()) -> list[Op]:
         """The whole copy's operations (:meth:`SlotCopy.whole`), to run in order on the load
         stream."""
-        return self.copy_plan(slot, adapter_id, rank, scaling, blocks, piece_bytes).whole()
+        return self.copy_plan(slot, adapter_id, rank, scaling, blocks, piece_bytes,
+                              folds).whole()
 
     def claim(self, slot: int, adapter_id: str) -> None:
         """Record ``slot`` as ``adapter_id``'s before its copy runs (the copy's last operation

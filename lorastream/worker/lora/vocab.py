@@ -100,13 +100,16 @@ def vocab_blocks(blocks: Blocks) -> Blocks:
 
 
 def plan_parts(
-    blocks: Blocks, scaling: float, dtype: torch.dtype, device: torch.device
+    blocks: Blocks, scaling: float, dtype: torch.dtype, device: torch.device,
+    folds: tuple[tuple[int, str, float], ...] = (),
 ) -> tuple[VocabParts | None, list[Op]]:
     """Allocate a slot's :class:`VocabParts` for ``blocks`` and the copies that fill it (None
-    and no copy when the adapter has no vocabulary part)."""
+    and no copy when the adapter has no vocabulary part); a LoRA's B is multiplied by its
+    module's ``folds`` ratio (its own scaling over ``scaling``: ``lora/slots.py``)."""
     mine = vocab_blocks(blocks)
     if not mine:
         return None, []
+    ratios = {module: ratio for _, module, ratio in folds if module in VOCAB_MODULES}
     parts, ops = VocabParts(scaling), list[Op]()
     for _, module, kind, block in mine:
         source = block[0]
@@ -114,11 +117,17 @@ def plan_parts(
                              dtype=torch.long if kind == TOKEN_IDS else dtype)
         setattr(parts, _FIELDS[(module, kind)], target)
         ops.append(partial(_copy, target, source))
+        if kind == "B" and module in ratios:
+            ops.append(partial(_scale, target, ratios[module]))
     return parts, ops
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source, non_blocking=True)
+
+
+def _scale(target: torch.Tensor, ratio: float) -> None:
+    target.mul_(ratio)
 
 
 class VocabStep:

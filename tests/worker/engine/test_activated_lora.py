@@ -61,11 +61,13 @@ def specs(family: str) -> dict[str, dict[str, object]]:
     """name -> make_family_adapter keywords: a plain LoRA and two activated ones on the same
     tokens (attention only, B large enough to change Gemma's soft-capped tokens; every
     projection, rsLoRA), in the family's module names."""
-    # MoE bases: attention only (PEFT has no activated LoRA of a router)
+    # MoE bases: the activated ones on attention only (PEFT has no activated LoRA of a router);
+    # the plain one is PEFT's all-linear everywhere (on a MoE base: the experts too, gate_up
+    # at twice the rank by its rank_pattern)
     attention, _ = FAMILY_TARGETS.get(family, (["q_proj", "k_proj", "v_proj", "o_proj"], []))
     every = "all-linear" if family in FAMILY_TARGETS else attention
     return {
-        "lora-r8": dict(rank=8, targets=every, seed=21),
+        "lora-r8": dict(rank=8, targets="all-linear", seed=21),
         "alora-attn-r4": dict(rank=4, targets=attention, seed=31, b_std=0.5,
                               alora_invocation_tokens=INV),
         "alora-all-r8": dict(rank=8, targets=every, use_rslora=True, seed=32,

@@ -7,7 +7,10 @@ PEFT's greedy tokens, then again in a second wave that reuses the first's cached
 LoRA on the experts, per adapter form (PEFT's fused ``target_parameters``; the older per-expert
 ``target_modules``, the same LoRA rewritten, whose reference is PEFT on the fused form), with
 prefix caching on and off and with chunked prefill: two expert adapters, an attention-only one
-and the base in one batch give PEFT's greedy tokens. An expert LoRA of the wrong expert count,
+and the base in one batch give PEFT's greedy tokens. PEFT's "all-linear" (experts, router,
+attention; per-module ranks and alphas by its rank_pattern / alpha_pattern), as PEFT writes it
+and with patterns of its own, beside an attention adapter and the base, with prefix caching on
+and off, gives PEFT's greedy tokens too. An expert LoRA of the wrong expert count,
 width or rank is refused at registration and never reaches a slot.
 """
 
@@ -161,6 +164,41 @@ def test_a_mixed_batch_of_expert_adapters_and_the_base_gives_peft_greedy_tokens(
         engine.stop()
     for name in EXPERT_ADAPTERS:  # each expert adapter changes the output
         assert any(case.reference[(name, i)] != case.reference[(BASE, i)] for i in range(3))
+
+
+ALL_LINEAR = {  # name -> PEFT's all-linear on a MoE base (gate_up_proj at twice r and alpha)
+    "all-linear-r4": dict(rank=4, targets="all-linear", seed=41),
+    "all-linear-own": dict(rank=4, targets="all-linear", seed=42, rank_pattern={"q_proj": 2},
+                           alpha_pattern={"gate_up_proj": 5.0, "o_proj": 3.0}),
+}
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_peft_all_linear_adapters_in_a_mixed_batch_give_peft_greedy_tokens(
+    case: MoeCase, tmp_path: Path, prefix_caching: bool
+) -> None:
+    checkpoint = case.checkpoints["fused"]
+    adapters = {name: make_family_adapter(checkpoint, tmp_path / name, **spec)  # type: ignore[arg-type]  # spec: the function's own keywords
+                for name, spec in ALL_LINEAR.items()}
+    reference = {(name, i): t for name, path in adapters.items()
+                 for i, t in reference_tokens(checkpoint, path).items()}
+    for name in adapters:  # each adapter changes the output: the comparison proves something
+        assert any(reference[(name, i)] != case.reference[(BASE, i)] for i in range(3)), name
+    adapters["qkvo-r4"] = case.adapters["qkvo-r4"]
+    engine = _engine(checkpoint, tmp_path, prefix_caching=prefix_caching)
+    try:
+        ops = WorkerOperations(engine)
+        for name, path in adapters.items():
+            ops.load_adapter(name, str(path))
+        keys = [(name, i) for name in [BASE, *adapters] for i in range(len(PROMPTS))]
+        for wave in range(2):  # the second wave hits the first's cached prefixes (when on)
+            results = _run(engine, keys)
+            for key in keys:
+                expected = {**case.reference, **reference}[key]
+                assert results[key] == expected, f"{case.family} {key} {wave}"
+        assert (engine.prefix.stats.hit_rate > 0) is prefix_caching
+    finally:
+        engine.stop()
 
 
 BLOCK_ADAPTERS = {  # family -> LoRA on the MoE block's plain weights, as PEFT 0.21 trains it

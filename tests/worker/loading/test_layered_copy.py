@@ -25,6 +25,7 @@ from lorastream.worker.loading.layered import LayeredSlots
 from lorastream.worker.lora.slots import LoraSlots
 from lorastream.worker.metrics import WorkerMetrics
 from lorastream.worker.model.config import ModelConfig
+from tests.support.models import make_family_adapter
 
 CPU = torch.device("cpu")
 
@@ -56,10 +57,17 @@ def _layer_equal(a: LoraSlots, b: LoraSlots, layer: int, slot: int) -> bool:
                and torch.equal(a.b[m][layer, slot], b.b[m][layer, slot]) for m in a.a)
 
 
+@pytest.mark.parametrize("adapter", ["attn-r4", "patterned"])
 def test_a_slot_fills_layer_by_layer_as_layers_land(
-    device: Device, tiny_model: Path, tiny_adapters: dict[str, Path]
+    device: Device, tiny_model: Path, tiny_adapters: dict[str, Path], tmp_path: Path,
+    adapter: str,
 ) -> None:
+    """``patterned``: modules of their own rank and alpha (rank_pattern / alpha_pattern), whose
+    scaling folds apply once per layer, as a whole copy applies them."""
     config = ModelConfig.from_dir(tiny_model)
+    path = tiny_adapters.get(adapter) or make_family_adapter(
+        tiny_model, tmp_path / adapter, rank=4, targets=["q_proj", "k_proj", "v_proj"], seed=9,
+        rank_pattern={"q_proj": 2}, alpha_pattern={"q_proj": 5.0, "v_proj": 3.0})
     layers = config.num_layers
     assert layers >= 2
     slots = LoraSlots(config, 2, 64, torch.float32, CPU)
@@ -70,8 +78,10 @@ def test_a_slot_fills_layer_by_layer_as_layers_land(
     for target in (slots, whole):  # the slot held another adapter: every layer gets replaced
         target.write(0, old.adapter_id, old_weights.rank, old_weights.scaling,
                      list(old_weights.blocks))
-    entry, weights = _adapter(device, config, tiny_adapters["attn-r4"])
-    whole.write(0, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks))
+    entry, weights = _adapter(device, config, path)
+    assert bool(weights.folds) is (adapter == "patterned")
+    whole.write(0, weights.adapter_id, weights.rank, weights.scaling, list(weights.blocks),
+                folds=weights.folds)
     reading = HostEvent()  # a step still reads slot 0 (rule 2)
     tier.mark_read([0], reading)
 
