@@ -73,6 +73,10 @@ def engine_section(r: Result, plots: Mapping[str, str]) -> str:
     if "engine_mix_decode_tok_s" in r:
         rows.append(["engine, every prompt a 0.5/0.5 mix of two of the adapters (`--mix`)",
                      number(r.get("engine_mix_decode_tok_s"))])
+    if "engine_saved_reference_decode_tok_s" in r:
+        rows.append([f"engine, the first {text(r.get('saved_reference_adapters'))} of the same "
+                     "adapters (the saved kinds' reference)",
+                     number(r.get("engine_saved_reference_decode_tok_s"))])
     kinds = r.get("vocab_kinds")
     vocab = kinds if isinstance(kinds, dict) else {}
     for key, what in VOCAB_SIDES.items():
@@ -121,7 +125,8 @@ def _kind_costs(r: Result) -> str:
         return ""
     return paragraphs([
         "What each adapter kind costs against the plain LoRAs of the same rank on the same "
-        "modules and prompts (the first row), in the same run:",
+        "modules and prompts, in the same run (the saved kinds against the plain LoRAs over as "
+        "many distinct adapters as they have, when that is fewer):",
         table(["kind", "decode tok/s", "× plain LoRA"], rows),
     ])
 
