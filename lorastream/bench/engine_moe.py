@@ -65,7 +65,7 @@ class MoeShape:
             num_experts=self.experts, num_experts_per_tok=self.top_k,
             moe_intermediate_size=self.moe_intermediate, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-            max_position_embeddings=4096,
+            max_position_embeddings=40960,  # Qwen3-30B-A3B's
         )
 
 
