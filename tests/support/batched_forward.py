@@ -88,7 +88,7 @@ def prefill_last_logits(
             torch.tensor(cache), 0, torch.zeros(0, 0, dtype=torch.long),
             torch.zeros(0, dtype=torch.long), tuple(spans), torch.tensor(rows),
         )
-        lora = LoraStep.for_step(slots, backend, token_slots, torch.float32, CPU)
+        lora = LoraStep.for_step(slots, backend, token_slots, torch.float32, CPU, logit_rows=rows)
         if on_step is not None and lora is not None:
             on_step(lora)
         logits = model.forward(batch, kv, lora)  # [names, V]

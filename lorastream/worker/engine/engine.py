@@ -363,7 +363,7 @@ class Engine:
             units, self.slots.num_slots, self.slots.token_width))
         batch = inputs.batch
         lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots, self.model.dtype,
-                                 self.model.device, inputs.arena)
+                                 self.model.device, inputs.arena, inputs.logit_rows)
         assert inputs.arena is not None
         inputs.arena.flush()  # rule 3: one non-blocking copy of the step's metadata
         logits = self.model.forward(batch, self.kv, lora)  # [n, V]

@@ -153,7 +153,8 @@ class LayeredPrefills:
             inputs = build_step_inputs(StepPlan(prefill=[(seq, chunk)]), None)
             batch = inputs.batch.to(self.model.device)
             lora = LoraStep.for_step(self.slots, self.backend, inputs.token_slots,
-                                     self.model.dtype, self.model.device)
+                                     self.model.dtype, self.model.device,
+                                     logit_rows=inputs.logit_rows)
             start = landing.layers
             x = self.model.embed(batch, lora) if start == 0 else landing.hidden  # [n, H]
             assert x is not None

@@ -41,6 +41,7 @@ class StepInputs:
     batch: ForwardBatch  # device views into the arena (host tensors without staging)
     token_slots: list[RowLora]  # LoRA slot of every row (-1: base model), or its mix
     samplers: list[Sequence]  # the sequence of each logits row, in order
+    logit_rows: list[int]  # the batch row of each logits row (batch.logit_rows, on the host)
     fed: list[tuple[Sequence, int]]  # tokens each sequence feeds this step
     arena: Arena | None  # where the LoRA metadata goes too; flushed by the engine
 
@@ -130,4 +131,4 @@ def build_step_inputs(
         max_position=max(positions, default=0),
         longest=max(seq_lens, default=0),
     )
-    return StepInputs(batch, token_slots, samplers, fed, arena)
+    return StepInputs(batch, token_slots, samplers, logit_rows, fed, arena)

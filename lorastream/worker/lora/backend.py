@@ -213,9 +213,9 @@ class LoraBackend(Protocol[MetaT]):
 
 def staged_size(num_rows: int, num_slots: int, token_width: int = 0) -> int:
     """The most arena entries :func:`build_meta` (and ``build_expert_meta``: 2 per row and 1
-    per slot; ``build_vocab_step``: ``token_width + 2`` per row, ``token_width`` the slots' most
+    per slot; ``build_vocab_step``: ``token_width + 3`` per row, ``token_width`` the slots' most
     new token rows) stage for ``num_rows`` rows (entries, in a step with a mix row)."""
-    return (int(PADDING_LIMIT * num_rows) + (8 + token_width) * num_rows + 2 * num_slots
+    return (int(PADDING_LIMIT * num_rows) + (9 + token_width) * num_rows + 2 * num_slots
             + 8)
 
 
@@ -480,9 +480,12 @@ class LoraStep:
     def for_step(
         cls, slots: LoraSlots, backend: LoraBackend, row_lora: Sequence[RowLora],
         dtype: torch.dtype, device: torch.device, arena: Arena | None = None,
+        logit_rows: Sequence[int] | None = None,
     ) -> LoraStep | None:
         """The hook of a step whose rows take ``row_lora`` (a slot, -1 for the base model, or
-        a mix); None when no row has an adapter. Metadata staged in ``arena`` when given."""
+        a mix); None when no row has an adapter. Metadata staged in ``arena`` when given.
+        ``logit_rows``: the batch rows the step computes logits of, on the host (the
+        vocabulary modules' head works on each slot's own; None: the step computes none)."""
         token_slots, mixes = split_mixes(row_lora)
         meta = backend.prepare(token_slots, slots, arena, mixes)
         if meta is None:
@@ -495,7 +498,7 @@ class LoraStep:
 
         return cls(slots, backend, meta,
                    build_expert_meta(token_slots, slots, dtype, device, arena),
-                   build_vocab_step(token_slots, slots.vocab, slots.tied, longs))
+                   build_vocab_step(token_slots, logit_rows, slots.vocab, slots.tied, longs))
 
     def embed(self, ids: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None
               ) -> torch.Tensor:  # ids [T], x [T, H] -> [T, H]

@@ -12,38 +12,15 @@ import pytest
 import torch
 
 from lorastream.worker.engine.step_inputs import StepPlan, build_step_inputs
-from lorastream.worker.lora.backend import LoraStep, RowLora, TorchLoraBackend
+from lorastream.worker.lora.backend import LoraStep, TorchLoraBackend
 from lorastream.worker.lora.slots import LoraSlots, SlotInfo
 from lorastream.worker.model.config import ModelConfig
 from lorastream.worker.model.decoder import DecoderModel
 from lorastream.worker.model.kv_cache import KVCache
 from lorastream.worker.model.weights import load_weights
 from tests.support.models import make_tiny_checkpoint
+from tests.support.step_sequences import StepSeq
 from tests.support.sync_free import no_device_reads
-
-
-class _Seq:
-    """The fields of a Sequence that step inputs read."""
-
-    def __init__(self, prompt: list[int], computed: int, blocks: list[int], slot: int,
-                 mix: tuple[tuple[int, float], ...] = ()) -> None:
-        self.prompt_ids, self.output_ids = prompt, [7]
-        self.num_computed, self.blocks, self.slot, self.mix = computed, blocks, slot, mix
-
-    def token_at(self, index: int) -> int:
-        return (self.prompt_ids + self.output_ids)[index]
-
-    def lora_slot(self, position: int) -> int:
-        """The slot position ``position`` reads (a plain LoRA: every position its slot)."""
-        return self.slot
-
-    def lora_row(self, position: int) -> RowLora:
-        """What position ``position`` takes: its slot, or its mix's (slot, weight) pairs."""
-        return self.mix or self.slot
-
-    @property
-    def remaining_prompt(self) -> int:
-        return len(self.prompt_ids) - self.num_computed
 
 
 @pytest.mark.parametrize("with_mix", [False, True], ids=["plain", "with-a-mix-row"])
@@ -72,16 +49,17 @@ def test_a_mixed_lora_step_reads_nothing_back_from_the_device(
             slots.a[m][:, s, :4].normal_(0, 0.1)
             slots.b[m][:, s, :, :4].normal_(0, 0.1)
         slots.table[s] = SlotInfo(f"id{s}", 4, 2.0, frozenset(slots.a))
-    decode = [_Seq([5, 6, 7, 8], 4, kv.allocator.allocate(8), 0),
-              _Seq([9] * 20, 20, kv.allocator.allocate(24), -1)]
+    decode = [StepSeq([5, 6, 7, 8], 4, kv.allocator.allocate(8), 0),
+              StepSeq([9] * 20, 20, kv.allocator.allocate(24), -1)]
     if with_mix:  # a weighted mix of both slots (the entry layout and its index_add_)
-        decode.append(_Seq([4, 4, 4], 3, kv.allocator.allocate(8), -1, ((0, 0.7), (1, 0.3))))
-    prefill = [(_Seq([3, 4, 5, 6, 7], 0, kv.allocator.allocate(8), 1), 5)]
-    plan = StepPlan(decode=decode, prefill=prefill)  # type: ignore[arg-type]  # _Seq: the fields of a Sequence that steps read
+        decode.append(StepSeq([4, 4, 4], 3, kv.allocator.allocate(8), -1, ((0, 0.7), (1, 0.3))))
+    prefill = [(StepSeq([3, 4, 5, 6, 7], 0, kv.allocator.allocate(8), 1), 5)]
+    plan = StepPlan(decode=decode, prefill=prefill)  # type: ignore[arg-type]  # StepSeq: the fields of a Sequence that steps read
     backend = TorchLoraBackend(torch.float32, cpu)
     inputs = build_step_inputs(plan)  # host lists -> host tensors (no device involved)
     with no_device_reads():
-        lora = LoraStep.for_step(slots, backend, inputs.token_slots, torch.float32, cpu)
+        lora = LoraStep.for_step(slots, backend, inputs.token_slots, torch.float32, cpu,
+                                 logit_rows=inputs.logit_rows)
         assert lora is not None
         logits = model.forward(inputs.batch.to(cpu), kv, lora)
     assert logits.shape == (3 + with_mix, config.vocab_size)
