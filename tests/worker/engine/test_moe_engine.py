@@ -31,6 +31,7 @@ from lorastream.worker.engine.sampling import SamplingParams
 from lorastream.worker.service.bootstrap import build_engine
 from lorastream.worker.service.config import WorkerSettings
 from lorastream.worker.service.operations import WorkerOperations
+from tests.support.engine_rounds import two_rounds_match
 from tests.support.families import BASE, NEW_TOKENS, PROMPTS, reference_tokens
 from tests.support.hub_server import HubServer
 from tests.support.models import (
@@ -154,11 +155,9 @@ def test_a_mixed_batch_of_expert_adapters_and_the_base_gives_peft_greedy_tokens(
         ops = WorkerOperations(engine)
         for name, path in adapters.items():
             ops.load_adapter(name, str(path))
-        keys = [(name, i) for name in [BASE, *adapters] for i in range(len(PROMPTS))]
-        for wave in range(2):  # the second wave hits the first's cached prefixes (when on)
-            results = _run(engine, keys)
-            for key in keys:
-                assert results[key] == case.reference[key], f"{case.family} {form} {key} {wave}"
+        # the second round hits the first's cached prefixes (when on)
+        two_rounds_match(engine, [BASE, *adapters], PROMPTS, NEW_TOKENS, case.reference,
+                         f"{case.family} {form}")
         assert (engine.prefix.stats.hit_rate > 0) is prefix_caching
     finally:
         engine.stop()
@@ -190,12 +189,9 @@ def test_peft_all_linear_adapters_in_a_mixed_batch_give_peft_greedy_tokens(
         ops = WorkerOperations(engine)
         for name, path in adapters.items():
             ops.load_adapter(name, str(path))
-        keys = [(name, i) for name in [BASE, *adapters] for i in range(len(PROMPTS))]
-        for wave in range(2):  # the second wave hits the first's cached prefixes (when on)
-            results = _run(engine, keys)
-            for key in keys:
-                expected = {**case.reference, **reference}[key]
-                assert results[key] == expected, f"{case.family} {key} {wave}"
+        # the second round hits the first's cached prefixes (when on)
+        two_rounds_match(engine, [BASE, *adapters], PROMPTS, NEW_TOKENS,
+                         {**case.reference, **reference}, case.family)
         assert (engine.prefix.stats.hit_rate > 0) is prefix_caching
     finally:
         engine.stop()
