@@ -194,16 +194,17 @@ def _burst(worker: str, config: ServeConfig, cold: list[str]) -> dict[str, Any]:
                 if (n == RESIDENT) == resident and r.first_token]
 
     cold_ttft, resident_ttft = ttft(requests, False), ttft(requests, True)
+    resident_ms = percentiles(resident_ttft)
     # the same requests for the resident adapter once nothing loads: their prefills alone
-    resident_warm = ttft(warm, True)
+    resident_warm_ms = percentiles(ttft(warm, True))
     return {
         "cold_requests": len(cold), "resident_requests": config.burst_resident,
         "errors": len(errors),
         "cold_ttft_ms": percentiles(cold_ttft),
-        "resident_ttft_ms": percentiles(resident_ttft),
-        "resident_ttft_ms_resident_burst": percentiles(resident_warm),
-        "resident_ttft_p50_vs_resident_burst": _ratio(_median(resident_ttft),
-                                                      _median(resident_warm)),
+        "resident_ttft_ms": resident_ms,
+        "resident_ttft_ms_resident_burst": resident_warm_ms,
+        "resident_ttft_p50_vs_resident_burst": _ratio(resident_ms["p50"],
+                                                      resident_warm_ms["p50"]),
         "worst_gap_ms_before": round(worst_before * 1000, 1),
         "worst_gap_ms_during": round(worst_during * 1000, 1),
         "worst_gap_ratio": _ratio(worst_during, worst_before),
@@ -325,10 +326,6 @@ def _phase_means(before: dict[tuple[str, str], tuple[float, float]],
         assert isinstance(entry, dict)
         entry[f"{clock}_ms"] = round(total / count * 1000, 1)
     return {"loads": loads, **out}
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
