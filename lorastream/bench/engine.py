@@ -116,11 +116,11 @@ def run_engine_bench(
         raise ValueError(f"unknown --vocab kind {', '.join(unknown)}; known: "
                          f"{', '.join(VOCAB_KINDS)}")
     saved_adapters = min(adapters, saved_adapters)
-    vocab_adapters = {k: saved_adapters if VOCAB_KINDS[k][1] == "modules_to_save" else adapters
-                      for k in vocab}
+    saved_kinds = {k for k in vocab if VOCAB_KINDS[k][1] == "modules_to_save"}
+    vocab_adapters = {k: saved_adapters if k in saved_kinds else adapters for k in vocab}
     # fewer distinct adapters read less LoRA: the saved kinds compare with the plain LoRAs over
     # as many distinct adapters, in the same run
-    saved_reference = saved_adapters < adapters and saved_adapters in vocab_adapters.values()
+    saved_reference = bool(saved_kinds) and saved_adapters < adapters
     modes = [q for q in quantization.split(",") if q and q != "none"]
     if modes:
         from lorastream.bench.engine_quant import run_quant_bench
@@ -282,8 +282,7 @@ def run_engine_bench(
         if side not in rate:
             continue
         key = side.replace("-", "_")
-        saved = side in VOCAB_KINDS and VOCAB_KINDS[side][1] == "modules_to_save"
-        plain = rate["saved_reference"] if saved and saved_reference else multi
+        plain = rate.get("saved_reference", multi) if side in saved_kinds else multi
         result |= {f"engine_{key}_decode_tok_s": round(rate[side], 1),
                    f"{key}_vs_lora": round(rate[side] / plain, 3)}
         if side in goals:
