@@ -45,12 +45,16 @@ def serve_goals(r: Result) -> list[list[str]]:
          "goal_cold_ttft_p50_on_vs_off"),
         ("burst: running stream's worst gap, during / before (on)", burst,
          "worst_gap_during_vs_before_on", "goal_worst_gap_ratio"),
+        ("burst: running stream's worst gap, during / same burst all resident (on)", burst,
+         "worst_gap_during_vs_resident_burst_on", "goal_worst_gap_vs_resident_burst"),
         ("link: cold TTFT / (link + resident TTFT), p50 (on)", link,
          "cold_vs_link_plus_resident_p50_on", "goal_cold_vs_link_plus_resident"),
         ("link: streams' ITL p99, during loads / none (on)", link, "itl_p99_ratio_on",
          "goal_itl_p99_ratio"),
+        ("link: streams' ITL p99, during loads / same request resident (on)", link,
+         "itl_p99_during_loads_vs_resident_requests_on", "goal_itl_p99_vs_resident_requests"),
     ):
-        if part:
+        if part and goal in part:  # results from before a goal existed have none
             rows.append(goal_row(label, part.get(key), part.get(goal)))
     return rows
 
@@ -115,6 +119,8 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
                     "worst_gap_ms_during_resident_burst"),
                 row(burst, "worst gap, during / same burst all resident",
                     "worst_gap_during_vs_resident_burst", fmt=ratio),
+                row(burst, "worst gap, same burst all resident / before (no load: the floor)",
+                    "worst_gap_resident_burst_vs_before", fmt=ratio),
                 *phase_rows(burst),
             ]),
         ]
@@ -135,6 +141,11 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
                     "itl_p99_ms_resident_requests"),
                 row(link, "ITL p99, during loads / resident request",
                     "itl_p99_during_loads_vs_resident_requests", fmt=ratio),
+                row(link, "ITL p99, resident request / none (no load: the floor)",
+                    "itl_p99_resident_requests_vs_none", fmt=ratio),
+                row(link, "streams' ITL p50, no loads (ms)", "itl_ms", "no_loads", "p50"),
+                row(link, "streams' ITL p50, during loads (ms)", "itl_ms", "during_loads",
+                    "p50"),
                 *phase_rows(link),
             ]),
         ]

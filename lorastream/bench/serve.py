@@ -95,6 +95,7 @@ from lorastream.bench.machine import command_line, machine_info
 from lorastream.bench.serve_adapters import serving_adapter_nbytes
 from lorastream.bench.serve_cold import link_adapters, run_burst, run_link, stage_adapters
 from lorastream.bench.synthetic import model_config
+from lorastream.core.errors import InvalidArgument
 from lorastream.core.generation import PromptInput, SamplingParams
 from lorastream.core.worker_client import WorkerClient
 
@@ -215,6 +216,8 @@ def _run_interference(worker: str, config: ServeConfig, prompt: PromptInput) -> 
         "background_streams": config.background,
         "rounds": config.interference_rounds,
         "loads": loads,
+        # a stream that ended early ends the loading windows early too: why, if it failed
+        "background_errors": [r.error for r in background.results if r.error is not None],
         "quiet_seconds": round(sum(end - begin for begin, end in quiet), 2),
         "load_seconds": round(sum(end - begin for begin, end in loading), 2),
         "itl_ms_no_loads": quiet_ms,
@@ -227,6 +230,21 @@ def _run_interference(worker: str, config: ServeConfig, prompt: PromptInput) -> 
             "itl_ms_during_loads": samples_ms(loading_gaps),
         },
     }
+
+
+def _unload(client: WorkerClient, name: str, timeout_s: float = 30.0) -> None:
+    """Unload ``name``, retrying while the worker still counts its load as in flight: with
+    layer-ordered admission its requests can finish before the fetch that landed their layers
+    has ended (the worker refuses the unload meanwhile, asking for a retry)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.unload_adapter(name)
+            return
+        except InvalidArgument:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _ttft(worker: str, model: str, prompt: PromptInput) -> float:
@@ -256,7 +274,7 @@ def _run_cold_probe(worker: str, config: ServeConfig, prompt: PromptInput,
             name = f"probe{i}"
             cold.append(_ttft(worker, name, prompt))
             warm.append(_ttft(worker, name, prompt))
-            client.unload_adapter(name)
+            _unload(client, name)
             began, cpu_began = time.perf_counter(), loader_cpu.seconds()
             client.load_adapter(name)
             load.append(time.perf_counter() - began)

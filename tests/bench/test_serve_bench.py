@@ -47,7 +47,11 @@ def test_serve_bench_reports_raw_ttft_and_itl_samples_per_mode(tiny_model: Path)
         cold <= 1.25 and result["itl_p99_during_loads_vs_none_overlap_on"] <= 1.2)
     for name, flags in CPU_VARIANTS.items():
         assert result[name]["worker_flags"] == " ".join(flags)
-        assert result[name]["interference"]["loads"] >= 2
+        interference = result[name]["interference"]
+        assert interference["background_errors"] == [], name
+        # an operator's load gets only the CPU that decoding leaves (no request waits for it),
+        # which a tiny model decoding back to back hardly does: one load may outlast the rounds
+        assert interference["loads"] >= 1, (name, interference)
         assert result[name]["cold_probe"]["cold_ttft_ms"] > 0
 
 
@@ -99,6 +103,19 @@ def test_the_cold_workloads_report_every_mode_their_phases_and_goals(tiny_model:
         "resident_ttft_p50_vs_resident_burst"]
     assert link["cold_vs_link_plus_resident_p50_on"] == link["overlap_on"][
         "cold_vs_link_plus_resident_p50"]
+    for mode in ("overlap_on", "overlap_off"):  # the floors: the controls against no arrival
+        b, lk = burst[mode], link[mode]
+        assert b["worst_gap_resident_burst_vs_before"] == pytest.approx(
+            b["worst_gap_ms_during_resident_burst"] / b["worst_gap_ms_before"], rel=0.01)
+        spread = lk["itl_ms"]
+        assert lk["itl_p99_ms_resident_requests"] == spread["resident_requests"]["p99"]
+        assert lk["itl_p99_resident_requests_vs_none"] == pytest.approx(
+            spread["resident_requests"]["p99"] / spread["no_loads"]["p99"], rel=0.01)
+        assert spread["during_loads"]["p50"] <= spread["during_loads"]["p99"]
+    assert burst["worst_gap_resident_burst_vs_before_on"] == burst["overlap_on"][
+        "worst_gap_resident_burst_vs_before"]
+    assert link["itl_p99_resident_requests_vs_none_on"] == link["overlap_on"][
+        "itl_p99_resident_requests_vs_none"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "qwen2_moe"])
