@@ -213,9 +213,10 @@ class Device:
             yield
 
     def between_steps(self, fetching: bool = False, cold_waiting: bool = False) -> None:
-        """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch is
-        in flight and sequences run), leave the cores to the idle-priority loaders for
-        ``fetch_turn_s``; while ``cold_waiting`` too (a request waits for that fetch), for
+        """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch, or
+        a cold adapter's DescribeAdapter, is in flight and sequences run), leave the cores to
+        the idle-priority loaders for ``fetch_turn_s``; while ``cold_waiting`` too (a request
+        waits for that fetch or that manifest), for
         ``load_share`` of the wall time; then a copy of the load stream waiting for this gap
         copies now (one turn), so what it loads can join that step (``cpu/step_gate.py``)."""
         if fetching and cold_waiting and self.load_share > 0:

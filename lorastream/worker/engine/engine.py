@@ -302,11 +302,14 @@ class Engine:
                     self._reset_prefix.clear()
                     self.prefix.reset()
                 # a fetch in flight gets the cores for a moment (its share while a request
-                # waits for it); then a slot copy ready since the last step lands (both on the
-                # CPU only; step_gate.py)
-                fetching = bool(self.scheduler.running) and self.adapters.fetching
-                cold_waiting = fetching and self.scheduler.waiting_on_loads() > 0
-                self.device.between_steps(fetching, cold_waiting)
+                # waits for it, or for its adapter's manifest); then a slot copy ready since
+                # the last step lands (both on the CPU only; step_gate.py)
+                running = bool(self.scheduler.running)
+                fetching = running and self.adapters.fetching
+                resolving = running and self.adapters.resolving
+                cold_waiting = resolving or (
+                    fetching and self.scheduler.waiting_on_loads() > 0)
+                self.device.between_steps(fetching or resolving, cold_waiting)
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)

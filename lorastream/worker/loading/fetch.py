@@ -233,6 +233,9 @@ class AdapterFetcher:
         self._process = process
         self.chunk_bytes = 0  # stream chunk size asked of the store; 0: the store's default
         self.chunk_delay_s = 0.0  # test hook
+        self.describe_delay_s = 0.0  # test hook: a slow store's DescribeAdapter
+        self._describes = 0  # DescribeAdapter calls in flight (request threads)
+        self._describes_lock = threading.Lock()
 
     @property
     def has_store(self) -> bool:
@@ -267,9 +270,24 @@ class AdapterFetcher:
             )
         return self._client
 
+    @property
+    def describing(self) -> bool:
+        """Whether a DescribeAdapter call is in flight: a request resolving an adapter this
+        worker does not hold waits on the store (read without the lock: a hint for one gap)."""
+        return self._describes > 0
+
     def describe(self, name: str) -> AdapterManifest:
         """The store's current manifest of ``name`` (its content id decides identity)."""
-        return self._store(name).describe(name)
+        client = self._store(name)
+        with self._describes_lock:
+            self._describes += 1
+        try:
+            if self.describe_delay_s:
+                time.sleep(self.describe_delay_s)
+            return client.describe(name)
+        finally:
+            with self._describes_lock:
+                self._describes -= 1
 
     def fetch(
         self, name: str, expected_id: str, storage: torch.Tensor | None = None,

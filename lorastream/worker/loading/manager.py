@@ -381,6 +381,13 @@ class AdapterManager:
         """Whether a store fetch is in flight (read without the lock: a hint for one gap)."""
         return self._loader.fetching
 
+    @property
+    def resolving(self) -> bool:
+        """Whether a request waits on the store for the manifest of an adapter this worker does
+        not hold (its DescribeAdapter in flight, before the request reaches the scheduler; read
+        without the lock: a hint for one gap)."""
+        return self._loader.fetcher.describing
+
     # -- layer-ordered admission (only with ``layered``; the engine's layered_prefill.py) ---
     @property
     def layered(self) -> bool:

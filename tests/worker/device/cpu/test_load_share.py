@@ -125,3 +125,40 @@ def test_a_cold_request_gets_its_share_of_every_gap_while_decoding_saturates_the
     for step, hold in zip(steps, held, strict=True):
         assert hold >= min(share / (1 - share) * step, MAX_HOLD_S)
     assert sum(held) / (sum(held) + sum(steps)) >= share * 0.999 or max(held) >= MAX_HOLD_S
+
+
+def test_a_request_resolving_a_cold_adapter_gets_its_share_before_its_fetch(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    """A request for an adapter this worker does not hold first waits on the store for its
+    manifest (DescribeAdapter, on the request's thread, before it reaches the scheduler): on a
+    box that also runs the store, an engine stepping back to back starved that call as it
+    starved fetches (a burst's cold requests resolved in 360 ms against 200 with overlap off).
+    The engine holds its gaps for that wait too, and only while it lasts."""
+    share = 0.25
+    engine = engine_factory(store=store.target, load_share=share)
+    gate, fetcher = engine.device.gate, engine.adapters.fetcher
+    fetcher.describe_delay_s = 0.4  # the store answers the manifest >= 0.4 s late
+    decoding = _Decoding(engine, streams=3)
+    tokens: list[int] = []
+    try:
+        time.sleep(0.05)
+        assert gate.holds == 0, "the engine held its gaps with no cold request waiting"
+        request = threading.Thread(target=lambda: tokens.extend(greedy_tokens(
+            engine, "attn-r4", 0)))
+        request.start()
+        while not fetcher.describing:
+            time.sleep(0.001)
+        holds = gate.holds
+        time.sleep(0.2)
+        assert fetcher.describing and not engine.adapters.fetching  # still resolving
+        assert gate.holds >= holds + 3, "no gap held while a request waited for its manifest"
+        request.join(timeout=60)
+        steps_after = engine.stats.steps
+        holds = gate.holds
+        while engine.stats.steps < steps_after + 10:  # the adapter is in: decoding goes on
+            time.sleep(0.005)
+        assert gate.holds == holds, "the engine held its gaps with nothing waiting"
+    finally:
+        decoding.stop()
+    assert tokens == reference[("attn-r4", 0)]
