@@ -96,7 +96,12 @@ def cold_section(r: Result, plots: Mapping[str, str]) -> str:
         "with other `--load-share` values (at 0 a cold request's fetch gets only what decoding "
         "leaves), and overlap off. The phase rows are the per-load means of the worker's "
         "`lorastream_worker_cold_load_phase_seconds` (docs/loading.md): wall time, and in "
-        "brackets the CPU time of what computes in that phase.",
+        "brackets the CPU time of what computes in that phase. The controls (the same burst "
+        "with every adapter resident; the same request with its adapter resident) prefill what "
+        "the cold requests prefilled (the prefix cache is reset before them), so against them "
+        "only the loads' cost remains; each control against the windows with no request "
+        "arriving is the floor that no load schedule goes under: the requests' own prefill "
+        "steps, not the loads, set the running streams' worst gaps.",
     ]
     if burst:
         parts += [

@@ -133,7 +133,7 @@ class ServeConfig:
     burst_quiet_s: float = 3.0  # the running stream decodes this long before the burst
     link_rounds: int = 6  # cold adapters asked for one at a time from the capped store
     link_quiet_s: float = 2.0  # no loads this long before each round
-    cold_shares: tuple[float, ...] = (0.0, 0.3)  # --load-share values run beside the default
+    cold_shares: tuple[float, ...] = (0.0, 0.15, 0.45)  # --load-share values beside the default
 
 
 def _run_trace(worker: str, config: ServeConfig) -> dict[str, object]:

@@ -17,9 +17,16 @@ cold request's first token against the adapter's link time plus its resident TTF
 1.25), and the streams' ITL p99 in the loading windows against the quiet ones (goal <= 1.2) and
 against the windows of the second request (its adapter resident: its prefill alone, no load).
 
+Both controls prefill what the cold requests prefilled: the worker's prefix cache is reset
+before them (a cold request finds nothing cached, the cache being keyed by adapter content, and
+its control would otherwise prefill a few tokens: the prefill step, not the load, is what sets
+the streams' worst gaps). Each control against the windows with no request arriving is a floor
+(``worst_gap_resident_burst_vs_before``, ``itl_p99_resident_requests_vs_none``): what the
+requests cost the running streams with no load at all, under which no load schedule can go.
+
 Each workload runs its worker once per mode (:func:`modes`: overlap on with the worker's
 defaults, overlap on with each ``--load-share`` of ``cold_shares`` -- by default 0 (the share
-of the cores a cold request's load gets, off) and 0.3 -- and overlap off), restarted between
+of the cores a cold request's load gets, off), 0.15 and 0.45 -- and overlap off), restarted between
 modes so every adapter starts cold. Each mode also reports where its cold loads' time went
 (``load_phases``: the per-load mean wall and CPU time of each phase, from the worker's
 ``lorastream_worker_cold_load_phase_seconds``, ``lorastream/worker/loading/load_timeline.py``).

@@ -58,8 +58,8 @@ def serve(
     burst_resident: int = typer.Option(4, min=0, help="Resident-adapter requests in the burst."),
     link_rounds: int = typer.Option(6, min=1, help="Cold adapters asked for one at a time (link)."),
     load_shares: str = typer.Option(
-        "0,0.3", help="--load-share values the burst and link workloads also run, overlap on, "
-        "beside the worker's default (comma-separated; 0: the share off).",
+        "0,0.15,0.45", help="--load-share values the burst and link workloads also run, "
+        "overlap on, beside the worker's default (comma-separated; 0: the share off).",
     ),
     output: Path | None = OUTPUT_OPTION,
     log_level: str = typer.Option("WARNING", help="Logging level."),

@@ -93,7 +93,7 @@ class CudaEvent(Event):  # pragma: no cover - needs a GPU
 COMPLETED = HostEvent(done=True)
 COPY_TURN_S = 0.020  # the CPU load stream's copy time between two steps (see cpu/step_gate.py)
 FETCH_TURN_S = 0.0  # on the CPU, each gap held open this long while a fetch is in flight
-LOAD_SHARE = 0.15  # on the CPU, the wall time left to loaders while a cold request waits
+LOAD_SHARE = 0.3  # on the CPU, the wall time left to loaders while a cold request waits
 
 
 CopyOps = Sequence[Callable[[], None]]  # operations that issue copies, run in order

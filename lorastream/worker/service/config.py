@@ -210,13 +210,14 @@ class WorkerSettings(StoreTLSSettings):
         "Measured: docs/notes/loading.md.",
     )
     load_share: float = Field(
-        0.15,
+        0.3,
         ge=0,
         lt=1,
         description="On the CPU: the share of wall time the engine leaves to the adapter "
-        "loaders while a request waits for its adapter's store fetch and sequences run: it "
-        "holds each gap between steps for share / (1 - share) of the step before it (at most "
-        "50 ms), so the idle-priority fetch gets both cores that long. Cold adapters land "
+        "loaders while a request waits for its adapter's store fetch (or for its manifest) and "
+        "sequences run: it holds each gap between steps for share / (1 - share) of the step "
+        "before it (at most 50 ms), so the idle-priority loaders get both cores that long. "
+        "Cold adapters land "
         "sooner; the running streams' steps are that much further apart meanwhile, and not at "
         "all once nothing waits (docs/loading.md; measured: docs/notes/loading.md). 0: loaders "
         "get only what decoding leaves. No effect on CUDA.",

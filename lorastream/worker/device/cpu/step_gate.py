@@ -44,13 +44,14 @@ cores the GPU's compute does not use.
 
 A share of the cores for a cold request (:meth:`StepGate.hold_share`, ``--load-share``). A
 fixed turn per gap is blind to what waits on the fetch. The signal that loading is behind is a
-request waiting for its adapter while its fetch is in flight: then, and only then, the engine
+request waiting for its adapter while its fetch (or, before it, the store's answer with the
+adapter's manifest) is in flight: then, and only then, the engine
 holds each gap for ``share / (1 - share)`` of the step before it, so that of the wall time the
 loaders get ``share`` (at most :data:`MAX_HOLD_S` per gap) and decoding the rest. The gate keeps
 the ledger (:attr:`StepGate.held_s` against :attr:`StepGate.stepped_s`) that the tests check.
-Example, share 0.15: 0.15 / 0.85, about 0.18 of each step's duration, held before the next step
-while a cold request waits (the running streams' steps that much further apart meanwhile), none
-once the adapter is in its slot.
+Example, share 0.3 (the default): 0.3 / 0.7, about 0.43 of each step's duration, held before the
+next step while a cold request waits (the running streams' steps that much further apart
+meanwhile), none once the adapter is in its slot.
 """
 
 from __future__ import annotations
