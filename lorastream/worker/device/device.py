@@ -212,17 +212,22 @@ class Device:
         with self.gate.step():
             yield
 
-    def between_steps(self, fetching: bool = False, cold_waiting: bool = False) -> None:
+    def between_steps(self, fetching: bool = False, cold_waiting: bool = False,
+                      arrived_ready: bool = False) -> None:
         """Before the next step is scheduled, on the CPU: while ``fetching`` (a store fetch, or
         a cold adapter's DescribeAdapter, is in flight and sequences run), leave the cores to
         the idle-priority loaders for ``fetch_turn_s``; while ``cold_waiting`` too (a request
         waits for that fetch or that manifest), for
         ``load_share`` of the wall time; then a copy of the load stream waiting for this gap
-        copies now (one turn), so what it loads can join that step (``cpu/step_gate.py``)."""
+        copies now (one turn), so what it loads can join that step (``cpu/step_gate.py``).
+        ``arrived_ready``: requests that need no load arrived since the last step: the share's
+        hold gives way to their prefill this once (``StepGate.hold_share``'s ``defer``)."""
         if fetching and cold_waiting and self.load_share > 0:
-            self.gate.hold_share(self.load_share)
-        elif fetching and self.fetch_turn_s > 0:
-            self.gate.hold_gap(self.fetch_turn_s)
+            self.gate.hold_share(self.load_share, defer=arrived_ready)
+        else:
+            self.gate.forgive()
+            if fetching and self.fetch_turn_s > 0:
+                self.gate.hold_gap(self.fetch_turn_s)
         self.gate.give_turn()
 
     def use_compute_threads(self, count: int) -> dict[int, int] | None:

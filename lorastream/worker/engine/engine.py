@@ -296,7 +296,7 @@ class Engine:
     def _loop_steps(self) -> None:
         while not self._stop.is_set():
             try:
-                self._intake()
+                arrived = self._intake()
                 self._drop_cancelled()
                 if self._reset_prefix.is_set():
                     self._reset_prefix.clear()
@@ -309,7 +309,10 @@ class Engine:
                 resolving = running and self.adapters.resolving
                 cold_waiting = resolving or (
                     fetching and self.scheduler.waiting_on_loads() > 0)
-                self.device.between_steps(fetching or resolving, cold_waiting)
+                # ... which gives way to the prefill of arrivals that need no load
+                arrived_ready = cold_waiting and any(
+                    all(self.adapters.ready(a) for a in seq.adapter_ids) for seq in arrived)
+                self.device.between_steps(fetching or resolving, cold_waiting, arrived_ready)
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:
                     self._fail(seq, err)
@@ -331,12 +334,16 @@ class Engine:
                 for seq in [*self.scheduler.running, *self.scheduler.landing]:
                     self._fail(seq, LorastreamError("internal error in the engine step"))
 
-    def _intake(self) -> None:
+    def _intake(self) -> list[Sequence]:
+        """Queue the requests submitted since the last look; returns them."""
+        arrived: list[Sequence] = []
         while True:
             try:
-                self.scheduler.add(self._inbox.get_nowait())
+                seq = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return arrived
+            self.scheduler.add(seq)
+            arrived.append(seq)
 
     def _admitted_or_waiting(self) -> list[Sequence]:
         s = self.scheduler

@@ -52,6 +52,12 @@ the ledger (:attr:`StepGate.held_s` against :attr:`StepGate.stepped_s`) that the
 Example, share 0.3 (the default): 0.3 / 0.7, about 0.43 of each step's duration, held before the
 next step while a cold request waits (the running streams' steps that much further apart
 meanwhile), none once the adapter is in its slot.
+
+A hold gives way to an arrival that needs no load (``defer``): when requests whose adapters are
+already on the device arrived since the last step, the gap is not held, so their prefill is not
+delayed by another request's load, and the hold it skipped is owed to the next gap (added to
+that gap's own, within :data:`MAX_HOLD_S`). Never two gaps in a row: a steady stream of arrivals
+cannot starve the loaders again. Over the wait the loaders keep their share.
 """
 
 from __future__ import annotations
@@ -87,7 +93,10 @@ class StepGate:
         self.last_step_s = 0.0  # how long the last step ran
         self.stepped_s = 0.0  # the ledger: seconds in steps, and in gaps held open (tests, logs)
         self.held_s = 0.0
-        # the last steps and held gaps, in order: ("step" | "hold", seconds) (tests, logs)
+        self.owed_s = 0.0  # a hold deferred for an arrival, owed to the next gap
+        self._deferred = False  # the last gap's hold was deferred
+        # the last steps, held gaps and deferred holds, in order: ("step" | "hold" | "defer",
+        # seconds; 0 for a deferral) (tests, logs)
         self.record: deque[tuple[str, float]] = deque(maxlen=RECORD)
 
     @property
@@ -123,11 +132,24 @@ class StepGate:
             self.held_s += held
             self.record.append(("hold", held))
 
-    def hold_share(self, share: float) -> None:
-        """Hold this gap for ``share / (1 - share)`` of the last step (at most
-        :data:`MAX_HOLD_S`): over steps and held gaps, loaders get ``share`` of the wall time."""
-        if 0 < share < 1 and self.last_step_s > 0:
-            self.hold_gap(min(share / (1 - share) * self.last_step_s, MAX_HOLD_S))
+    def hold_share(self, share: float, defer: bool = False) -> None:
+        """Hold this gap for ``share / (1 - share)`` of the last step, plus what a deferred
+        hold owes (at most :data:`MAX_HOLD_S`): over steps and held gaps, loaders get
+        ``share`` of the wall time. ``defer``: requests that need no load arrived: hold
+        nothing now and owe it to the next gap, unless the last gap's hold was deferred too."""
+        if not (0 < share < 1 and self.last_step_s > 0):
+            return
+        seconds = min(share / (1 - share) * self.last_step_s + self.owed_s, MAX_HOLD_S)
+        if defer and not self._deferred:
+            self.owed_s, self._deferred = seconds, True
+            self.record.append(("defer", 0.0))
+            return
+        self.owed_s, self._deferred = 0.0, False
+        self.hold_gap(seconds)
+
+    def forgive(self) -> None:
+        """Nothing waits for a load any more: a deferred hold is owed no longer."""
+        self.owed_s, self._deferred = 0.0, False
 
     @contextmanager
     def step(self) -> Iterator[None]:

@@ -34,6 +34,36 @@ def test_held_gaps_give_the_loaders_their_share_of_the_wall_time(
     assert gate.held_s / (gate.held_s + gate.stepped_s) >= share
 
 
+@pytest.mark.parametrize("arrivals", [
+    [False, True, False, False],  # one arrival: its gap is not held, the next holds twice
+    [True, True, True, True],  # arrivals at every gap: never two deferrals in a row
+    [False, False, False, False],
+])
+def test_a_hold_gives_way_to_arrivals_that_need_no_load_and_is_owed(
+    arrivals: list[bool],
+) -> None:
+    share = 0.2
+    gate = StepGate(turn_s=0.0)
+    for arrived in arrivals:
+        with gate.step():
+            busy(0.01)
+        gate.hold_share(share, defer=arrived)
+    gaps = [(kind, seconds) for kind, seconds in gate.record if kind != "step"]
+    assert len(gaps) == len(arrivals)
+    deferred = False
+    for arrived, (kind, seconds) in zip(arrivals, gaps, strict=True):
+        # an arrival's gap is not held, unless the gap before it was not held either ...
+        assert kind == ("defer" if arrived and not deferred else "hold")
+        if kind == "hold":  # ... and a hold after a deferral pays for both gaps' shares
+            assert seconds >= share / (1 - share) * 0.01 * (2 if deferred else 1) * 0.999
+        deferred = kind == "defer"
+    # over the gaps, the loaders got their share of the wall time but for a last deferral owed
+    owed = gate.owed_s
+    assert (gate.held_s + owed) / (gate.held_s + owed + gate.stepped_s) >= share * 0.999
+    gate.forgive()
+    assert gate.owed_s == 0.0
+
+
 def test_a_held_gap_is_bounded_however_long_the_step() -> None:
     gate = StepGate(turn_s=0.0)
     with gate.step():
@@ -117,13 +147,21 @@ def test_a_cold_request_gets_its_share_of_every_gap_while_decoding_saturates_the
     first, last = kinds.index("hold"), len(kinds) - 1 - kinds[::-1].index("hold")
     waiting = during[first - 1 : last + 1]  # the step before the first hold .. the last hold
     steps = [seconds for kind, seconds in waiting if kind == "step"]
-    held = [seconds for kind, seconds in waiting if kind == "hold"]
-    # every gap while the request waited was held, each after the step it pays for ...
+    gaps = [(kind, seconds) for kind, seconds in waiting if kind != "step"]
+    held = [seconds for kind, seconds in gaps if kind == "hold"]
+    # every gap while the request waited was held, each after the step it pays for (or, when a
+    # stream's next request arrived, deferred to the next gap: never two in a row) ...
     assert len(held) >= 3, f"only {len(held)} gaps held during a >= 0.4 s fetch"
-    assert [kind for kind, _ in waiting] == ["step", "hold"] * len(held), kinds
-    # ... for its share of that step (bounded), so the loaders got their share of the wall time
-    for step, hold in zip(steps, held, strict=True):
-        assert hold >= min(share / (1 - share) * step, MAX_HOLD_S)
+    assert [kind for kind, _ in waiting][::2] == ["step"] * len(gaps), kinds
+    assert "defer defer" not in " ".join(kind for kind, _ in gaps), kinds
+    # ... for its share of that step, and of the deferred one's (bounded), so the loaders got
+    # their share of the wall time
+    owed = 0.0
+    for step, (kind, seconds) in zip(steps, gaps, strict=True):
+        want = min(share / (1 - share) * step + owed, MAX_HOLD_S)
+        if kind == "hold":
+            assert seconds >= want
+        owed = want if kind == "defer" else 0.0
     assert sum(held) / (sum(held) + sum(steps)) >= share * 0.999 or max(held) >= MAX_HOLD_S
 
 
@@ -162,3 +200,33 @@ def test_a_request_resolving_a_cold_adapter_gets_its_share_before_its_fetch(
     finally:
         decoding.stop()
     assert tokens == reference[("attn-r4", 0)]
+
+
+def test_a_request_needing_no_load_is_not_held_behind_a_cold_ones_share(
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+) -> None:
+    """While a cold request waits (its gaps held), a request whose adapter is on the device
+    arrives: the gap before its prefill is not held (the hold is owed to the next gap)."""
+    engine = engine_factory(store=store.target, load_share=0.5)
+    gate = engine.device.gate
+    assert greedy_tokens(engine, "mlp-r8", 1) == reference[("mlp-r8", 1)]  # resident now
+    engine.adapters.fetcher.chunk_delay_s = 0.6  # the cold adapter is in flight >= 0.6 s
+    decoding = _Decoding(engine, streams=2)
+    cold: list[int] = []
+    try:
+        request = threading.Thread(target=lambda: cold.extend(greedy_tokens(
+            engine, "attn-r4", 0)))
+        request.start()
+        while gate.holds < 3:  # the cold request waits, its gaps held
+            time.sleep(0.001)
+        mark = len(gate.record)
+        stream = engine.submit("mlp-r8", PromptInput(token_ids=tuple(PROMPTS[1])),
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+        resident = [token for event in stream for token in event.token_ids]
+        after = [kind for kind, _ in list(gate.record)[mark:]]
+        assert engine.adapters.fetching, "the cold fetch ended before the resident request ran"
+        request.join(timeout=60)
+    finally:
+        decoding.stop()
+    assert "defer" in after, after  # the resident request's gap was not held
+    assert resident == reference[("mlp-r8", 1)][:1] and cold == reference[("attn-r4", 0)]
