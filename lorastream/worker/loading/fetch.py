@@ -233,7 +233,6 @@ class AdapterFetcher:
         self._process = process
         self.chunk_bytes = 0  # stream chunk size asked of the store; 0: the store's default
         self.chunk_delay_s = 0.0  # test hook
-        self.describe_delay_s = 0.0  # test hook: a slow store's DescribeAdapter
         self._describes = 0  # DescribeAdapter calls in flight (request threads)
         self._describes_lock = threading.Lock()
 
@@ -282,8 +281,6 @@ class AdapterFetcher:
         with self._describes_lock:
             self._describes += 1
         try:
-            if self.describe_delay_s:
-                time.sleep(self.describe_delay_s)
             return client.describe(name)
         finally:
             with self._describes_lock:

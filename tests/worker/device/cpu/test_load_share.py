@@ -13,6 +13,7 @@ import time
 import pytest
 
 from lorastream.core.generation import PromptInput, SamplingParams
+from lorastream.core.manifest import AdapterManifest
 from lorastream.worker.device.cpu.step_gate import MAX_HOLD_S, StepGate
 from lorastream.worker.device.device import Device
 from lorastream.worker.engine.engine import Engine
@@ -166,7 +167,8 @@ def test_a_cold_request_gets_its_share_of_every_gap_while_decoding_saturates_the
 
 
 def test_a_request_resolving_a_cold_adapter_gets_its_share_before_its_fetch(
-    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]]
+    engine_factory: EngineFactory, store: StoreStack, reference: dict[tuple[str, int], list[int]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A request for an adapter this worker does not hold first waits on the store for its
     manifest (DescribeAdapter, on the request's thread, before it reaches the scheduler): on a
@@ -176,7 +178,15 @@ def test_a_request_resolving_a_cold_adapter_gets_its_share_before_its_fetch(
     share = 0.25
     engine = engine_factory(store=store.target, load_share=share)
     gate, fetcher = engine.device.gate, engine.adapters.fetcher
-    fetcher.describe_delay_s = 0.4  # the store answers the manifest >= 0.4 s late
+    client = fetcher.client
+    assert client is not None
+    store_describe = client.describe
+
+    def late_describe(name: str) -> AdapterManifest:  # the store answers >= 0.4 s late
+        time.sleep(0.4)
+        return store_describe(name)
+
+    monkeypatch.setattr(client, "describe", late_describe)
     decoding = _Decoding(engine, streams=3)
     tokens: list[int] = []
     try:
