@@ -105,17 +105,25 @@ def test_the_cold_workloads_report_every_mode_their_phases_and_goals(tiny_model:
         "cold_vs_link_plus_resident_p50"]
     for mode in ("overlap_on", "overlap_off"):  # the floors: the controls against no arrival
         b, lk = burst[mode], link[mode]
-        assert b["worst_gap_resident_burst_vs_before"] == pytest.approx(
-            b["worst_gap_ms_during_resident_burst"] / b["worst_gap_ms_before"], rel=0.01)
+        assert _ratio_of_rounded(b["worst_gap_resident_burst_vs_before"],
+                                 b["worst_gap_ms_during_resident_burst"], b["worst_gap_ms_before"])
         spread = lk["itl_ms"]
         assert lk["itl_p99_ms_resident_requests"] == spread["resident_requests"]["p99"]
-        assert lk["itl_p99_resident_requests_vs_none"] == pytest.approx(
-            spread["resident_requests"]["p99"] / spread["no_loads"]["p99"], rel=0.01)
+        assert _ratio_of_rounded(lk["itl_p99_resident_requests_vs_none"],
+                                 spread["resident_requests"]["p99"], spread["no_loads"]["p99"])
         assert spread["during_loads"]["p50"] <= spread["during_loads"]["p99"]
     assert burst["worst_gap_resident_burst_vs_before_on"] == burst["overlap_on"][
         "worst_gap_resident_burst_vs_before"]
     assert link["itl_p99_resident_requests_vs_none_on"] == link["overlap_on"][
         "itl_p99_resident_requests_vs_none"]
+
+
+def _ratio_of_rounded(ratio: float, a_ms: float, b_ms: float) -> bool:
+    """Whether ``ratio`` (of the unrounded values, to 3 places) is a / b for some a and b that
+    round to ``a_ms`` and ``b_ms`` (0.1 ms): a tiny model's gaps are a few ms, where rounding
+    alone moves a ratio by percents."""
+    low, high = (a_ms - 0.05) / (b_ms + 0.05), (a_ms + 0.05) / (b_ms - 0.05)
+    return low - 0.0005 <= ratio <= high + 0.0005
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "qwen2_moe"])
