@@ -291,7 +291,9 @@ def _link(worker: str, config: ServeConfig, link_s: float) -> dict[str, object]:
 
     spread = {"no_loads": gaps(quiet), "during_loads": gaps(loading),
               "resident_requests": gaps(admitting)}
-    quiet_p99, loading_p99, admitting_p99 = (spread[k]["p99"] for k in spread)
+    quiet_p99, loading_p99, admitting_p99 = (
+        spread["no_loads"]["p99"], spread["during_loads"]["p99"],
+        spread["resident_requests"]["p99"])
     ratios = [c / (link_s + r) for c, r in zip(cold, resident, strict=True)]
     return {
         "rounds": len(cold),

@@ -311,7 +311,7 @@ class Engine:
                     fetching and self.scheduler.waiting_on_loads() > 0)
                 # ... which gives way to the prefill of arrivals that need no load
                 arrived_ready = cold_waiting and any(
-                    all(self.adapters.ready(a) for a in seq.adapter_ids) for seq in arrived)
+                    not self.scheduler.needs_load(seq) for seq in arrived)
                 self.device.between_steps(fetching or resolving, cold_waiting, arrived_ready)
                 plan = self.scheduler.schedule()
                 for seq, err in plan.failed:

@@ -86,11 +86,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.landing)
 
+    def needs_load(self, seq: Sequence) -> bool:
+        """Whether an adapter ``seq`` needs is not ready in a slot yet (never blocks)."""
+        return any(not self.adapters.ready(adapter_id) for adapter_id in seq.adapter_ids)
+
     def waiting_on_loads(self) -> int:
-        return sum(
-            1 for seq in self.waiting
-            if any(not self.adapters.ready(adapter_id) for adapter_id in seq.adapter_ids)
-        )
+        return sum(1 for seq in self.waiting if self.needs_load(seq))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()

@@ -93,8 +93,8 @@ class StepGate:
         self.last_step_s = 0.0  # how long the last step ran
         self.stepped_s = 0.0  # the ledger: seconds in steps, and in gaps held open (tests, logs)
         self.held_s = 0.0
-        self.owed_s = 0.0  # a hold deferred for an arrival, owed to the next gap
-        self._deferred = False  # the last gap's hold was deferred
+        self.owed_s = 0.0  # a hold deferred for an arrival, owed to the next gap (> 0: the
+        # last gap's hold was deferred)
         # the last steps, held gaps and deferred holds, in order: ("step" | "hold" | "defer",
         # seconds; 0 for a deferral) (tests, logs)
         self.record: deque[tuple[str, float]] = deque(maxlen=RECORD)
@@ -140,16 +140,16 @@ class StepGate:
         if not (0 < share < 1 and self.last_step_s > 0):
             return
         seconds = min(share / (1 - share) * self.last_step_s + self.owed_s, MAX_HOLD_S)
-        if defer and not self._deferred:
-            self.owed_s, self._deferred = seconds, True
+        if defer and not self.owed_s:
+            self.owed_s = seconds
             self.record.append(("defer", 0.0))
             return
-        self.owed_s, self._deferred = 0.0, False
+        self.owed_s = 0.0
         self.hold_gap(seconds)
 
     def forgive(self) -> None:
         """Nothing waits for a load any more: a deferred hold is owed no longer."""
-        self.owed_s, self._deferred = 0.0, False
+        self.owed_s = 0.0
 
     @contextmanager
     def step(self) -> Iterator[None]:
